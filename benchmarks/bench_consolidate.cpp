@@ -1,0 +1,3 @@
+// placeholder: consolidate benchmark is being written
+#include <benchmark/benchmark.h>
+BENCHMARK_MAIN();

@@ -1,0 +1,98 @@
+#pragma once
+/// \file
+/// The metadata of a consolidated tensordict (its Schema), its versioned binary encoding and
+/// its fingerprint.
+///
+/// A consolidated tensordict is one flat uint8 storage plus a Schema that says where each leaf
+/// lives in it. The schema travels between processes (init_remote, consolidated files), so it
+/// has a compact binary encoding whose decoder trusts nothing: every count, length and offset
+/// is checked against the input and against the storage size, and anything out of range
+/// throws tdshm::SchemaError.
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace tdshm {
+
+/// A non-tensor value stored in a tensordict. It travels in the metadata, not in the storage.
+using NonTensorData = std::variant<std::string, int64_t, double, bool>;
+
+/// One tensor leaf of a consolidated storage. Offsets are absolute in the root storage.
+/// The leaf's bytes are [start, stop) where stop - start = numel * itemsize; `pad` zero bytes
+/// follow so that the next leaf starts at a multiple of 8.
+struct SchemaTensor {
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  std::vector<int64_t> shape;
+  uint64_t start = 0;
+  uint64_t stop = 0;
+  uint32_t pad = 0;
+
+  friend bool operator==(const SchemaTensor&, const SchemaTensor&) = default;
+};
+
+struct SchemaNode;
+
+/// One entry of a node, in insertion order: a tensor leaf, a non-tensor value, or a child node.
+struct SchemaEntry {
+  std::string key;
+  std::variant<SchemaTensor, NonTensorData, std::shared_ptr<SchemaNode>> value;
+
+  friend bool operator==(const SchemaEntry& a, const SchemaEntry& b);
+};
+
+/// One tensordict (or tensorclass) of the tree.
+struct SchemaNode {
+  /// Registered tensorclass name, or empty for a plain TensorDict.
+  std::string class_name;
+  std::vector<int64_t> batch_size;
+  std::optional<c10::Device> device;
+  std::vector<SchemaEntry> entries;
+
+  friend bool operator==(const SchemaNode& a, const SchemaNode& b);
+};
+
+/// The whole metadata of a consolidated tensordict.
+struct Schema {
+  /// Size in bytes of the flat storage the offsets refer to (a multiple of 8).
+  uint64_t total_bytes = 0;
+  SchemaNode root;
+
+  friend bool operator==(const Schema& a, const Schema& b) { return a.total_bytes == b.total_bytes && a.root == b.root; }
+};
+
+/// The version written by encode_schema and the only one decode_schema accepts.
+inline constexpr uint16_t kSchemaVersion = 1;
+
+/// Limits the decoder enforces, whatever the input claims.
+inline constexpr size_t kSchemaMaxDepth = 64;      ///< nesting of child nodes
+inline constexpr size_t kSchemaMaxDims = 64;       ///< dimensions of one shape or batch size
+inline constexpr size_t kSchemaMaxKeyBytes = 4096; ///< bytes of one key or class name
+
+/// Encodes a schema in the versioned binary format (little-endian, with a checksum).
+/// Throws SchemaError if the schema itself is inconsistent (see validate rules of decode).
+/// Thread safety: pure function.
+std::vector<uint8_t> encode_schema(const Schema& schema);
+
+/// Decodes bytes produced by encode_schema, possibly in another process.
+/// `storage_bytes`, when given, is the size of the storage the schema will be applied to:
+/// total_bytes must not exceed it. Throws SchemaError on truncated input, trailing bytes, a bad
+/// magic, an unknown version, a checksum mismatch, any count, length, dimension or offset out
+/// of range, overlapping leaves, an unknown dtype or device, or nesting deeper than
+/// kSchemaMaxDepth. Thread safety: pure function.
+Schema decode_schema(std::span<const uint8_t> bytes, std::optional<uint64_t> storage_bytes = std::nullopt);
+
+/// A stable 64-bit fingerprint of the storage layout: the key tree, each tensor leaf's dtype,
+/// shape, offsets and pad, every batch size, and total_bytes. Equal layouts give equal
+/// fingerprints in every process and build; any change of key, dtype, shape or layout changes
+/// it. Non-tensor values, devices and class names are not part of the layout and do not count.
+uint64_t schema_fingerprint(const Schema& schema);
+
+}  // namespace tdshm

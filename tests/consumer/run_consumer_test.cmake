@@ -1,0 +1,1 @@
+# placeholder: install-tree consumer test is being written

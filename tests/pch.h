@@ -1,0 +1,4 @@
+// Precompiled header of the unit tests: the heavy, stable headers only.
+#pragma once
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
