@@ -1,0 +1,266 @@
+#pragma once
+/// \file
+/// TensorDict: a dictionary of tensors with nested keys, a batch size and an optional device,
+/// with the semantics of Python's tensordict (see SEMANTICS.md), and its consolidation into one
+/// flat uint8 storage.
+///
+/// Handle semantics, like at::Tensor: copying a TensorDict copies a handle to the same
+/// dictionary; `get_tensordict()` returns a handle to the nested dictionary itself, so writes
+/// through it are seen by the parent (as in Python). `clone()` makes an independent deep copy.
+///
+/// Thread safety: a TensorDict may be read from several threads at once; any call that
+/// modifies it (set, erase, lock_, update, ...) needs exclusive access, as for a std::map.
+///
+/// Errors (all derive from tdshm::Error; a call that throws leaves the tensordict as it was):
+/// KeyError (empty key or key part, missing key, a leaf used as a subtree or the reverse),
+/// ShapeError (leading dimensions differ from the batch size, in-place shape mismatch),
+/// TypeError (a non-tensor value where a tensor is needed), LockedError (new key or deletion on
+/// a locked tensordict).
+
+#include <tdshm/errors.h>
+#include <tdshm/memmap.h>
+#include <tdshm/schema.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <compare>
+#include <concepts>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tdshm {
+
+namespace detail {
+struct TensorDictImpl;
+}
+
+/// A key: one string (`"a"`) or a path of strings (`{"a", "b"}`, Python's `("a", "b")`).
+/// Construction throws KeyError for an empty key or an empty part. Strings are compared as
+/// bytes; no part is ever split on dots.
+class Key {
+ public:
+  Key(const char* key);                             // NOLINT: implicit, like Python's str keys
+  Key(std::string key);                             // NOLINT
+  Key(std::initializer_list<std::string> parts);    // NOLINT
+  explicit Key(std::vector<std::string> parts);
+
+  const std::vector<std::string>& parts() const noexcept { return parts_; }
+  size_t size() const noexcept { return parts_.size(); }
+  bool is_nested() const noexcept { return parts_.size() > 1; }
+  const std::string& front() const noexcept { return parts_.front(); }
+  const std::string& back() const noexcept { return parts_.back(); }
+  /// This key with `part` appended.
+  Key operator/(const std::string& part) const;
+  /// "a" for a plain key, ("a", "b") for a nested one: for messages.
+  std::string str() const;
+
+  friend bool operator==(const Key&, const Key&) = default;
+  friend auto operator<=>(const Key&, const Key&) = default;
+
+ private:
+  std::vector<std::string> parts_;
+};
+
+class TensorDict;
+class Value;
+
+/// Options of TensorDict::consolidate.
+struct ConsolidateOptions {
+  /// When non-empty, the storage is a MemoryMappedTensor over this file, followed in the file by
+  /// the encoded schema, so that TensorDict::from_consolidated_file(filename) can rebuild it.
+  std::string filename;
+};
+
+/// A dictionary of tensors (see the file comment).
+class TensorDict {
+ public:
+  using Item = std::pair<Key, Value>;
+
+  /// An empty tensordict with batch size [] and no device.
+  TensorDict();
+  /// An empty tensordict.
+  explicit TensorDict(std::vector<int64_t> batch_size, std::optional<c10::Device> device = std::nullopt);
+  /// A tensordict holding `items`, set in order with set(): nested keys create the intermediate
+  /// tensordicts. Throws like set().
+  TensorDict(std::initializer_list<Item> items, std::vector<int64_t> batch_size = {},
+             std::optional<c10::Device> device = std::nullopt);
+  TensorDict(const std::vector<Item>& items, std::vector<int64_t> batch_size = {},
+             std::optional<c10::Device> device = std::nullopt);
+
+  // ---- shape and identity ----
+  const std::vector<int64_t>& batch_size() const noexcept;
+  int64_t batch_dims() const noexcept { return static_cast<int64_t>(batch_size().size()); }
+  std::optional<c10::Device> device() const noexcept;
+  /// Number of top-level keys.
+  size_t size() const noexcept;
+  bool empty() const noexcept { return size() == 0; }
+  /// True when both handles refer to the same dictionary.
+  bool is_same(const TensorDict& other) const noexcept { return impl_ == other.impl_; }
+  /// Registered tensorclass name this dictionary is the body of, or "" for a plain TensorDict.
+  const std::string& class_name() const noexcept;
+
+  // ---- access ----
+  bool contains(const Key& key) const;
+  /// What `key` holds. Throws KeyError if missing.
+  Value get_value(const Key& key) const;
+  /// The tensor at `key`. Throws KeyError if missing, TypeError if it holds no tensor.
+  at::Tensor get(const Key& key) const;
+  /// The nested tensordict at `key` (a handle to it). Throws KeyError / TypeError.
+  TensorDict get_tensordict(const Key& key) const;
+  /// The non-tensor value at `key`. Throws KeyError / TypeError.
+  NonTensorData get_non_tensor(const Key& key) const;
+
+  /// Sets `key` to `value`, creating intermediate tensordicts (with this batch size and device)
+  /// for a nested key. A tensor's leading dimensions must equal the batch size, a tensordict's
+  /// batch size must start with it (ShapeError naming the key and both shapes); tensors are
+  /// moved to the device when one is set. On a locked tensordict an existing tensor leaf is
+  /// written in place (as set_), anything else is a LockedError.
+  TensorDict& set(const Key& key, const Value& value);
+  /// Writes `tensor` into the existing leaf at `key` in place (dtype converted as by copy_).
+  /// Throws KeyError if missing, TypeError if the key holds no tensor, ShapeError if the shape
+  /// differs. Allowed on a locked tensordict.
+  TensorDict& set_(const Key& key, const at::Tensor& tensor);
+  /// Removes `key` (and its subtree). Throws KeyError if missing, LockedError if locked.
+  TensorDict& erase(const Key& key);
+
+  // ---- keys ----
+  /// Keys in insertion order. include_nested: also the keys inside nested tensordicts, depth
+  /// first, each nested one right after its parent. leaves_only: no tensordict keys.
+  std::vector<Key> keys(bool include_nested = false, bool leaves_only = false) const;
+  /// Keys and values, in the order of keys(include_nested, leaves_only).
+  std::vector<Item> items(bool include_nested = false, bool leaves_only = false) const;
+  /// Top-level keys in byte order of their UTF-8 bytes (Python's str order: "_" sorts after
+  /// "Z" and before "a").
+  std::vector<std::string> sorted_keys() const;
+  /// Every tensor leaf key in per-leaf transfer order: keys sorted at each level (as
+  /// sorted_keys), depth first into nested tensordicts; non-tensor values are skipped.
+  std::vector<Key> sorted_leaf_keys() const;
+
+  // ---- new tensordicts ----
+  /// Deep copy: new tensors, unlocked, not consolidated; keeps class_name.
+  TensorDict clone() const;
+  /// Same keys with contiguous tensors (an expanded leaf is materialised).
+  TensorDict contiguous() const;
+  /// Expands every leaf to the batch size `new_batch_size`, which must end with the current
+  /// batch size (Python's expand: [2] → [1, 2]); tensors are expanded views. Throws ShapeError.
+  TensorDict expand(std::vector<int64_t> new_batch_size) const;
+  /// A new tensordict with fn applied to every tensor leaf (non-tensor values are copied).
+  /// The results must keep the batch size (ShapeError otherwise).
+  TensorDict apply(const std::function<at::Tensor(const at::Tensor&)>& fn) const;
+  /// Writes fn(leaf) into every tensor leaf in place.
+  TensorDict& apply_(const std::function<at::Tensor(const at::Tensor&)>& fn);
+  /// The tensordict with every tensor moved to `device` (and device() set to it).
+  TensorDict to(c10::Device device) const;
+
+  // ---- bulk updates ----
+  /// set() for every leaf of `other` (nested tensordicts merge key by key).
+  TensorDict& update(const TensorDict& other);
+  /// set_() for every leaf of `other`. Every key of `other` must exist here with a matching
+  /// kind and shape; this is checked for all keys before anything is written (KeyError,
+  /// TypeError, ShapeError), so a failed update_ leaves the tensordict unchanged.
+  TensorDict& update_(const TensorDict& other);
+
+  // ---- comparisons (results are tensordicts of bool tensors; use all()/any()) ----
+  TensorDict eq(const at::Scalar& v) const;
+  TensorDict ne(const at::Scalar& v) const;
+  TensorDict lt(const at::Scalar& v) const;
+  TensorDict le(const at::Scalar& v) const;
+  TensorDict gt(const at::Scalar& v) const;
+  TensorDict ge(const at::Scalar& v) const;
+  /// Leafwise comparison with a tensordict of the same keys (KeyError otherwise).
+  TensorDict eq(const TensorDict& other) const;
+  TensorDict ne(const TensorDict& other) const;
+  /// True when every element of every tensor leaf is non-zero (true for no leaves).
+  bool all() const;
+  /// True when some element of some tensor leaf is non-zero.
+  bool any() const;
+  /// Same keys (and nesting), same leaf kinds, and for tensors the same dtype and shape; and
+  /// the same batch sizes. Values are not compared.
+  bool same_structure(const TensorDict& other) const;
+
+  // ---- locking ----
+  /// Locks this tensordict and every nested one: new keys and deletions throw LockedError,
+  /// in-place writes are allowed.
+  TensorDict& lock_();
+  /// Unlocks this tensordict and the nested ones it locked, and drops a consolidation (the
+  /// leaves stay views of the old storage, but the tensordict is no longer consolidated).
+  /// Throws LockedError on a nested tensordict locked through a locked parent.
+  TensorDict& unlock_();
+  bool is_locked() const noexcept;
+
+  // ---- consolidation ----
+  /// One flat uint8 storage holding every tensor leaf: insertion order, depth first, each leaf
+  /// contiguous and zero-padded to a multiple of 8 bytes. The result's leaves are views into the
+  /// storage and it is locked, so update_ and set_ write into the storage. A tensordict that is
+  /// already consolidated is returned as is (no copy) unless a filename is given.
+  TensorDict consolidate(const ConsolidateOptions& options = {}) const;
+  bool is_consolidated() const noexcept;
+  /// The flat storage (1-D uint8). Throws Error if not consolidated.
+  at::Tensor consolidated_storage() const;
+  /// The schema of the storage. Throws Error if not consolidated.
+  const Schema& schema() const;
+  /// schema_fingerprint(schema()), computed once. Throws Error if not consolidated.
+  uint64_t schema_fingerprint() const;
+  /// Rebuilds a consolidated tensordict whose leaves are views of `storage` (1-D, uint8,
+  /// contiguous, CPU or any device) laid out as `schema` says. Throws SchemaError if the schema
+  /// does not fit the storage.
+  static TensorDict from_consolidated(const at::Tensor& storage, Schema schema);
+  /// Rebuilds a tensordict written by consolidate({.filename = path}) from that file alone; its
+  /// leaves map the file (writes reach it). Throws MemmapError / SchemaError.
+  static TensorDict from_consolidated_file(const std::string& path, MemmapMode mode = MemmapMode::kReadWrite);
+
+  /// Pretty, multi-line description (keys, dtypes, shapes, batch size).
+  std::string repr() const;
+
+  // Internal: used by tensorclass and the transfer layer.
+  explicit TensorDict(std::shared_ptr<detail::TensorDictImpl> impl) : impl_(std::move(impl)) {}
+  const std::shared_ptr<detail::TensorDictImpl>& impl() const noexcept { return impl_; }
+  /// Sets the tensorclass name carried by this dictionary (empty: plain TensorDict).
+  TensorDict& set_class_name(std::string name);
+
+ private:
+  std::shared_ptr<detail::TensorDictImpl> impl_;
+};
+
+TensorDict operator==(const TensorDict& td, const at::Scalar& v);
+TensorDict operator!=(const TensorDict& td, const at::Scalar& v);
+TensorDict operator==(const TensorDict& a, const TensorDict& b);
+TensorDict operator!=(const TensorDict& a, const TensorDict& b);
+
+/// What a key holds: a tensor, a nested tensordict, or a non-tensor value (string, integer,
+/// floating point, bool). Converts implicitly from each, so items read like Python's dicts.
+class Value {
+ public:
+  Value(at::Tensor t) : v_(std::move(t)) {}                  // NOLINT
+  Value(const MemoryMappedTensor& m) : v_(m.tensor()) {}      // NOLINT
+  Value(TensorDict td) : v_(std::move(td)) {}                // NOLINT
+  Value(NonTensorData d) : v_(std::move(d)) {}               // NOLINT
+  Value(std::string s) : v_(NonTensorData(std::move(s))) {}  // NOLINT
+  Value(const char* s) : v_(NonTensorData(std::string(s))) {}  // NOLINT
+  Value(bool b) : v_(NonTensorData(b)) {}                    // NOLINT
+  template <std::integral T>
+    requires(!std::same_as<T, bool>)
+  Value(T i) : v_(NonTensorData(static_cast<int64_t>(i))) {}  // NOLINT
+  template <std::floating_point T>
+  Value(T f) : v_(NonTensorData(static_cast<double>(f))) {}  // NOLINT
+
+  bool is_tensor() const noexcept { return v_.index() == 0; }
+  bool is_tensordict() const noexcept { return v_.index() == 1; }
+  bool is_non_tensor() const noexcept { return v_.index() == 2; }
+  /// Throws TypeError when the value is of another kind.
+  const at::Tensor& tensor() const;
+  const TensorDict& tensordict() const;
+  const NonTensorData& non_tensor() const;
+  /// "tensor", "tensordict" or "non-tensor", for messages.
+  const char* kind_name() const noexcept;
+
+ private:
+  std::variant<at::Tensor, TensorDict, NonTensorData> v_;
+};
+
+}  // namespace tdshm
