@@ -148,6 +148,9 @@ class ByteReader {
     const size_t at = pos_;
     const uint64_t n = uleb(field);
     if (n > max_bytes) fail(field, " at byte ", at, " has length ", n, ", more than the limit of ", max_bytes, " bytes");
+    if (n > remaining()) {
+      fail(field, " at byte ", at, " has length ", n, " but only ", remaining(), " bytes remain (truncated or corrupt input)");
+    }
     return bytes(n, field);
   }
 
