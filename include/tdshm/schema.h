@@ -41,6 +41,8 @@ struct SchemaTensor {
 struct SchemaNode;
 
 /// One entry of a node, in insertion order: a tensor leaf, a non-tensor value, or a child node.
+/// Equality compares the key and the value; a child compares by the node it points to (a null
+/// pointer equals only a null pointer); a double compares with == (so -0.0 == 0.0, NaN != NaN).
 struct SchemaEntry {
   std::string key;
   std::variant<SchemaTensor, NonTensorData, std::shared_ptr<SchemaNode>> value;
@@ -72,27 +74,41 @@ struct Schema {
 inline constexpr uint16_t kSchemaVersion = 1;
 
 /// Limits the decoder enforces, whatever the input claims.
+/// The root node is at depth 0 and a child is one deeper than its parent; a node deeper than
+/// kSchemaMaxDepth is refused. A non-tensor string value has no limit of its own beyond the
+/// size of the encoded input.
 inline constexpr size_t kSchemaMaxDepth = 64;      ///< nesting of child nodes
 inline constexpr size_t kSchemaMaxDims = 64;       ///< dimensions of one shape or batch size
 inline constexpr size_t kSchemaMaxKeyBytes = 4096; ///< bytes of one key or class name
 
-/// Encodes a schema in the versioned binary format (little-endian, with a checksum).
-/// Throws SchemaError if the schema itself is inconsistent (see validate rules of decode).
+/// Encodes a schema in the versioned binary format (little-endian, with a CRC-32C checksum;
+/// the layout is described in src/schema/schema_codec.cpp). Throws SchemaError if the schema
+/// itself is inconsistent: it is checked with the same rules decode_schema applies after
+/// parsing (keys non-empty, unique in their node and at most kSchemaMaxKeyBytes; known dtypes
+/// and devices; non-negative dimensions; stop - start == numel * itemsize; start and stop + pad
+/// multiples of 8 with pad <= 7; leaves in depth-first insertion order without overlap, inside
+/// total_bytes; total_bytes a multiple of 8; no null child; nesting within kSchemaMaxDepth).
 /// Thread safety: pure function.
 std::vector<uint8_t> encode_schema(const Schema& schema);
 
 /// Decodes bytes produced by encode_schema, possibly in another process.
 /// `storage_bytes`, when given, is the size of the storage the schema will be applied to:
 /// total_bytes must not exceed it. Throws SchemaError on truncated input, trailing bytes, a bad
-/// magic, an unknown version, a checksum mismatch, any count, length, dimension or offset out
-/// of range, overlapping leaves, an unknown dtype or device, or nesting deeper than
-/// kSchemaMaxDepth. Thread safety: pure function.
+/// magic, an unknown version, nonzero flags, a checksum mismatch, a malformed or non-minimal
+/// LEB128 integer, any count, length, dimension or offset out of range, overlapping leaves, an
+/// unknown dtype, device, entry kind or value type, or nesting deeper than kSchemaMaxDepth; the
+/// message names the field, its byte offset or key path, and the values found. Memory use is
+/// bounded by the input size whatever the counts in it claim. Thread safety: pure function.
 Schema decode_schema(std::span<const uint8_t> bytes, std::optional<uint64_t> storage_bytes = std::nullopt);
 
 /// A stable 64-bit fingerprint of the storage layout: the key tree, each tensor leaf's dtype,
 /// shape, offsets and pad, every batch size, and total_bytes. Equal layouts give equal
 /// fingerprints in every process and build; any change of key, dtype, shape or layout changes
-/// it. Non-tensor values, devices and class names are not part of the layout and do not count.
+/// it. Non-tensor entries (key and value), devices and class names are left out: they do not
+/// affect where any byte of the storage is. The hash is computed over a canonical byte stream
+/// (fixed-width little-endian integers, length-prefixed keys), never over pointers or std::hash.
+/// It does not validate the schema, but throws SchemaError on a null child or on nesting deeper
+/// than kSchemaMaxDepth. Thread safety: pure function.
 uint64_t schema_fingerprint(const Schema& schema);
 
 }  // namespace tdshm
