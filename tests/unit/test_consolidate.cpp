@@ -83,7 +83,7 @@ TEST(Consolidate, ByteExactLayoutOfTheIssueExample) {
 TEST(Consolidate, MixedDtypesNestedWithZeroPadding) {
   TensorDict td({{{"n", "x"}, at::arange(3, at::kDouble)},
                  {{"n", "y"}, at::tensor({int8_t{-1}, int8_t{2}, int8_t{3}}, at::kChar)},
-                 {"flag", at::tensor({true, false}, at::kBool)},
+                 {"flag", at::tensor({1, 0}).to(at::kBool)},
                  {"note", "hello"}},
                 {});
   TensorDict c = td.consolidate();
