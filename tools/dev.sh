@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Developer and CI entry point for tdshm.
+#
+#   tools/dev.sh test  [ctest args...]   build everything into build/ and run the test suite
+#   tools/dev.sh demo  [args...]         build the tdshm tool and run `tdshm demo args...`
+#   tools/dev.sh bench [args...]         build the benchmarks and run the consolidate benchmark
+#
+# Each subcommand first makes sure the Debian packages tdshm needs are installed: as root it
+# installs the missing ones with apt-get, otherwise it prints the apt-get line and stops. The
+# build directory is configured once (CMake preset "default": Ninja, RelWithDebInfo, warnings as
+# errors) and then built incrementally; Ninja re-runs CMake by itself when a CMakeLists changes.
+set -euo pipefail
+
+# Everything is relative to the repository root, found from this script's own location.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+readonly ROOT
+readonly BUILD_DIR=build
+# The build machines have 2 cores and are shared: never run more than 2 jobs.
+readonly JOBS=2
+
+# What a build and test run needs. libtorch-dev brings the -dev packages its CMake config looks
+# for (libgflags-dev, libgoogle-glog-dev, libprotobuf-dev) as Depends, so
+# --no-install-recommends is enough.
+readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libboost-dev libspdlog-dev
+                   libgtest-dev libbenchmark-dev)
+
+log() { printf 'dev.sh: %s\n' "$*" >&2; }
+
+usage() {
+  sed -n '2,7s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+}
+
+ensure_packages() {
+  if ! command -v dpkg-query >/dev/null 2>&1; then
+    log "dpkg-query not found: not a Debian system, skipping the package check"
+    return 0
+  fi
+  local missing=() pkg
+  for pkg in "${PACKAGES[@]}"; do
+    # Status abbreviation "ii" = desired install, currently installed.
+    if [[ "$(dpkg-query -W -f='${db:Status-Abbrev}' "${pkg}" 2>/dev/null || true)" != ii* ]]; then
+      missing+=("${pkg}")
+    fi
+  done
+  if ((${#missing[@]} == 0)); then
+    return 0
+  fi
+  if ((EUID != 0)); then
+    log "missing Debian packages: ${missing[*]}"
+    log "install them with:"
+    printf '  sudo apt-get install -y --no-install-recommends %s\n' "${missing[*]}" >&2
+    exit 1
+  fi
+  log "installing missing Debian packages: ${missing[*]}"
+  apt-get update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"
+}
+
+# Configures build/ only when it has never been generated; after that Ninja itself re-runs CMake
+# whenever a CMakeLists.txt or another configure input changes.
+ensure_configured() {
+  if [[ ! -f "${BUILD_DIR}/build.ninja" ]]; then
+    log "configuring ${BUILD_DIR}/ (preset default)"
+    cmake --preset default
+  fi
+}
+
+build() {
+  cmake --build "${BUILD_DIR}" --parallel "${JOBS}" "$@"
+}
+
+main() {
+  local cmd="${1:-}"
+  if (($# > 0)); then
+    shift
+  fi
+  cd "${ROOT}"
+  case "${cmd}" in
+    test)
+      ensure_packages
+      ensure_configured
+      build
+      ctest --test-dir "${BUILD_DIR}" --output-on-failure -j"${JOBS}" "$@"
+      ;;
+    demo)
+      ensure_packages
+      ensure_configured
+      build --target tdshm_cli
+      exec "${BUILD_DIR}/tools/tdshm" demo "$@"
+      ;;
+    bench)
+      ensure_packages
+      ensure_configured
+      build --target tdshm_bench_consolidate
+      exec "${BUILD_DIR}/benchmarks/tdshm_bench_consolidate" "$@"
+      ;;
+    -h | --help | help)
+      usage
+      ;;
+    *)
+      usage
+      exit 2
+      ;;
+  esac
+}
+
+main "$@"
