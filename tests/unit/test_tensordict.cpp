@@ -4,6 +4,7 @@
 #include <tdshm/tensordict.h>
 
 #include <ostream>
+#include <stdexcept>
 #include <string>
 #include <variant>
 #include <vector>
@@ -680,6 +681,11 @@ TEST(TensorDictBadInput, TensorDictInsideItsOwnDescendantIsAKeyError) {
   TensorDict a = td.get_tensordict("a");
   // Through the child's handle: the root would become its own grandchild.
   EXPECT_THROW(a.set("root", td), KeyError);
+  EXPECT_THROW(a.set({"new", "root"}, td), KeyError);
+  // Through update: the root inside its own child "a".
+  TensorDict holder({{"root", td}}, {2});
+  EXPECT_THROW(td.update(TensorDict({{"a", holder}}, {2})), KeyError);
+  EXPECT_THROW(a.update(holder), KeyError);
   expect_same_contents(td, before);
   // The same tensordict in two places (no cycle) is allowed.
   TensorDict shared({{"x", at::zeros({2})}}, {2});
@@ -932,6 +938,17 @@ TEST(TensorDictApply, InPlaceWithAWrongShapeWritesNothing) {
   // Right shape for every leaf but "c" (keys(true, true) visits ("a", "b") before "c").
   auto fn = [](const at::Tensor& t) { return t.dim() == 2 ? at::zeros({2, 4}) : at::zeros_like(t); };
   EXPECT_THROW(td.apply_(fn), ShapeError);
+  expect_same_contents(td, before);
+}
+
+TEST(TensorDictApply, InPlaceWhoseFunctionThrowsWritesNothing) {
+  TensorDict td = seed();
+  TensorDict before = td.clone();
+  auto fn = [](const at::Tensor& t) {
+    if (t.dim() == 2) throw std::runtime_error("refused");
+    return at::zeros_like(t);
+  };
+  EXPECT_THROW(td.apply_(fn), std::runtime_error);
   expect_same_contents(td, before);
 }
 
