@@ -256,7 +256,7 @@ class Value {
   const at::Tensor& tensor() const;
   const TensorDict& tensordict() const;
   const NonTensorData& non_tensor() const;
-  /// "tensor", "tensordict" or "non-tensor", for messages.
+  /// "tensor", "tensordict" or "non-tensor value", for messages.
   const char* kind_name() const noexcept;
 
  private:

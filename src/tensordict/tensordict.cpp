@@ -69,9 +69,8 @@ const Value& find_or_throw(const TensorDictImpl* root, const Key& key) {
   return *v;
 }
 
-// Validates `value` for a node with `batch_size`/`device` and returns what to store.
-Value prepare_value(const Key& key, const Value& value, const std::vector<int64_t>& batch_size,
-                    const std::optional<c10::Device>& device) {
+// Checks `value` for a node with `batch_size`; throws what set() throws for it.
+void check_value(const Key& key, const Value& value, const std::vector<int64_t>& batch_size) {
   if (value.is_tensor()) {
     const at::Tensor& t = value.tensor();
     if (!t.defined()) throw TypeError("key " + key.str() + ": the tensor is undefined");
@@ -80,18 +79,26 @@ Value prepare_value(const Key& key, const Value& value, const std::vector<int64_
                        " but the batch size is " + shape_str(batch_size) +
                        "; every leaf's leading dimensions must equal the batch size");
     }
-    if (device && t.device() != *device) return Value(t.to(*device));
-    return value;
-  }
-  if (value.is_tensordict()) {
+  } else if (value.is_tensordict()) {
     const TensorDict& td = value.tensordict();
     if (!has_prefix(td.batch_size(), batch_size)) {
       throw ShapeError("batch size mismatch for key " + key.str() + ": the nested tensordict has batch size " +
                        shape_str(td.batch_size()) + " which does not start with the batch size " +
                        shape_str(batch_size));
     }
+  }
+}
+
+// Validates `value` for a node with `batch_size`/`device` and returns what to store.
+Value prepare_value(const Key& key, const Value& value, const std::vector<int64_t>& batch_size,
+                    const std::optional<c10::Device>& device) {
+  check_value(key, value, batch_size);
+  if (value.is_tensor()) {
+    const at::Tensor& t = value.tensor();
+    if (device && t.device() != *device) return Value(t.to(*device));
+  } else if (value.is_tensordict()) {
+    const TensorDict& td = value.tensordict();
     if (device && td.device() != device) return Value(td.to(*device));
-    return value;
   }
   return value;
 }
@@ -110,13 +117,60 @@ void rebuild_index(TensorDictImpl& node) {
   for (size_t i = 0; i < node.entries.size(); ++i) node.index.emplace(node.entries[i].first, i);
 }
 
-void copy_into_leaf(const Key& key, at::Tensor& leaf, const at::Tensor& src) {
+void check_leaf_write(const Key& key, const at::Tensor& leaf, const at::Tensor& src) {
   if (!src.defined()) throw TypeError("key " + key.str() + ": the tensor is undefined");
   if (leaf.sizes() != src.sizes()) {
     throw ShapeError("in-place write to key " + key.str() + ": the leaf has shape " + shape_str(leaf.sizes()) +
                      " but the new tensor has shape " + shape_str(src.sizes()));
   }
+}
+
+void copy_into_leaf(const Key& key, at::Tensor& leaf, const at::Tensor& src) {
+  check_leaf_write(key, leaf, src);
   leaf.copy_(src);
+}
+
+// Whether `target` is `from` or one of its nested tensordicts.
+bool reaches(const TensorDictImpl& from, const TensorDictImpl* target) {
+  if (&from == target) return true;
+  for (const auto& [k, v] : from.entries) {
+    if (v.is_tensordict() && reaches(*v.tensordict().impl(), target)) return true;
+  }
+  return false;
+}
+
+// The checks of set() for the last part of `key`, landing in `node` (which exists) where
+// `existing` is the current value (or nullptr). Nothing is modified.
+void check_set_here(const TensorDictImpl& node, const Key& key, const Value* existing, const Value& value) {
+  if (value.is_tensordict() && reaches(*value.tensordict().impl(), &node)) {
+    throw KeyError("key " + key.str() + ": a tensordict cannot be set inside itself");
+  }
+  if (node.locked) {
+    if (existing == nullptr) {
+      throw LockedError("cannot add key " + key.str() + ": the tensordict is locked (new keys are refused, "
+                        "in-place writes are allowed; unlock_() first)");
+    }
+    if (!existing->is_tensor() || !value.is_tensor()) {
+      throw LockedError("cannot replace key " + key.str() + " (a " + existing->kind_name() + ") with a " +
+                        value.kind_name() + ": the tensordict is locked; only in-place tensor writes are allowed");
+    }
+    check_leaf_write(key, existing->tensor(), value.tensor());
+    return;
+  }
+  check_value(key, value, node.batch_size);
+}
+
+// The checks of update(): every set() it would make, checked before anything is written.
+void check_update(const TensorDictImpl& dst, const TensorDictImpl& src, const Key* prefix) {
+  for (const auto& [k, v] : src.entries) {
+    Key key = prefix ? *prefix / k : Key(k);
+    const Value* mine = dst.find(k);
+    if (v.is_tensordict() && mine != nullptr && mine->is_tensordict()) {
+      check_update(*mine->tensordict().impl(), *v.tensordict().impl(), &key);
+    } else {
+      check_set_here(dst, key, mine, v);
+    }
+  }
 }
 
 void collect_keys(const TensorDictImpl& node, const Key* prefix, bool include_nested, bool leaves_only,
@@ -418,7 +472,6 @@ TensorDict& TensorDict::set(const Key& key, const Value& value) {
   const auto& parts = key.parts();
   TensorDictImpl* node = impl_.get();
   size_t depth = 0;  // parts[0, depth) exist as tensordicts
-  std::vector<const TensorDictImpl*> path{node};
   for (; depth + 1 < parts.size(); ++depth) {
     Value* v = node->find(parts[depth]);
     if (v == nullptr) break;
@@ -427,17 +480,12 @@ TensorDict& TensorDict::set(const Key& key, const Value& value) {
                      ", not a tensordict: a key cannot be both a leaf and a subtree");
     }
     node = v->tensordict().impl().get();
-    path.push_back(node);
   }
-  const bool creates_intermediates = depth + 1 < parts.size();
-  if (value.is_tensordict()) {
-    for (const TensorDictImpl* p : path) {
-      if (p == value.tensordict().impl().get()) {
-        throw KeyError("key " + key.str() + ": a tensordict cannot be set inside itself");
-      }
+  if (depth + 1 < parts.size()) {
+    // The intermediates are new: a tensordict that reaches `node` would make a cycle.
+    if (value.is_tensordict() && reaches(*value.tensordict().impl(), node)) {
+      throw KeyError("key " + key.str() + ": a tensordict cannot be set inside itself");
     }
-  }
-  if (creates_intermediates) {
     if (node->locked) {
       throw LockedError("cannot set key " + key.str() + ": the tensordict is locked and '" + parts[depth] +
                         "' would be a new key (unlock_() first)");
@@ -453,17 +501,10 @@ TensorDict& TensorDict::set(const Key& key, const Value& value) {
     return *this;
   }
   Value* existing = node->find(parts.back());
-  if (node->locked) {
-    if (existing == nullptr) {
-      throw LockedError("cannot add key " + key.str() + ": the tensordict is locked (new keys are refused, "
-                        "in-place writes are allowed; unlock_() first)");
-    }
-    if (!existing->is_tensor() || !value.is_tensor()) {
-      throw LockedError("cannot replace key " + key.str() + " (a " + existing->kind_name() + ") with a " +
-                        value.kind_name() + ": the tensordict is locked; only in-place tensor writes are allowed");
-    }
+  check_set_here(*node, key, existing, value);
+  if (node->locked) {  // an existing tensor leaf, written in place
     at::Tensor leaf = existing->tensor();
-    copy_into_leaf(key, leaf, value.tensor());
+    leaf.copy_(value.tensor());
     return *this;
   }
   Value prepared = prepare_value(key, value, node->batch_size, node->device);
@@ -560,12 +601,16 @@ TensorDict TensorDict::apply(const std::function<at::Tensor(const at::Tensor&)>&
 }
 
 TensorDict& TensorDict::apply_(const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  // Every result is computed and checked before the first write, so a failure writes nothing.
+  std::vector<std::pair<at::Tensor, at::Tensor>> plan;
   for (auto& [k, v] : items(true, true)) {
     if (v.is_tensor()) {
-      at::Tensor leaf = v.tensor();
-      copy_into_leaf(k, leaf, fn(leaf));
+      at::Tensor result = fn(v.tensor());
+      check_leaf_write(k, v.tensor(), result);
+      plan.emplace_back(v.tensor(), std::move(result));
     }
   }
+  for (auto& [leaf, result] : plan) leaf.copy_(result);
   return *this;
 }
 
@@ -585,6 +630,7 @@ TensorDict TensorDict::to(c10::Device device) const {
 // TensorDict: updates
 
 TensorDict& TensorDict::update(const TensorDict& other) {
+  check_update(*impl_, *other.impl_, nullptr);  // a failed update writes nothing
   for (const auto& [k, v] : other.impl_->entries) {
     Value* mine = impl_->find(k);
     if (v.is_tensordict() && mine != nullptr && mine->is_tensordict()) {
