@@ -105,7 +105,8 @@ class TensorDict {
   const std::string& class_name() const noexcept;
 
   // ---- access ----
-  bool contains(const Key& key) const;
+  /// Whether `key` names a value; false also when the path goes through a leaf. Never throws.
+  bool contains(const Key& key) const noexcept;
   /// What `key` holds. Throws KeyError if missing.
   Value get_value(const Key& key) const;
   /// The tensor at `key`. Throws KeyError if missing, TypeError if it holds no tensor.
@@ -166,13 +167,15 @@ class TensorDict {
   TensorDict& update_(const TensorDict& other);
 
   // ---- comparisons (results are tensordicts of bool tensors; use all()/any()) ----
+  // Non-tensor values are left out of the results.
   TensorDict eq(const at::Scalar& v) const;
   TensorDict ne(const at::Scalar& v) const;
   TensorDict lt(const at::Scalar& v) const;
   TensorDict le(const at::Scalar& v) const;
   TensorDict gt(const at::Scalar& v) const;
   TensorDict ge(const at::Scalar& v) const;
-  /// Leafwise comparison with a tensordict of the same keys (KeyError otherwise).
+  /// Leafwise comparison with a tensordict of the same keys (KeyError otherwise; TypeError when
+  /// a key holds a tensor on one side and a tensordict on the other).
   TensorDict eq(const TensorDict& other) const;
   TensorDict ne(const TensorDict& other) const;
   /// True when every element of every tensor leaf is non-zero (true for no leaves).
@@ -180,7 +183,9 @@ class TensorDict {
   /// True when some element of some tensor leaf is non-zero.
   bool any() const;
   /// Same keys (and nesting), same leaf kinds, and for tensors the same dtype and shape; and
-  /// the same batch sizes. Values are not compared.
+  /// the same batch sizes. Values and insertion order are not compared (two tensordicts of the
+  /// same structure but another insertion order consolidate to different layouts; compare
+  /// schema fingerprints for that).
   bool same_structure(const TensorDict& other) const;
 
   // ---- locking ----

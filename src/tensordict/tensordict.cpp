@@ -439,9 +439,15 @@ TensorDict& TensorDict::set_class_name(std::string name) {
   return *this;
 }
 
-bool TensorDict::contains(const Key& key) const {
-  TensorDictImpl* node = walk_existing(impl_.get(), key);
-  return node != nullptr && node->find(key.back()) != nullptr;
+bool TensorDict::contains(const Key& key) const noexcept {
+  // A path through a leaf cannot name anything: false, like Python's `key in td`.
+  const TensorDictImpl* node = impl_.get();
+  for (size_t i = 0; i + 1 < key.size(); ++i) {
+    const Value* v = node->find(key.parts()[i]);
+    if (v == nullptr || !v->is_tensordict()) return false;
+    node = v->tensordict().impl().get();
+  }
+  return node->find(key.back()) != nullptr;
 }
 
 Value TensorDict::get_value(const Key& key) const { return find_or_throw(impl_.get(), key); }

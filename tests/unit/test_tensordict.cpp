@@ -1196,4 +1196,15 @@ TEST(TensorDictCompare, SameStructure) {
   EXPECT_FALSE(td.same_structure(other_batch));
 }
 
+TEST(TensorDictAccess, ContainsIsFalseThroughALeafAndNeverThrows) {
+  TensorDict td({{"c", at::ones({2})}, {{"a", "b"}, at::ones({2})}}, {2});
+  EXPECT_TRUE(td.contains("c"));
+  EXPECT_TRUE(td.contains({"a", "b"}));
+  EXPECT_TRUE(td.contains("a"));
+  EXPECT_FALSE(td.contains({"c", "x"}));
+  EXPECT_FALSE(td.contains({"a", "b", "z"}));
+  EXPECT_FALSE(td.contains({"nope", "b"}));
+  EXPECT_THROW(td.get({"c", "x"}), tdshm::KeyError);
+}
+
 }  // namespace
