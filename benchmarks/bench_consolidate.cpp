@@ -1,11 +1,12 @@
 // consolidate() throughput next to a plain memcpy of the same total bytes, in the same run.
 //
-//   build/benchmarks/tdshm_bench_consolidate [--benchmark_repetitions=N ...]
+//   tools/dev.sh bench [google-benchmark flags...]
 //
 // Workloads: 100 leaves x 1 KiB and 10 leaves x 1 MiB (float32). Baselines: memcpy of the same
 // total into a buffer allocated once (the ceiling), and allocate + memcpy + free (what any
 // copy into fresh memory pays). After the table, one line per workload gives the ratio of
-// consolidate's median bytes/s to each baseline's.
+// consolidate's median bytes/s to each baseline's; then paired rounds (all three timed back to
+// back in each round) give the same ratios with the machine's noise cancelled out.
 
 #include <tdshm/tensordict.h>
 
@@ -14,6 +15,8 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -111,13 +114,63 @@ class RatioReporter : public benchmark::ConsoleReporter {
   std::map<std::string, std::map<std::string, std::vector<double>>> singles_;
 };
 
+// Paired measurement: each round times consolidate, then memcpy, then alloc+memcpy, back to
+// back, so machine noise lands on all three alike; the ratios are of the per-kind medians.
+void paired_ratios(int64_t leaves, int64_t leaf_bytes, int rounds) {
+  tdshm::TensorDict td = make_td(leaves, leaf_bytes);
+  const auto total = static_cast<size_t>(leaves * leaf_bytes);
+  std::vector<char> src(total, 1), dst(total, 0);
+  std::vector<double> t_cons, t_copy, t_alloc;
+  using clock = std::chrono::steady_clock;
+  for (int r = 0; r < rounds; ++r) {
+    auto t0 = clock::now();
+    {
+      tdshm::TensorDict c = td.consolidate();
+      benchmark::DoNotOptimize(c.consolidated_storage().data_ptr());
+    }
+    auto t1 = clock::now();
+    std::memcpy(dst.data(), src.data(), total);
+    benchmark::ClobberMemory();
+    auto t2 = clock::now();
+    {
+      std::unique_ptr<char[]> fresh(new char[total]);
+      std::memcpy(fresh.get(), src.data(), total);
+      benchmark::DoNotOptimize(fresh.get());
+      benchmark::ClobberMemory();
+    }
+    auto t3 = clock::now();
+    t_cons.push_back(std::chrono::duration<double>(t1 - t0).count());
+    t_copy.push_back(std::chrono::duration<double>(t2 - t1).count());
+    t_alloc.push_back(std::chrono::duration<double>(t3 - t2).count());
+  }
+  auto median = [](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double c = median(t_cons), m = median(t_copy), a = median(t_alloc);
+  std::printf("  %3" PRId64 " x %7" PRId64 " B  consolidate %8.1f us %6.2f GB/s | memcpy %8.1f us (ratio %.2f) | "
+              "alloc+memcpy %8.1f us (ratio %.2f)\n",
+              leaves, leaf_bytes, c * 1e6, static_cast<double>(total) / c / 1e9, m * 1e6, m / c, a * 1e6, a / c);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  // Defaults for a shared, noisy machine: repetitions interleaved at random, so drifting load
+  // hits consolidate and its baselines alike, and medians. Flags given later override them.
+  std::vector<char*> args{argv[0]};
+  std::string defaults[] = {"--benchmark_repetitions=15", "--benchmark_enable_random_interleaving=true",
+                            "--benchmark_report_aggregates_only=true", "--benchmark_min_time=0.1"};
+  for (auto& d : defaults) args.push_back(d.data());
+  for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
+  int n = static_cast<int>(args.size());
+  benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
+  std::printf("\npaired rounds (ratio = baseline time / consolidate time; >= 1 means consolidate is as fast):\n");
+  paired_ratios(100, 1024, 2001);
+  paired_ratios(10, 1 << 20, 301);
   return 0;
 }

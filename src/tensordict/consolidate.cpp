@@ -13,6 +13,7 @@
 // The storage starts the file so that it is page aligned when mapped; the trailer sits at the
 // end so a reader finds it from the file size alone.
 
+#include "common/copy.h"
 #include "common/log.h"
 #include "tensordict/impl.h"
 
@@ -97,9 +98,11 @@ at::Tensor view_into(const at::Tensor& storage, uint64_t start, c10::ScalarType 
 void copy_leaves(const at::Tensor& storage, const std::vector<LeafCopy>& copies) {
   auto* base = static_cast<uint8_t*>(storage.data_ptr());
   const bool storage_on_cpu = storage.device().is_cpu();
+  // A storage that outgrows the caches is written around them (non-temporal stores).
+  const bool streaming = static_cast<size_t>(storage.numel()) >= detail::kStreamingCopyBytes;
   for (const LeafCopy& c : copies) {
     if (storage_on_cpu && c.src.device().is_cpu() && c.src.is_contiguous()) {
-      if (c.nbytes != 0) std::memcpy(base + c.start, c.src.data_ptr(), c.nbytes);
+      if (c.nbytes != 0) detail::copy_bytes(base + c.start, c.src.data_ptr(), c.nbytes, streaming);
     } else {
       view_into(storage, c.start, c.src.scalar_type(), c.src.sizes()).copy_(c.src);
     }
