@@ -56,4 +56,31 @@ class MemmapError : public Error {
   using Error::Error;
 };
 
+/// A shared-memory segment could not be created or attached: bad name, mismatched world size or
+/// layout version, a rank taken by a live process, not enough room in /dev/shm, or a header
+/// that fails validation.
+class SegmentError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A transfer failed: the message does not fit the tensor it lands in (size, dtype, shape), or
+/// bytes read from the segment are out of range (a corrupted or hostile peer).
+class TransportError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A peer process died (or left) while a transfer to or from it was pending.
+class PeerLostError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A wait reached its deadline (the group's timeout, or the one given to wait()).
+class TimeoutError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace tdshm

@@ -1,0 +1,106 @@
+#pragma once
+/// \file
+/// ProcessGroupShm: a c10d::ProcessGroup whose ranks are processes on one host that share a
+/// named shared-memory segment (/dev/shm/tdshm.<name>).
+///
+/// Supported: send, recv, recvAnysource of one dense CPU tensor (any dtype, contiguous or not)
+/// with integer tags; broadcast; barrier. Every other collective throws c10::Error saying the
+/// "shm" backend does not support it.
+///
+/// Matching follows MPI: messages from one sender to one receiver with the same tag are received
+/// in the order they were sent; messages with different tags may be received in any order.
+/// A message that arrives before its recv is posted is kept (in process memory) until it is
+/// received, so two ranks that both send before they receive never deadlock.
+///
+/// Progress: there is no background thread on the data path. A transfer moves when a thread of
+/// this process is inside a tdshm call: send/recv post what fits at once, and Work::wait,
+/// Work::isCompleted and every later call move everything that is pending, in both directions.
+/// A small send (up to ShmOptions::slot_bytes) is complete when send() returns. A larger one
+/// streams through the ring while some call of this process waits. getFuture() starts a helper
+/// thread that keeps progress going while futures are pending, so future-only users never hang.
+///
+/// Waiting: a waiter spins for ShmOptions::spin (yielding now and then, so a peer on the same
+/// core still runs), then sleeps on a futex in the segment; posting to a spinning peer costs no
+/// system call. Every wait has a deadline (TimeoutError) and checks the liveness of the peers it
+/// waits on every ShmOptions::peer_check_interval (PeerLostError when one died).
+///
+/// Thread safety: all methods may be called from several threads at once.
+
+#include <tdshm/errors.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tdshm {
+
+namespace detail {
+class ShmEngine;
+}
+
+/// Options of a ProcessGroupShm. All ranks of a group must use the same slot_bytes and
+/// ring_entries (they fix the segment layout; a mismatch is a SegmentError at attach).
+struct ShmOptions {
+  /// Deadline of every wait, including the rendezvous of the constructor.
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  /// How long a waiter spins before it sleeps on a futex. 0: blocking only (never spins).
+  std::chrono::microseconds spin{std::chrono::microseconds(50)};
+  /// Payload bytes of one ring entry; larger messages are cut into chunks of this size.
+  size_t slot_bytes = size_t{256} << 10;
+  /// Entries of the ring of each ordered pair of ranks (memory: world² × entries × slot).
+  uint32_t ring_entries = 16;
+  /// How often a waiter checks that its peers are alive: a dead peer's transfers fail within
+  /// about this long.
+  std::chrono::milliseconds peer_check_interval{std::chrono::milliseconds(100)};
+};
+
+/// Size in bytes of the segment for `world_size` ranks with `options`.
+size_t shm_segment_bytes(int world_size, const ShmOptions& options = {});
+
+/// Checks a segment name: 1 to 200 characters of [A-Za-z0-9._-]. Throws SegmentError.
+void validate_segment_name(const std::string& name);
+
+/// Removes the segment `name` if it exists and no live process is attached to it; returns true
+/// if something was removed. Throws SegmentError if live ranks still use it.
+bool remove_stale_segment(const std::string& name);
+
+class ProcessGroupShm : public c10d::ProcessGroup {
+ public:
+  /// Attaches rank `rank` of `size` to the segment `name`, creating it if needed (any rank may),
+  /// and waits until all `size` ranks have attached (deadline options.timeout).
+  /// Throws SegmentError: invalid name or arguments; an existing segment of another world size,
+  /// layout version or options; `rank` held by a live process; /dev/shm too small (the message
+  /// says how much is needed). A leftover segment whose ranks are all dead is replaced.
+  ProcessGroupShm(const std::string& name, int rank, int size, ShmOptions options = {});
+  /// Leaves the group; the last rank to leave removes the segment. Pending works fail.
+  ~ProcessGroupShm() override;
+
+  const std::string getBackendName() const override { return "shm"; }
+
+  /// Sends tensors[0] (exactly one dense CPU tensor) to dstRank with `tag`.
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  /// Receives into tensors[0]; the message must have its byte size (TransportError otherwise;
+  /// dtype and shape are checked too when the sender's are known).
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  /// Receives the first matching message from any rank; Work::sourceRank() tells which.
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  /// Broadcasts tensors[0] from opts.rootRank to every rank.
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  /// Completes on every rank once all ranks have entered it.
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+
+  /// The segment's name (without the "tdshm." prefix).
+  const std::string& segment_name() const noexcept;
+  const ShmOptions& options() const noexcept;
+
+ private:
+  std::shared_ptr<detail::ShmEngine> engine_;
+};
+
+}  // namespace tdshm
