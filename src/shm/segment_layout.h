@@ -1,0 +1,150 @@
+#pragma once
+// The bytes of a tdshm segment (/dev/shm/tdshm.<name>). Everything here lives in shared memory,
+// is read by other processes, and is pinned by static_asserts: a change to any struct must bump
+// kLayoutVersion (tests/shm/test_layout.cpp hard-codes the sizes and offsets).
+//
+//   offset 0                      256                 256 + world*128
+//   +-----------------------------+-------------------+-----------------------------------+
+//   | SegmentHeader (256 B)       | RankSlot[world]   | Ring[src*world + dst] ...          |
+//   | magic, version (last), sizes| pid, start time,  |  RingControl (128 B: head | tail) |
+//   | world size, offsets, creator| state, futex word |  Entry[ring_entries]:             |
+//   +-----------------------------+-------------------+    EntryHeader (128 B) + slot     |
+//                                                     +-----------------------------------+
+//
+// Offsets, never pointers: each process maps the segment at its own address. Atomics are
+// lock-free std::atomic of 32 and 64 bits (asserted), which are address-free and so work
+// across processes.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace tdshm::shm {
+
+inline constexpr size_t kCacheLine = 64;
+/// "TDSHMSG1" little-endian.
+inline constexpr uint64_t kSegmentMagic = 0x314753484d534454ull;
+inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr size_t kMaxDims = 8;
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words and states must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "ring indices must be lock-free");
+static_assert(sizeof(std::atomic<uint64_t>) == 8 && sizeof(std::atomic<uint32_t>) == 4,
+              "atomics in shared memory must have the size of their value");
+
+/// At offset 0. layout_version is stored last, with release order, once everything else is
+/// initialised: a reader that sees it non-zero (acquire) sees a complete header and tables.
+struct SegmentHeader {
+  uint64_t magic;                        // 0   kSegmentMagic
+  std::atomic<uint32_t> layout_version;  // 8   0 while the creator initialises
+  uint32_t header_bytes;                 // 12  sizeof(SegmentHeader)
+  uint64_t segment_bytes;                // 16  whole segment
+  uint32_t world_size;                   // 24
+  uint32_t ring_entries;                 // 28  entries per ring
+  uint64_t slot_bytes;                   // 32  payload bytes per entry
+  uint64_t rank_table_offset;            // 40
+  uint64_t rings_offset;                 // 48
+  uint64_t ring_bytes;                   // 56  RingControl + entries
+  uint64_t entry_bytes;                  // 64  EntryHeader + slot, a multiple of kCacheLine
+  uint32_t creator_pid;                  // 72
+  uint32_t reserved0;                    // 76
+  uint64_t creator_start_time;           // 80  clock ticks since boot (/proc/<pid>/stat field 22)
+  std::atomic<uint32_t> attached;        // 88  ranks attached and not yet left
+  uint32_t reserved1;                    // 92
+  uint8_t reserved[160];                 // 96  zero
+};
+static_assert(sizeof(SegmentHeader) == 256);
+static_assert(offsetof(SegmentHeader, layout_version) == 8);
+static_assert(offsetof(SegmentHeader, world_size) == 24);
+static_assert(offsetof(SegmentHeader, slot_bytes) == 32);
+static_assert(offsetof(SegmentHeader, creator_start_time) == 80);
+static_assert(offsetof(SegmentHeader, attached) == 88);
+
+enum RankState : uint32_t {
+  kRankFree = 0,      // never attached
+  kRankClaiming = 1,  // a process is resetting its rings
+  kRankLive = 2,      // attached
+  kRankLeft = 3,      // left cleanly
+};
+
+/// One per rank, at rank_table_offset + rank * sizeof(RankSlot).
+struct RankSlot {
+  std::atomic<uint32_t> state;          // 0   RankState
+  uint32_t pid;                         // 4
+  uint64_t start_time;                  // 8   with pid: identifies the process (pid reuse)
+  uint8_t reserved0[48];                // 16
+  // Second cache line: written by every peer that wakes this rank.
+  std::atomic<uint32_t> wake_seq;       // 64  futex word: bumped after each event for this rank
+  std::atomic<uint32_t> sleepers;       // 68  > 0 while a thread of the rank sleeps on wake_seq
+  uint8_t reserved1[56];                // 72
+};
+static_assert(sizeof(RankSlot) == 128);
+static_assert(offsetof(RankSlot, wake_seq) == 64);
+
+/// Start of each ring (ordered pair src -> dst): the producer's and the consumer's index, each on
+/// its own cache line. Positions grow forever; entry = position % ring_entries.
+struct RingControl {
+  alignas(kCacheLine) std::atomic<uint64_t> head;  // 0   next position the producer writes
+  uint8_t reserved0[56];
+  alignas(kCacheLine) std::atomic<uint64_t> tail;  // 64  next position the consumer reads
+  uint8_t reserved1[56];
+};
+static_assert(sizeof(RingControl) == 128);
+static_assert(offsetof(RingControl, tail) == 64);
+
+enum EntryFlags : uint32_t {
+  kEntryFirst = 1,    // first chunk of a message: tag, total size, dtype and shape are valid
+  kEntryLast = 2,     // last chunk of a message
+  kEntryControl = 4,  // a collective's message (barrier, broadcast), matched apart from user tags
+};
+
+/// The header of one ring entry; slot_bytes of payload follow it. `seq` is stored last (release):
+/// position + 1 once the entry is complete, so the consumer polls this one cache line.
+struct EntryHeader {
+  std::atomic<uint64_t> seq;  // 0
+  int64_t tag;                // 8
+  uint64_t total_bytes;       // 16  of the whole message
+  uint64_t chunk_offset;      // 24  of this chunk in the message
+  uint64_t chunk_bytes;       // 32  <= slot_bytes
+  uint32_t flags;             // 40  EntryFlags
+  uint8_t dtype;              // 44  c10::ScalarType of the sender's tensor
+  uint8_t ndim;               // 45  <= kMaxDims, or 255 when the shape is not sent
+  uint16_t reserved0;         // 46
+  int64_t dims[kMaxDims];     // 48
+  uint64_t reserved1[2];      // 112
+};
+static_assert(sizeof(EntryHeader) == 128);
+static_assert(offsetof(EntryHeader, dims) == 48);
+
+inline constexpr uint8_t kShapeNotSent = 255;
+
+static_assert(std::is_standard_layout_v<SegmentHeader> && std::is_standard_layout_v<RankSlot> &&
+                  std::is_standard_layout_v<RingControl> && std::is_standard_layout_v<EntryHeader>,
+              "shared structs must be standard-layout");
+static_assert(std::is_trivially_destructible_v<SegmentHeader> && std::is_trivially_destructible_v<RankSlot> &&
+                  std::is_trivially_destructible_v<RingControl> && std::is_trivially_destructible_v<EntryHeader>,
+              "shared structs are never destroyed");
+
+/// Byte sizes and offsets of a segment with the given parameters (the one place they are computed).
+struct SegmentGeometry {
+  uint64_t entry_bytes;
+  uint64_t ring_bytes;
+  uint64_t rank_table_offset;
+  uint64_t rings_offset;
+  uint64_t segment_bytes;
+};
+
+constexpr uint64_t round_up(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
+
+constexpr SegmentGeometry segment_geometry(uint32_t world_size, uint64_t slot_bytes, uint32_t ring_entries) {
+  SegmentGeometry g{};
+  g.entry_bytes = round_up(sizeof(EntryHeader) + slot_bytes, kCacheLine);
+  g.ring_bytes = sizeof(RingControl) + g.entry_bytes * ring_entries;
+  g.rank_table_offset = sizeof(SegmentHeader);
+  g.rings_offset = round_up(g.rank_table_offset + sizeof(RankSlot) * world_size, kCacheLine);
+  g.segment_bytes = g.rings_offset + g.ring_bytes * world_size * world_size;
+  return g;
+}
+
+}  // namespace tdshm::shm
