@@ -1,0 +1,450 @@
+// Point-to-point transfers of ProcessGroupShm: every dtype and awkward sizes around the slot size,
+// non-contiguous sources and destinations, tag matching (out of order, FIFO per tag, any source),
+// many small messages, ping-pong, a slow receiver, two ranks sending 256 MiB to each other at once,
+// and blocking-only waits (spin = 0).
+//
+// Each scenario is a function of the rank; the tests run it with ranks as threads (ShmP2PThreads,
+// also under TSan) and as forked processes (ShmP2PProcs).
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <tdshm/errors.h>
+#include <tdshm/process_group.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shm_test_support.h"
+
+namespace tdshm::test {
+namespace {
+
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kUnderTsan = true;
+#else
+constexpr bool kUnderTsan = false;
+#endif
+
+c10::intrusive_ptr<c10d::Work> post_send(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag) {
+  std::vector<at::Tensor> v{t};
+  return pg.send(v, dst, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> post_recv(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag) {
+  std::vector<at::Tensor> v{t};
+  return pg.recv(v, src, tag);
+}
+
+void send_wait(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag) { post_send(pg, t, dst, tag)->wait(); }
+
+void recv_wait(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag) { post_recv(pg, t, src, tag)->wait(); }
+
+const std::vector<at::ScalarType>& all_dtypes() {
+  static const std::vector<at::ScalarType> dtypes = {
+      at::kFloat, at::kDouble, at::kHalf,  at::kBFloat16, at::kChar,         at::kShort,
+      at::kInt,   at::kLong,   at::kByte,  at::kBool,     at::kComplexFloat, at::kComplexDouble};
+  return dtypes;
+}
+
+/// Element counts whose byte sizes sit on the chunking edges: 0, 1, slot-1, slot, slot+1 and
+/// 3*slot+7 bytes for 1-byte dtypes; the nearest whole elements for wider ones.
+std::vector<int64_t> edge_numels(at::ScalarType dtype, size_t slot) {
+  const auto e = static_cast<int64_t>(c10::elementSize(dtype));
+  const auto s = static_cast<int64_t>(slot);
+  std::vector<int64_t> n = e == 1 ? std::vector<int64_t>{0, 1, s - 1, s, s + 1, 3 * s + 7}
+                                  : std::vector<int64_t>{0, 1, s / e - 1, s / e, s / e + 1, (3 * s + 7) / e + 1};
+  n.erase(std::unique(n.begin(), n.end()), n.end());
+  return n;
+}
+
+std::string describe_case(at::ScalarType dtype, const at::Tensor& values, Layout src, Layout dst, int tag) {
+  std::ostringstream os;
+  os << "tag " << tag << ": " << c10::toString(dtype) << " shape " << values.sizes() << " (" << values.nbytes()
+     << " bytes), " << layout_name(src) << " -> " << layout_name(dst);
+  return os.str();
+}
+
+/// Rank 0 sends `values` laid out as `src` to rank 1, which receives into `dst` layout, checks,
+/// and sends what it received (in its layout) back; rank 0 receives that into `dst` layout too.
+void echo_case(ProcessGroupShm& pg, const at::Tensor& values, Layout src, Layout dst, int tag) {
+  const std::string what = describe_case(values.scalar_type(), values, src, dst, tag);
+  if (pg.getRank() == 0) {
+    const at::Tensor source = with_layout(values, src);
+    send_wait(pg, source, 1, tag);
+    const at::Tensor back = blank_like(values, dst);
+    recv_wait(pg, back, 1, tag);
+    SHM_CHECK(same_bytes(back, values), "echo differs, " << what);
+    SHM_CHECK(same_bytes(source, values), "the source changed, " << what);
+  } else {
+    const at::Tensor received = blank_like(values, dst);
+    recv_wait(pg, received, 0, tag);
+    SHM_CHECK(same_bytes(received, values), "received bytes differ, " << what);
+    send_wait(pg, received, 0, tag);
+  }
+}
+
+/// Scenario: every dtype x every edge size x {contiguous, strided} source x {contiguous,
+/// strided} destination, then 2-D transposed views across several slots.
+void round_trip_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  int tag = 0;
+  for (at::ScalarType dtype : all_dtypes()) {
+    for (int64_t numel : edge_numels(dtype, opts.slot_bytes)) {
+      for (Layout src : {Layout::kContiguous, Layout::kStrided}) {
+        for (Layout dst : {Layout::kContiguous, Layout::kStrided}) {
+          ++tag;
+          echo_case(pg, pattern(dtype, numel, static_cast<uint64_t>(tag)), src, dst, tag);
+        }
+      }
+    }
+  }
+  // 37 x 53 elements: 3.8 slots of doubles, 0.5 of bytes; transposed at either end or both.
+  for (at::ScalarType dtype : {at::kDouble, at::kByte, at::kComplexFloat}) {
+    const at::Tensor values = pattern(dtype, 37 * 53, static_cast<uint64_t>(1000 + tag)).reshape({37, 53});
+    for (auto [src, dst] : {std::pair{Layout::kTransposed, Layout::kTransposed},
+                            std::pair{Layout::kTransposed, Layout::kContiguous},
+                            std::pair{Layout::kContiguous, Layout::kTransposed}}) {
+      ++tag;
+      echo_case(pg, values, src, dst, tag);
+    }
+  }
+}
+
+/// Scenario: rank 0 sends tags 1, 2, 3 (4, 1 and 2 slots) without waiting in between; rank 1
+/// receives 3, then 1, then 2.
+void out_of_order_tags_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  const int64_t s = static_cast<int64_t>(opts.slot_bytes);
+  const std::vector<int64_t> bytes = {3 * s + 7, 100, 2 * s};  // of tags 1, 2, 3
+  auto values = [&](int tag) { return pattern(at::kByte, bytes[static_cast<size_t>(tag - 1)], 77 + static_cast<uint64_t>(tag)); };
+  for (int round = 0; round < 3; ++round) {
+    if (rank == 0) {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (int tag = 1; tag <= 3; ++tag) works.push_back(post_send(pg, values(tag), 1, tag));
+      for (auto& w : works) w->wait();
+    } else {
+      for (int tag : {3, 1, 2}) {
+        const at::Tensor got = at::zeros({bytes[static_cast<size_t>(tag - 1)]}, at::kByte);
+        recv_wait(pg, got, 0, tag);
+        SHM_CHECK(same_bytes(got, values(tag)), "round " << round << ", tag " << tag << " has wrong bytes");
+      }
+    }
+  }
+}
+
+/// Bytes of message `seq` of the FIFO scenario: every third one spans 4 slots.
+int64_t fifo_bytes(int seq, const ShmOptions& opts) {
+  return seq % 3 == 0 ? 3 * static_cast<int64_t>(opts.slot_bytes) + 7 : 16;
+}
+
+/// Scenario: 50 messages with one tag, posted back to back, received in order (each message's
+/// bytes are a function of its sequence number). Then the same with the receiver late, so that
+/// all of them wait in its process first.
+void same_tag_fifo_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  constexpr int kMessages = 50;
+  constexpr int kTag = 7;
+  for (int round = 0; round < 2; ++round) {
+    const bool late_receiver = round == 1;
+    auto values = [&](int seq) {
+      return pattern(at::kByte, fifo_bytes(seq, opts), static_cast<uint64_t>(round * 1000 + seq));
+    };
+    if (rank == 0) {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (int seq = 0; seq < kMessages; ++seq) works.push_back(post_send(pg, values(seq), 1, kTag));
+      for (auto& w : works) w->wait();
+    } else {
+      if (late_receiver) std::this_thread::sleep_for(100ms);
+      for (int seq = 0; seq < kMessages; ++seq) {
+        const at::Tensor got = at::zeros({fifo_bytes(seq, opts)}, at::kByte);
+        recv_wait(pg, got, 0, kTag);
+        SHM_CHECK(same_bytes(got, values(seq)), "round " << round << ": message " << seq << " is not the "
+                                                          << seq << "th sent with tag " << kTag);
+      }
+    }
+  }
+}
+
+/// Scenario (3 ranks): ranks 1 and 2 each send 50 messages with one tag to rank 0, which takes
+/// them with recvAnysource. Each message holds [sender, seq, ...] and, for the large size, a
+/// pattern of (sender, seq). Per sender the order must be kept, and sourceRank() must name it.
+void any_source_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  ProcessGroupShm pg(name, rank, 3, opts);
+  constexpr int kPerSender = 50;
+  // 16 bytes, then 3 slots + 8 bytes (int64 elements).
+  const std::vector<int64_t> numels = {2, (3 * static_cast<int64_t>(opts.slot_bytes) + 8) / 8};
+  for (size_t phase = 0; phase < numels.size(); ++phase) {
+    const int tag = 5 + static_cast<int>(phase);
+    const int64_t numel = numels[phase];
+    auto message = [&](int sender, int seq) {
+      at::Tensor t = pattern(at::kLong, numel, static_cast<uint64_t>(sender * 100000 + seq * 10 + tag));
+      t[0] = sender;
+      t[1] = seq;
+      return t;
+    };
+    if (rank == 0) {
+      std::vector<int> next_seq(3, 0);
+      for (int i = 0; i < 2 * kPerSender; ++i) {
+        const at::Tensor got = at::zeros({numel}, at::kLong);
+        std::vector<at::Tensor> v{got};
+        auto work = pg.recvAnysource(v, tag);
+        work->wait();
+        const int src = work->sourceRank();
+        const int64_t sender = got[0].item<int64_t>();
+        const int64_t seq = got[1].item<int64_t>();
+        SHM_CHECK(src == 1 || src == 2, "sourceRank() is " << src);
+        SHM_CHECK(sender == src, "sourceRank() says " << src << " but the message is from " << sender);
+        SHM_CHECK(seq == next_seq[static_cast<size_t>(src)],
+                  "from rank " << src << " message " << seq << " came when " << next_seq[static_cast<size_t>(src)]
+                               << " was due");
+        SHM_CHECK(same_bytes(got, message(src, static_cast<int>(seq))), "message " << seq << " of rank " << src
+                                                                                   << " has wrong bytes");
+        ++next_seq[static_cast<size_t>(src)];
+      }
+    } else {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (int seq = 0; seq < kPerSender; ++seq) works.push_back(post_send(pg, message(rank, seq), 0, tag));
+      for (auto& w : works) w->wait();
+    }
+  }
+}
+
+/// Scenario: `count` messages of 8 bytes from rank 0 to rank 1, one by one.
+void many_small_scenario(const std::string& name, int rank, const ShmOptions& opts, int count) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  const at::Tensor t = at::zeros({1}, at::kLong);
+  auto* value = t.data_ptr<int64_t>();
+  for (int i = 0; i < count; ++i) {
+    if (rank == 0) {
+      *value = i * 3 + 1;
+      send_wait(pg, t, 1, 3);
+    } else {
+      *value = -1;
+      recv_wait(pg, t, 0, 3);
+      SHM_CHECK(*value == i * 3 + 1, "message " << i << " carries " << *value);
+    }
+  }
+}
+
+/// Scenario: `count` exchanges of 8 bytes: rank 0 sends i, rank 1 answers i + 1.
+void ping_pong_scenario(const std::string& name, int rank, const ShmOptions& opts, int count) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  const at::Tensor t = at::zeros({1}, at::kLong);
+  auto* value = t.data_ptr<int64_t>();
+  for (int i = 0; i < count; ++i) {
+    if (rank == 0) {
+      *value = 2 * i;
+      send_wait(pg, t, 1, 0);
+      *value = -1;
+      recv_wait(pg, t, 1, 0);
+      SHM_CHECK(*value == 2 * i + 1, "pong " << i << " carries " << *value);
+    } else {
+      *value = -1;
+      recv_wait(pg, t, 0, 0);
+      SHM_CHECK(*value == 2 * i, "ping " << i << " carries " << *value);
+      *value += 1;
+      send_wait(pg, t, 0, 0);
+    }
+  }
+}
+
+/// Scenario: rank 0 posts 200 messages of 3 slots at once; rank 1 sleeps 1 ms before each
+/// receive. Every message must arrive whole and in order (checksums of the bytes).
+void slow_receiver_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  constexpr int kMessages = 200;
+  const int64_t bytes = 3 * static_cast<int64_t>(opts.slot_bytes);
+  auto values = [&](int i) { return pattern(at::kByte, bytes, 5000 + static_cast<uint64_t>(i)); };
+  if (rank == 0) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int i = 0; i < kMessages; ++i) works.push_back(post_send(pg, values(i), 1, 11));
+    for (auto& w : works) w->wait();
+  } else {
+    for (int i = 0; i < kMessages; ++i) {
+      std::this_thread::sleep_for(1ms);
+      const at::Tensor got = at::zeros({bytes}, at::kByte);
+      recv_wait(pg, got, 0, 11);
+      SHM_CHECK(checksum(got) == checksum(values(i)), "message " << i << " has another checksum than the one sent");
+    }
+  }
+}
+
+/// Scenario: both ranks send 256 MiB to each other at the same time (send, then recv, then wait
+/// on both): nothing may deadlock, and the bytes must arrive.
+void bidirectional_large_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  constexpr int64_t kElements = int64_t{64} << 20;  // int32: 256 MiB
+  ProcessGroupShm pg(name, rank, 2, opts);
+  const int peer = 1 - rank;
+  auto expected_at = [](int from, int64_t i) { return static_cast<int32_t>(i * 7 + from * 1000003); };
+  const at::Tensor out = at::arange(kElements, at::kInt).mul_(7).add_(rank * 1000003);
+  const at::Tensor in = at::zeros({kElements}, at::kInt);
+  const auto start = Clock::now();
+  auto send_work = post_send(pg, out, peer, 1);
+  auto recv_work = post_recv(pg, in, peer, 1);
+  send_work->wait();
+  recv_work->wait();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const auto* got = in.data_ptr<int32_t>();
+  for (int64_t i : {int64_t{0}, int64_t{1}, int64_t{4095}, int64_t{4096}, int64_t{65537}, kElements / 2 + 3,
+                    kElements - 1}) {
+    SHM_CHECK(got[i] == expected_at(peer, i), "element " << i << " is " << got[i]);
+  }
+  // The sum of the received values, computed as the sender's values would give it.
+  const int64_t sum = in.sum(at::kLong).item<int64_t>();
+  const int64_t expected = out.sub(rank * 1000003).add_(peer * 1000003).sum(at::kLong).item<int64_t>();
+  SHM_CHECK(sum == expected, "sum of the received values " << sum << ", expected " << expected);
+  std::fprintf(stderr, "[rank %d] 256 MiB each way in %.2f s\n", rank, seconds);
+}
+
+class ShmP2PThreads : public ShmTest {};
+class ShmP2PProcs : public ShmTest {};
+
+TEST_F(ShmP2PThreads, RoundTripEveryDtypeSizeAndLayout) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { round_trip_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PProcs, RoundTripEveryDtypeSizeAndLayout) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) { round_trip_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PThreads, RoundTripBlockingOnly) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { round_trip_scenario(name, r, small_options(0us)); }));
+}
+
+TEST_F(ShmP2PProcs, RoundTripBlockingOnly) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kProcesses, 2, [&](int r) { round_trip_scenario(name, r, small_options(0us)); }));
+}
+
+TEST_F(ShmP2PThreads, RoundTripDefaultSlots) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kThreads, 2, [&](int r) { round_trip_scenario(name, r, default_slot_options()); }));
+}
+
+TEST_F(ShmP2PThreads, OutOfOrderTags) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kThreads, 2, [&](int r) { out_of_order_tags_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PProcs, OutOfOrderTags) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kProcesses, 2, [&](int r) { out_of_order_tags_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PThreads, SameTagIsFifo) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { same_tag_fifo_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PProcs, SameTagIsFifo) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kProcesses, 2, [&](int r) { same_tag_fifo_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PThreads, AnySourceKeepsPerSenderOrder) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 3, [&](int r) { any_source_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PProcs, AnySourceKeepsPerSenderOrder) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 3, [&](int r) { any_source_scenario(name, r, small_options()); }));
+}
+
+// 10^5 messages of 8 bytes "in a few seconds": the bound is loose (2 shared cores), the time is
+// printed. Under TSan a tenth of them, with no time bound.
+constexpr int kManySmall = kUnderTsan ? 10'000 : 100'000;
+constexpr int kPingPongs = kUnderTsan ? 1'000 : 10'000;
+constexpr auto kManySmallBound = 20s;
+
+void expect_quick(Clock::time_point start, const char* what, int count) {
+  const auto elapsed = Clock::now() - start;
+  std::fprintf(stderr, "%s: %d in %.2f s\n", what, count, std::chrono::duration<double>(elapsed).count());
+  if (!kUnderTsan) {
+    EXPECT_LT(elapsed, kManySmallBound) << what;
+  }
+}
+
+TEST_F(ShmP2PThreads, ManySmallMessages) {
+  const std::string name = unique_name();
+  const auto start = Clock::now();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kThreads, 2, [&](int r) { many_small_scenario(name, r, small_options(), kManySmall); }));
+  expect_quick(start, "one-way 8-byte messages (threads)", kManySmall);
+}
+
+TEST_F(ShmP2PProcs, ManySmallMessages) {
+  const std::string name = unique_name();
+  const auto start = Clock::now();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kProcesses, 2, [&](int r) { many_small_scenario(name, r, small_options(), kManySmall); }));
+  expect_quick(start, "one-way 8-byte messages (processes)", kManySmall);
+}
+
+TEST_F(ShmP2PThreads, PingPong) {
+  const std::string name = unique_name();
+  const auto start = Clock::now();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kThreads, 2, [&](int r) { ping_pong_scenario(name, r, small_options(), kPingPongs); }));
+  expect_quick(start, "ping-pongs (threads)", kPingPongs);
+}
+
+TEST_F(ShmP2PProcs, PingPong) {
+  const std::string name = unique_name();
+  const auto start = Clock::now();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kProcesses, 2, [&](int r) { ping_pong_scenario(name, r, small_options(), kPingPongs); }));
+  expect_quick(start, "ping-pongs (processes)", kPingPongs);
+}
+
+TEST_F(ShmP2PThreads, PingPongBlockingOnly) {
+  const std::string name = unique_name();
+  const auto start = Clock::now();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kThreads, 2, [&](int r) { ping_pong_scenario(name, r, small_options(0us), kPingPongs); }));
+  expect_quick(start, "ping-pongs, spin 0 (threads)", kPingPongs);
+}
+
+TEST_F(ShmP2PProcs, PingPongBlockingOnly) {
+  const std::string name = unique_name();
+  const auto start = Clock::now();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kProcesses, 2, [&](int r) { ping_pong_scenario(name, r, small_options(0us), kPingPongs); }));
+  expect_quick(start, "ping-pongs, spin 0 (processes)", kPingPongs);
+}
+
+TEST_F(ShmP2PThreads, SlowReceiverLosesNothing) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kThreads, 2, [&](int r) { slow_receiver_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PProcs, SlowReceiverLosesNothing) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kProcesses, 2, [&](int r) { slow_receiver_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PProcs, Bidirectional256MiBAtOnce) {
+  set_deadline(240s);
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(
+      Peers::kProcesses, 2, [&](int r) { bidirectional_large_scenario(name, r, default_slot_options()); }, 180s));
+}
+
+}  // namespace
+}  // namespace tdshm::test

@@ -1,0 +1,625 @@
+// The segment's life and its failures: attaching with another world size, options or layout
+// version; a rank held by a live process; invalid names and arguments; a header corrupted on
+// purpose; a segment too large for /dev/shm; a leftover segment of dead ranks; a peer killed in
+// the middle of a transfer.
+//
+// A scenario that could crash the attacher (a corrupted header) runs the attacher, and the rank it
+// attaches to, in forked children: a crash is then a failure of the test, not of the binary.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <tdshm/errors.h>
+#include <tdshm/process_group.h>
+
+#include <signal.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shm/segment_layout.h"
+#include "shm_test_support.h"
+
+namespace tdshm::test {
+namespace {
+
+c10::intrusive_ptr<c10d::Work> post_send(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag) {
+  std::vector<at::Tensor> v{t};
+  return pg.send(v, dst, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> post_recv(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag) {
+  std::vector<at::Tensor> v{t};
+  return pg.recv(v, src, tag);
+}
+
+/// One small and one chunked message each way between ranks 0 and 1 of `pg`: the group works.
+void exchange(ProcessGroupShm& pg) {
+  const int peer = 1 - pg.getRank();
+  for (int64_t bytes : {int64_t{24}, 3 * static_cast<int64_t>(pg.options().slot_bytes) + 5}) {
+    const at::Tensor mine = pattern(at::kByte, bytes, static_cast<uint64_t>(pg.getRank() * 7919 + bytes));
+    const at::Tensor expected = pattern(at::kByte, bytes, static_cast<uint64_t>(peer * 7919 + bytes));
+    const at::Tensor got = at::zeros({bytes}, at::kByte);
+    auto s = post_send(pg, mine, peer, 42);
+    auto r = post_recv(pg, got, peer, 42);
+    s->wait();
+    r->wait();
+    SHM_CHECK(same_bytes(got, expected), "rank " << pg.getRank() << " received wrong bytes (" << bytes << ")");
+  }
+}
+
+/// Rank `rank` of `size` constructing its group on a thread of this process (the constructor
+/// waits for the other ranks); join() returns what the constructor threw.
+class PendingRank {
+ public:
+  PendingRank(std::string name, int rank, int size, ShmOptions opts)
+      : thread_([this, name = std::move(name), rank, size, opts] {
+          try {
+            group_ = std::make_unique<ProcessGroupShm>(name, rank, size, opts);
+          } catch (...) {
+            error_ = caught_current();
+          }
+        }) {}
+  ~PendingRank() {
+    if (thread_.joinable()) thread_.join();
+  }
+  PendingRank(const PendingRank&) = delete;
+  PendingRank& operator=(const PendingRank&) = delete;
+
+  /// Waits for the constructor to end (the fixture's watchdog bounds it).
+  const Caught& join() {
+    if (thread_.joinable()) thread_.join();
+    return error_;
+  }
+  ProcessGroupShm* group() { return group_.get(); }
+  /// Destroys the group (leaves).
+  void leave() { group_.reset(); }
+
+ private:
+  std::unique_ptr<ProcessGroupShm> group_;
+  Caught error_;
+  std::thread thread_;
+};
+
+class ShmSegmentThreads : public ShmTest {};
+class ShmSegmentProcs : public ShmTest {};
+
+// ---------------------------------------------------------------------------------------------
+// Attaching to a segment that does not fit
+
+/// What an attacher does wrong, and how the header is edited before it comes.
+struct Refusal {
+  std::string what{};                                         // for messages
+  std::function<void(shm::SegmentHeader&)> corrupt = nullptr;  // null: the header stays right
+  int rank = 1;
+  int size = 2;
+  ShmOptions options = small_options();
+  std::vector<std::string> needles{};  // the SegmentError's message mentions each of them
+};
+
+/// Rank 0 of 2 (a child) creates the segment and waits in its constructor. The header is
+/// edited as `refusal` says; an attacher (another child) must get a SegmentError (no crash, no
+/// hang) mentioning the needles. Then the header is put back, a proper rank 1 (a child) attaches,
+/// and the two exchange messages: the failed attach harmed nothing.
+void expect_refused(ShmTest& /*fixture*/, const std::string& name, const Refusal& refusal) {
+  SCOPED_TRACE(refusal.what);
+  ShmOptions opts = small_options();
+  opts.timeout = 20s;
+  Child rank0([&] {
+    ProcessGroupShm pg(name, 0, 2, opts);
+    exchange(pg);
+  });
+  ASSERT_TRUE(wait_segment_ready(name, {0}, 10s)) << "rank 0 did not publish the segment; " << rank0.describe();
+
+  std::array<std::byte, offsetof(shm::SegmentHeader, attached)> saved{};
+  if (refusal.corrupt) {
+    RawSegment seg(name);
+    std::memcpy(saved.data(), seg.data(), saved.size());
+    refusal.corrupt(seg.header());
+  }
+  Child attacher([&] {
+    const Caught c = SHM_CHECK_THROWS(SegmentError, [&] { ProcessGroupShm pg(name, refusal.rank, refusal.size, refusal.options); });
+    std::fprintf(stderr, "[%s] %s\n", refusal.what.c_str(), c.describe().c_str());
+    for (const std::string& n : refusal.needles) {
+      SHM_CHECK(contains_nocase(c.what, n), "the message does not mention \"" << n << "\": " << c.what);
+    }
+  });
+  attacher.wait(15s);
+  EXPECT_TRUE(attacher.ok()) << "attacher: " << attacher.describe();
+  if (refusal.corrupt) {
+    RawSegment seg(name);
+    std::memcpy(seg.data(), saved.data(), saved.size());
+  }
+
+  Child rank1([&] {
+    ProcessGroupShm pg(name, 1, 2, opts);
+    exchange(pg);
+  });
+  std::vector<Child> both;
+  both.push_back(std::move(rank0));
+  both.push_back(std::move(rank1));
+  wait_all(both, 30s);
+  EXPECT_TRUE(both[0].ok()) << "rank 0: " << both[0].describe();
+  EXPECT_TRUE(both[1].ok()) << "rank 1: " << both[1].describe();
+}
+
+TEST_F(ShmSegmentProcs, WorldSizeMismatchIsRefused) {
+  expect_refused(*this, unique_name(), {.what = "size 3 attaching to a group of 2", .size = 3});
+}
+
+TEST_F(ShmSegmentProcs, SlotBytesMismatchIsRefused) {
+  Refusal r{.what = "slot_bytes 8192 attaching to 4096"};
+  r.options.slot_bytes = 8192;
+  expect_refused(*this, unique_name(), r);
+}
+
+TEST_F(ShmSegmentProcs, RingEntriesMismatchIsRefused) {
+  Refusal r{.what = "ring_entries 8 attaching to 4"};
+  r.options.ring_entries = 8;
+  expect_refused(*this, unique_name(), r);
+}
+
+TEST_F(ShmSegmentProcs, LayoutVersionMismatchIsRefused) {
+  expect_refused(*this, unique_name(),
+                 {.what = "layout_version patched to 99",
+                  .corrupt = [](shm::SegmentHeader& h) { h.layout_version.store(99, std::memory_order_release); },
+                  .needles = {"version"}});
+}
+
+TEST_F(ShmSegmentProcs, RankHeldByLiveProcessIsRefused) {
+  expect_refused(*this, unique_name(), {.what = "rank 0 again while its holder lives", .rank = 0});
+}
+
+TEST_F(ShmSegmentThreads, RankHeldByLiveThreadPeerIsRefused) {
+  const std::string name = unique_name();
+  ShmOptions opts = small_options();
+  opts.timeout = 20s;
+  PendingRank rank0(name, 0, 2, opts);
+  ASSERT_TRUE(wait_segment_ready(name, {0}, 10s));
+  const Caught c = catch_any([&] { ProcessGroupShm again(name, 0, 2, opts); });
+  EXPECT_TRUE(c.is<SegmentError>()) << c.describe();
+  ProcessGroupShm rank1(name, 1, 2, opts);
+  ASSERT_FALSE(rank0.join().threw) << rank0.join().describe();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { exchange(r == 0 ? *rank0.group() : rank1); }));
+}
+
+// ---------------------------------------------------------------------------------------------
+// A header corrupted on purpose: the attacher must refuse it, never crash or hang.
+
+TEST_F(ShmSegmentProcs, CorruptMagicIsRefused) {
+  expect_refused(*this, unique_name(),
+                 {.what = "garbage magic", .corrupt = [](shm::SegmentHeader& h) { h.magic = 0x0123456789abcdefull; }});
+}
+
+TEST_F(ShmSegmentProcs, AbsurdSegmentBytesIsRefused) {
+  expect_refused(*this, unique_name(),
+                 {.what = "segment_bytes 2^62", .corrupt = [](shm::SegmentHeader& h) { h.segment_bytes = uint64_t{1} << 62; }});
+}
+
+TEST_F(ShmSegmentProcs, SegmentBytesBeyondTheFileIsRefused) {
+  expect_refused(*this, unique_name(),
+                 {.what = "segment_bytes one page more than the file",
+                  .corrupt = [](shm::SegmentHeader& h) { h.segment_bytes += 4096; }});
+}
+
+TEST_F(ShmSegmentProcs, RingEntriesChangedInHeaderIsRefused) {
+  // The attacher asks for what the header now says, so only the header's consistency with the
+  // segment's real size can catch it (trusting it would reach past the end of the mapping).
+  Refusal r{.what = "ring_entries 4 -> 64 in the header, attacher asks for 64",
+            .corrupt = [](shm::SegmentHeader& h) { h.ring_entries = 64; }};
+  r.options.ring_entries = 64;
+  expect_refused(*this, unique_name(), r);
+}
+
+TEST_F(ShmSegmentProcs, HugeRingEntriesInHeaderIsRefused) {
+  Refusal r{.what = "ring_entries 2^31 - 1 in the header, attacher asks for the same",
+            .corrupt = [](shm::SegmentHeader& h) { h.ring_entries = 0x7fffffff; }};
+  r.options.ring_entries = 0x7fffffff;
+  expect_refused(*this, unique_name(), r);
+}
+
+TEST_F(ShmSegmentProcs, SlotBytesChangedInHeaderIsRefused) {
+  Refusal r{.what = "slot_bytes 4096 -> 1 MiB in the header, attacher asks for the same",
+            .corrupt = [](shm::SegmentHeader& h) { h.slot_bytes = 1 << 20; }};
+  r.options.slot_bytes = 1 << 20;
+  expect_refused(*this, unique_name(), r);
+}
+
+TEST_F(ShmSegmentProcs, WorldSizeChangedInHeaderIsRefused) {
+  expect_refused(*this, unique_name(),
+                 {.what = "world_size 2 -> 1000 in the header, attacher asks for 1000",
+                  .corrupt = [](shm::SegmentHeader& h) { h.world_size = 1000; },
+                  .size = 1000});
+}
+
+TEST_F(ShmSegmentProcs, CorruptOffsetsAreRefused) {
+  // The offsets stored in the header disagree with the geometry of its sizes.
+  expect_refused(*this, unique_name(),
+                 {.what = "rank_table_offset far out",
+                  .corrupt = [](shm::SegmentHeader& h) { h.rank_table_offset = uint64_t{1} << 40; }});
+  expect_refused(*this, unique_name(),
+                 {.what = "rings_offset far out", .corrupt = [](shm::SegmentHeader& h) { h.rings_offset = uint64_t{1} << 40; }});
+  expect_refused(*this, unique_name(),
+                 {.what = "entry_bytes smaller than an entry", .corrupt = [](shm::SegmentHeader& h) { h.entry_bytes = 64; }});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Names and arguments
+
+const std::vector<std::string>& invalid_names() {
+  static const std::vector<std::string> names = {"",       "a/b",         std::string(300, 'x'), std::string(201, 'y'),
+                                                 "a b",    "../escape",   "tab\there",           "caf\xc3\xa9",
+                                                 "new\nline"};
+  return names;
+}
+
+TEST_F(ShmSegmentThreads, InvalidNamesAreRefused) {
+  EXPECT_NO_THROW(validate_segment_name(std::string(200, 'z')));
+  EXPECT_NO_THROW(validate_segment_name("Az09._-"));
+  const std::vector<std::string> before = shm_entries_of("");
+  for (const std::string& name : invalid_names()) {
+    SCOPED_TRACE("name \"" + name + "\" (" + std::to_string(name.size()) + " chars)");
+    const Caught v = catch_any([&] { validate_segment_name(name); });
+    EXPECT_TRUE(v.is<SegmentError>()) << "validate_segment_name: " << v.describe();
+    const Caught c = catch_any([&] { ProcessGroupShm pg(name, 0, 1, small_options()); });
+    EXPECT_TRUE(c.is<SegmentError>()) << "constructor: " << c.describe();
+    const Caught r = catch_any([&] { remove_stale_segment(name); });
+    EXPECT_TRUE(r.is<SegmentError>()) << "remove_stale_segment: " << r.describe();
+  }
+  EXPECT_EQ(shm_entries_of(""), before) << "a refused name created something in /dev/shm";
+}
+
+TEST_F(ShmSegmentThreads, InvalidRankOrSizeIsRefused) {
+  const std::string name = unique_name();
+  struct Case {
+    int rank;
+    int size;
+  };
+  for (const Case& c : {Case{-1, 2}, Case{2, 2}, Case{5, 2}, Case{0, 0}, Case{0, -1}, Case{-1, -1}}) {
+    SCOPED_TRACE("rank " + std::to_string(c.rank) + " of " + std::to_string(c.size));
+    const Caught e = catch_any([&] { ProcessGroupShm pg(name, c.rank, c.size, small_options()); });
+    // The contract says invalid arguments are a SegmentError.
+    EXPECT_TRUE(e.is<SegmentError>()) << e.describe();
+  }
+  EXPECT_TRUE(shm_entries_of(name).empty());
+}
+
+TEST_F(ShmSegmentThreads, InvalidOptionsAreRefused) {
+  const std::string name = unique_name();
+  ShmOptions zero_slot = small_options();
+  zero_slot.slot_bytes = 0;
+  ShmOptions zero_entries = small_options();
+  zero_entries.ring_entries = 0;
+  for (const auto& [what, opts] : {std::pair{"slot_bytes 0", zero_slot}, std::pair{"ring_entries 0", zero_entries}}) {
+    SCOPED_TRACE(what);
+    const Caught e = catch_any([&] { ProcessGroupShm pg(name, 0, 1, opts); });
+    EXPECT_TRUE(e.is<SegmentError>()) << e.describe();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Too large for /dev/shm
+
+/// Bytes of the tmpfs at /dev/shm: total and free.
+std::pair<uint64_t, uint64_t> dev_shm_space() {
+  struct statvfs st {};
+  if (::statvfs("/dev/shm", &st) != 0) return {0, 0};
+  return {uint64_t{st.f_blocks} * st.f_frsize, uint64_t{st.f_bavail} * st.f_frsize};
+}
+
+TEST_F(ShmSegmentProcs, SegmentLargerThanDevShmIsRefused) {
+  const auto [total, free_bytes] = dev_shm_space();
+  ASSERT_GT(total, 0u) << "statvfs(/dev/shm) failed";
+  // Twice the whole tmpfs (so that not even an attempt to reserve it can use up the host's
+  // memory: the kernel refuses a fallocate larger than the file system at once).
+  ShmOptions opts = small_options();
+  opts.timeout = 3s;
+  opts.slot_bytes = size_t{1} << 20;
+  const uint64_t per_entry = 4 * (opts.slot_bytes + sizeof(shm::EntryHeader));  // 4 rings for 2 ranks
+  opts.ring_entries = static_cast<uint32_t>(2 * total / per_entry + 1);
+  const uint64_t needed = shm_segment_bytes(2, opts);
+  ASSERT_GT(needed, 2 * total);
+  ASSERT_GT(needed, free_bytes);
+  const std::string name = unique_name();
+  Child attempt([&] {
+    const auto start = Clock::now();
+    const Caught c = SHM_CHECK_THROWS(SegmentError, [&] { ProcessGroupShm pg(name, 0, 2, opts); });
+    std::fprintf(stderr, "[needs %llu bytes] %s\n", static_cast<unsigned long long>(needed), c.describe().c_str());
+    // The size needed, in bytes or rounded to MiB or GiB.
+    bool named = false;
+    for (uint64_t shown : {needed, needed >> 20, needed >> 30, (needed + (1 << 20) - 1) >> 20,
+                           (needed + (uint64_t{1} << 30) - 1) >> 30}) {
+      named = named || c.what.find(std::to_string(shown)) != std::string::npos;
+    }
+    SHM_CHECK(named, "the message does not say how much is needed (" << needed << " bytes): " << c.what);
+    SHM_CHECK(Clock::now() - start < 2s, "refusing took " << (Clock::now() - start).count() << " ns");
+  });
+  attempt.wait(20s);
+  EXPECT_TRUE(attempt.ok()) << attempt.describe();
+  EXPECT_TRUE(shm_entries_of(name).empty());
+}
+
+TEST_F(ShmSegmentProcs, SegmentSizeOverflowIsRefused) {
+  // world^2 * entries * slot overflows 64 bits: must not wrap to a small segment.
+  ShmOptions opts = small_options();
+  opts.timeout = 3s;
+  opts.slot_bytes = size_t{1} << 40;
+  opts.ring_entries = 1u << 31;
+  const std::string name = unique_name();
+  Child attempt([&] {
+    const Caught c = SHM_CHECK_THROWS(SegmentError, [&] { ProcessGroupShm pg(name, 0, 1000, opts); });
+    std::fprintf(stderr, "[overflow] %s\n", c.describe().c_str());
+  });
+  attempt.wait(20s);
+  EXPECT_TRUE(attempt.ok()) << attempt.describe();
+  EXPECT_TRUE(shm_entries_of(name).empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Leftover segments
+
+/// Leaves the segment `name` behind: `ranks` children attach (all of a group of `size`, or fewer,
+/// which then wait in the constructor) and are SIGKILLed.
+void leave_stale_segment(const std::string& name, int ranks, int size) {
+  ShmOptions opts = small_options();
+  opts.timeout = 30s;
+  Shared<std::atomic<int>> constructed;
+  std::vector<Child> children;
+  for (int r = 0; r < ranks; ++r) {
+    children.emplace_back([&, r] {
+      ProcessGroupShm pg(name, r, size, opts);
+      constructed->fetch_add(1);
+      for (;;) std::this_thread::sleep_for(1s);
+    });
+  }
+  std::vector<int> live;
+  for (int r = 0; r < ranks; ++r) live.push_back(r);
+  const bool ready = wait_segment_ready(name, live, 10s);
+  const auto deadline = Clock::now() + 10s;
+  while (ranks == size && constructed->load() < ranks && Clock::now() < deadline) std::this_thread::sleep_for(2ms);
+  for (Child& c : children) c.kill();
+  wait_all(children, 10s);
+  ASSERT_TRUE(ready) << "the children did not attach";
+  ASSERT_EQ(::access(segment_path(name).c_str(), F_OK), 0) << "no segment left behind to test with";
+}
+
+TEST_F(ShmSegmentProcs, StaleSegmentOfWaitingRankIsReplaced) {
+  const std::string name = unique_name();
+  leave_stale_segment(name, 1, 2);
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) {
+    ProcessGroupShm pg(name, r, 2, small_options());
+    exchange(pg);
+  }));
+}
+
+TEST_F(ShmSegmentProcs, StaleSegmentOfCompleteGroupIsReplaced) {
+  const std::string name = unique_name();
+  leave_stale_segment(name, 2, 2);
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) {
+    ProcessGroupShm pg(name, r, 2, small_options());
+    exchange(pg);
+  }));
+}
+
+TEST_F(ShmSegmentProcs, StaleSegmentWithOtherGeometryIsReplaced) {
+  // Dead ranks of a 3-rank group with default slots: a new 2-rank group of small slots may use
+  // the name.
+  const std::string name = unique_name();
+  leave_stale_segment(name, 3, 3);
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) {
+    ProcessGroupShm pg(name, r, 2, small_options());
+    exchange(pg);
+  }));
+}
+
+TEST_F(ShmSegmentProcs, RemoveStaleSegmentRemovesDeadOnes) {
+  const std::string name = unique_name();
+  EXPECT_FALSE(remove_stale_segment(name)) << "nothing to remove yet";
+  leave_stale_segment(name, 2, 2);
+  EXPECT_TRUE(remove_stale_segment(name));
+  EXPECT_TRUE(shm_entries_of(name).empty());
+  EXPECT_FALSE(remove_stale_segment(name));
+}
+
+TEST_F(ShmSegmentThreads, RemoveStaleSegmentRefusesLiveOnes) {
+  const std::string name = unique_name();
+  ShmOptions opts = small_options();
+  opts.timeout = 20s;
+  {
+    // Only rank 0 attached so far (waiting in its constructor): live.
+    PendingRank rank0(name, 0, 2, opts);
+    ASSERT_TRUE(wait_segment_ready(name, {0}, 10s));
+    const Caught waiting = catch_any([&] { remove_stale_segment(name); });
+    EXPECT_TRUE(waiting.is<SegmentError>()) << waiting.describe();
+    ProcessGroupShm rank1(name, 1, 2, opts);
+    ASSERT_FALSE(rank0.join().threw) << rank0.join().describe();
+    // The complete group: live.
+    const Caught complete = catch_any([&] { remove_stale_segment(name); });
+    EXPECT_TRUE(complete.is<SegmentError>()) << complete.describe();
+    SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { exchange(r == 0 ? *rank0.group() : rank1); }));
+    rank0.leave();
+  }
+  EXPECT_TRUE(shm_entries_of(name).empty()) << "the last rank to leave removes the segment";
+}
+
+TEST_F(ShmSegmentThreads, LastRankToLeaveRemovesTheSegment) {
+  const std::string name = unique_name();
+  auto rank0 = std::make_unique<PendingRank>(name, 0, 2, small_options());
+  auto rank1 = std::make_unique<ProcessGroupShm>(name, 1, 2, small_options());
+  ASSERT_FALSE(rank0->join().threw) << rank0->join().describe();
+  rank0->leave();
+  EXPECT_EQ(::access(segment_path(name).c_str(), F_OK), 0) << "removed while rank 1 is still in the group";
+  rank1.reset();
+  EXPECT_TRUE(shm_entries_of(name).empty());
+}
+
+TEST_F(ShmSegmentThreads, ConstructorTimesOutWhenPeersNeverCome) {
+  const std::string name = unique_name();
+  ShmOptions opts = small_options();
+  opts.timeout = 300ms;
+  const auto start = Clock::now();
+  const Caught c = catch_any([&] { ProcessGroupShm pg(name, 0, 2, opts); });
+  const auto elapsed = Clock::now() - start;
+  EXPECT_TRUE(c.is<tdshm::Error>()) << c.describe();
+  EXPECT_TRUE(c.is<TimeoutError>() || c.is<SegmentError>()) << c.describe();
+  EXPECT_GE(elapsed, 250ms);
+  EXPECT_LT(elapsed, 3s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A peer killed in the middle of a transfer
+
+struct KillRecord {
+  std::atomic<int64_t> kill_ns{0};           // when the victim raised SIGKILL (monotonic_ns)
+  std::atomic<int> completed_before_kill{0};  // the transfer ended before the victim died
+  std::atomic<int> old_group_gone{0};         // the survivor destroyed its first group
+};
+
+constexpr int64_t kMessageBytes = int64_t{1} << 20;  // 256 chunks of 4 KiB
+constexpr auto kDetectionBound = 1500ms;             // "about a second": 100 ms checks, loaded host
+
+ShmOptions kill_options() {
+  ShmOptions opts = small_options();
+  opts.timeout = 20s;
+  opts.peer_check_interval = 100ms;
+  return opts;
+}
+
+/// The victim: once part of the transfer has happened, notes the time and SIGKILLs itself.
+void victim(const std::string& name, bool victim_receives, KillRecord& record) {
+  ProcessGroupShm pg(name, 1, 2, kill_options());
+  const at::Tensor expected = pattern(at::kByte, kMessageBytes, 99);
+  if (victim_receives) {
+    const at::Tensor got = at::zeros({kMessageBytes}, at::kByte);
+    auto work = post_recv(pg, got, 0, 1);
+    const auto give_up = Clock::now() + 2s;
+    // Progress until the first chunk has landed (or, if the transport stages whole messages,
+    // until a little time has passed).
+    const auto* first = got.data_ptr<uint8_t>();
+    const auto* want = expected.data_ptr<uint8_t>();
+    while (std::memcmp(first, want, 64) != 0 && Clock::now() < give_up) {
+      if (work->isCompleted()) break;
+    }
+    if (work->isCompleted()) record.completed_before_kill.store(1);
+  } else {
+    auto work = post_send(pg, expected, 0, 1);
+    (void)work->isCompleted();
+    std::this_thread::sleep_for(20ms);
+    if (work->isCompleted()) record.completed_before_kill.store(1);
+  }
+  record.kill_ns.store(monotonic_ns());
+  ::raise(SIGKILL);
+}
+
+/// The survivor: its wait must fail with PeerLostError naming rank 1 within about a second of
+/// the kill; then a new group of the same name works.
+void survivor(const std::string& name, bool survivor_sends, KillRecord& record, const std::string& tag) {
+  {
+    ProcessGroupShm pg(name, 0, 2, kill_options());
+    const at::Tensor buffer = survivor_sends ? pattern(at::kByte, kMessageBytes, 99) : at::zeros({kMessageBytes}, at::kByte);
+    auto work = survivor_sends ? post_send(pg, buffer, 1, 1) : post_recv(pg, buffer, 1, 1);
+    const Caught c = catch_any([&] { work->wait(); });
+    const int64_t caught_ns = monotonic_ns();
+    SHM_CHECK(record.completed_before_kill.load() == 0, "the transfer completed before the victim died");
+    std::fprintf(stderr, "[%s] wait threw %s\n", tag.c_str(), c.describe().c_str());
+    SHM_CHECK(c.is<PeerLostError>(), "Work::wait threw " << c.describe() << ", not a tdshm::PeerLostError");
+    SHM_CHECK(contains_nocase(c.what, "rank 1") || contains_nocase(c.what, "peer 1"),
+              "the message does not name the lost peer (rank 1): " << c.what);
+    const int64_t kill_ns = record.kill_ns.load();
+    SHM_CHECK(kill_ns != 0, "the victim did not record its death");
+    const auto latency = std::chrono::nanoseconds(caught_ns - kill_ns);
+    std::fprintf(stderr, "[%s] noticed %.0f ms after the kill\n", tag.c_str(),
+                 std::chrono::duration<double, std::milli>(latency).count());
+    SHM_CHECK(latency < kDetectionBound, "the death was noticed "
+                                             << std::chrono::duration_cast<std::chrono::milliseconds>(latency).count()
+                                             << " ms after the kill");
+    // isCompleted() is true for a failed work, and the group still refuses to talk to rank 1.
+    SHM_CHECK(work->isCompleted(), "a failed work is not completed");
+  }
+  record.old_group_gone.store(1);
+  ProcessGroupShm pg(name, 0, 2, kill_options());
+  exchange(pg);
+}
+
+/// A new rank 1, once the survivor has left its first group.
+void successor(const std::string& name, KillRecord& record) {
+  const auto give_up = Clock::now() + 20s;
+  while (record.old_group_gone.load() == 0 && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+  SHM_CHECK(record.old_group_gone.load() == 1, "the survivor never left its first group");
+  ProcessGroupShm pg(name, 1, 2, kill_options());
+  exchange(pg);
+}
+
+void peer_killed_mid_transfer(const std::string& name, bool victim_receives) {
+  Shared<KillRecord> record;
+  const std::string tag = victim_receives ? "receiver killed" : "sender killed";
+  std::vector<Child> children;
+  children.emplace_back([&] { survivor(name, victim_receives, *record, tag); });
+  children.emplace_back([&] { victim(name, victim_receives, *record); });
+  children.emplace_back([&] { successor(name, *record); });
+  wait_all(children, 60s);
+  EXPECT_TRUE(children[0].ok()) << "survivor (rank 0): " << children[0].describe();
+  EXPECT_EQ(children[1].signal(), SIGKILL) << "victim (rank 1): " << children[1].describe();
+  EXPECT_TRUE(children[2].ok()) << "successor (new rank 1): " << children[2].describe();
+}
+
+TEST_F(ShmSegmentProcs, ReceiverKilledMidTransferFailsTheSender) { peer_killed_mid_transfer(unique_name(), true); }
+
+TEST_F(ShmSegmentProcs, SenderKilledMidTransferFailsTheReceiver) { peer_killed_mid_transfer(unique_name(), false); }
+
+TEST_F(ShmSegmentProcs, PeerKilledWhileAnUnreapedChildOfTheWaiter) {
+  // The survivor forked the victim itself and does not reap it while it waits: the dead victim is
+  // a zombie (its pid and /proc entry remain) and must still count as dead.
+  const std::string name = unique_name();
+  Shared<KillRecord> record;
+  Child survivor_process([&] {
+    pid_t victim_pid = ::fork();
+    if (victim_pid == 0) {
+      try {
+        victim(name, true, *record);
+      } catch (...) {
+      }
+      ::_exit(1);
+    }
+    SHM_CHECK(victim_pid > 0, "fork failed");
+    // Do not reap the victim until the wait has failed.
+    std::string failure;
+    try {
+      ProcessGroupShm pg(name, 0, 2, kill_options());
+      const at::Tensor buffer = pattern(at::kByte, kMessageBytes, 99);
+      auto work = post_send(pg, buffer, 1, 1);
+      const Caught c = catch_any([&] { work->wait(); });
+      const auto latency = std::chrono::nanoseconds(monotonic_ns() - record->kill_ns.load());
+      std::fprintf(stderr, "[zombie peer] wait threw %s, %.0f ms after the kill\n", c.describe().c_str(),
+                   std::chrono::duration<double, std::milli>(latency).count());
+      SHM_CHECK(c.is<PeerLostError>(), "Work::wait threw " << c.describe());
+      SHM_CHECK(latency < kDetectionBound, "noticed " << latency.count() / 1000000 << " ms after the kill");
+    } catch (...) {
+      ::waitpid(victim_pid, nullptr, 0);
+      throw;
+    }
+    ::waitpid(victim_pid, nullptr, 0);
+  });
+  survivor_process.wait(40s);
+  EXPECT_TRUE(survivor_process.ok()) << survivor_process.describe();
+  // The victim died without leaving and the survivor left: the segment may remain (nobody live),
+  // and then it is stale.
+  if (!shm_entries_of(name).empty()) {
+    EXPECT_TRUE(remove_stale_segment(name));
+  }
+}
+
+}  // namespace
+}  // namespace tdshm::test
