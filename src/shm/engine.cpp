@@ -87,8 +87,23 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   peer_error_.resize(n);
   collective_seq_.assign(4, 0);
 
-  // Rendezvous: every rank attached (they may start in any order).
-  while (!segment_->all_live()) {
+  // Rendezvous: every rank attached (they may start in any order). A peer that completed its own
+  // rendezvous and left again before this rank looked (say, it sent one small message and went)
+  // has arrived too: a slot found "left" counts, unless it was already "left" when this rank
+  // attached (then it belongs to an earlier member, and its successor has yet to come).
+  std::vector<uint32_t> state_at_attach(n);
+  for (uint32_t r = 0; r < params.world_size; ++r) {
+    state_at_attach[r] = segment_->rank_slot(r).state.load(std::memory_order_acquire);
+  }
+  auto all_arrived = [&] {
+    for (uint32_t r = 0; r < params.world_size; ++r) {
+      const uint32_t state = segment_->rank_slot(r).state.load(std::memory_order_acquire);
+      const bool arrived = state == shm::kRankLive || (state == shm::kRankLeft && state_at_attach[r] != shm::kRankLeft);
+      if (!arrived) return false;
+    }
+    return true;
+  };
+  while (!all_arrived()) {
     if (Clock::now() > deadline) {
       int live = 0;
       for (uint32_t r = 0; r < params.world_size; ++r) live += segment_->rank_alive(r) ? 1 : 0;
@@ -515,15 +530,17 @@ void ShmEngine::watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<voi
 void ShmEngine::background_loop() {
   for (;;) {
     std::vector<Watch> ready;
+    bool stop = false;
     {
       std::unique_lock lk(watch_mu_);
       watch_cv_.wait(lk, [&] { return stopping_ || !watches_.empty(); });
       if (stopping_) {
+        stop = true;
         ready = std::move(watches_);  // fail-fast: their ops were finished with errors or will be
         watches_.clear();
       }
     }
-    if (!ready.empty()) {
+    if (stop) {  // also when no watch is left: shutdown() joins this thread
       for (auto& w : ready) w.on_done();
       return;
     }
