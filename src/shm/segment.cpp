@@ -72,6 +72,9 @@ uint64_t read_start_time(uint32_t pid) {
   std::istringstream rest(stat.substr(close + 2));
   std::string field;
   for (int i = 3; i <= 22 && (rest >> field); ++i) {
+    // Field 3 is the state: a zombie (Z) or dead (X) process has exited, though its parent has
+    // not reaped it yet; it counts as gone.
+    if (i == 3 && (field == "Z" || field == "X")) return 0;
     if (i == 22) return std::stoull(field);
   }
   return 0;
@@ -265,7 +268,12 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
 
     // Create it.
     const uint64_t bytes = seg->geometry_.segment_bytes;
-    check_capacity(bytes, params.name);
+    try {
+      check_capacity(bytes, params.name);
+    } catch (...) {
+      lock.remove_file();  // no segment of this name exists: leave no lock file behind either
+      throw;
+    }
     try {
       bip::permissions perm;
       perm.set_permissions(0600);
@@ -275,6 +283,7 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
       const int err = ::posix_fallocate(shm.get_mapping_handle().handle, 0, static_cast<off_t>(bytes));
       if (err != 0) {
         remove_object(params.name);
+        lock.remove_file();
         throw SegmentError("cannot reserve " + std::to_string(bytes) + " bytes for segment '" + params.name +
                            "' in " + kShmDir + ": " + std::strerror(err) +
                            "; enlarge /dev/shm or make ShmOptions::slot_bytes / ring_entries smaller");
@@ -299,6 +308,7 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
       created = true;
     } catch (const bip::interprocess_exception& e) {
       remove_object(params.name);
+      lock.remove_file();
       throw SegmentError("cannot create segment '" + params.name + "' (" + std::to_string(bytes) + " bytes): " + e.what());
     }
   }
