@@ -12,7 +12,9 @@
 #include <tdshm/errors.h>
 #include <tdshm/process_group.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -293,7 +295,7 @@ TEST_F(ShmSegmentThreads, InvalidRankOrSizeIsRefused) {
     // The contract says invalid arguments are a SegmentError.
     EXPECT_TRUE(e.is<SegmentError>()) << e.describe();
   }
-  EXPECT_TRUE(shm_entries_of(name).empty());
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
 }
 
 TEST_F(ShmSegmentThreads, InvalidOptionsAreRefused) {
@@ -348,7 +350,7 @@ TEST_F(ShmSegmentProcs, SegmentLargerThanDevShmIsRefused) {
   });
   attempt.wait(20s);
   EXPECT_TRUE(attempt.ok()) << attempt.describe();
-  EXPECT_TRUE(shm_entries_of(name).empty());
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
 }
 
 TEST_F(ShmSegmentProcs, SegmentSizeOverflowIsRefused) {
@@ -364,7 +366,7 @@ TEST_F(ShmSegmentProcs, SegmentSizeOverflowIsRefused) {
   });
   attempt.wait(20s);
   EXPECT_TRUE(attempt.ok()) << attempt.describe();
-  EXPECT_TRUE(shm_entries_of(name).empty());
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -429,7 +431,7 @@ TEST_F(ShmSegmentProcs, RemoveStaleSegmentRemovesDeadOnes) {
   EXPECT_FALSE(remove_stale_segment(name)) << "nothing to remove yet";
   leave_stale_segment(name, 2, 2);
   EXPECT_TRUE(remove_stale_segment(name));
-  EXPECT_TRUE(shm_entries_of(name).empty());
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
   EXPECT_FALSE(remove_stale_segment(name));
 }
 
@@ -451,7 +453,7 @@ TEST_F(ShmSegmentThreads, RemoveStaleSegmentRefusesLiveOnes) {
     SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { exchange(r == 0 ? *rank0.group() : rank1); }));
     rank0.leave();
   }
-  EXPECT_TRUE(shm_entries_of(name).empty()) << "the last rank to leave removes the segment";
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{}) << "the last rank to leave removes the segment";
 }
 
 TEST_F(ShmSegmentThreads, LastRankToLeaveRemovesTheSegment) {
@@ -462,7 +464,7 @@ TEST_F(ShmSegmentThreads, LastRankToLeaveRemovesTheSegment) {
   rank0->leave();
   EXPECT_EQ(::access(segment_path(name).c_str(), F_OK), 0) << "removed while rank 1 is still in the group";
   rank1.reset();
-  EXPECT_TRUE(shm_entries_of(name).empty());
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
 }
 
 TEST_F(ShmSegmentThreads, ConstructorTimesOutWhenPeersNeverCome) {
@@ -476,6 +478,63 @@ TEST_F(ShmSegmentThreads, ConstructorTimesOutWhenPeersNeverCome) {
   EXPECT_TRUE(c.is<TimeoutError>() || c.is<SegmentError>()) << c.describe();
   EXPECT_GE(elapsed, 250ms);
   EXPECT_LT(elapsed, 3s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rendezvous of the constructor
+
+/// True if nobody holds the lock file of `name` (an implementation detail: when there is no such
+/// file there is no lock to hold).
+bool lock_file_free(const std::string& name) {
+  const int fd = ::open((segment_path(name) + ".lock").c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return true;
+  const bool free_now = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+  ::close(fd);  // drops the lock if we took it
+  return free_now;
+}
+
+TEST_F(ShmSegmentProcs, RendezvousCompletesWhenAPeerAlreadyLeft) {
+  // Rank 1 attaches and is stopped (SIGSTOP) before it sees the others. Ranks 0 and 2 attach,
+  // complete their rendezvous, rank 0 sends rank 1 a message, rank 2 leaves at once. Rank 1,
+  // continued, must complete its constructor (rank 2 did attach) and take the message.
+  const std::string name = unique_name();
+  ShmOptions opts = small_options();
+  opts.timeout = 15s;
+  Child rank1([&] {
+    ProcessGroupShm pg(name, 1, 3, opts);
+    const at::Tensor got = at::zeros({4}, at::kInt);
+    post_recv(pg, got, 0, 1)->wait();
+    SHM_CHECK(got[3].item<int>() == 4, "wrong message");
+    post_send(pg, got, 0, 2)->wait();
+  });
+  ASSERT_TRUE(wait_segment_ready(name, {1}, 10s)) << rank1.describe();
+  // Stop it outside the lock file that serialises attaching (else nobody else can attach).
+  const auto give_up = Clock::now() + 10s;
+  for (;;) {
+    ::kill(rank1.pid(), SIGSTOP);
+    if (lock_file_free(name)) break;
+    ::kill(rank1.pid(), SIGCONT);
+    ASSERT_LT(Clock::now(), give_up) << "rank 1 kept the lock file";
+    std::this_thread::sleep_for(1ms);
+  }
+  Child rank2([&] { ProcessGroupShm pg(name, 2, 3, opts); });
+  Child rank0([&] {
+    ProcessGroupShm pg(name, 0, 3, opts);
+    post_send(pg, at::arange(1, 5, at::kInt), 1, 1)->wait();
+    const at::Tensor back = at::zeros({4}, at::kInt);
+    post_recv(pg, back, 1, 2)->wait();
+    SHM_CHECK(back[0].item<int>() == 1, "wrong reply");
+  });
+  rank2.wait(10s);
+  EXPECT_TRUE(rank2.ok()) << "rank 2: " << rank2.describe();
+  std::this_thread::sleep_for(50ms);  // rank 0 has sent its message by now, most likely
+  ::kill(rank1.pid(), SIGCONT);
+  std::vector<Child> rest;
+  rest.push_back(std::move(rank0));
+  rest.push_back(std::move(rank1));
+  wait_all(rest, 30s);
+  EXPECT_TRUE(rest[0].ok()) << "rank 0: " << rest[0].describe();
+  EXPECT_TRUE(rest[1].ok()) << "rank 1: " << rest[1].describe();
 }
 
 // ---------------------------------------------------------------------------------------------
