@@ -87,23 +87,9 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   peer_error_.resize(n);
   collective_seq_.assign(4, 0);
 
-  // Rendezvous: every rank attached (they may start in any order). A peer that completed its own
-  // rendezvous and left again before this rank looked (say, it sent one small message and went)
-  // has arrived too: a slot found "left" counts, unless it was already "left" when this rank
-  // attached (then it belongs to an earlier member, and its successor has yet to come).
-  std::vector<uint32_t> state_at_attach(n);
-  for (uint32_t r = 0; r < params.world_size; ++r) {
-    state_at_attach[r] = segment_->rank_slot(r).state.load(std::memory_order_acquire);
-  }
-  auto all_arrived = [&] {
-    for (uint32_t r = 0; r < params.world_size; ++r) {
-      const uint32_t state = segment_->rank_slot(r).state.load(std::memory_order_acquire);
-      const bool arrived = state == shm::kRankLive || (state == shm::kRankLeft && state_at_attach[r] != shm::kRankLeft);
-      if (!arrived) return false;
-    }
-    return true;
-  };
-  while (!all_arrived()) {
+  // Rendezvous: every rank attached (they may start in any order; see Segment::all_arrived for
+  // a peer that came and went before this rank looked).
+  while (!segment_->all_arrived()) {
     if (Clock::now() > deadline) {
       int live = 0;
       for (uint32_t r = 0; r < params.world_size; ++r) live += segment_->rank_alive(r) ? 1 : 0;

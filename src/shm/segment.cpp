@@ -327,6 +327,12 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
   if (!created) {
     for (uint32_t peer = 0; peer < params.world_size; ++peer) seg->reset_rings_with(peer);
   }
+  // Under the lock no rank leaves, and no peer completes its rendezvous before this rank is live:
+  // a rank found left now is an earlier member (see all_arrived).
+  seg->state_before_live_.resize(params.world_size);
+  for (uint32_t r = 0; r < params.world_size; ++r) {
+    seg->state_before_live_[r] = seg->rank_slot(r).state.load(std::memory_order_acquire);
+  }
   slot.state.store(kRankLive, std::memory_order_release);  // pairs with rank_alive / all_live
   seg->header().attached.fetch_add(1, std::memory_order_acq_rel);
   detail::log().debug("rank {} attached to segment '{}' ({})", rank, params.name, created ? "created" : "existing");
@@ -369,6 +375,16 @@ bool Segment::rank_alive(uint32_t r) const {
 bool Segment::all_live() const {
   for (uint32_t r = 0; r < params_.world_size; ++r) {
     if (rank_slot(r).state.load(std::memory_order_acquire) != kRankLive) return false;
+  }
+  return true;
+}
+
+bool Segment::all_arrived() const {
+  for (uint32_t r = 0; r < params_.world_size; ++r) {
+    const uint32_t state = rank_slot(r).state.load(std::memory_order_acquire);
+    if (state == kRankLive) continue;
+    if (state == kRankLeft && state_before_live_[r] != kRankLeft) continue;
+    return false;
   }
   return true;
 }

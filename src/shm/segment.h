@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace tdshm::shm {
 
@@ -68,6 +69,10 @@ class Segment {
   bool rank_alive(uint32_t r) const;
   /// Whether every rank is live (the rendezvous is complete).
   bool all_live() const;
+  /// Whether every rank has arrived: it is live, or it has left since this rank went live (a fast
+  /// peer may complete its own rendezvous, send and leave before this rank looks). A rank that had
+  /// already left before that belongs to an earlier member and has not arrived.
+  bool all_arrived() const;
   /// "rank 1 (pid 1234)" for messages.
   std::string describe_rank(uint32_t r) const;
   /// Empties both rings between this rank and `peer` (a dead peer's entries are reclaimed).
@@ -88,6 +93,7 @@ class Segment {
   boost::interprocess::mapped_region region_;
   uint8_t* base_ = nullptr;
   bool left_ = false;
+  std::vector<uint32_t> state_before_live_;  // every rank's state just before this one went live
 };
 
 /// Removes the segment `name` if no live process is attached. See process_group.h.
