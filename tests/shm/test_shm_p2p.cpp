@@ -13,6 +13,7 @@
 #include <tdshm/process_group.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -302,6 +303,38 @@ void bidirectional_large_scenario(const std::string& name, int rank, const ShmOp
   std::fprintf(stderr, "[rank %d] 256 MiB each way in %.2f s\n", rank, seconds);
 }
 
+/// Scenario: rank 0 sends what fits in the ring (two small messages and one of 2 slots), waits
+/// for the sends, and leaves. Rank 1 only then receives: the messages are still delivered (they
+/// were complete sends), and a further recv from the departed rank fails with PeerLostError at
+/// once rather than at the group's timeout.
+void left_sender_scenario(const std::string& name, int rank, const ShmOptions& opts, std::atomic<int>& sender_left) {
+  const std::vector<int64_t> bytes = {8, 2 * static_cast<int64_t>(opts.slot_bytes), 100};
+  auto values = [&](size_t i) { return pattern(at::kByte, bytes[i], 300 + i); };
+  if (rank == 0) {
+    {
+      ProcessGroupShm pg(name, 0, 2, opts);
+      for (size_t i = 0; i < bytes.size(); ++i) post_send(pg, values(i), 1, static_cast<int>(i))->wait();
+    }
+    sender_left.store(1);
+    return;
+  }
+  ProcessGroupShm pg(name, 1, 2, opts);
+  const auto give_up = Clock::now() + 10s;
+  while (sender_left.load() == 0 && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+  SHM_CHECK(sender_left.load() == 1, "rank 0 did not leave");
+  // Longer than the liveness check interval: rank 1 may well have noticed the departure first.
+  std::this_thread::sleep_for(3 * opts.peer_check_interval);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const at::Tensor got = at::zeros({bytes[i]}, at::kByte);
+    recv_wait(pg, got, 0, static_cast<int>(i));
+    SHM_CHECK(same_bytes(got, values(i)), "message " << i << " of the departed sender differs");
+  }
+  const auto start = Clock::now();
+  const Caught c = catch_any([&] { recv_wait(pg, at::zeros({8}, at::kByte), 0, 7); });
+  SHM_CHECK(c.is<PeerLostError>(), "a recv from a departed rank threw " << c.describe());
+  SHM_CHECK(Clock::now() - start < opts.timeout / 2, "the recv from a departed rank failed only at the timeout");
+}
+
 class ShmP2PThreads : public ShmTest {};
 class ShmP2PProcs : public ShmTest {};
 
@@ -437,6 +470,20 @@ TEST_F(ShmP2PProcs, SlowReceiverLosesNothing) {
   const std::string name = unique_name();
   SHM_EXPECT_RANKS_OK(
       run_ranks(Peers::kProcesses, 2, [&](int r) { slow_receiver_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PThreads, MessagesOfADepartedSenderAreDelivered) {
+  const std::string name = unique_name();
+  Shared<std::atomic<int>> sender_left;
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kThreads, 2, [&](int r) { left_sender_scenario(name, r, small_options(), *sender_left); }));
+}
+
+TEST_F(ShmP2PProcs, MessagesOfADepartedSenderAreDelivered) {
+  const std::string name = unique_name();
+  Shared<std::atomic<int>> sender_left;
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kProcesses, 2, [&](int r) { left_sender_scenario(name, r, small_options(), *sender_left); }));
 }
 
 TEST_F(ShmP2PProcs, Bidirectional256MiBAtOnce) {
