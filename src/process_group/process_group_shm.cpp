@@ -1,0 +1,196 @@
+// ProcessGroupShm and its Work: c10d wrappers around the shared-memory engine.
+
+#include <tdshm/process_group.h>
+
+#include "shm/engine.h"
+
+#include <ATen/core/ivalue.h>
+
+namespace tdshm {
+
+using detail::ShmEngine;
+using detail::ShmOp;
+
+namespace {
+
+enum CollectiveKind : int { kBarrier = 1, kBroadcast = 2 };
+
+const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
+  TORCH_CHECK(tensors.size() == 1, "ProcessGroupShm::", op, " takes exactly one tensor, got ", tensors.size());
+  const at::Tensor& t = tensors[0];
+  TORCH_CHECK(t.defined(), "ProcessGroupShm::", op, ": the tensor is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "ProcessGroupShm::", op, ": only CPU tensors are supported, got ", t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, "ProcessGroupShm::", op, ": only dense (strided) tensors are supported");
+  return t;
+}
+
+/// A c10d Work over one or more engine ops; completes when all of them are done.
+class ShmWork : public c10d::Work {
+ public:
+  ShmWork(std::shared_ptr<ShmEngine> engine, std::vector<std::shared_ptr<ShmOp>> ops, c10d::OpType type,
+          std::vector<at::Tensor> outputs)
+      : c10d::Work(engine->rank(), type), engine_(std::move(engine)), ops_(std::move(ops)), outputs_(std::move(outputs)) {}
+
+  bool isCompleted() override {
+    if (!all_done()) engine_->poll();
+    return all_done();
+  }
+
+  bool isSuccess() const override { return all_done() && !first_error(); }
+
+  std::exception_ptr exception() const override { return all_done() ? first_error() : nullptr; }
+
+  int sourceRank() const override {
+    TORCH_CHECK(ops_.size() == 1 && ops_[0]->kind == ShmOp::Kind::kRecv && all_done(),
+                "sourceRank() is only valid for a completed recv");
+    return ops_[0]->source;
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    const auto limit = timeout == kNoTimeout ? engine_->options().timeout : timeout;
+    engine_->wait(ops_, std::chrono::steady_clock::now() + limit);
+    if (auto e = first_error()) std::rethrow_exception(e);
+    return true;
+  }
+
+  void abort() override { TORCH_CHECK(false, "ProcessGroupShm works cannot be aborted"); }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::lock_guard lk(future_mu_);
+    if (future_) return future_;
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    auto future = future_;
+    auto ops = ops_;
+    auto outputs = outputs_;
+    engine_->watch(ops_, [future, ops, outputs] {
+      for (const auto& op : ops) {
+        if (!op->done.load(std::memory_order_acquire)) {
+          future->setError(std::make_exception_ptr(Error("the process group was destroyed")));
+          return;
+        }
+        if (op->error) {
+          future->setError(op->error);
+          return;
+        }
+      }
+      future->markCompleted(c10::IValue(outputs));
+    });
+    return future_;
+  }
+
+ private:
+  bool all_done() const {
+    for (const auto& op : ops_) {
+      if (!op->done.load(std::memory_order_acquire)) return false;  // pairs with ShmEngine::finish
+    }
+    return true;
+  }
+  std::exception_ptr first_error() const {
+    for (const auto& op : ops_) {
+      if (op->done.load(std::memory_order_acquire) && op->error) return op->error;
+    }
+    return nullptr;
+  }
+
+  std::shared_ptr<ShmEngine> engine_;
+  std::vector<std::shared_ptr<ShmOp>> ops_;
+  std::vector<at::Tensor> outputs_;
+  std::mutex future_mu_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+c10::intrusive_ptr<c10d::Work> make_work(const std::shared_ptr<ShmEngine>& engine,
+                                         std::vector<std::shared_ptr<ShmOp>> ops, c10d::OpType type,
+                                         std::vector<at::Tensor> outputs) {
+  return c10::make_intrusive<ShmWork>(engine, std::move(ops), type, std::move(outputs));
+}
+
+}  // namespace
+
+ProcessGroupShm::ProcessGroupShm(const std::string& name, int rank, int size, ShmOptions options)
+    : c10d::ProcessGroup(rank, size) {
+  validate_segment_name(name);
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw SegmentError("rank " + std::to_string(rank) + " and world size " + std::to_string(size) +
+                       " do not make a group: need 0 <= rank < size");
+  }
+  engine_ = std::make_shared<ShmEngine>(name, rank, size, options);
+  init();
+}
+
+ProcessGroupShm::~ProcessGroupShm() {
+  if (engine_) engine_->shutdown();
+}
+
+const std::string& ProcessGroupShm::segment_name() const noexcept { return engine_->name(); }
+const ShmOptions& ProcessGroupShm::options() const noexcept { return engine_->options(); }
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  const at::Tensor& t = single_tensor(tensors, "send");
+  auto op = engine_->post_send(t, dstRank, tag, /*control=*/false);
+  return make_work(engine_, {op}, c10d::OpType::SEND, {});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  const at::Tensor& t = single_tensor(tensors, "recv");
+  TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv: source rank must be >= 0 (use recvAnysource)");
+  auto op = engine_->post_recv(t, srcRank, tag, /*control=*/false);
+  return make_work(engine_, {op}, c10d::OpType::RECV, {t});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  const at::Tensor& t = single_tensor(tensors, "recvAnysource");
+  auto op = engine_->post_recv(t, -1, tag, /*control=*/false);
+  return make_work(engine_, {op}, c10d::OpType::RECVANYSOURCE, {t});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  const at::Tensor& t = single_tensor(tensors, "broadcast");
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "ProcessGroupShm::broadcast: root rank ",
+              opts.rootRank, " is outside [0, ", getSize(), ")");
+  TORCH_CHECK(opts.rootTensor == 0, "ProcessGroupShm::broadcast: rootTensor must be 0");
+  const int64_t tag = engine_->next_collective_tag(kBroadcast);
+  std::vector<std::shared_ptr<ShmOp>> ops;
+  if (getRank() == opts.rootRank) {
+    for (int r = 0; r < getSize(); ++r) {
+      if (r != getRank()) ops.push_back(engine_->post_send(t, r, tag, /*control=*/true));
+    }
+  } else {
+    ops.push_back(engine_->post_recv(t, opts.rootRank, tag, /*control=*/true));
+  }
+  return make_work(engine_, std::move(ops), c10d::OpType::BROADCAST, {t});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& /*opts*/) {
+  // Gather to rank 0, then release from rank 0; done synchronously, within the group timeout.
+  const int64_t tag = engine_->next_collective_tag(kBarrier);
+  const auto deadline = std::chrono::steady_clock::now() + engine_->options().timeout;
+  auto token = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+  auto run = [&](std::vector<std::shared_ptr<ShmOp>> ops) {
+    engine_->wait(ops, deadline);
+    for (const auto& op : ops) {
+      if (op->error) std::rethrow_exception(op->error);
+    }
+  };
+  std::vector<std::shared_ptr<ShmOp>> all;
+  if (getRank() == 0) {
+    std::vector<std::shared_ptr<ShmOp>> arrivals;
+    for (int r = 1; r < getSize(); ++r) arrivals.push_back(engine_->post_recv(token, r, tag, true));
+    run(arrivals);
+    std::vector<std::shared_ptr<ShmOp>> releases;
+    for (int r = 1; r < getSize(); ++r) releases.push_back(engine_->post_send(token, r, tag, true));
+    run(releases);
+    all = std::move(releases);
+  } else {
+    auto arrive = engine_->post_send(token, 0, tag, true);
+    auto release = engine_->post_recv(token, 0, tag, true);
+    run({arrive, release});
+    all = {arrive, release};
+  }
+  return make_work(engine_, std::move(all), c10d::OpType::BARRIER, {});
+}
+
+}  // namespace tdshm

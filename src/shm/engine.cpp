@@ -1,0 +1,551 @@
+// The shared-memory transport's engine (see engine.h for the protocol).
+
+#include "shm/engine.h"
+
+#include "common/log.h"
+#include "shm/futex.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace tdshm::detail {
+
+using shm::EntryHeader;
+using Clock = std::chrono::steady_clock;
+
+/// A message from one source whose entries are arriving, or that arrived before its recv.
+struct Incoming {
+  int src = -1;
+  int64_t tag = 0;
+  bool control = false;
+  uint64_t total = 0;
+  uint8_t dtype = 0;
+  uint8_t ndim = shm::kShapeNotSent;
+  int64_t dims[shm::kMaxDims] = {};
+  uint64_t received = 0;
+  std::shared_ptr<ShmOp> op;  // the receive it lands in; null while unexpected
+  std::vector<uint8_t> heap;  // its bytes while unexpected
+  bool complete = false;
+  uint64_t arrival = 0;
+};
+
+namespace {
+
+// A message larger than this is refused as corrupt (1 TiB): it cannot be a real tensor here.
+constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;
+
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+std::string shape_str(const int64_t* dims, size_t n) {
+  std::string s = "[";
+  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+template <class E>
+std::exception_ptr make_error(const std::string& what) {
+  return std::make_exception_ptr(E(what));
+}
+
+}  // namespace
+
+std::string ShmOp::what() const {
+  std::string s = kind == Kind::kSend ? "send to rank " + std::to_string(peer)
+                                      : (peer < 0 ? std::string("recv from any rank") : "recv from rank " + std::to_string(peer));
+  return s + (control ? ", collective " : ", tag ") + std::to_string(tag) + " (" + std::to_string(bytes) + " bytes)";
+}
+
+ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptions& options)
+    : name_(name), rank_(rank), size_(size), options_(options) {
+  if (size < 1) throw SegmentError("world size " + std::to_string(size) + " must be at least 1");
+  if (rank < 0 || rank >= size) {
+    throw SegmentError("rank " + std::to_string(rank) + " is outside [0, " + std::to_string(size) + ")");
+  }
+  if (options.timeout.count() <= 0) throw SegmentError("ShmOptions::timeout must be positive");
+  const auto deadline = Clock::now() + options.timeout;
+  shm::SegmentParams params{name, static_cast<uint32_t>(size), options.slot_bytes, options.ring_entries};
+  segment_ = shm::Segment::attach(params, static_cast<uint32_t>(rank), deadline);
+
+  const auto n = static_cast<size_t>(size);
+  send_queues_.resize(n);
+  tx_pos_.assign(n, 0);
+  rx_pos_.assign(n, 0);
+  current_.resize(n);
+  peer_error_.resize(n);
+  collective_seq_.assign(4, 0);
+
+  // Rendezvous: every rank attached (they may start in any order).
+  while (!segment_->all_live()) {
+    if (Clock::now() > deadline) {
+      int live = 0;
+      for (uint32_t r = 0; r < params.world_size; ++r) live += segment_->rank_alive(r) ? 1 : 0;
+      segment_->leave();
+      throw TimeoutError("segment '" + name + "': only " + std::to_string(live) + " of " + std::to_string(size) +
+                         " ranks attached within the timeout of " + std::to_string(options.timeout.count()) + " ms");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  next_peer_check_ = Clock::now() + options_.peer_check_interval;
+  log().debug("rank {} of {} ready on segment '{}'", rank, size, name);
+}
+
+ShmEngine::~ShmEngine() { shutdown(); }
+
+void ShmEngine::shutdown() noexcept {
+  {
+    std::lock_guard lk(mu_);
+    if (shut_down_) return;
+    shut_down_ = make_error<Error>("the process group was destroyed while this transfer was pending");
+    for (auto& q : send_queues_) {
+      for (auto& op : q) finish(op, shut_down_);
+      q.clear();
+    }
+    for (auto& op : posted_) finish(op, shut_down_);
+    posted_.clear();
+    for (auto& msg : current_) {
+      if (msg && msg->op) finish(msg->op, shut_down_);
+      msg.reset();
+    }
+    unexpected_.clear();
+  }
+  {
+    std::lock_guard lk(watch_mu_);
+    stopping_ = true;
+  }
+  watch_cv_.notify_all();
+  if (background_.joinable() && background_.get_id() != std::this_thread::get_id()) background_.join();
+  segment_->leave();
+}
+
+int64_t ShmEngine::next_collective_tag(int kind) {
+  std::lock_guard lk(mu_);
+  return (int64_t{kind} << 56) | collective_seq_.at(static_cast<size_t>(kind))++;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Posting
+
+std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control) {
+  if (dst < 0 || dst >= size_ || dst == rank_) {
+    throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                     "shm send: destination rank " + std::to_string(dst) + " is invalid for rank " +
+                         std::to_string(rank_) + " of " + std::to_string(size_));
+  }
+  auto op = std::make_shared<ShmOp>();
+  op->kind = ShmOp::Kind::kSend;
+  op->peer = dst;
+  op->tag = tag;
+  op->control = control;
+  op->user = tensor;
+  op->buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();  // a snapshot at post time
+  op->data = static_cast<uint8_t*>(op->buffer.data_ptr());
+  op->bytes = static_cast<uint64_t>(op->buffer.numel()) * op->buffer.element_size();
+  std::lock_guard lk(mu_);
+  if (shut_down_ || peer_error_[static_cast<size_t>(dst)]) {
+    finish(op, shut_down_ ? shut_down_ : peer_error_[static_cast<size_t>(dst)]);
+    return op;
+  }
+  send_queues_[static_cast<size_t>(dst)].push_back(op);
+  progress_sends(dst);
+  return op;
+}
+
+std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control) {
+  if (src < -1 || src >= size_ || src == rank_) {
+    throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                     "shm recv: source rank " + std::to_string(src) + " is invalid for rank " + std::to_string(rank_) +
+                         " of " + std::to_string(size_));
+  }
+  auto op = std::make_shared<ShmOp>();
+  op->kind = ShmOp::Kind::kRecv;
+  op->peer = src;
+  op->tag = tag;
+  op->control = control;
+  op->user = tensor;
+  op->buffer = tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options());
+  op->data = static_cast<uint8_t*>(op->buffer.data_ptr());
+  op->bytes = static_cast<uint64_t>(op->buffer.numel()) * op->buffer.element_size();
+  std::lock_guard lk(mu_);
+  if (shut_down_) {
+    finish(op, shut_down_);
+    return op;
+  }
+  progress_locked();  // what is already in the rings is older than this recv
+  for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
+    const auto& msg = *it;
+    if ((src >= 0 && msg->src != src) || msg->tag != tag || msg->control != control) continue;
+    if (!try_match(msg, op)) return op;  // failed with a clear error; the message stays
+    if (msg->complete) {
+      if (msg->total != 0) std::memcpy(op->data, msg->heap.data(), msg->total);
+      unexpected_.erase(it);
+      finish(op, nullptr);
+    } else {
+      if (msg->received != 0) std::memcpy(op->data, msg->heap.data(), msg->received);
+      msg->heap = {};
+      msg->op = op;
+      unexpected_.erase(it);
+    }
+    return op;
+  }
+  if (src >= 0 && peer_error_[static_cast<size_t>(src)]) {
+    finish(op, peer_error_[static_cast<size_t>(src)]);
+    return op;
+  }
+  posted_.push_back(op);
+  return op;
+}
+
+// Checks that `msg` fits `op`; binds the source. On a mismatch fails `op` and returns false.
+bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op) {
+  op->source = msg->src;
+  std::string problem;
+  const auto dtype = static_cast<c10::ScalarType>(msg->dtype);
+  if (msg->total != op->bytes) {
+    problem = "the message has " + std::to_string(msg->total) + " bytes but the tensor has " + std::to_string(op->bytes);
+  } else if (msg->dtype != static_cast<uint8_t>(op->buffer.scalar_type())) {
+    problem = std::string("the message has dtype ") +
+              (msg->dtype < static_cast<uint8_t>(c10::ScalarType::NumOptions) ? c10::toString(dtype) : "?") +
+              " but the tensor has dtype " + c10::toString(op->buffer.scalar_type());
+  } else if (msg->ndim != shm::kShapeNotSent &&
+             !std::equal(op->buffer.sizes().begin(), op->buffer.sizes().end(), msg->dims, msg->dims + msg->ndim)) {
+    problem = "the message has shape " + shape_str(msg->dims, msg->ndim) + " but the tensor has shape " +
+              shape_str(op->buffer.sizes().data(), op->buffer.sizes().size());
+  }
+  if (problem.empty()) return true;
+  finish(op, make_error<TransportError>(op->what() + " from rank " + std::to_string(msg->src) + ": " + problem));
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Progress
+
+bool ShmEngine::progress_locked() {
+  if (shut_down_) return false;
+  bool moved = false;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    moved |= progress_receives(p);
+    moved |= progress_sends(p);
+  }
+  return moved;
+}
+
+void ShmEngine::poll() {
+  std::lock_guard lk(mu_);
+  progress_locked();
+}
+
+bool ShmEngine::progress_sends(int dst) {
+  auto& queue = send_queues_[static_cast<size_t>(dst)];
+  if (queue.empty()) return false;
+  const auto me = static_cast<uint32_t>(rank_), to = static_cast<uint32_t>(dst);
+  shm::RingControl& ring = segment_->ring(me, to);
+  const uint64_t entries = options_.ring_entries, slot = options_.slot_bytes;
+  uint64_t& pos = tx_pos_[static_cast<size_t>(dst)];
+  bool moved = false;
+  while (!queue.empty()) {
+    ShmOp& op = *queue.front();
+    // pairs with the consumer's release store of tail: its copy out of the entry is done
+    if (pos - ring.tail.load(std::memory_order_acquire) >= entries) break;
+    EntryHeader& e = segment_->entry(me, to, pos);
+    const uint64_t chunk = std::min(slot, op.bytes - op.posted);
+    uint32_t flags = op.control ? uint32_t{shm::kEntryControl} : 0u;
+    if (!op.started) {
+      flags |= shm::kEntryFirst;
+      e.tag = op.tag;
+      e.total_bytes = op.bytes;
+      e.dtype = static_cast<uint8_t>(op.buffer.scalar_type());
+      const auto sizes = op.buffer.sizes();
+      e.ndim = sizes.size() <= shm::kMaxDims ? static_cast<uint8_t>(sizes.size()) : shm::kShapeNotSent;
+      if (e.ndim != shm::kShapeNotSent) std::copy(sizes.begin(), sizes.end(), e.dims);
+    }
+    if (op.posted + chunk == op.bytes) flags |= shm::kEntryLast;
+    e.flags = flags;
+    e.chunk_offset = op.posted;
+    e.chunk_bytes = chunk;
+    if (chunk != 0) std::memcpy(segment_->payload(me, to, pos), op.data + op.posted, chunk);
+    e.seq.store(pos + 1, std::memory_order_release);  // pairs with the consumer's acquire load of seq
+    ring.head.store(pos + 1, std::memory_order_release);
+    ++pos;
+    op.posted += chunk;
+    op.started = true;
+    moved = true;
+    if (flags & shm::kEntryLast) {
+      auto done = queue.front();
+      queue.pop_front();
+      finish(done, nullptr);
+    }
+  }
+  if (moved) notify(dst);
+  return moved;
+}
+
+bool ShmEngine::progress_receives(int src) {
+  if (peer_error_[static_cast<size_t>(src)] && !current_[static_cast<size_t>(src)]) {
+    // A lost peer's ring was drained before it was declared lost; nothing more comes.
+    return false;
+  }
+  const auto from = static_cast<uint32_t>(src), me = static_cast<uint32_t>(rank_);
+  shm::RingControl& ring = segment_->ring(from, me);
+  uint64_t& pos = rx_pos_[static_cast<size_t>(src)];
+  bool moved = false;
+  for (;;) {
+    const EntryHeader& e = segment_->entry(from, me, pos);
+    if (e.seq.load(std::memory_order_acquire) != pos + 1) break;  // pairs with the producer's release
+    try {
+      handle_entry(src, e, segment_->payload(from, me, pos));
+    } catch (const Error&) {
+      fail_peer(src, std::current_exception());
+      return true;
+    }
+    ++pos;
+    ring.tail.store(pos, std::memory_order_release);  // the entry may be reused now
+    moved = true;
+  }
+  if (moved) notify(src);
+  return moved;
+}
+
+// Validates one entry (bytes written by another process) and moves its payload.
+void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* payload) {
+  auto corrupt = [&](const std::string& what) {
+    return TransportError("corrupted entry from " + segment_->describe_rank(static_cast<uint32_t>(src)) + ": " + what);
+  };
+  auto& cur = current_[static_cast<size_t>(src)];
+  const uint32_t flags = e.flags;
+  if (flags & ~uint32_t{shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl}) throw corrupt("unknown flags");
+  if (flags & shm::kEntryFirst) {
+    if (cur) throw corrupt("a new message starts before the previous one ended");
+    if (e.total_bytes > kMaxMessageBytes) throw corrupt("message size " + std::to_string(e.total_bytes));
+    if (e.ndim != shm::kShapeNotSent && e.ndim > shm::kMaxDims) throw corrupt("ndim " + std::to_string(e.ndim));
+    start_message(src, e);
+  } else if (!cur) {
+    throw corrupt("a continuation without a first entry");
+  }
+  Incoming& msg = *cur;
+  if (static_cast<bool>(flags & shm::kEntryControl) != msg.control) throw corrupt("control flag changed mid-message");
+  if (e.chunk_offset != msg.received) {
+    throw corrupt("chunk at offset " + std::to_string(e.chunk_offset) + ", expected " + std::to_string(msg.received));
+  }
+  if (e.chunk_bytes > options_.slot_bytes || e.chunk_bytes > msg.total - msg.received) {
+    throw corrupt("chunk of " + std::to_string(e.chunk_bytes) + " bytes");
+  }
+  const bool last = (flags & shm::kEntryLast) != 0;
+  if (last != (msg.received + e.chunk_bytes == msg.total)) throw corrupt("last-entry flag disagrees with the size");
+  if (e.chunk_bytes != 0) {
+    uint8_t* dst = msg.op ? msg.op->data + msg.received : msg.heap.data() + msg.received;
+    std::memcpy(dst, payload, e.chunk_bytes);
+  }
+  msg.received += e.chunk_bytes;
+  if (last) {
+    msg.complete = true;
+    auto done = std::move(cur);
+    if (done->op) finish(done->op, nullptr);
+  }
+}
+
+void ShmEngine::start_message(int src, const EntryHeader& e) {
+  auto msg = std::make_shared<Incoming>();
+  msg->src = src;
+  msg->tag = e.tag;
+  msg->control = (e.flags & shm::kEntryControl) != 0;
+  msg->total = e.total_bytes;
+  msg->dtype = e.dtype;
+  msg->ndim = e.ndim;
+  if (e.ndim != shm::kShapeNotSent) std::copy(e.dims, e.dims + e.ndim, msg->dims);
+  msg->arrival = arrivals_++;
+  current_[static_cast<size_t>(src)] = msg;
+  for (auto it = posted_.begin(); it != posted_.end(); ++it) {
+    const auto& op = *it;
+    if ((op->peer >= 0 && op->peer != src) || op->tag != msg->tag || op->control != msg->control) continue;
+    auto keep = op;
+    posted_.erase(it);
+    if (try_match(msg, keep)) {
+      msg->op = keep;
+      return;
+    }
+    break;  // that receive failed on a mismatch: the message waits for another one
+  }
+  msg->heap.resize(msg->total);
+  unexpected_.push_back(msg);
+}
+
+void ShmEngine::finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error) {
+  if (op->done.load(std::memory_order_relaxed)) return;
+  if (!error && op->kind == ShmOp::Kind::kRecv && !op->buffer.is_same(op->user)) {
+    op->user.copy_(op->buffer);  // a non-contiguous destination gets the staged bytes
+  }
+  op->error = std::move(error);
+  op->done.store(true, std::memory_order_release);  // pairs with acquire loads of done in waiters
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peers
+
+void ShmEngine::fail_peer(int peer, std::exception_ptr error) {
+  auto& slot = peer_error_[static_cast<size_t>(peer)];
+  if (!slot) slot = error;
+  auto& queue = send_queues_[static_cast<size_t>(peer)];
+  for (auto& op : queue) finish(op, slot);
+  queue.clear();
+  auto& cur = current_[static_cast<size_t>(peer)];
+  if (cur) {
+    if (cur->op) finish(cur->op, slot);
+    std::erase(unexpected_, cur);  // an incomplete message that nobody will ever finish
+    cur.reset();
+  }
+  bool someone_alive = false;
+  for (int p = 0; p < size_; ++p) someone_alive |= (p != rank_ && !peer_error_[static_cast<size_t>(p)]);
+  for (auto it = posted_.begin(); it != posted_.end();) {
+    if ((*it)->peer == peer || ((*it)->peer < 0 && !someone_alive)) {
+      finish(*it, slot);
+      it = posted_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  segment_->reset_rings_with(static_cast<uint32_t>(peer));
+  tx_pos_[static_cast<size_t>(peer)] = 0;
+  rx_pos_[static_cast<size_t>(peer)] = 0;
+}
+
+void ShmEngine::check_peers() {
+  if (shut_down_) return;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || peer_error_[static_cast<size_t>(p)]) continue;
+    if (segment_->rank_alive(static_cast<uint32_t>(p))) continue;
+    progress_receives(p);  // what it sent before it went is still good
+    if (peer_error_[static_cast<size_t>(p)]) continue;
+    fail_peer(p, make_error<PeerLostError>(segment_->describe_rank(static_cast<uint32_t>(p)) +
+                                           " of segment '" + name_ + "' is gone (it exited or died)"));
+    log().warn("segment '{}': {} is gone; its pending transfers failed", name_,
+               segment_->describe_rank(static_cast<uint32_t>(p)));
+  }
+}
+
+void ShmEngine::notify(int r) {
+  shm::RankSlot& slot = segment_->rank_slot(static_cast<uint32_t>(r));
+  // Orders the publication above before the sleepers check (pairs with sleep_until_event).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (slot.sleepers.load(std::memory_order_relaxed) != 0) {
+    slot.wake_seq.fetch_add(1, std::memory_order_seq_cst);
+    shm::futex_wake_all(slot.wake_seq);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waiting
+
+void ShmEngine::sleep_until_event(Clock::time_point until) {
+  shm::RankSlot& slot = segment_->rank_slot(static_cast<uint32_t>(rank_));
+  slot.sleepers.fetch_add(1, std::memory_order_seq_cst);  // announce, then re-check (see notify)
+  const uint32_t seen = slot.wake_seq.load(std::memory_order_seq_cst);
+  bool moved;
+  {
+    std::lock_guard lk(mu_);
+    moved = progress_locked();
+  }
+  if (!moved) shm::futex_wait(slot.wake_seq, seen, until - Clock::now());
+  slot.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void ShmEngine::wait(const std::vector<std::shared_ptr<ShmOp>>& ops, Clock::time_point deadline) {
+  auto all_done = [&] {
+    return std::all_of(ops.begin(), ops.end(), [](const auto& op) { return op->done.load(std::memory_order_acquire); });
+  };
+  const auto spin_end = Clock::now() + options_.spin;
+  unsigned spins = 0;
+  for (;;) {
+    bool moved;
+    {
+      std::lock_guard lk(mu_);
+      moved = progress_locked();
+      if (Clock::now() >= next_peer_check_) {
+        check_peers();
+        next_peer_check_ = Clock::now() + options_.peer_check_interval;
+      }
+    }
+    if (all_done()) return;
+    if (moved) continue;
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      std::string pending;
+      for (const auto& op : ops) {
+        if (!op->done.load(std::memory_order_acquire)) pending += (pending.empty() ? "" : "; ") + op->what();
+      }
+      throw TimeoutError("segment '" + name_ + "', rank " + std::to_string(rank_) + ": timed out waiting for " + pending);
+    }
+    if (now < spin_end) {
+      // Spin, but give the core away now and then: the peer may need it (more ranks than cores).
+      for (int i = 0; i < 16; ++i) cpu_relax();
+      if (++spins % 64 == 0) sched_yield();
+      continue;
+    }
+    sleep_until_event(std::min({deadline, next_peer_check_, now + std::chrono::milliseconds(100)}));
+  }
+}
+
+void ShmEngine::watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done) {
+  const bool done = std::all_of(ops.begin(), ops.end(), [](const auto& op) { return op->done.load(std::memory_order_acquire); });
+  if (done) {
+    on_done();
+    return;
+  }
+  {
+    std::lock_guard lk(watch_mu_);
+    watches_.push_back({std::move(ops), std::move(on_done)});
+    if (!background_.joinable()) background_ = std::thread([this] { background_loop(); });
+  }
+  watch_cv_.notify_all();
+}
+
+void ShmEngine::background_loop() {
+  for (;;) {
+    std::vector<Watch> ready;
+    {
+      std::unique_lock lk(watch_mu_);
+      watch_cv_.wait(lk, [&] { return stopping_ || !watches_.empty(); });
+      if (stopping_) {
+        ready = std::move(watches_);  // fail-fast: their ops were finished with errors or will be
+        watches_.clear();
+      }
+    }
+    if (!ready.empty()) {
+      for (auto& w : ready) w.on_done();
+      return;
+    }
+    {
+      std::lock_guard lk(mu_);
+      progress_locked();
+      if (Clock::now() >= next_peer_check_) {
+        check_peers();
+        next_peer_check_ = Clock::now() + options_.peer_check_interval;
+      }
+    }
+    {
+      std::lock_guard lk(watch_mu_);
+      auto it = std::partition(watches_.begin(), watches_.end(), [](const Watch& w) {
+        return !std::all_of(w.ops.begin(), w.ops.end(), [](const auto& op) { return op->done.load(std::memory_order_acquire); });
+      });
+      std::move(it, watches_.end(), std::back_inserter(ready));
+      watches_.erase(it, watches_.end());
+    }
+    for (auto& w : ready) w.on_done();
+    if (ready.empty()) sleep_until_event(Clock::now() + std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace tdshm::detail

@@ -1,0 +1,136 @@
+#pragma once
+// The shared-memory transport's engine: process-local state of a ProcessGroupShm (posted
+// operations, messages that arrived early, ring positions) and the progress and wait loops.
+// ProcessGroupShm and its Work objects are thin c10d wrappers around it.
+//
+// Protocol (one SPSC ring per ordered pair of ranks, see segment_layout.h):
+//  * A message is one or more entries: the first carries tag, total size, dtype and shape; each
+//    carries up to slot_bytes of payload. The producer fills an entry, then stores its seq
+//    (release); the consumer polls that seq (acquire), copies the payload out, then advances the
+//    ring's tail (release), which frees the entry for the producer.
+//  * A message that matches a posted recv is copied straight into the receiver's tensor. One that
+//    matches nothing yet is copied into process memory ("unexpected", as in MPI) so that the
+//    ring keeps moving: two ranks that both send before receiving cannot deadlock.
+//  * Wake-ups: a rank that sleeps announces it in its RankSlot::sleepers and sleeps on
+//    RankSlot::wake_seq; whoever makes progress possible for it (posts an entry to it, or frees
+//    an entry it writes to) bumps wake_seq and calls FUTEX_WAKE only when sleepers > 0, so a
+//    spinning peer costs no system call. Publish-then-check-sleepers on one side and
+//    announce-then-recheck on the other are ordered by seq_cst operations (no lost wake-up).
+
+#include <tdshm/process_group.h>
+
+#include "shm/segment.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace tdshm::detail {
+
+/// One posted send or receive. Fields after `done` are written under the engine's mutex before
+/// `done` is stored (release); a thread that loads done == true (acquire) may read them.
+struct ShmOp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  int peer = -1;  // destination of a send; source of a recv, -1 for any source
+  int64_t tag = 0;
+  bool control = false;  // a collective's message: matched apart from user tags
+  at::Tensor user;       // the caller's tensor
+  at::Tensor buffer;     // contiguous bytes: `user` itself or a staging copy
+  uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+  uint64_t posted = 0;        // send: payload bytes written to the ring
+  bool started = false;       // send: first entry written
+  std::atomic<bool> done{false};
+  std::exception_ptr error;
+  int source = -1;  // recv: the rank the message came from
+  std::string what() const;   // "recv from rank 1, tag 3" for messages
+};
+
+struct Incoming;
+
+class ShmEngine {
+ public:
+  ShmEngine(const std::string& name, int rank, int size, const ShmOptions& options);
+  /// Calls shutdown().
+  ~ShmEngine();
+  /// Fails every pending op, stops the helper thread and leaves the segment. Idempotent; later
+  /// posts fail at once.
+  void shutdown() noexcept;
+  ShmEngine(const ShmEngine&) = delete;
+  ShmEngine& operator=(const ShmEngine&) = delete;
+
+  /// Posts a send of `tensor` and moves as much of it as fits now.
+  std::shared_ptr<ShmOp> post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control);
+  /// Posts a receive into `tensor` (src -1: any source) and takes a message that already arrived.
+  std::shared_ptr<ShmOp> post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control);
+  /// Moves everything pending until every op in `ops` is done (or failed), spinning then
+  /// sleeping; throws TimeoutError at `deadline`. Does not rethrow the ops' errors.
+  void wait(const std::vector<std::shared_ptr<ShmOp>>& ops, std::chrono::steady_clock::time_point deadline);
+  /// One non-blocking progress pass.
+  void poll();
+  /// Calls `on_done` (from a helper thread, or at once) when every op in `ops` is done; the
+  /// helper thread moves progress meanwhile.
+  void watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done);
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  const ShmOptions& options() const noexcept { return options_; }
+  const std::string& name() const noexcept { return name_; }
+  /// Sequence number for the next collective of `kind` (all ranks call collectives in order).
+  int64_t next_collective_tag(int kind);
+
+ private:
+  struct Watch {
+    std::vector<std::shared_ptr<ShmOp>> ops;
+    std::function<void()> on_done;
+  };
+
+  bool progress_locked();  // requires mu_; true if anything moved
+  bool progress_sends(int dst);
+  bool progress_receives(int src);
+  void handle_entry(int src, const shm::EntryHeader& e, const uint8_t* payload);
+  void start_message(int src, const shm::EntryHeader& e);
+  bool try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op);
+  void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
+  void fail_peer(int peer, std::exception_ptr error);
+  void check_peers();
+  void notify(int r);
+  void sleep_until_event(std::chrono::steady_clock::time_point until);
+  void background_loop();
+
+  std::string name_;
+  int rank_;
+  int size_;
+  ShmOptions options_;
+  std::unique_ptr<shm::Segment> segment_;
+
+  std::mutex mu_;  // everything below
+  std::vector<std::deque<std::shared_ptr<ShmOp>>> send_queues_;  // per destination, FIFO
+  std::vector<uint64_t> tx_pos_;                                 // per destination: next ring position
+  std::vector<uint64_t> rx_pos_;                                 // per source: next ring position
+  std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
+  std::list<std::shared_ptr<ShmOp>> posted_;                     // unmatched receives, posting order
+  std::deque<std::shared_ptr<Incoming>> unexpected_;             // unmatched messages, arrival order
+  std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
+  uint64_t arrivals_ = 0;
+  std::vector<int64_t> collective_seq_;
+  std::chrono::steady_clock::time_point next_peer_check_;
+  std::exception_ptr shut_down_;  // set by shutdown(): the error of later posts
+
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  std::vector<Watch> watches_;
+  bool stopping_ = false;
+  std::thread background_;
+};
+
+}  // namespace tdshm::detail
