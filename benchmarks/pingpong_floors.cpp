@@ -15,7 +15,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -54,6 +56,35 @@ uint32_t load_acquire(uint32_t& word) noexcept {
 void fill_pattern(uint8_t* p, size_t n, size_t seed) noexcept {
   for (size_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>((i * 131 + seed * 7 + 1) & 0xff);
 }
+
+// A page-aligned, zeroed buffer. The floors and the ceiling copy between page-aligned buffers
+// because glibc's memcpy (rep movsb on CPUs with FSRM) runs an order of magnitude slower when
+// the destination is 1 to 16 bytes past the source modulo 4096: measured on an AMD EPYC (Zen 3)
+// VM, 64 KiB at 2.8 GB/s instead of 46. Two std::vectors allocated one after the other land
+// exactly there (16 bytes apart), which made the "ceiling" slower than the floors.
+class PageBuffer {
+ public:
+  PageBuffer() = default;
+  explicit PageBuffer(size_t bytes)
+      : data_(static_cast<uint8_t*>(std::aligned_alloc(kPage, std::max(kPage, (bytes + kPage - 1) / kPage * kPage)))),
+        bytes_(bytes) {
+    if (data_ == nullptr) throw std::bad_alloc();
+    std::memset(data_.get(), 0, bytes);  // faults every page in now, outside the timed loop
+  }
+  uint8_t* data() const noexcept { return data_.get(); }
+  size_t size() const noexcept { return bytes_; }
+  bool operator==(const PageBuffer& other) const noexcept {
+    return bytes_ == other.bytes_ && std::memcmp(data(), other.data(), bytes_) == 0;
+  }
+
+ private:
+  static constexpr size_t kPage = 4096;
+  struct Free {
+    void operator()(uint8_t* p) const noexcept { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> data_;
+  size_t bytes_ = 0;
+};
 
 }  // namespace
 
@@ -182,9 +213,9 @@ class FloorPingPong final : public PingPong {
 
   void prepare(size_t bytes) override {
     bytes_ = bytes;
-    src_.assign(bytes, 0);
+    src_ = PageBuffer(bytes);
     fill_pattern(src_.data(), bytes, bytes);
-    dst_.assign(bytes, 0);
+    dst_ = PageBuffer(bytes);
   }
 
   void ping() override {
@@ -212,15 +243,15 @@ class FloorPingPong final : public PingPong {
   uint32_t* in_seq_ = nullptr;
   uint32_t seq_ = 0;  // round trips so far; both ranks count the same
   size_t bytes_ = 0;
-  std::vector<uint8_t> src_, dst_;
+  PageBuffer src_, dst_;
 };
 
 class MemcpyPingPong final : public PingPong {
  public:
   void prepare(size_t bytes) override {
-    src_.assign(bytes, 0);
+    src_ = PageBuffer(bytes);
     fill_pattern(src_.data(), bytes, bytes);
-    dst_.assign(bytes, 0);
+    dst_ = PageBuffer(bytes);
   }
   void ping() override {
     std::memcpy(dst_.data(), src_.data(), src_.size());
@@ -232,7 +263,7 @@ class MemcpyPingPong final : public PingPong {
   bool single_process() const override { return true; }
 
  private:
-  std::vector<uint8_t> src_, dst_;
+  PageBuffer src_, dst_;
 };
 
 class C10dPingPong final : public PingPong {
