@@ -128,6 +128,7 @@ struct Measurement {
   size_t bytes = 0;
   int iters = 0;
   int warmup = 0;
+  int rounds = 0;
   double p50_us = 0, p99_us = 0, min_us = 0, mean_us = 0;
   double gbps = 0;  // decimal GB/s: bytes / p50 one-way time
 };
@@ -138,8 +139,8 @@ double percentile(const std::vector<double>& sorted, double p) {
   return sorted[std::clamp<size_t>(rank, 1, sorted.size()) - 1];
 }
 
-Measurement summarize(const std::string& transport, size_t bytes, int warmup, const std::vector<int64_t>& elapsed_ns,
-                      bool round_trips) {
+Measurement summarize(const std::string& transport, size_t bytes, int warmup, int rounds,
+                      const std::vector<int64_t>& elapsed_ns, bool round_trips) {
   std::vector<double> one_way_us;
   one_way_us.reserve(elapsed_ns.size());
   double sum = 0;
@@ -155,6 +156,7 @@ Measurement summarize(const std::string& transport, size_t bytes, int warmup, co
   m.bytes = bytes;
   m.iters = static_cast<int>(elapsed_ns.size());
   m.warmup = warmup;
+  m.rounds = rounds;
   m.p50_us = percentile(one_way_us, 50);
   m.p99_us = percentile(one_way_us, 99);
   m.min_us = one_way_us.front();
@@ -282,46 +284,64 @@ std::vector<std::pair<std::string, std::unique_ptr<PingPong>>> set_up(Session& s
   return live;
 }
 
-void measure(Session& s, const std::string& name, PingPong& transport, size_t bytes, bool first_of_size) {
-  const int iters = iterations_for(s.options, bytes);
-  const int warmup = warmup_for(s.options, bytes);
-  transport.prepare(bytes);
-  if (transport.single_process()) {
-    for (int i = 0; i < warmup; ++i) transport.ping();
-  } else {
+// One round of one transport at one size: `warmup` round trips, then `iters` timed ones whose
+// times are appended to `elapsed_ns` (rank 0; rank 1 only answers).
+void run_round(Session& s, PingPong& transport, int warmup, int iters, std::vector<int64_t>& elapsed_ns) {
+  if (!transport.single_process()) {
     s.link.sync(true);  // both ranks ready: the first warm-up ping meets a waiting pong
     if (s.link.rank() == 1) {
       for (int i = 0; i < warmup + iters; ++i) transport.pong();
       return;
     }
-    for (int i = 0; i < warmup; ++i) transport.ping();
   }
-  std::vector<int64_t> elapsed_ns(static_cast<size_t>(iters));
-  for (auto& ns : elapsed_ns) {
+  for (int i = 0; i < warmup; ++i) transport.ping();
+  for (int i = 0; i < iters; ++i) {
     const auto start = Clock::now();
     transport.ping();
-    ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+    elapsed_ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
   }
-  if (!transport.verify()) {
-    s.failures.push_back(name + " at " + size_label(bytes) + ": the echoed message differs from the one sent");
-    std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
+}
+
+// Measures every live transport at `bytes`. The iterations are cut into rounds and the rounds
+// interleave the transports (round 1 of each, then round 2 of each, ...), so that a change in the
+// machine's load during the size's measurement hits every transport alike and the ratios
+// between them stay fair; each round starts with its share of the warm-up.
+void measure_size(Session& s, std::vector<std::pair<std::string, std::unique_ptr<PingPong>>>& live, size_t bytes) {
+  const int rank = s.link.rank();
+  const int iters = iterations_for(s.options, bytes);
+  const int rounds = std::min(s.options.rounds, iters);
+  const int warmup_per_round = (warmup_for(s.options, bytes) + rounds - 1) / rounds;
+  std::vector<std::vector<int64_t>> elapsed(live.size());
+  for (auto& [name, transport] : live) {
+    if (rank == 0 || !transport->single_process()) transport->prepare(bytes);
   }
-  s.results.push_back(summarize(name, bytes, warmup, elapsed_ns, !transport.single_process()));
-  print_row(s.results.back(), first_of_size);
+  for (int r = 0; r < rounds; ++r) {
+    // Rounds split `iters` as evenly as integers allow.
+    const int n = iters * (r + 1) / rounds - iters * r / rounds;
+    for (size_t t = 0; t < live.size(); ++t) {
+      PingPong& transport = *live[t].second;
+      if (transport.single_process() && rank != 0) continue;
+      run_round(s, transport, warmup_per_round, n, elapsed[t]);
+    }
+  }
+  if (rank != 0) return;
+  for (size_t t = 0; t < live.size(); ++t) {
+    const auto& [name, transport] = live[t];
+    if (!transport->verify()) {
+      s.failures.push_back(name + " at " + size_label(bytes) + ": the echoed message differs from the one sent");
+      std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
+    }
+    s.results.push_back(summarize(name, bytes, warmup_per_round * rounds, rounds, elapsed[t], !transport->single_process()));
+    print_row(s.results.back(), t == 0);
+  }
+  std::printf("\n");
 }
 
 // Both ranks run this; rank 1 only answers. Throws on a failure the run cannot go on from.
 void run_rank(Session& s) {
   auto live = set_up(s);
-  for (const size_t bytes : s.options.sizes) {
-    bool first = true;
-    for (auto& [name, transport] : live) {
-      if (transport->single_process() && s.link.rank() != 0) continue;
-      measure(s, name, *transport, bytes, first);
-      first = false;
-    }
-    if (s.link.rank() == 0 && !live.empty()) std::printf("\n");
-  }
+  if (live.empty()) return;
+  for (const size_t bytes : s.options.sizes) measure_size(s, live, bytes);
 }
 
 // ---- goals and JSON ----
@@ -381,7 +401,7 @@ void write_json(const std::string& path, const std::vector<Measurement>& results
   // Transport and mode names are plain ASCII identifiers: no escaping needed.
   for (const auto& m : results) {
     out << "{\"transport\":\"" << m.transport << "\",\"mode\":\"" << m.mode << "\",\"bytes\":" << m.bytes
-        << ",\"iters\":" << m.iters << ",\"warmup\":" << m.warmup << ",\"p50_us\":" << json_number(m.p50_us)
+        << ",\"iters\":" << m.iters << ",\"warmup\":" << m.warmup << ",\"rounds\":" << m.rounds << ",\"p50_us\":" << json_number(m.p50_us)
         << ",\"p99_us\":" << json_number(m.p99_us) << ",\"min_us\":" << json_number(m.min_us)
         << ",\"mean_us\":" << json_number(m.mean_us) << ",\"gbps\":" << json_number(m.gbps) << "}\n";
   }
@@ -440,11 +460,15 @@ void print_bench_usage(FILE* out) {
                "  --iters N          recorded round trips per size at most (default 10000; big sizes get\n"
                "                     fewer: a byte budget of 512 MiB per size, at least 20)\n"
                "  --warmup N         warm-up round trips per size at most (default 1000; at most iters/4)\n"
+               "  --rounds N         split each size's iterations into N rounds that interleave the\n"
+               "                     transports, each with its share of the warm-up (default 5), so that\n"
+               "                     load changing during a size hits all transports alike\n"
                "  --transports LIST  any of spin,futex,shm,shm-blocking,gloo,memcpy (default: all)\n"
                "  --json FILE        write one JSON object per measurement per line (JSON Lines) with the\n"
-               "                     fields transport, mode, bytes, iters, warmup, p50_us, p99_us, min_us,\n"
-               "                     mean_us, gbps (GB/s, 10^9 bytes/s, from p50)\n"
-               "  --quick            short run for smoke tests (iters 200, warmup 20, 16 MiB per size)\n"
+               "                     fields transport, mode, bytes, iters, warmup, rounds, p50_us, p99_us,\n"
+               "                     min_us, mean_us, gbps (GB/s, 10^9 bytes/s, from p50)\n"
+               "  --quick            short run for smoke tests (iters 200, warmup 20, rounds 2, 16 MiB per\n"
+               "                     size)\n"
                "  --no-pin           do not pin the ranks to CPUs\n"
                "  -h, --help         this text\n"
                "\n"
@@ -455,7 +479,7 @@ void print_bench_usage(FILE* out) {
 BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
   BenchOptions o;
   help = false;
-  std::optional<int> iters, warmup;
+  std::optional<int> iters, warmup, rounds;
   for (int i = 0; i < argc; ++i) {
     std::string arg = argv[i];
     std::optional<std::string> inline_value;
@@ -478,6 +502,8 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
       iters = parse_count(arg, value(), 1);
     } else if (arg == "--warmup") {
       warmup = parse_count(arg, value(), 0);
+    } else if (arg == "--rounds") {
+      rounds = parse_count(arg, value(), 1);
     } else if (arg == "--transports") {
       const auto wanted = split(value());
       if (wanted.empty()) throw std::invalid_argument("--transports needs at least one transport");
@@ -495,6 +521,7 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
   }
   o.iters = iters.value_or(o.quick ? 200 : o.iters);
   o.warmup = warmup.value_or(o.quick ? 20 : o.warmup);
+  o.rounds = rounds.value_or(o.quick ? 2 : o.rounds);
   return o;
 }
 

@@ -8,7 +8,8 @@
 /// processes, then, size by size and transport by transport, rank 0 sends a message of the size
 /// to rank 1, which receives it and sends a message of the same size back. Each round trip is
 /// timed on rank 0 with steady_clock; one-way latency is half of it. Warm-up round trips come
-/// first and are not recorded. p50 and p99 are nearest-rank percentiles of the recorded one-way
+/// first and are not recorded. A size's round trips are cut into rounds that interleave the
+/// transports, so that a change of load on the (shared) machine hits them all alike. p50 and p99 are nearest-rank percentiles of the recorded one-way
 /// times; GB/s is bytes / p50 one-way time in decimal units (10^9 bytes per second).
 ///
 /// Transports (names as `--transports` spells them):
@@ -39,6 +40,8 @@ struct BenchOptions {
   int iters = 10000;
   /// Warm-up round trips per size at most; big sizes get fewer.
   int warmup = 1000;
+  /// Each size's iterations are split into this many rounds that interleave the transports.
+  int rounds = 5;
   /// Transports to measure, in table order. Empty: all of them.
   std::vector<std::string> transports;
   /// If not empty, one JSON object per measurement is written to this file (JSON Lines).
