@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cinttypes>
@@ -408,22 +409,78 @@ void write_json(const std::string& path, const std::vector<Measurement>& results
   if (!out.flush()) throw std::runtime_error("cannot write the JSON results to '" + path + "'");
 }
 
-// Waits up to `grace` for the child to exit, then kills it. Returns its wait status.
-int reap(pid_t child, std::chrono::milliseconds grace) {
-  const auto end = Clock::now() + grace;
+// ---- the child's end ----
+//
+// Rank 0 reaps rank 1 from a SIGCHLD handler as soon as it exits. An unreaped child is a zombie,
+// and a zombie still looks alive to liveness checks that probe the pid (kill(pid, 0) and
+// /proc/<pid>/stat keep answering until it is reaped): without the handler, a transport waiting
+// on a dead rank 1 would only give up at its timeout.
+
+std::atomic<pid_t> g_child{0};
+std::atomic<int> g_child_status{-1};  // wait status once reaped
+static_assert(std::atomic<pid_t>::is_always_lock_free && std::atomic<int>::is_always_lock_free,
+              "the SIGCHLD handler may only touch lock-free atomics");
+
+extern "C" void reap_child_on_sigchld(int /*signal*/) {
+  const int saved_errno = errno;
+  const pid_t child = g_child.load(std::memory_order_acquire);
   int status = 0;
-  for (;;) {
-    const pid_t r = ::waitpid(child, &status, WNOHANG);
-    if (r == child) return status;
-    if (r < 0) return -1;
-    if (Clock::now() > end) {
-      ::kill(child, SIGKILL);
-      ::waitpid(child, &status, 0);
-      return status;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (child > 0 && ::waitpid(child, &status, WNOHANG) == child) {
+    g_child_status.store(status, std::memory_order_release);
   }
+  errno = saved_errno;
 }
+
+// Installs the handler for the lifetime of the run and puts the previous one back.
+class ChildReaper {
+ public:
+  ChildReaper() {
+    struct sigaction action {};
+    action.sa_handler = reap_child_on_sigchld;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    g_child_status.store(-1, std::memory_order_relaxed);
+    if (::sigaction(SIGCHLD, &action, &previous_) != 0) {
+      throw std::system_error(errno, std::generic_category(), "sigaction(SIGCHLD) for the benchmark's peer");
+    }
+  }
+  ~ChildReaper() { restore(); }
+  ChildReaper(const ChildReaper&) = delete;
+  ChildReaper& operator=(const ChildReaper&) = delete;
+
+  void watch(pid_t child) {
+    g_child.store(child, std::memory_order_release);
+    reap_child_on_sigchld(SIGCHLD);  // in case it ended before the store
+  }
+  /// In the forked child: the handler is not its business.
+  void restore() noexcept {
+    if (!restored_) ::sigaction(SIGCHLD, &previous_, nullptr);
+    restored_ = true;
+    g_child.store(0, std::memory_order_release);
+  }
+  /// Waits up to `grace` for the child to end, then kills it. Returns its wait status.
+  int reap(pid_t child, std::chrono::milliseconds grace) const {
+    auto end = Clock::now() + grace;
+    bool killed = false;
+    for (;;) {
+      int status = 0;
+      if (::waitpid(child, &status, WNOHANG) == child) return status;
+      // Reaped by the handler (on whichever thread it ran), or about to be stored by it.
+      if (const int reaped = g_child_status.load(std::memory_order_acquire); reaped >= 0) return reaped;
+      if (Clock::now() > end) {
+        if (killed) return -1;
+        ::kill(child, SIGKILL);
+        killed = true;
+        end = Clock::now() + std::chrono::seconds(5);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+
+ private:
+  struct sigaction previous_ {};
+  bool restored_ = false;
+};
 
 }  // namespace
 
@@ -547,6 +604,7 @@ int run_pingpong_bench(const BenchOptions& options) {
   const bool pin = options.pin && cpus.size() >= 2;
   const std::string run_id = "tdshm-bench-" + std::to_string(::getpid());
 
+  ChildReaper reaper;
   // Fork now, before LibTorch has started any thread in this process.
   std::fflush(nullptr);
   const pid_t parent = ::getpid();
@@ -557,8 +615,11 @@ int run_pingpong_bench(const BenchOptions& options) {
     // Rank 1 dies with rank 0, whatever happens to rank 0.
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(1);
+    reaper.restore();
+  } else {
+    reaper.watch(child);
   }
-  Link link(block, rank, rank == 0 ? child : parent, pin);
+  Link link(block, rank, rank == 0 ? child : parent, pin, rank == 0 ? &g_child_status : nullptr);
   Session s{options, transports, link, mapping.data() + control_bytes, mapping.data() + control_bytes + payload_bytes,
             run_id + "-spin", run_id + "-blocking", {}, {}};
 
@@ -595,9 +656,8 @@ int run_pingpong_bench(const BenchOptions& options) {
     std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
     aborted = true;
   }
-  const int status = link.reaped_status() >= 0 ? link.reaped_status()
-                                               : reap(child, aborted ? std::chrono::milliseconds(200)
-                                                                     : std::chrono::milliseconds(kTransportTimeout));
+  const int status =
+      reaper.reap(child, aborted ? std::chrono::milliseconds(200) : std::chrono::milliseconds(kTransportTimeout));
   if (!aborted && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
     s.failures.push_back("rank 1 ended badly (wait status " + std::to_string(status) + ")" +
                          (link.peer_error().empty() ? "" : ": " + link.peer_error()));

@@ -90,8 +90,8 @@ class PageBuffer {
 
 // ---- Link ----
 
-Link::Link(ControlBlock* block, int rank, pid_t peer, bool peer_on_own_cpu)
-    : block_(block), rank_(rank), peer_(peer), peer_on_own_cpu_(peer_on_own_cpu) {}
+Link::Link(ControlBlock* block, int rank, pid_t peer, bool peer_on_own_cpu, const std::atomic<int>* peer_exit_status)
+    : block_(block), rank_(rank), peer_(peer), peer_on_own_cpu_(peer_on_own_cpu), peer_exit_status_(peer_exit_status) {}
 
 void Link::check_peer() {
   if (load_acquire(block_->aborted.value) != 0) {
@@ -99,10 +99,8 @@ void Link::check_peer() {
     throw PeerFailed("rank " + std::to_string(1 - rank_) + " gave up" + (why.empty() ? "" : ": " + why));
   }
   if (rank_ == 0) {
-    if (reaped_status_ >= 0) throw PeerFailed("rank 1 has exited");
-    int status = 0;
-    if (::waitpid(peer_, &status, WNOHANG) == peer_) {
-      reaped_status_ = status;
+    const int status = peer_exit_status_ != nullptr ? peer_exit_status_->load(std::memory_order_acquire) : -1;
+    if (status >= 0) {
       throw PeerFailed("rank 1 died (" +
                        (WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
                                             : "exit code " + std::to_string(WEXITSTATUS(status))) +

@@ -71,8 +71,10 @@ class PeerFailed : public std::runtime_error {
 /// Process-local view of the control block for one rank.
 class Link {
  public:
-  /// `peer` is the other process (rank 0: the forked child; rank 1: the parent).
-  Link(ControlBlock* block, int rank, pid_t peer, bool peer_on_own_cpu);
+  /// `peer` is the other process (rank 0: the forked child; rank 1: the parent). On rank 0,
+  /// `peer_exit_status` is the child's wait status once it has been reaped (-1 before).
+  Link(ControlBlock* block, int rank, pid_t peer, bool peer_on_own_cpu,
+       const std::atomic<int>* peer_exit_status = nullptr);
 
   int rank() const noexcept { return rank_; }
   ControlBlock& block() noexcept { return *block_; }
@@ -91,16 +93,14 @@ class Link {
   std::string peer_error() const;
   /// Records this rank's error message without aborting (the peer reads it after a sync).
   void set_error(const std::string& why) noexcept;
-  /// Rank 0 only: the exit status of the peer once it has been reaped by check_peer(), or -1.
-  int reaped_status() const noexcept { return reaped_status_; }
 
  private:
   ControlBlock* block_;
   int rank_;
   pid_t peer_;
   bool peer_on_own_cpu_;
+  const std::atomic<int>* peer_exit_status_;
   uint32_t generation_ = 0;
-  int reaped_status_ = -1;
 };
 
 /// How a floor waits for its sequence word.
