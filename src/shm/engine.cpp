@@ -183,7 +183,8 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
     finish(op, shut_down_);
     return op;
   }
-  progress_locked();  // what is already in the rings is older than this recv
+  // Messages drained earlier (unexpected) are older than what is still in the rings: match them
+  // first; otherwise post, then drain the rings, so a message already there lands in place.
   for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
     const auto& msg = *it;
     if ((src >= 0 && msg->src != src) || msg->tag != tag || msg->control != control) continue;
@@ -205,6 +206,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
     return op;
   }
   posted_.push_back(op);
+  progress_locked();
   return op;
 }
 
