@@ -33,7 +33,7 @@ struct Incoming {
   int64_t dims[shm::kMaxDims] = {};
   uint64_t received = 0;
   std::shared_ptr<ShmOp> op;  // the receive it lands in; null while unexpected
-  std::vector<uint8_t> heap;  // its bytes while unexpected
+  std::unique_ptr<uint8_t[]> heap;  // its bytes while unexpected (not zero-filled: all are written)
   bool complete = false;
   uint64_t arrival = 0;
 };
@@ -183,18 +183,19 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
     finish(op, shut_down_);
     return op;
   }
-  progress_locked();  // what is already in the rings is older than this recv
+  // Messages drained earlier (unexpected) are older than what is still in the rings: match them
+  // first; otherwise post, then drain the rings, so a message already there lands in place.
   for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
     const auto& msg = *it;
     if ((src >= 0 && msg->src != src) || msg->tag != tag || msg->control != control) continue;
     if (!try_match(msg, op)) return op;  // failed with a clear error; the message stays
     if (msg->complete) {
-      if (msg->total != 0) std::memcpy(op->data, msg->heap.data(), msg->total);
+      if (msg->total != 0) std::memcpy(op->data, msg->heap.get(), msg->total);
       unexpected_.erase(it);
       finish(op, nullptr);
     } else {
-      if (msg->received != 0) std::memcpy(op->data, msg->heap.data(), msg->received);
-      msg->heap = {};
+      if (msg->received != 0) std::memcpy(op->data, msg->heap.get(), msg->received);
+      msg->heap.reset();
       msg->op = op;
       unexpected_.erase(it);
     }
@@ -205,6 +206,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
     return op;
   }
   posted_.push_back(op);
+  progress_locked();
   return op;
 }
 
@@ -346,7 +348,7 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   const bool last = (flags & shm::kEntryLast) != 0;
   if (last != (msg.received + e.chunk_bytes == msg.total)) throw corrupt("last-entry flag disagrees with the size");
   if (e.chunk_bytes != 0) {
-    uint8_t* dst = msg.op ? msg.op->data + msg.received : msg.heap.data() + msg.received;
+    uint8_t* dst = msg.op ? msg.op->data + msg.received : msg.heap.get() + msg.received;
     std::memcpy(dst, payload, e.chunk_bytes);
   }
   msg.received += e.chunk_bytes;
@@ -379,7 +381,7 @@ void ShmEngine::start_message(int src, const EntryHeader& e) {
     }
     break;  // that receive failed on a mismatch: the message waits for another one
   }
-  msg->heap.resize(msg->total);
+  msg->heap = std::make_unique_for_overwrite<uint8_t[]>(msg->total);
   unexpected_.push_back(msg);
 }
 

@@ -24,7 +24,7 @@ namespace tdshm::shm {
 
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
-inline constexpr uint64_t kSegmentMagic = 0x314753484d534454ull;
+inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
 inline constexpr uint32_t kLayoutVersion = 1;
 inline constexpr size_t kMaxDims = 8;
 

@@ -1,0 +1,107 @@
+// Binary compatibility of the structs that live in a segment. These numbers are the layout that
+// kLayoutVersion 1 promises to every process attached to a segment: changing a struct without
+// bumping the version makes one of these fail.
+
+#include "shm/segment_layout.h"
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace tdshm::shm;
+
+TEST(ShmLayout, VersionAndMagicArePinned) {
+  EXPECT_EQ(kLayoutVersion, 1u);
+  char magic[8];
+  std::memcpy(magic, &kSegmentMagic, 8);
+  EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");
+  EXPECT_EQ(kCacheLine, 64u);
+  EXPECT_EQ(kMaxDims, 8u);
+}
+
+TEST(ShmLayout, SegmentHeaderV1) {
+  EXPECT_EQ(sizeof(SegmentHeader), 256u);
+  EXPECT_EQ(alignof(SegmentHeader), 8u);
+  EXPECT_EQ(offsetof(SegmentHeader, magic), 0u);
+  EXPECT_EQ(offsetof(SegmentHeader, layout_version), 8u);
+  EXPECT_EQ(offsetof(SegmentHeader, header_bytes), 12u);
+  EXPECT_EQ(offsetof(SegmentHeader, segment_bytes), 16u);
+  EXPECT_EQ(offsetof(SegmentHeader, world_size), 24u);
+  EXPECT_EQ(offsetof(SegmentHeader, ring_entries), 28u);
+  EXPECT_EQ(offsetof(SegmentHeader, slot_bytes), 32u);
+  EXPECT_EQ(offsetof(SegmentHeader, rank_table_offset), 40u);
+  EXPECT_EQ(offsetof(SegmentHeader, rings_offset), 48u);
+  EXPECT_EQ(offsetof(SegmentHeader, ring_bytes), 56u);
+  EXPECT_EQ(offsetof(SegmentHeader, entry_bytes), 64u);
+  EXPECT_EQ(offsetof(SegmentHeader, creator_pid), 72u);
+  EXPECT_EQ(offsetof(SegmentHeader, creator_start_time), 80u);
+  EXPECT_EQ(offsetof(SegmentHeader, attached), 88u);
+  EXPECT_TRUE(std::is_standard_layout_v<SegmentHeader>);
+}
+
+TEST(ShmLayout, RankSlotV1) {
+  EXPECT_EQ(sizeof(RankSlot), 128u);
+  EXPECT_EQ(offsetof(RankSlot, state), 0u);
+  EXPECT_EQ(offsetof(RankSlot, pid), 4u);
+  EXPECT_EQ(offsetof(RankSlot, start_time), 8u);
+  EXPECT_EQ(offsetof(RankSlot, wake_seq), 64u);
+  EXPECT_EQ(offsetof(RankSlot, sleepers), 68u);
+  EXPECT_EQ(kRankFree, 0u);
+  EXPECT_EQ(kRankClaiming, 1u);
+  EXPECT_EQ(kRankLive, 2u);
+  EXPECT_EQ(kRankLeft, 3u);
+}
+
+TEST(ShmLayout, RingControlV1) {
+  EXPECT_EQ(sizeof(RingControl), 128u);
+  EXPECT_EQ(alignof(RingControl), 64u);
+  EXPECT_EQ(offsetof(RingControl, head), 0u);
+  EXPECT_EQ(offsetof(RingControl, tail), 64u);
+}
+
+TEST(ShmLayout, EntryHeaderV1) {
+  EXPECT_EQ(sizeof(EntryHeader), 128u);
+  EXPECT_EQ(offsetof(EntryHeader, seq), 0u);
+  EXPECT_EQ(offsetof(EntryHeader, tag), 8u);
+  EXPECT_EQ(offsetof(EntryHeader, total_bytes), 16u);
+  EXPECT_EQ(offsetof(EntryHeader, chunk_offset), 24u);
+  EXPECT_EQ(offsetof(EntryHeader, chunk_bytes), 32u);
+  EXPECT_EQ(offsetof(EntryHeader, flags), 40u);
+  EXPECT_EQ(offsetof(EntryHeader, dtype), 44u);
+  EXPECT_EQ(offsetof(EntryHeader, ndim), 45u);
+  EXPECT_EQ(offsetof(EntryHeader, dims), 48u);
+  EXPECT_EQ(kEntryFirst, 1u);
+  EXPECT_EQ(kEntryLast, 2u);
+  EXPECT_EQ(kEntryControl, 4u);
+  EXPECT_EQ(kShapeNotSent, 255u);
+}
+
+TEST(ShmLayout, GeometryOfAKnownSegment) {
+  // 2 ranks, 4 KiB slots, 4 entries: entries of 128 + 4096 bytes, rings of 128 + 4 entries.
+  const SegmentGeometry g = segment_geometry(2, 4096, 4);
+  EXPECT_EQ(g.entry_bytes, 4224u);
+  EXPECT_EQ(g.ring_bytes, 128u + 4u * 4224u);
+  EXPECT_EQ(g.rank_table_offset, 256u);
+  EXPECT_EQ(g.rings_offset, 512u);
+  EXPECT_EQ(g.segment_bytes, 512u + 4u * g.ring_bytes);
+  // A slot size that is not a multiple of the cache line is rounded up per entry.
+  EXPECT_EQ(segment_geometry(3, 100, 2).entry_bytes, 256u);
+  EXPECT_EQ(segment_geometry(3, 100, 2).rings_offset, 640u);
+}
+
+TEST(ShmLayout, StructsWorkOnAPlainByteBuffer) {
+  // Offsets, not pointers: a header written into one buffer reads the same from a copy of it.
+  std::vector<uint64_t> a(32, 0), b(32, 0);
+  auto* h = reinterpret_cast<SegmentHeader*>(a.data());
+  h->magic = kSegmentMagic;
+  h->world_size = 3;
+  h->layout_version.store(kLayoutVersion);
+  std::memcpy(b.data(), a.data(), sizeof(SegmentHeader));
+  const auto* copy = reinterpret_cast<const SegmentHeader*>(b.data());
+  EXPECT_EQ(copy->magic, kSegmentMagic);
+  EXPECT_EQ(copy->world_size, 3u);
+  EXPECT_EQ(copy->layout_version.load(), kLayoutVersion);
+}
+
+}  // namespace
