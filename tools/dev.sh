@@ -3,7 +3,9 @@
 #
 #   tools/dev.sh test  [ctest args...]   build everything into build/ and run the test suite
 #   tools/dev.sh demo  [args...]         build the tdshm tool and run `tdshm demo args...`
-#   tools/dev.sh bench [args...]         build the benchmarks and run the consolidate benchmark
+#   tools/dev.sh bench [args...]         build the tdshm tool and run `tdshm bench args...`
+#                                        (two-process ping-pong; --help lists its options)
+#   tools/dev.sh bench-consolidate [args...]  build and run the consolidate micro-benchmark
 #
 # Each subcommand first makes sure the Debian packages tdshm needs are installed: as root it
 # installs the missing ones with apt-get, otherwise it prints the apt-get line and stops. The
@@ -27,7 +29,7 @@ readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libboost-dev l
 log() { printf 'dev.sh: %s\n' "$*" >&2; }
 
 usage() {
-  sed -n '2,7s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+  sed -n '2,9s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
 }
 
 ensure_packages() {
@@ -89,6 +91,12 @@ main() {
       exec "${BUILD_DIR}/tools/tdshm" demo "$@"
       ;;
     bench)
+      ensure_packages
+      ensure_configured
+      build --target tdshm_cli
+      exec "${BUILD_DIR}/tools/tdshm" bench "$@"
+      ;;
+    bench-consolidate)
       ensure_packages
       ensure_configured
       build --target tdshm_bench_consolidate

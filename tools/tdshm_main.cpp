@@ -2,11 +2,15 @@
 //
 //   tdshm demo     build, consolidate and inspect a TensorDict; rebuild it from its schema
 //                  and from a consolidated file; exit non-zero if any check fails
+//   tdshm bench    two-process ping-pong of the transports, their floors and baselines
+//                  (benchmarks/pingpong.h); `tdshm bench --help` lists its options
 //   tdshm help     this text
 
 #include <tdshm/memmap.h>
 #include <tdshm/tensorclass.h>
 #include <tdshm/tensordict.h>
+
+#include "pingpong.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/ones.h>
@@ -20,6 +24,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 
 namespace {
@@ -113,15 +118,35 @@ void usage(FILE* out) {
   std::fprintf(out,
                "usage: tdshm <command>\n"
                "  demo   build, consolidate and inspect a TensorDict (checks included)\n"
+               "  bench  two-process ping-pong: ProcessGroupShm, gloo, raw floors, memcpy (--help)\n"
                "  help   this text\n");
 }
 
 }  // namespace
 
+int bench(int argc, char** argv) {
+  bool help = false;
+  tdshm::bench::BenchOptions options;
+  try {
+    options = tdshm::bench::parse_bench_options(argc, argv, help);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "tdshm bench: %s\n", e.what());
+    tdshm::bench::print_bench_usage(stderr);
+    return 2;
+  }
+  if (help) {
+    tdshm::bench::print_bench_usage(stdout);
+    return 0;
+  }
+  // First thing that touches LibTorch's threads: the bench forks its peer before any start.
+  return tdshm::bench::run_pingpong_bench(options);
+}
+
 int main(int argc, char** argv) {
   const std::string cmd = argc > 1 ? argv[1] : "";
   try {
     if (cmd == "demo") return demo();
+    if (cmd == "bench") return bench(argc - 2, argv + 2);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
       usage(stdout);
       return 0;

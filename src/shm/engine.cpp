@@ -2,6 +2,7 @@
 
 #include "shm/engine.h"
 
+#include "common/copy.h"
 #include "common/log.h"
 #include "shm/futex.h"
 
@@ -39,6 +40,9 @@ struct Incoming {
 };
 
 namespace {
+
+// Messages at least this large are copied out of the ring with non-temporal stores.
+constexpr uint64_t kStreamingMessageBytes = uint64_t{8} << 20;
 
 // A message larger than this is refused as corrupt (1 TiB): it cannot be a real tensor here.
 constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;
@@ -82,6 +86,7 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   const auto n = static_cast<size_t>(size);
   send_queues_.resize(n);
   tx_pos_.assign(n, 0);
+  tx_tail_.assign(n, 0);
   rx_pos_.assign(n, 0);
   current_.resize(n);
   peer_error_.resize(n);
@@ -184,7 +189,8 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
     finish(op, shut_down_);
     return op;
   }
-  progress_locked();  // what is already in the rings is older than this recv
+  // Messages drained earlier (unexpected) are older than what is still in the rings: match them
+  // first; otherwise post, then drain the rings, so a message already there lands in place.
   for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
     const auto& msg = *it;
     if ((src >= 0 && msg->src != src) || msg->tag != tag || msg->control != control) continue;
@@ -206,6 +212,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
     return op;
   }
   posted_.push_back(op);
+  progress_locked();
   return op;
 }
 
@@ -259,8 +266,13 @@ bool ShmEngine::progress_sends(int dst) {
   bool moved = false;
   while (!queue.empty()) {
     ShmOp& op = *queue.front();
-    // pairs with the consumer's release store of tail: its copy out of the entry is done
-    if (pos - ring.tail.load(std::memory_order_acquire) >= entries) break;
+    // The consumer's tail is re-read only when the cached one says the ring is full: in the
+    // common case the producer never touches the consumer's cache line.
+    uint64_t& tail = tx_tail_[static_cast<size_t>(dst)];
+    if (pos - tail >= entries) {
+      tail = ring.tail.load(std::memory_order_acquire);  // pairs with the consumer's release store
+      if (pos - tail >= entries) break;
+    }
     EntryHeader& e = segment_->entry(me, to, pos);
     const uint64_t chunk = std::min(slot, op.bytes - op.posted);
     uint32_t flags = op.control ? uint32_t{shm::kEntryControl} : 0u;
@@ -348,7 +360,9 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   if (last != (msg.received + e.chunk_bytes == msg.total)) throw corrupt("last-entry flag disagrees with the size");
   if (e.chunk_bytes != 0) {
     uint8_t* dst = msg.op ? msg.op->data + msg.received : msg.heap.get() + msg.received;
-    std::memcpy(dst, payload, e.chunk_bytes);
+    // A message larger than the caches is written around them (see copy_bytes); the ring's
+    // slots themselves stay cached for the next chunks.
+    copy_bytes(dst, payload, e.chunk_bytes, msg.total >= kStreamingMessageBytes);
   }
   msg.received += e.chunk_bytes;
   if (last) {
@@ -420,6 +434,7 @@ void ShmEngine::fail_peer(int peer, std::exception_ptr error) {
   }
   segment_->reset_rings_with(static_cast<uint32_t>(peer));
   tx_pos_[static_cast<size_t>(peer)] = 0;
+  tx_tail_[static_cast<size_t>(peer)] = 0;
   rx_pos_[static_cast<size_t>(peer)] = 0;
 }
 
@@ -467,21 +482,32 @@ void ShmEngine::wait(const std::vector<std::shared_ptr<ShmOp>>& ops, Clock::time
   auto all_done = [&] {
     return std::all_of(ops.begin(), ops.end(), [](const auto& op) { return op->done.load(std::memory_order_acquire); });
   };
-  const auto spin_end = Clock::now() + options_.spin;
-  unsigned spins = 0;
-  for (;;) {
+  if (all_done()) return;
+  // Checks are cheap (one pause between them, ~30 ns here); the clock is read every 32 checks
+  // and the core is offered to others (sched_yield) every 1024 (~30-50 us), so a peer that
+  // shares this core with us (more ranks than cores) still runs.
+  constexpr unsigned kClockEvery = 32, kYieldEvery = 1024;
+  auto now = Clock::now();
+  const auto spin_end = now + options_.spin;
+  for (unsigned spins = 1;; ++spins) {
     bool moved;
     {
       std::lock_guard lk(mu_);
       moved = progress_locked();
-      if (Clock::now() >= next_peer_check_) {
-        check_peers();
-        next_peer_check_ = Clock::now() + options_.peer_check_interval;
-      }
     }
     if (all_done()) return;
     if (moved) continue;
-    const auto now = Clock::now();
+    if (spins % kClockEvery != 0 && now < spin_end) {
+      cpu_relax();
+      continue;
+    }
+    now = Clock::now();
+    if (now >= next_peer_check_) {
+      std::lock_guard lk(mu_);
+      check_peers();
+      next_peer_check_ = now + options_.peer_check_interval;
+    }
+    if (all_done()) return;
     if (now >= deadline) {
       std::string pending;
       for (const auto& op : ops) {
@@ -490,9 +516,7 @@ void ShmEngine::wait(const std::vector<std::shared_ptr<ShmOp>>& ops, Clock::time
       throw TimeoutError("segment '" + name_ + "', rank " + std::to_string(rank_) + ": timed out waiting for " + pending);
     }
     if (now < spin_end) {
-      // Spin, but give the core away now and then: the peer may need it (more ranks than cores).
-      for (int i = 0; i < 16; ++i) cpu_relax();
-      if (++spins % 64 == 0) sched_yield();
+      if (spins % kYieldEvery == 0) sched_yield();
       continue;
     }
     sleep_until_event(std::min({deadline, next_peer_check_, now + std::chrono::milliseconds(100)}));

@@ -116,6 +116,7 @@ class ShmEngine {
   std::mutex mu_;  // everything below
   std::vector<std::deque<std::shared_ptr<ShmOp>>> send_queues_;  // per destination, FIFO
   std::vector<uint64_t> tx_pos_;                                 // per destination: next ring position
+  std::vector<uint64_t> tx_tail_;                                // per destination: last tail read
   std::vector<uint64_t> rx_pos_;                                 // per source: next ring position
   std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
   std::list<std::shared_ptr<ShmOp>> posted_;                     // unmatched receives, posting order

@@ -1,0 +1,680 @@
+// `tdshm bench`: options, the two-rank driver, statistics, the table, JSON Lines, the goals.
+// The method is described in pingpong.h; the transports live in pingpong_*.cpp.
+
+#include "pingpong.h"
+
+#include "pingpong_internal.h"
+
+#include <ATen/Parallel.h>
+
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <cinttypes>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <optional>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
+
+namespace tdshm::bench {
+
+namespace {
+
+using namespace detail;
+using Clock = std::chrono::steady_clock;
+
+// Deadline of every setup and every wait of the c10d transports: far above the slowest round
+// trip (64 MiB through gloo takes well under a second), short enough that a peer that failed
+// on its own is noticed before a CI job times out.
+constexpr std::chrono::milliseconds kTransportTimeout{std::chrono::seconds(30)};
+// ShmOptions::spin of the spinning mode; the blocking-only mode uses 0.
+constexpr std::chrono::microseconds kShmSpin{50};
+
+struct TransportInfo {
+  const char* name;
+  const char* mode;
+  const char* what;
+};
+
+// Table order: the floors, the transport under test, the baseline, the ceiling.
+constexpr TransportInfo kTransports[] = {
+    {"spin", "spinning", "floor: sequence word on a shared cache line, peer spins; payload copied in and out"},
+    {"futex", "blocking", "floor: the same, every wait sleeps in FUTEX_WAIT, every post calls FUTEX_WAKE"},
+    {"shm", "spinning", "tdshm::ProcessGroupShm, waiters spin 50 us then sleep on a futex"},
+    {"shm-blocking", "blocking", "tdshm::ProcessGroupShm with spin = 0 (waiters only sleep)"},
+    {"gloo", "tcp-loopback", "c10d::ProcessGroupGloo over TCP on 127.0.0.1"},
+    {"memcpy", "single-process", "ceiling: one memcpy between two warm buffers in one process"},
+};
+
+const TransportInfo& info(const std::string& name) {
+  for (const auto& t : kTransports) {
+    if (name == t.name) return t;
+  }
+  throw std::invalid_argument("unknown transport '" + name + "'");
+}
+
+// ---- option parsing ----
+
+std::vector<std::string> split(const std::string& list) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    const size_t comma = list.find(',', start);
+    std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (!item.empty()) out.push_back(std::move(item));
+    if (comma == std::string::npos) return out;
+    start = comma + 1;
+  }
+}
+
+// "4096", "4K", "4KiB", "64M", "1G": binary multiples.
+size_t parse_size(const std::string& text) {
+  uint64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || ptr == text.data()) throw std::invalid_argument("bad size '" + text + "'");
+  std::string unit(ptr, end);
+  std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  unsigned shift = 0;
+  if (unit.empty() || unit == "b") {
+    shift = 0;
+  } else if (unit == "k" || unit == "kib" || unit == "kb") {
+    shift = 10;
+  } else if (unit == "m" || unit == "mib" || unit == "mb") {
+    shift = 20;
+  } else if (unit == "g" || unit == "gib" || unit == "gb") {
+    shift = 30;
+  } else {
+    throw std::invalid_argument("bad size unit in '" + text + "' (use B, K/KiB, M/MiB or G/GiB)");
+  }
+  if (value == 0 || value > (uint64_t{1} << (40 - shift))) {
+    throw std::invalid_argument("size '" + text + "' out of range (1 B to 1 TiB)");
+  }
+  return static_cast<size_t>(value << shift);
+}
+
+int parse_count(const std::string& flag, const std::string& text, int min) {
+  int value = 0;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || ptr != text.data() + text.size() || value < min) {
+    throw std::invalid_argument(flag + " needs an integer >= " + std::to_string(min) + ", got '" + text + "'");
+  }
+  return value;
+}
+
+std::string size_label(size_t bytes) {
+  if (bytes >= (size_t{1} << 30) && bytes % (size_t{1} << 30) == 0) return std::to_string(bytes >> 30) + " GiB";
+  if (bytes >= (size_t{1} << 20) && bytes % (size_t{1} << 20) == 0) return std::to_string(bytes >> 20) + " MiB";
+  if (bytes >= (size_t{1} << 10) && bytes % (size_t{1} << 10) == 0) return std::to_string(bytes >> 10) + " KiB";
+  return std::to_string(bytes) + " B";
+}
+
+// ---- statistics ----
+
+struct Measurement {
+  std::string transport;
+  std::string mode;
+  size_t bytes = 0;
+  int iters = 0;
+  int warmup = 0;
+  int rounds = 0;
+  double p50_us = 0, p99_us = 0, min_us = 0, mean_us = 0;
+  double gbps = 0;  // decimal GB/s: bytes / p50 one-way time
+};
+
+// Nearest-rank percentile of sorted values: the smallest value with at least p% at or below it.
+double percentile(const std::vector<double>& sorted, double p) {
+  const auto rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(sorted.size())));
+  return sorted[std::clamp<size_t>(rank, 1, sorted.size()) - 1];
+}
+
+Measurement summarize(const std::string& transport, size_t bytes, int warmup, int rounds,
+                      const std::vector<int64_t>& elapsed_ns, bool round_trips) {
+  std::vector<double> one_way_us;
+  one_way_us.reserve(elapsed_ns.size());
+  double sum = 0;
+  for (const int64_t ns : elapsed_ns) {
+    const double us = static_cast<double>(ns) / 1000.0 / (round_trips ? 2.0 : 1.0);
+    one_way_us.push_back(us);
+    sum += us;
+  }
+  std::sort(one_way_us.begin(), one_way_us.end());
+  Measurement m;
+  m.transport = transport;
+  m.mode = info(transport).mode;
+  m.bytes = bytes;
+  m.iters = static_cast<int>(elapsed_ns.size());
+  m.warmup = warmup;
+  m.rounds = rounds;
+  m.p50_us = percentile(one_way_us, 50);
+  m.p99_us = percentile(one_way_us, 99);
+  m.min_us = one_way_us.front();
+  m.mean_us = sum / static_cast<double>(one_way_us.size());
+  m.gbps = m.p50_us > 0 ? static_cast<double>(bytes) / (m.p50_us * 1000.0) : 0.0;  // bytes per ns = GB/s
+  return m;
+}
+
+// ---- the two ranks ----
+
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  }
+  return cpus;
+}
+
+bool pin_to(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return ::sched_setaffinity(0, sizeof(set), &set) == 0;
+}
+
+// The anonymous shared mapping made before fork: control block, then the floors' payloads.
+class SharedMapping {
+ public:
+  explicit SharedMapping(size_t bytes) : bytes_(bytes) {
+    data_ = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (data_ == MAP_FAILED) {
+      throw std::system_error(errno, std::generic_category(),
+                              "mmap of " + std::to_string(bytes) + " shared bytes for the benchmark");
+    }
+  }
+  ~SharedMapping() { ::munmap(data_, bytes_); }
+  SharedMapping(const SharedMapping&) = delete;
+  SharedMapping& operator=(const SharedMapping&) = delete;
+  uint8_t* data() const noexcept { return static_cast<uint8_t*>(data_); }
+
+ private:
+  void* data_;
+  size_t bytes_;
+};
+
+struct Session {
+  const BenchOptions& options;
+  std::vector<std::string> transports;  // in table order
+  Link& link;
+  uint8_t* payload0;
+  uint8_t* payload1;
+  std::string shm_spin_name, shm_blocking_name;
+  // Rank 0 only.
+  std::vector<Measurement> results;
+  std::vector<std::string> failures;
+};
+
+std::unique_ptr<PingPong> make_transport(const std::string& name, Session& s) {
+  if (name == "spin") return make_floor_pingpong(s.link, WaitMode::spin, s.payload0, s.payload1);
+  if (name == "futex") return make_floor_pingpong(s.link, WaitMode::futex, s.payload0, s.payload1);
+  if (name == "memcpy") return make_memcpy_pingpong();
+  if (name == "gloo") return make_c10d_pingpong(make_gloo_group(s.link, kTransportTimeout));
+  if (name == "shm") {
+    return make_c10d_pingpong(make_shm_group(s.shm_spin_name, s.link.rank(), kShmSpin, kTransportTimeout));
+  }
+  if (name == "shm-blocking") {
+    return make_c10d_pingpong(
+        make_shm_group(s.shm_blocking_name, s.link.rank(), std::chrono::microseconds(0), kTransportTimeout));
+  }
+  throw std::invalid_argument("unknown transport '" + name + "'");
+}
+
+void print_header(const Session& s, const std::string& pinning) {
+  std::printf("tdshm bench: two-process ping-pong; %s\n", pinning.c_str());
+  std::printf("one-way latency = round trip / 2 (memcpy: one copy in one process); p50/p99 over the recorded\n"
+              "round trips after warm-up; GB/s = 10^9 bytes/s = bytes / p50 one-way time\n\n");
+  for (const auto& name : s.transports) std::printf("  %-13s %s\n", name.c_str(), info(name).what);
+  std::printf("\n%9s  %-13s %-15s %7s %11s %11s %10s\n", "size", "transport", "mode", "iters", "p50 us", "p99 us",
+              "GB/s");
+  std::fflush(stdout);
+}
+
+void print_row(const Measurement& m, bool first_of_size) {
+  std::printf("%9s  %-13s %-15s %7d %11.3f %11.3f %10.3f\n", first_of_size ? size_label(m.bytes).c_str() : "",
+              m.transport.c_str(), m.mode.c_str(), m.iters, m.p50_us, m.p99_us, m.gbps);
+  std::fflush(stdout);
+}
+
+// Brings every requested transport up in both ranks. A transport that fails on either rank is
+// left out on both, with its error recorded by rank 0.
+std::vector<std::pair<std::string, std::unique_ptr<PingPong>>> set_up(Session& s) {
+  std::vector<std::pair<std::string, std::unique_ptr<PingPong>>> live;
+  const int rank = s.link.rank();
+  for (const auto& name : s.transports) {
+    if (name == "memcpy") {
+      if (rank == 0) live.emplace_back(name, make_memcpy_pingpong());
+      continue;
+    }
+    std::unique_ptr<PingPong> transport;
+    std::string error;
+    try {
+      transport = make_transport(name, s);
+    } catch (const std::exception& e) {
+      error = e.what();
+      s.link.set_error(error);
+    }
+    if (s.link.sync(transport != nullptr)) {
+      live.emplace_back(name, std::move(transport));
+      continue;
+    }
+    if (rank == 0) {
+      std::string why = error.empty() ? "" : "rank 0: " + error;
+      const std::string peer = s.link.peer_error();
+      if (!peer.empty() && peer != error) why += (why.empty() ? "rank 1: " : "; rank 1: ") + peer;
+      s.failures.push_back(name + ": not measured: could not be set up (" + why + ")");
+      std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
+    }
+    // Rank 1 keeps its message in place until rank 0 has read it.
+    s.link.sync(true);
+    s.link.set_error("");
+  }
+  return live;
+}
+
+// One round of one transport at one size: `warmup` round trips, then `iters` timed ones whose
+// times are appended to `elapsed_ns` (rank 0; rank 1 only answers).
+void run_round(Session& s, PingPong& transport, int warmup, int iters, std::vector<int64_t>& elapsed_ns) {
+  if (!transport.single_process()) {
+    s.link.sync(true);  // both ranks ready: the first warm-up ping meets a waiting pong
+    if (s.link.rank() == 1) {
+      for (int i = 0; i < warmup + iters; ++i) transport.pong();
+      return;
+    }
+  }
+  for (int i = 0; i < warmup; ++i) transport.ping();
+  for (int i = 0; i < iters; ++i) {
+    const auto start = Clock::now();
+    transport.ping();
+    elapsed_ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  }
+}
+
+// Measures every live transport at `bytes`. The iterations are cut into rounds and the rounds
+// interleave the transports (round 1 of each, then round 2 of each, ...), so that a change in the
+// machine's load during the size's measurement hits every transport alike and the ratios
+// between them stay fair; each round starts with its share of the warm-up.
+void measure_size(Session& s, std::vector<std::pair<std::string, std::unique_ptr<PingPong>>>& live, size_t bytes) {
+  const int rank = s.link.rank();
+  const int iters = iterations_for(s.options, bytes);
+  const int rounds = std::min(s.options.rounds, iters);
+  const int warmup_per_round = (warmup_for(s.options, bytes) + rounds - 1) / rounds;
+  std::vector<std::vector<int64_t>> elapsed(live.size());
+  for (auto& [name, transport] : live) {
+    if (rank == 0 || !transport->single_process()) transport->prepare(bytes);
+  }
+  for (int r = 0; r < rounds; ++r) {
+    // Rounds split `iters` as evenly as integers allow.
+    const int n = iters * (r + 1) / rounds - iters * r / rounds;
+    for (size_t t = 0; t < live.size(); ++t) {
+      PingPong& transport = *live[t].second;
+      if (transport.single_process() && rank != 0) continue;
+      run_round(s, transport, warmup_per_round, n, elapsed[t]);
+    }
+  }
+  if (rank != 0) return;
+  for (size_t t = 0; t < live.size(); ++t) {
+    const auto& [name, transport] = live[t];
+    if (!transport->verify()) {
+      s.failures.push_back(name + " at " + size_label(bytes) + ": the echoed message differs from the one sent");
+      std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
+    }
+    s.results.push_back(summarize(name, bytes, warmup_per_round * rounds, rounds, elapsed[t], !transport->single_process()));
+    print_row(s.results.back(), t == 0);
+  }
+  std::printf("\n");
+}
+
+// Both ranks run this; rank 1 only answers. Throws on a failure the run cannot go on from.
+void run_rank(Session& s) {
+  auto live = set_up(s);
+  if (live.empty()) return;
+  for (const size_t bytes : s.options.sizes) measure_size(s, live, bytes);
+}
+
+// ---- goals and JSON ----
+
+const Measurement* find(const std::vector<Measurement>& results, const std::string& transport, size_t bytes) {
+  for (const auto& m : results) {
+    if (m.transport == transport && m.bytes == bytes) return &m;
+  }
+  return nullptr;
+}
+
+void print_goals(const std::vector<Measurement>& results) {
+  struct Goal {
+    size_t bytes;
+    const char* a;
+    const char* b;
+    bool bandwidth;  // ratio of GB/s (a / b); otherwise ratio of p50 latencies (a / b)
+    bool at_most;    // goal: ratio <= limit; otherwise ratio >= limit
+    double limit;
+  };
+  constexpr size_t k64MiB = size_t{64} << 20;
+  const Goal goals[] = {
+      {8, "shm", "spin", false, true, 2.0},          {8, "shm-blocking", "futex", false, true, 1.3},
+      {8, "gloo", "shm", false, false, 100.0},       {k64MiB, "shm", "memcpy", true, false, 0.8},
+      {k64MiB, "shm", "gloo", true, false, 3.0},
+  };
+  std::printf("goals (ratios from this run):\n");
+  for (const auto& g : goals) {
+    const std::string what = std::string(g.a) + (g.bandwidth ? " GB/s / " : " p50 / ") + g.b +
+                             (g.bandwidth ? " GB/s" : " p50");
+    char limit[32];
+    std::snprintf(limit, sizeof(limit), "%s %g", g.at_most ? "<=" : ">=", g.limit);
+    const Measurement* a = find(results, g.a, g.bytes);
+    const Measurement* b = find(results, g.b, g.bytes);
+    if (a == nullptr || b == nullptr) {
+      std::printf("  %-7s %-32s %9s  %-7s n/a (not measured)\n", size_label(g.bytes).c_str(), what.c_str(), "",
+                  limit);
+      continue;
+    }
+    const double ratio = g.bandwidth ? a->gbps / b->gbps : a->p50_us / b->p50_us;
+    const bool pass = g.at_most ? ratio <= g.limit : ratio >= g.limit;
+    std::printf("  %-7s %-32s %9.3f  %-7s %s\n", size_label(g.bytes).c_str(), what.c_str(), ratio, limit,
+                pass ? "PASS" : "MISS");
+  }
+}
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.6g", v);
+  return buf;
+}
+
+void write_json(const std::string& path, const std::vector<Measurement>& results) {
+  std::ofstream out(path, std::ios::trunc);
+  if (!out) throw std::runtime_error("cannot open '" + path + "' for writing the JSON results");
+  // Transport and mode names are plain ASCII identifiers: no escaping needed.
+  for (const auto& m : results) {
+    out << "{\"transport\":\"" << m.transport << "\",\"mode\":\"" << m.mode << "\",\"bytes\":" << m.bytes
+        << ",\"iters\":" << m.iters << ",\"warmup\":" << m.warmup << ",\"rounds\":" << m.rounds << ",\"p50_us\":" << json_number(m.p50_us)
+        << ",\"p99_us\":" << json_number(m.p99_us) << ",\"min_us\":" << json_number(m.min_us)
+        << ",\"mean_us\":" << json_number(m.mean_us) << ",\"gbps\":" << json_number(m.gbps) << "}\n";
+  }
+  if (!out.flush()) throw std::runtime_error("cannot write the JSON results to '" + path + "'");
+}
+
+// ---- the child's end ----
+//
+// Rank 0 reaps rank 1 from a SIGCHLD handler as soon as it exits. An unreaped child is a zombie,
+// and a zombie still looks alive to liveness checks that probe the pid (kill(pid, 0) and
+// /proc/<pid>/stat keep answering until it is reaped): without the handler, a transport waiting
+// on a dead rank 1 would only give up at its timeout.
+
+std::atomic<pid_t> g_child{0};
+std::atomic<int> g_child_status{-1};  // wait status once reaped
+static_assert(std::atomic<pid_t>::is_always_lock_free && std::atomic<int>::is_always_lock_free,
+              "the SIGCHLD handler may only touch lock-free atomics");
+
+extern "C" void reap_child_on_sigchld(int /*signal*/) {
+  const int saved_errno = errno;
+  const pid_t child = g_child.load(std::memory_order_acquire);
+  int status = 0;
+  if (child > 0 && ::waitpid(child, &status, WNOHANG) == child) {
+    g_child_status.store(status, std::memory_order_release);
+  }
+  errno = saved_errno;
+}
+
+// Installs the handler for the lifetime of the run and puts the previous one back.
+class ChildReaper {
+ public:
+  ChildReaper() {
+    struct sigaction action {};
+    action.sa_handler = reap_child_on_sigchld;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    g_child_status.store(-1, std::memory_order_relaxed);
+    if (::sigaction(SIGCHLD, &action, &previous_) != 0) {
+      throw std::system_error(errno, std::generic_category(), "sigaction(SIGCHLD) for the benchmark's peer");
+    }
+  }
+  ~ChildReaper() { restore(); }
+  ChildReaper(const ChildReaper&) = delete;
+  ChildReaper& operator=(const ChildReaper&) = delete;
+
+  void watch(pid_t child) {
+    g_child.store(child, std::memory_order_release);
+    reap_child_on_sigchld(SIGCHLD);  // in case it ended before the store
+  }
+  /// In the forked child: the handler is not its business.
+  void restore() noexcept {
+    if (!restored_) ::sigaction(SIGCHLD, &previous_, nullptr);
+    restored_ = true;
+    g_child.store(0, std::memory_order_release);
+  }
+  /// Waits up to `grace` for the child to end, then kills it. Returns its wait status.
+  int reap(pid_t child, std::chrono::milliseconds grace) const {
+    auto end = Clock::now() + grace;
+    bool killed = false;
+    for (;;) {
+      int status = 0;
+      if (::waitpid(child, &status, WNOHANG) == child) return status;
+      // Reaped by the handler (on whichever thread it ran), or about to be stored by it.
+      if (const int reaped = g_child_status.load(std::memory_order_acquire); reaped >= 0) return reaped;
+      if (Clock::now() > end) {
+        if (killed) return -1;
+        ::kill(child, SIGKILL);
+        killed = true;
+        end = Clock::now() + std::chrono::seconds(5);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+
+ private:
+  struct sigaction previous_ {};
+  bool restored_ = false;
+};
+
+}  // namespace
+
+const std::vector<std::string>& all_transports() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> v;
+    for (const auto& t : kTransports) v.emplace_back(t.name);
+    return v;
+  }();
+  return names;
+}
+
+int iterations_for(const BenchOptions& options, size_t bytes) {
+  // A byte budget per size keeps big sizes short; a floor keeps p50 meaningful.
+  const uint64_t budget = options.quick ? uint64_t{16} << 20 : uint64_t{512} << 20;
+  const uint64_t floor = options.quick ? 5 : 20;
+  const uint64_t by_budget = std::max<uint64_t>(floor, budget / std::max<size_t>(bytes, 1));
+  return static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(options.iters), by_budget));
+}
+
+int warmup_for(const BenchOptions& options, size_t bytes) {
+  const int iters = iterations_for(options, bytes);
+  return std::min(options.warmup, std::max(2, iters / 4));
+}
+
+void print_bench_usage(FILE* out) {
+  std::fprintf(out,
+               "usage: tdshm bench [options]\n"
+               "Two-process ping-pong: rank 0 sends a message, rank 1 sends it back; one-way latency is half\n"
+               "the round trip. Ranks are pinned to the first two allowed CPUs. Prints a table per size and\n"
+               "the goal ratios. Exit code 0 unless a measurement could not run (missed goals are not errors).\n"
+               "\n"
+               "  --sizes LIST       message sizes, e.g. 8,4K,64KiB,1M (default 8,64,4K,64K,1M,16M,64M)\n"
+               "  --iters N          recorded round trips per size at most (default 10000; big sizes get\n"
+               "                     fewer: a byte budget of 512 MiB per size, at least 20)\n"
+               "  --warmup N         warm-up round trips per size at most (default 1000; at most iters/4)\n"
+               "  --rounds N         split each size's iterations into N rounds that interleave the\n"
+               "                     transports, each with its share of the warm-up (default 5), so that\n"
+               "                     load changing during a size hits all transports alike\n"
+               "  --transports LIST  any of spin,futex,shm,shm-blocking,gloo,memcpy (default: all)\n"
+               "  --json FILE        write one JSON object per measurement per line (JSON Lines) with the\n"
+               "                     fields transport, mode, bytes, iters, warmup, rounds, p50_us, p99_us,\n"
+               "                     min_us, mean_us, gbps (GB/s, 10^9 bytes/s, from p50)\n"
+               "  --quick            short run for smoke tests (iters 200, warmup 20, rounds 2, 16 MiB per\n"
+               "                     size)\n"
+               "  --no-pin           do not pin the ranks to CPUs\n"
+               "  -h, --help         this text\n"
+               "\n"
+               "transports:\n");
+  for (const auto& t : kTransports) std::fprintf(out, "  %-13s %-15s %s\n", t.name, t.mode, t.what);
+}
+
+BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
+  BenchOptions o;
+  help = false;
+  std::optional<int> iters, warmup, rounds;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::optional<std::string> inline_value;
+    if (const size_t eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_value = arg.substr(eq + 1);
+      arg.resize(eq);
+    }
+    auto value = [&]() -> std::string {
+      if (inline_value) return *inline_value;
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "-h" || arg == "--help") {
+      help = true;
+    } else if (arg == "--sizes") {
+      o.sizes.clear();
+      for (const auto& item : split(value())) o.sizes.push_back(parse_size(item));
+      if (o.sizes.empty()) throw std::invalid_argument("--sizes needs at least one size");
+    } else if (arg == "--iters") {
+      iters = parse_count(arg, value(), 1);
+    } else if (arg == "--warmup") {
+      warmup = parse_count(arg, value(), 0);
+    } else if (arg == "--rounds") {
+      rounds = parse_count(arg, value(), 1);
+    } else if (arg == "--transports") {
+      const auto wanted = split(value());
+      if (wanted.empty()) throw std::invalid_argument("--transports needs at least one transport");
+      for (const auto& name : wanted) info(name);  // throws for an unknown name
+      o.transports = wanted;
+    } else if (arg == "--json") {
+      o.json_path = value();
+    } else if (arg == "--quick") {
+      o.quick = true;
+    } else if (arg == "--no-pin") {
+      o.pin = false;
+    } else {
+      throw std::invalid_argument("unknown option '" + arg + "'");
+    }
+  }
+  o.iters = iters.value_or(o.quick ? 200 : o.iters);
+  o.warmup = warmup.value_or(o.quick ? 20 : o.warmup);
+  o.rounds = rounds.value_or(o.quick ? 2 : o.rounds);
+  return o;
+}
+
+int run_pingpong_bench(const BenchOptions& options) {
+  if (options.sizes.empty()) throw std::invalid_argument("no message sizes given");
+  std::vector<std::string> transports;
+  for (const auto& name : all_transports()) {
+    if (options.transports.empty() ||
+        std::find(options.transports.begin(), options.transports.end(), name) != options.transports.end()) {
+      transports.push_back(name);
+    }
+  }
+
+  // Control block, then the two payload buffers of the floors, page aligned.
+  constexpr size_t kPage = 4096;
+  const size_t max_bytes = *std::max_element(options.sizes.begin(), options.sizes.end());
+  const size_t control_bytes = (sizeof(ControlBlock) + kPage - 1) / kPage * kPage;
+  const size_t payload_bytes = (max_bytes + kPage - 1) / kPage * kPage;
+  SharedMapping mapping(control_bytes + 2 * payload_bytes);
+  auto* block = new (mapping.data()) ControlBlock{};
+
+  const std::vector<int> cpus = allowed_cpus();
+  const bool pin = options.pin && cpus.size() >= 2;
+  const std::string run_id = "tdshm-bench-" + std::to_string(::getpid());
+
+  ChildReaper reaper;
+  // Fork now, before LibTorch has started any thread in this process.
+  std::fflush(nullptr);
+  const pid_t parent = ::getpid();
+  const pid_t child = ::fork();
+  if (child < 0) throw std::system_error(errno, std::generic_category(), "fork of the benchmark's peer");
+  const int rank = child == 0 ? 1 : 0;
+  if (rank == 1) {
+    // Rank 1 dies with rank 0, whatever happens to rank 0.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(1);
+    reaper.restore();
+  } else {
+    reaper.watch(child);
+  }
+  Link link(block, rank, rank == 0 ? child : parent, pin, rank == 0 ? &g_child_status : nullptr);
+  Session s{options, transports, link, mapping.data() + control_bytes, mapping.data() + control_bytes + payload_bytes,
+            run_id + "-spin", run_id + "-blocking", {}, {}};
+
+  at::set_num_threads(1);
+  std::string pinning = "ranks not pinned";
+  if (pin) {
+    const bool ok = pin_to(cpus[static_cast<size_t>(rank)]);
+    pinning = "rank 0 on CPU " + std::to_string(cpus[0]) + ", rank 1 on CPU " + std::to_string(cpus[1]);
+    if (!ok) pinning = "pinning failed: ranks not pinned";
+  } else if (options.pin) {
+    pinning = "ranks not pinned (fewer than 2 CPUs allowed)";
+  }
+
+  if (rank == 1) {
+    int rc = 0;
+    try {
+      run_rank(s);
+    } catch (const std::exception& e) {
+      link.abort(e.what());
+      rc = 1;
+    }
+    std::fflush(nullptr);
+    // No atexit handlers or static destructors in the forked copy; the transports are gone.
+    ::_exit(rc);
+  }
+
+  print_header(s, pinning);
+  bool aborted = false;
+  try {
+    run_rank(s);
+  } catch (const std::exception& e) {
+    link.abort(e.what());
+    s.failures.push_back(std::string("run stopped: ") + e.what());
+    std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
+    aborted = true;
+  }
+  const int status =
+      reaper.reap(child, aborted ? std::chrono::milliseconds(200) : std::chrono::milliseconds(kTransportTimeout));
+  if (!aborted && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+    s.failures.push_back("rank 1 ended badly (wait status " + std::to_string(status) + ")" +
+                         (link.peer_error().empty() ? "" : ": " + link.peer_error()));
+  }
+  remove_shm_segment(s.shm_spin_name);
+  remove_shm_segment(s.shm_blocking_name);
+
+  print_goals(s.results);
+  if (!options.json_path.empty()) {
+    write_json(options.json_path, s.results);
+    std::printf("\nwrote %zu measurements to %s (JSON Lines)\n", s.results.size(), options.json_path.c_str());
+  }
+  if (!s.failures.empty()) {
+    std::printf("\n%zu problem(s):\n", s.failures.size());
+    for (const auto& f : s.failures) std::printf("  %s\n", f.c_str());
+  }
+  return s.failures.empty() ? 0 : 1;
+}
+
+}  // namespace tdshm::bench

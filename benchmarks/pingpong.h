@@ -1,0 +1,74 @@
+#pragma once
+/// \file
+/// Two-process ping-pong benchmark: what a user of tdshm feels, next to its floors and ceilings,
+/// measured in the same run (`tdshm bench`).
+///
+/// Method (after Aeron's Ping/Pong samples): the bench forks one peer before LibTorch starts any
+/// thread, pins rank 0 and rank 1 to two different CPUs, brings every transport up in both
+/// processes, then, size by size and transport by transport, rank 0 sends a message of the size
+/// to rank 1, which receives it and sends a message of the same size back. Each round trip is
+/// timed on rank 0 with steady_clock; one-way latency is half of it. Warm-up round trips come
+/// first and are not recorded. A size's round trips are cut into rounds that interleave the
+/// transports, so that a change of load on the (shared) machine hits them all alike. p50 and p99 are nearest-rank percentiles of the recorded one-way
+/// times; GB/s is bytes / p50 one-way time in decimal units (10^9 bytes per second).
+///
+/// Transports (names as `--transports` spells them):
+///   shm           ProcessGroupShm, waiters spin 50 us then sleep on a futex   mode "spinning"
+///   shm-blocking  ProcessGroupShm with spin = 0: waiters only sleep          mode "blocking"
+///   gloo          c10d::ProcessGroupGloo over TCP on 127.0.0.1                mode "tcp-loopback"
+///   spin          floor: a sequence word per direction on its own cache line of a shared
+///                 mapping, the peer spins on it; the payload is copied into and out of a
+///                 shared buffer                                               mode "spinning"
+///   futex         floor: the same, but every wait sleeps in FUTEX_WAIT and every post calls
+///                 FUTEX_WAKE                                                  mode "blocking"
+///   memcpy        ceiling: one memcpy of the size between two warm buffers, one process;
+///                 its "one-way" time is the copy time                         mode "single-process"
+
+#include <cstddef>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace tdshm::bench {
+
+/// Options of `tdshm bench`; the defaults are the full run.
+struct BenchOptions {
+  /// Message sizes in bytes, measured in this order.
+  std::vector<size_t> sizes{8, 64, size_t{4} << 10, size_t{64} << 10, size_t{1} << 20, size_t{16} << 20,
+                            size_t{64} << 20};
+  /// Recorded round trips per size at most; big sizes get fewer (see iterations_for()).
+  int iters = 10000;
+  /// Warm-up round trips per size at most; big sizes get fewer.
+  int warmup = 1000;
+  /// Each size's iterations are split into this many rounds that interleave the transports.
+  int rounds = 5;
+  /// Transports to measure, in table order. Empty: all of them.
+  std::vector<std::string> transports;
+  /// If not empty, one JSON object per measurement is written to this file (JSON Lines).
+  std::string json_path;
+  /// A short run for smoke tests: fewer iterations and a smaller byte budget per size.
+  bool quick = false;
+  /// Pin rank 0 and rank 1 to the first two CPUs this process may run on.
+  bool pin = true;
+};
+
+/// Every transport name, in the default table order.
+const std::vector<std::string>& all_transports();
+
+/// Parses the arguments that follow `bench` (argv[0] is the first of them). Throws
+/// std::invalid_argument with a message naming the bad argument. `help` is set for -h/--help.
+BenchOptions parse_bench_options(int argc, char** argv, bool& help);
+
+/// Writes the usage text of `tdshm bench` to `out`.
+void print_bench_usage(FILE* out);
+
+/// Recorded and warm-up round trips for one message size under `options`.
+int iterations_for(const BenchOptions& options, size_t bytes);
+int warmup_for(const BenchOptions& options, size_t bytes);
+
+/// Runs the benchmark: forks the peer, measures, prints the table and the goal ratios, writes
+/// the JSON file. Returns 0 if every requested measurement ran (a missed goal is not a
+/// failure), 1 otherwise. Must be called before this process has started LibTorch threads.
+int run_pingpong_bench(const BenchOptions& options);
+
+}  // namespace tdshm::bench
