@@ -228,7 +228,10 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
               (msg->dtype < static_cast<uint8_t>(c10::ScalarType::NumOptions) ? c10::toString(dtype) : "?") +
               " but the tensor has dtype " + c10::toString(op->buffer.scalar_type());
   } else if (msg->ndim != shm::kShapeNotSent &&
-             !std::equal(op->buffer.sizes().begin(), op->buffer.sizes().end(), msg->dims, msg->dims + msg->ndim)) {
+             (msg->ndim < 2 ? op->buffer.dim() != msg->ndim  // equal bytes and dtype: equal numel
+                            : !std::equal(op->buffer.sizes().begin(), op->buffer.sizes().end(), msg->dims,
+                                          msg->dims + msg->ndim))) {
+    if (msg->ndim == 1) msg->dims[0] = static_cast<int64_t>(msg->total / op->buffer.element_size());
     problem = "the message has shape " + shape_str(msg->dims, msg->ndim) + " but the tensor has shape " +
               shape_str(op->buffer.sizes().data(), op->buffer.sizes().size());
   }
@@ -283,12 +286,14 @@ bool ShmEngine::progress_sends(int dst) {
       e.dtype = static_cast<uint8_t>(op.buffer.scalar_type());
       const auto sizes = op.buffer.sizes();
       e.ndim = sizes.size() <= shm::kMaxDims ? static_cast<uint8_t>(sizes.size()) : shm::kShapeNotSent;
-      if (e.ndim != shm::kShapeNotSent) std::copy(sizes.begin(), sizes.end(), e.dims);
+      if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) {
+        std::copy(sizes.begin(), sizes.end(), segment_->shape(me, to, pos).dims);
+      }
     }
     if (op.posted + chunk == op.bytes) flags |= shm::kEntryLast;
     e.flags = flags;
     e.chunk_offset = op.posted;
-    e.chunk_bytes = chunk;
+    e.chunk_bytes = static_cast<uint32_t>(chunk);  // slot_bytes <= 2^30
     if (chunk != 0) std::memcpy(segment_->payload(me, to, pos), op.data + op.posted, chunk);
     e.seq.store(pos + 1, std::memory_order_release);  // pairs with the consumer's acquire load of seq
     ring.head.store(pos + 1, std::memory_order_release);
@@ -319,7 +324,7 @@ bool ShmEngine::progress_receives(int src) {
     const EntryHeader& e = segment_->entry(from, me, pos);
     if (e.seq.load(std::memory_order_acquire) != pos + 1) break;  // pairs with the producer's release
     try {
-      handle_entry(src, e, segment_->payload(from, me, pos));
+      handle_entry(src, e, segment_->payload(from, me, pos), segment_->shape(from, me, pos));
     } catch (const Error&) {
       fail_peer(src, std::current_exception());
       return true;
@@ -333,7 +338,7 @@ bool ShmEngine::progress_receives(int src) {
 }
 
 // Validates one entry (bytes written by another process) and moves its payload.
-void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* payload) {
+void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* payload, const shm::EntryShape& shape) {
   auto corrupt = [&](const std::string& what) {
     return TransportError("corrupted entry from " + segment_->describe_rank(static_cast<uint32_t>(src)) + ": " + what);
   };
@@ -344,7 +349,7 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
     if (cur) throw corrupt("a new message starts before the previous one ended");
     if (e.total_bytes > kMaxMessageBytes) throw corrupt("message size " + std::to_string(e.total_bytes));
     if (e.ndim != shm::kShapeNotSent && e.ndim > shm::kMaxDims) throw corrupt("ndim " + std::to_string(e.ndim));
-    start_message(src, e);
+    start_message(src, e, shape);
   } else if (!cur) {
     throw corrupt("a continuation without a first entry");
   }
@@ -372,7 +377,7 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   }
 }
 
-void ShmEngine::start_message(int src, const EntryHeader& e) {
+void ShmEngine::start_message(int src, const EntryHeader& e, const shm::EntryShape& shape) {
   auto msg = std::make_shared<Incoming>();
   msg->src = src;
   msg->tag = e.tag;
@@ -380,7 +385,7 @@ void ShmEngine::start_message(int src, const EntryHeader& e) {
   msg->total = e.total_bytes;
   msg->dtype = e.dtype;
   msg->ndim = e.ndim;
-  if (e.ndim != shm::kShapeNotSent) std::copy(e.dims, e.dims + e.ndim, msg->dims);
+  if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(shape.dims, shape.dims + e.ndim, msg->dims);
   msg->arrival = arrivals_++;
   current_[static_cast<size_t>(src)] = msg;
   for (auto it = posted_.begin(); it != posted_.end(); ++it) {

@@ -97,8 +97,8 @@ class ShmEngine {
   bool progress_locked();  // requires mu_; true if anything moved
   bool progress_sends(int dst);
   bool progress_receives(int src);
-  void handle_entry(int src, const shm::EntryHeader& e, const uint8_t* payload);
-  void start_message(int src, const shm::EntryHeader& e);
+  void handle_entry(int src, const shm::EntryHeader& e, const uint8_t* payload, const shm::EntryShape& shape);
+  void start_message(int src, const shm::EntryHeader& e, const shm::EntryShape& shape);
   bool try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op);
   void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
   void fail_peer(int peer, std::exception_ptr error);

@@ -64,6 +64,9 @@ class Segment {
   uint8_t* payload(uint32_t src, uint32_t dst, uint64_t position) const noexcept {
     return entry_base(src, dst, position) + sizeof(EntryHeader);
   }
+  EntryShape& shape(uint32_t src, uint32_t dst, uint64_t position) const noexcept {
+    return *reinterpret_cast<EntryShape*>(entry_base(src, dst, position) + geometry_.shape_offset);
+  }
 
   /// Whether rank `r` is attached and its process alive (left or dead ranks are not).
   bool rank_alive(uint32_t r) const;

@@ -8,7 +8,7 @@
 //   | SegmentHeader (256 B)       | RankSlot[world]   | Ring[src*world + dst] ...          |
 //   | magic, version (last), sizes| pid, start time,  |  RingControl (128 B: head | tail) |
 //   | world size, offsets, creator| state, futex word |  Entry[ring_entries]:             |
-//   +-----------------------------+-------------------+    EntryHeader (128 B) + slot     |
+//   +-----------------------------+-------------------+    EntryHeader (48 B), slot, shape|
 //                                                     +-----------------------------------+
 //
 // Offsets, never pointers: each process maps the segment at its own address. Atomics are
@@ -99,28 +99,40 @@ enum EntryFlags : uint32_t {
   kEntryControl = 4,  // a collective's message (barrier, broadcast), matched apart from user tags
 };
 
-/// The header of one ring entry; slot_bytes of payload follow it. `seq` is stored last (release):
-/// position + 1 once the entry is complete, so the consumer polls this one cache line.
+/// The header of one ring entry. The payload follows it directly, so a message of up to 16
+/// bytes travels in the same cache line as its header (the consumer polls `seq` in that line);
+/// the shape of a tensor of 2 or more dimensions sits after the slot (EntryShape), read only
+/// then. `seq` is stored last (release): position + 1 once the entry is complete.
+///
+///   entry:  | EntryHeader (48 B) | payload (slot_bytes) | pad to 8 | EntryShape (64 B) | pad to 64 |
 struct EntryHeader {
   std::atomic<uint64_t> seq;  // 0
   int64_t tag;                // 8
   uint64_t total_bytes;       // 16  of the whole message
   uint64_t chunk_offset;      // 24  of this chunk in the message
-  uint64_t chunk_bytes;       // 32  <= slot_bytes
-  uint32_t flags;             // 40  EntryFlags
-  uint8_t dtype;              // 44  c10::ScalarType of the sender's tensor
-  uint8_t ndim;               // 45  <= kMaxDims, or 255 when the shape is not sent
-  uint16_t reserved0;         // 46
-  int64_t dims[kMaxDims];     // 48
-  uint64_t reserved1[2];      // 112
+  uint32_t chunk_bytes;       // 32  <= slot_bytes
+  uint32_t flags;             // 36  EntryFlags
+  uint8_t dtype;              // 40  c10::ScalarType of the sender's tensor
+  uint8_t ndim;               // 41  <= kMaxDims, or kShapeNotSent
+  uint16_t reserved0;         // 42
+  uint32_t reserved1;         // 44
 };
-static_assert(sizeof(EntryHeader) == 128);
-static_assert(offsetof(EntryHeader, dims) == 48);
+static_assert(sizeof(EntryHeader) == 48);
+static_assert(offsetof(EntryHeader, chunk_bytes) == 32);
+static_assert(offsetof(EntryHeader, dtype) == 40);
+
+/// The sizes of a tensor of 2 to kMaxDims dimensions, written with a message's first entry (a
+/// 0- or 1-dimensional shape follows from the byte size and dtype).
+struct EntryShape {
+  int64_t dims[kMaxDims];
+};
+static_assert(sizeof(EntryShape) == 64);
 
 inline constexpr uint8_t kShapeNotSent = 255;
 
 static_assert(std::is_standard_layout_v<SegmentHeader> && std::is_standard_layout_v<RankSlot> &&
-                  std::is_standard_layout_v<RingControl> && std::is_standard_layout_v<EntryHeader>,
+                  std::is_standard_layout_v<RingControl> && std::is_standard_layout_v<EntryHeader> &&
+                  std::is_standard_layout_v<EntryShape>,
               "shared structs must be standard-layout");
 static_assert(std::is_trivially_destructible_v<SegmentHeader> && std::is_trivially_destructible_v<RankSlot> &&
                   std::is_trivially_destructible_v<RingControl> && std::is_trivially_destructible_v<EntryHeader>,
@@ -128,6 +140,7 @@ static_assert(std::is_trivially_destructible_v<SegmentHeader> && std::is_trivial
 
 /// Byte sizes and offsets of a segment with the given parameters (the one place they are computed).
 struct SegmentGeometry {
+  uint64_t shape_offset;  // of the EntryShape within an entry
   uint64_t entry_bytes;
   uint64_t ring_bytes;
   uint64_t rank_table_offset;
@@ -139,7 +152,8 @@ constexpr uint64_t round_up(uint64_t v, uint64_t to) { return (v + to - 1) / to 
 
 constexpr SegmentGeometry segment_geometry(uint32_t world_size, uint64_t slot_bytes, uint32_t ring_entries) {
   SegmentGeometry g{};
-  g.entry_bytes = round_up(sizeof(EntryHeader) + slot_bytes, kCacheLine);
+  g.shape_offset = round_up(sizeof(EntryHeader) + slot_bytes, alignof(EntryShape));
+  g.entry_bytes = round_up(g.shape_offset + sizeof(EntryShape), kCacheLine);
   g.ring_bytes = sizeof(RingControl) + g.entry_bytes * ring_entries;
   g.rank_table_offset = sizeof(SegmentHeader);
   g.rings_offset = round_up(g.rank_table_offset + sizeof(RankSlot) * world_size, kCacheLine);

@@ -61,16 +61,16 @@ TEST(ShmLayout, RingControlV1) {
 }
 
 TEST(ShmLayout, EntryHeaderV1) {
-  EXPECT_EQ(sizeof(EntryHeader), 128u);
+  EXPECT_EQ(sizeof(EntryHeader), 48u);
   EXPECT_EQ(offsetof(EntryHeader, seq), 0u);
   EXPECT_EQ(offsetof(EntryHeader, tag), 8u);
   EXPECT_EQ(offsetof(EntryHeader, total_bytes), 16u);
   EXPECT_EQ(offsetof(EntryHeader, chunk_offset), 24u);
   EXPECT_EQ(offsetof(EntryHeader, chunk_bytes), 32u);
-  EXPECT_EQ(offsetof(EntryHeader, flags), 40u);
-  EXPECT_EQ(offsetof(EntryHeader, dtype), 44u);
-  EXPECT_EQ(offsetof(EntryHeader, ndim), 45u);
-  EXPECT_EQ(offsetof(EntryHeader, dims), 48u);
+  EXPECT_EQ(offsetof(EntryHeader, flags), 36u);
+  EXPECT_EQ(offsetof(EntryHeader, dtype), 40u);
+  EXPECT_EQ(offsetof(EntryHeader, ndim), 41u);
+  EXPECT_EQ(sizeof(EntryShape), 64u);
   EXPECT_EQ(kEntryFirst, 1u);
   EXPECT_EQ(kEntryLast, 2u);
   EXPECT_EQ(kEntryControl, 4u);
@@ -78,16 +78,20 @@ TEST(ShmLayout, EntryHeaderV1) {
 }
 
 TEST(ShmLayout, GeometryOfAKnownSegment) {
-  // 2 ranks, 4 KiB slots, 4 entries: entries of 128 + 4096 bytes, rings of 128 + 4 entries.
+  // 2 ranks, 4 KiB slots, 4 entries: header 48 + slot 4096, shape at 4144, 64 more, rounded to 64.
   const SegmentGeometry g = segment_geometry(2, 4096, 4);
+  EXPECT_EQ(g.shape_offset, 4144u);
   EXPECT_EQ(g.entry_bytes, 4224u);
   EXPECT_EQ(g.ring_bytes, 128u + 4u * 4224u);
   EXPECT_EQ(g.rank_table_offset, 256u);
   EXPECT_EQ(g.rings_offset, 512u);
   EXPECT_EQ(g.segment_bytes, 512u + 4u * g.ring_bytes);
-  // A slot size that is not a multiple of the cache line is rounded up per entry.
+  // A slot size that is not a multiple of 8 puts the shape at the next multiple of 8.
+  EXPECT_EQ(segment_geometry(3, 100, 2).shape_offset, 152u);
   EXPECT_EQ(segment_geometry(3, 100, 2).entry_bytes, 256u);
   EXPECT_EQ(segment_geometry(3, 100, 2).rings_offset, 640u);
+  // The first 16 payload bytes share the header's cache line.
+  EXPECT_EQ(sizeof(EntryHeader) + 16, kCacheLine);
 }
 
 TEST(ShmLayout, StructsWorkOnAPlainByteBuffer) {
