@@ -5,6 +5,7 @@
 #include "shm/engine.h"
 
 #include <ATen/core/ivalue.h>
+#include <c10/util/SmallVector.h>
 
 namespace tdshm {
 
@@ -24,12 +25,14 @@ const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const ch
   return t;
 }
 
+// Most works hold one op: kept inline, so a send or recv allocates no vector.
+using OpList = c10::SmallVector<std::shared_ptr<ShmOp>, 1>;
+
 /// A c10d Work over one or more engine ops; completes when all of them are done.
 class ShmWork : public c10d::Work {
  public:
-  ShmWork(std::shared_ptr<ShmEngine> engine, std::vector<std::shared_ptr<ShmOp>> ops, c10d::OpType type,
-          std::vector<at::Tensor> outputs)
-      : c10d::Work(engine->rank(), type), engine_(std::move(engine)), ops_(std::move(ops)), outputs_(std::move(outputs)) {}
+  ShmWork(std::shared_ptr<ShmEngine> engine, OpList ops, c10d::OpType type, at::Tensor output)
+      : c10d::Work(engine->rank(), type), engine_(std::move(engine)), ops_(std::move(ops)), output_(std::move(output)) {}
 
   bool isCompleted() override {
     if (!all_done()) engine_->poll();
@@ -46,7 +49,9 @@ class ShmWork : public c10d::Work {
     return ops_[0]->source;
   }
 
-  std::vector<at::Tensor> result() override { return outputs_; }
+  std::vector<at::Tensor> result() override {
+    return output_.defined() ? std::vector<at::Tensor>{output_} : std::vector<at::Tensor>{};
+  }
 
   bool wait(std::chrono::milliseconds timeout) override {
     const auto limit = timeout == kNoTimeout ? engine_->options().timeout : timeout;
@@ -62,9 +67,9 @@ class ShmWork : public c10d::Work {
     if (future_) return future_;
     future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     auto future = future_;
-    auto ops = ops_;
-    auto outputs = outputs_;
-    engine_->watch(ops_, [future, ops, outputs] {
+    std::vector<std::shared_ptr<ShmOp>> ops(ops_.begin(), ops_.end());
+    auto outputs = result();
+    engine_->watch(ops, [future, ops, outputs] {
       for (const auto& op : ops) {
         if (!op->done.load(std::memory_order_acquire)) {
           future->setError(std::make_exception_ptr(Error("the process group was destroyed")));
@@ -95,16 +100,15 @@ class ShmWork : public c10d::Work {
   }
 
   std::shared_ptr<ShmEngine> engine_;
-  std::vector<std::shared_ptr<ShmOp>> ops_;
-  std::vector<at::Tensor> outputs_;
+  OpList ops_;
+  at::Tensor output_;  // what result() returns: the received or broadcast tensor
   std::mutex future_mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-c10::intrusive_ptr<c10d::Work> make_work(const std::shared_ptr<ShmEngine>& engine,
-                                         std::vector<std::shared_ptr<ShmOp>> ops, c10d::OpType type,
-                                         std::vector<at::Tensor> outputs) {
-  return c10::make_intrusive<ShmWork>(engine, std::move(ops), type, std::move(outputs));
+c10::intrusive_ptr<c10d::Work> make_work(const std::shared_ptr<ShmEngine>& engine, OpList ops, c10d::OpType type,
+                                         at::Tensor output = {}) {
+  return c10::make_intrusive<ShmWork>(engine, std::move(ops), type, std::move(output));
 }
 
 }  // namespace
@@ -130,20 +134,20 @@ const ShmOptions& ProcessGroupShm::options() const noexcept { return engine_->op
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const at::Tensor& t = single_tensor(tensors, "send");
   auto op = engine_->post_send(t, dstRank, tag, /*control=*/false);
-  return make_work(engine_, {op}, c10d::OpType::SEND, {});
+  return make_work(engine_, {op}, c10d::OpType::SEND);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const at::Tensor& t = single_tensor(tensors, "recv");
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv: source rank must be >= 0 (use recvAnysource)");
   auto op = engine_->post_recv(t, srcRank, tag, /*control=*/false);
-  return make_work(engine_, {op}, c10d::OpType::RECV, {t});
+  return make_work(engine_, {op}, c10d::OpType::RECV, t);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const at::Tensor& t = single_tensor(tensors, "recvAnysource");
   auto op = engine_->post_recv(t, -1, tag, /*control=*/false);
-  return make_work(engine_, {op}, c10d::OpType::RECVANYSOURCE, {t});
+  return make_work(engine_, {op}, c10d::OpType::RECVANYSOURCE, t);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor>& tensors,
@@ -161,7 +165,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
   } else {
     ops.push_back(engine_->post_recv(t, opts.rootRank, tag, /*control=*/true));
   }
-  return make_work(engine_, std::move(ops), c10d::OpType::BROADCAST, {t});
+  return make_work(engine_, OpList(ops.begin(), ops.end()), c10d::OpType::BROADCAST, t);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& /*opts*/) {
@@ -190,7 +194,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptio
     run({arrive, release});
     all = {arrive, release};
   }
-  return make_work(engine_, std::move(all), c10d::OpType::BARRIER, {});
+  return make_work(engine_, OpList(all.begin(), all.end()), c10d::OpType::BARRIER);
 }
 
 }  // namespace tdshm

@@ -483,7 +483,7 @@ void ShmEngine::sleep_until_event(Clock::time_point until) {
   slot.sleepers.fetch_sub(1, std::memory_order_seq_cst);
 }
 
-void ShmEngine::wait(const std::vector<std::shared_ptr<ShmOp>>& ops, Clock::time_point deadline) {
+void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline) {
   auto all_done = [&] {
     return std::all_of(ops.begin(), ops.end(), [](const auto& op) { return op->done.load(std::memory_order_acquire); });
   };

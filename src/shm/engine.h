@@ -27,9 +27,9 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <list>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -74,7 +74,7 @@ class ShmEngine {
   std::shared_ptr<ShmOp> post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control);
   /// Moves everything pending until every op in `ops` is done (or failed), spinning then
   /// sleeping; throws TimeoutError at `deadline`. Does not rethrow the ops' errors.
-  void wait(const std::vector<std::shared_ptr<ShmOp>>& ops, std::chrono::steady_clock::time_point deadline);
+  void wait(std::span<const std::shared_ptr<ShmOp>> ops, std::chrono::steady_clock::time_point deadline);
   /// One non-blocking progress pass.
   void poll();
   /// Calls `on_done` (from a helper thread, or at once) when every op in `ops` is done; the
@@ -119,7 +119,7 @@ class ShmEngine {
   std::vector<uint64_t> tx_tail_;                                // per destination: last tail read
   std::vector<uint64_t> rx_pos_;                                 // per source: next ring position
   std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
-  std::list<std::shared_ptr<ShmOp>> posted_;                     // unmatched receives, posting order
+  std::deque<std::shared_ptr<ShmOp>> posted_;                    // unmatched receives, posting order
   std::deque<std::shared_ptr<Incoming>> unexpected_;             // unmatched messages, arrival order
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
   uint64_t arrivals_ = 0;
