@@ -313,4 +313,14 @@ class ShmTest : public ::testing::Test {
   void set_deadline(Clock::duration timeout);
 };
 
+/// pg.send / pg.recv of one tensor (c10d takes a vector).
+inline c10::intrusive_ptr<c10d::Work> post_send(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag) {
+  std::vector<at::Tensor> v{t};
+  return pg.send(v, dst, tag);
+}
+inline c10::intrusive_ptr<c10d::Work> post_recv(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag) {
+  std::vector<at::Tensor> v{t};
+  return pg.recv(v, src, tag);
+}
+
 }  // namespace tdshm::test

@@ -23,16 +23,6 @@
 namespace tdshm::test {
 namespace {
 
-c10::intrusive_ptr<c10d::Work> post_send(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag) {
-  std::vector<at::Tensor> v{t};
-  return pg.send(v, dst, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> post_recv(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag) {
-  std::vector<at::Tensor> v{t};
-  return pg.recv(v, src, tag);
-}
-
 class ShmCollectiveThreads : public ShmTest {};
 class ShmCollectiveProcs : public ShmTest {};
 class ShmWorkThreads : public ShmTest {};

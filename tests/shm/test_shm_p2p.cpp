@@ -32,16 +32,6 @@ constexpr bool kUnderTsan = true;
 constexpr bool kUnderTsan = false;
 #endif
 
-c10::intrusive_ptr<c10d::Work> post_send(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag) {
-  std::vector<at::Tensor> v{t};
-  return pg.send(v, dst, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> post_recv(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag) {
-  std::vector<at::Tensor> v{t};
-  return pg.recv(v, src, tag);
-}
-
 void send_wait(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag) { post_send(pg, t, dst, tag)->wait(); }
 
 void recv_wait(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag) { post_recv(pg, t, src, tag)->wait(); }

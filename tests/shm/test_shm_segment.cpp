@@ -37,16 +37,6 @@
 namespace tdshm::test {
 namespace {
 
-c10::intrusive_ptr<c10d::Work> post_send(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag) {
-  std::vector<at::Tensor> v{t};
-  return pg.send(v, dst, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> post_recv(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag) {
-  std::vector<at::Tensor> v{t};
-  return pg.recv(v, src, tag);
-}
-
 /// One small and one chunked message each way between ranks 0 and 1 of `pg`: the group works.
 void exchange(ProcessGroupShm& pg) {
   const int peer = 1 - pg.getRank();
