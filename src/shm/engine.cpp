@@ -491,9 +491,11 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
   // Checks are cheap (one pause between them, ~30 ns here); the clock is read every 32 checks
   // and the core is offered to others (sched_yield) every 1024 (~30-50 us), so a peer that
   // shares this core with us (more ranks than cores) still runs.
+  // The spin budget starts at the first clock read (after kClockEvery checks, ~1 us): a wait
+  // that ends sooner never reads the clock. Blocking-only waits (spin 0) never spin.
   constexpr unsigned kClockEvery = 32, kYieldEvery = 1024;
-  auto now = Clock::now();
-  const auto spin_end = now + options_.spin;
+  const bool spinning = options_.spin.count() > 0;
+  Clock::time_point now{}, spin_end{};
   for (unsigned spins = 1;; ++spins) {
     bool moved;
     {
@@ -502,11 +504,12 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     }
     if (all_done()) return;
     if (moved) continue;
-    if (spins % kClockEvery != 0 && now < spin_end) {
+    if (spinning && spins % kClockEvery != 0 && (spin_end == Clock::time_point{} || now < spin_end)) {
       cpu_relax();
       continue;
     }
     now = Clock::now();
+    if (spin_end == Clock::time_point{}) spin_end = now + options_.spin;
     if (now >= next_peer_check_) {
       std::lock_guard lk(mu_);
       check_peers();
