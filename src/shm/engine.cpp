@@ -64,6 +64,20 @@ std::exception_ptr make_error(const std::string& what) {
   return std::make_exception_ptr(E(what));
 }
 
+std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user,
+                               at::Tensor buffer) {
+  auto op = std::make_shared<ShmOp>();
+  op->kind = kind;
+  op->peer = peer;
+  op->tag = tag;
+  op->control = control;
+  op->user = user;
+  op->buffer = std::move(buffer);
+  op->data = static_cast<uint8_t*>(op->buffer.data_ptr());
+  op->bytes = static_cast<uint64_t>(op->buffer.numel()) * op->buffer.element_size();
+  return op;
+}
+
 }  // namespace
 
 std::string ShmOp::what() const {
@@ -150,15 +164,9 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
                      "shm send: destination rank " + std::to_string(dst) + " is invalid for rank " +
                          std::to_string(rank_) + " of " + std::to_string(size_));
   }
-  auto op = std::make_shared<ShmOp>();
-  op->kind = ShmOp::Kind::kSend;
-  op->peer = dst;
-  op->tag = tag;
-  op->control = control;
-  op->user = tensor;
-  op->buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();  // a snapshot at post time
-  op->data = static_cast<uint8_t*>(op->buffer.data_ptr());
-  op->bytes = static_cast<uint64_t>(op->buffer.numel()) * op->buffer.element_size();
+  // A send snapshots a strided tensor at post time.
+  auto op = make_op(ShmOp::Kind::kSend, dst, tag, control, tensor,
+                    tensor.is_contiguous() ? tensor : tensor.contiguous());
   std::lock_guard lk(mu_);
   if (shut_down_ || peer_error_[static_cast<size_t>(dst)]) {
     finish(op, shut_down_ ? shut_down_ : peer_error_[static_cast<size_t>(dst)]);
@@ -175,15 +183,9 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
                      "shm recv: source rank " + std::to_string(src) + " is invalid for rank " + std::to_string(rank_) +
                          " of " + std::to_string(size_));
   }
-  auto op = std::make_shared<ShmOp>();
-  op->kind = ShmOp::Kind::kRecv;
-  op->peer = src;
-  op->tag = tag;
-  op->control = control;
-  op->user = tensor;
-  op->buffer = tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options());
-  op->data = static_cast<uint8_t*>(op->buffer.data_ptr());
-  op->bytes = static_cast<uint64_t>(op->buffer.numel()) * op->buffer.element_size();
+  // A strided destination receives into a contiguous staging tensor, copied over at the end.
+  auto op = make_op(ShmOp::Kind::kRecv, src, tag, control, tensor,
+                    tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options()));
   std::lock_guard lk(mu_);
   if (shut_down_) {
     finish(op, shut_down_);

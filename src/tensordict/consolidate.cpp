@@ -15,6 +15,7 @@
 
 #include "common/copy.h"
 #include "common/log.h"
+#include "schema/schema_internal.h"
 #include "tensordict/impl.h"
 
 #include <ATen/core/Tensor.h>
@@ -210,11 +211,8 @@ TensorDict TensorDict::from_consolidated(const at::Tensor& storage, Schema schem
   if (!storage.defined() || storage.dim() != 1 || storage.scalar_type() != at::kByte || !storage.is_contiguous()) {
     throw SchemaError("a consolidated storage must be a defined, contiguous 1-D uint8 tensor");
   }
-  if (schema.total_bytes > static_cast<uint64_t>(storage.numel())) {
-    throw SchemaError("the schema needs " + std::to_string(schema.total_bytes) + " bytes but the storage has " +
-                      std::to_string(storage.numel()));
-  }
-  (void)encode_schema(schema);  // validates offsets, sizes and order; throws SchemaError
+  // The decoder's own rules (offsets, sizes, order, total within the storage); throws SchemaError.
+  detail::validate_schema(schema, static_cast<uint64_t>(storage.numel()));
   auto cons = std::make_shared<Consolidation>();
   cons->storage = storage.numel() == static_cast<int64_t>(schema.total_bytes)
                       ? storage
