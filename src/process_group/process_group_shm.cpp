@@ -54,6 +54,10 @@ class ShmWork : public c10d::Work {
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
+    if (all_done()) {
+      if (auto e = first_error()) std::rethrow_exception(e);
+      return true;
+    }
     const auto limit = timeout == kNoTimeout ? engine_->options().timeout : timeout;
     engine_->wait(ops_, std::chrono::steady_clock::now() + limit);
     if (auto e = first_error()) std::rethrow_exception(e);
@@ -134,7 +138,7 @@ const ShmOptions& ProcessGroupShm::options() const noexcept { return engine_->op
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const at::Tensor& t = single_tensor(tensors, "send");
   auto op = engine_->post_send(t, dstRank, tag, /*control=*/false);
-  return make_work(engine_, {op}, c10d::OpType::SEND);
+  return make_work(engine_, op ? OpList{op} : OpList{}, c10d::OpType::SEND);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
@@ -160,7 +164,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
   std::vector<std::shared_ptr<ShmOp>> ops;
   if (getRank() == opts.rootRank) {
     for (int r = 0; r < getSize(); ++r) {
-      if (r != getRank()) ops.push_back(engine_->post_send(t, r, tag, /*control=*/true));
+      if (r == getRank()) continue;
+      if (auto op = engine_->post_send(t, r, tag, /*control=*/true)) ops.push_back(std::move(op));
     }
   } else {
     ops.push_back(engine_->post_recv(t, opts.rootRank, tag, /*control=*/true));
@@ -176,7 +181,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptio
   auto run = [&](std::vector<std::shared_ptr<ShmOp>> ops) {
     engine_->wait(ops, deadline);
     for (const auto& op : ops) {
-      if (op->error) std::rethrow_exception(op->error);
+      if (op && op->error) std::rethrow_exception(op->error);
     }
   };
   std::vector<std::shared_ptr<ShmOp>> all;
@@ -194,6 +199,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptio
     run({arrive, release});
     all = {arrive, release};
   }
+  std::erase(all, nullptr);  // sends that completed when posted
   return make_work(engine_, OpList(all.begin(), all.end()), c10d::OpType::BARRIER);
 }
 

@@ -64,6 +64,11 @@ std::exception_ptr make_error(const std::string& what) {
   return std::make_exception_ptr(E(what));
 }
 
+// A null op is a send that completed when it was posted.
+bool is_done(const std::shared_ptr<ShmOp>& op) noexcept {
+  return !op || op->done.load(std::memory_order_acquire);  // pairs with the release store in finish
+}
+
 std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user,
                                at::Tensor buffer) {
   auto op = std::make_shared<ShmOp>();
@@ -103,6 +108,7 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   tx_tail_.assign(n, 0);
   rx_pos_.assign(n, 0);
   current_.resize(n);
+  spare_.resize(n);
   peer_error_.resize(n);
   collective_seq_.assign(4, 0);
 
@@ -164,15 +170,30 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
                      "shm send: destination rank " + std::to_string(dst) + " is invalid for rank " +
                          std::to_string(rank_) + " of " + std::to_string(size_));
   }
+  const size_t peer = static_cast<size_t>(dst);
+  {
+    // The common small send: nothing queued before it, one entry, room in the ring. It is
+    // published before any allocation (the peer may be spinning on it) and needs no op at all.
+    std::lock_guard lk(mu_);
+    if (!shut_down_ && !peer_error_[peer] && send_queues_[peer].empty() && tensor.is_contiguous()) {
+      const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+      if (bytes <= options_.slot_bytes && ring_has_room(dst)) {
+        const uint32_t flags = shm::kEntryFirst | shm::kEntryLast | (control ? uint32_t{shm::kEntryControl} : 0u);
+        write_entry(dst, tx_pos_[peer]++, flags, tag, tensor, static_cast<const uint8_t*>(tensor.data_ptr()), 0, bytes);
+        notify(dst);
+        return nullptr;
+      }
+    }
+  }
   // A send snapshots a strided tensor at post time.
   auto op = make_op(ShmOp::Kind::kSend, dst, tag, control, tensor,
                     tensor.is_contiguous() ? tensor : tensor.contiguous());
   std::lock_guard lk(mu_);
-  if (shut_down_ || peer_error_[static_cast<size_t>(dst)]) {
-    finish(op, shut_down_ ? shut_down_ : peer_error_[static_cast<size_t>(dst)]);
+  if (shut_down_ || peer_error_[peer]) {
+    finish(op, shut_down_ ? shut_down_ : peer_error_[peer]);
     return op;
   }
-  send_queues_[static_cast<size_t>(dst)].push_back(op);
+  send_queues_[peer].push_back(op);
   progress_sends(dst);
   return op;
 }
@@ -261,44 +282,32 @@ void ShmEngine::poll() {
   progress_locked();
 }
 
+// True if the ring towards `dst` has a free entry at tx_pos_[dst]. The consumer's tail is re-read
+// only when the cached one says the ring is full: in the common case the producer never touches
+// the consumer's cache line.
+bool ShmEngine::ring_has_room(int dst) {
+  const uint64_t pos = tx_pos_[static_cast<size_t>(dst)];
+  uint64_t& tail = tx_tail_[static_cast<size_t>(dst)];
+  if (pos - tail < options_.ring_entries) return true;
+  // Pairs with the consumer's release store of tail.
+  tail = segment_->ring(static_cast<uint32_t>(rank_), static_cast<uint32_t>(dst)).tail.load(std::memory_order_acquire);
+  return pos - tail < options_.ring_entries;
+}
+
 bool ShmEngine::progress_sends(int dst) {
   auto& queue = send_queues_[static_cast<size_t>(dst)];
   if (queue.empty()) return false;
-  const auto me = static_cast<uint32_t>(rank_), to = static_cast<uint32_t>(dst);
-  shm::RingControl& ring = segment_->ring(me, to);
-  const uint64_t entries = options_.ring_entries, slot = options_.slot_bytes;
+  const uint64_t slot = options_.slot_bytes;
   uint64_t& pos = tx_pos_[static_cast<size_t>(dst)];
   bool moved = false;
   while (!queue.empty()) {
     ShmOp& op = *queue.front();
-    // The consumer's tail is re-read only when the cached one says the ring is full: in the
-    // common case the producer never touches the consumer's cache line.
-    uint64_t& tail = tx_tail_[static_cast<size_t>(dst)];
-    if (pos - tail >= entries) {
-      tail = ring.tail.load(std::memory_order_acquire);  // pairs with the consumer's release store
-      if (pos - tail >= entries) break;
-    }
-    EntryHeader& e = segment_->entry(me, to, pos);
+    if (!ring_has_room(dst)) break;
     const uint64_t chunk = std::min(slot, op.bytes - op.posted);
     uint32_t flags = op.control ? uint32_t{shm::kEntryControl} : 0u;
-    if (!op.started) {
-      flags |= shm::kEntryFirst;
-      e.tag = op.tag;
-      e.total_bytes = op.bytes;
-      e.dtype = static_cast<uint8_t>(op.buffer.scalar_type());
-      const auto sizes = op.buffer.sizes();
-      e.ndim = sizes.size() <= shm::kMaxDims ? static_cast<uint8_t>(sizes.size()) : shm::kShapeNotSent;
-      if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) {
-        std::copy(sizes.begin(), sizes.end(), segment_->shape(me, to, pos).dims);
-      }
-    }
+    if (!op.started) flags |= shm::kEntryFirst;
     if (op.posted + chunk == op.bytes) flags |= shm::kEntryLast;
-    e.flags = flags;
-    e.chunk_offset = op.posted;
-    e.chunk_bytes = static_cast<uint32_t>(chunk);  // slot_bytes <= 2^30
-    if (chunk != 0) std::memcpy(segment_->payload(me, to, pos), op.data + op.posted, chunk);
-    e.seq.store(pos + 1, std::memory_order_release);  // pairs with the consumer's acquire load of seq
-    ring.head.store(pos + 1, std::memory_order_release);
+    write_entry(dst, pos, flags, op.tag, op.buffer, op.data + op.posted, op.posted, chunk);
     ++pos;
     op.posted += chunk;
     op.started = true;
@@ -311,6 +320,27 @@ bool ShmEngine::progress_sends(int dst) {
   }
   if (moved) notify(dst);
   return moved;
+}
+
+// Fills the entry at ring position `pos` towards `dst` and publishes it (seq stored last).
+void ShmEngine::write_entry(int dst, uint64_t pos, uint32_t flags, int64_t tag, const at::Tensor& whole,
+                            const uint8_t* chunk_data, uint64_t offset, uint64_t chunk) {
+  const auto me = static_cast<uint32_t>(rank_), to = static_cast<uint32_t>(dst);
+  EntryHeader& e = segment_->entry(me, to, pos);
+  if (flags & shm::kEntryFirst) {
+    e.tag = tag;
+    e.total_bytes = static_cast<uint64_t>(whole.numel()) * whole.element_size();
+    e.dtype = static_cast<uint8_t>(whole.scalar_type());
+    const auto sizes = whole.sizes();
+    e.ndim = sizes.size() <= shm::kMaxDims ? static_cast<uint8_t>(sizes.size()) : shm::kShapeNotSent;
+    if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(sizes.begin(), sizes.end(), segment_->shape(me, to, pos).dims);
+  }
+  e.flags = flags;
+  e.chunk_offset = offset;
+  e.chunk_bytes = static_cast<uint32_t>(chunk);  // slot_bytes <= 2^30
+  if (chunk != 0) std::memcpy(segment_->payload(me, to, pos), chunk_data, chunk);
+  e.seq.store(pos + 1, std::memory_order_release);  // pairs with the consumer's acquire load of seq
+  segment_->ring(me, to).head.store(pos + 1, std::memory_order_release);
 }
 
 bool ShmEngine::progress_receives(int src) {
@@ -375,12 +405,18 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   if (last) {
     msg.complete = true;
     auto done = std::move(cur);
-    if (done->op) finish(done->op, nullptr);
+    if (done->op) {
+      finish(done->op, nullptr);
+      done->op.reset();
+      if (done.use_count() == 1) spare_[static_cast<size_t>(src)] = std::move(done);  // reused by the next message
+    }
   }
 }
 
 void ShmEngine::start_message(int src, const EntryHeader& e, const shm::EntryShape& shape) {
-  auto msg = std::make_shared<Incoming>();
+  auto& spare = spare_[static_cast<size_t>(src)];
+  auto msg = spare ? std::move(spare) : std::make_shared<Incoming>();
+  *msg = Incoming{};
   msg->src = src;
   msg->tag = e.tag;
   msg->control = (e.flags & shm::kEntryControl) != 0;
@@ -487,7 +523,7 @@ void ShmEngine::sleep_until_event(Clock::time_point until) {
 
 void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline) {
   auto all_done = [&] {
-    return std::all_of(ops.begin(), ops.end(), [](const auto& op) { return op->done.load(std::memory_order_acquire); });
+    return std::all_of(ops.begin(), ops.end(), is_done);
   };
   if (all_done()) return;
   // Checks are cheap (one pause between them, ~30 ns here); the clock is read every 32 checks
@@ -521,7 +557,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     if (now >= deadline) {
       std::string pending;
       for (const auto& op : ops) {
-        if (!op->done.load(std::memory_order_acquire)) pending += (pending.empty() ? "" : "; ") + op->what();
+        if (!is_done(op)) pending += (pending.empty() ? "" : "; ") + op->what();
       }
       throw TimeoutError("segment '" + name_ + "', rank " + std::to_string(rank_) + ": timed out waiting for " + pending);
     }
@@ -534,7 +570,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
 }
 
 void ShmEngine::watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done) {
-  const bool done = std::all_of(ops.begin(), ops.end(), [](const auto& op) { return op->done.load(std::memory_order_acquire); });
+  const bool done = std::all_of(ops.begin(), ops.end(), is_done);
   if (done) {
     on_done();
     return;
@@ -575,7 +611,7 @@ void ShmEngine::background_loop() {
     {
       std::lock_guard lk(watch_mu_);
       auto it = std::partition(watches_.begin(), watches_.end(), [](const Watch& w) {
-        return !std::all_of(w.ops.begin(), w.ops.end(), [](const auto& op) { return op->done.load(std::memory_order_acquire); });
+        return !std::all_of(w.ops.begin(), w.ops.end(), is_done);
       });
       std::move(it, watches_.end(), std::back_inserter(ready));
       watches_.erase(it, watches_.end());

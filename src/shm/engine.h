@@ -68,11 +68,12 @@ class ShmEngine {
   ShmEngine(const ShmEngine&) = delete;
   ShmEngine& operator=(const ShmEngine&) = delete;
 
-  /// Posts a send of `tensor` and moves as much of it as fits now.
+  /// Posts a send of `tensor` and moves as much of it as fits now. Returns null when the send
+  /// is already complete (the whole message is in the ring): there is nothing left to wait for.
   std::shared_ptr<ShmOp> post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control);
   /// Posts a receive into `tensor` (src -1: any source) and takes a message that already arrived.
   std::shared_ptr<ShmOp> post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control);
-  /// Moves everything pending until every op in `ops` is done (or failed), spinning then
+  /// Moves everything pending until every op in `ops` (null ones count as done) is done (or failed), spinning then
   /// sleeping; throws TimeoutError at `deadline`. Does not rethrow the ops' errors.
   void wait(std::span<const std::shared_ptr<ShmOp>> ops, std::chrono::steady_clock::time_point deadline);
   /// One non-blocking progress pass.
@@ -96,6 +97,9 @@ class ShmEngine {
 
   bool progress_locked();  // requires mu_; true if anything moved
   bool progress_sends(int dst);
+  bool ring_has_room(int dst);
+  void write_entry(int dst, uint64_t pos, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
+                   uint64_t offset, uint64_t chunk);
   bool progress_receives(int src);
   void handle_entry(int src, const shm::EntryHeader& e, const uint8_t* payload, const shm::EntryShape& shape);
   void start_message(int src, const shm::EntryHeader& e, const shm::EntryShape& shape);
@@ -119,6 +123,7 @@ class ShmEngine {
   std::vector<uint64_t> tx_tail_;                                // per destination: last tail read
   std::vector<uint64_t> rx_pos_;                                 // per source: next ring position
   std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
+  std::vector<std::shared_ptr<Incoming>> spare_;                 // per source: a finished one, for reuse
   std::deque<std::shared_ptr<ShmOp>> posted_;                    // unmatched receives, posting order
   std::deque<std::shared_ptr<Incoming>> unexpected_;             // unmatched messages, arrival order
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
