@@ -74,6 +74,9 @@ std::vector<std::string> tensorclass_fields(const std::string& name);
 std::shared_ptr<TensorClassBase> make_tensorclass(const TensorDict& td);
 
 /// CRTP base that TDSHM_TENSORCLASS uses; Derived provides kTypeName and kFields.
+template <class T>
+T tensorclass_cast(const TensorDict& td);
+
 template <class Derived>
 class TensorClass : public TensorClassBase {
  public:
@@ -95,6 +98,17 @@ class TensorClass : public TensorClassBase {
     td_.update_(other);
     return static_cast<Derived&>(*this);
   }
+
+  // The transfer methods of the inner tensordict (see TensorDict), defined in
+  // <tdshm/distributed.h>. init_remote carries type_name(): from_remote_init and broadcast
+  // rebuild a Derived (TypeError if the sender's type is another one).
+  Transfer isend(const SendOptions& options) const;
+  void send(const SendOptions& options) const;
+  Transfer irecv(const RecvOptions& options);
+  int64_t recv(const RecvOptions& options);
+  void init_remote(const InitRemoteOptions& options) const;
+  static Derived from_remote_init(const FromRemoteInitOptions& options);
+  Derived broadcast(const BroadcastOptions& options) const;
 
   /// Registers Derived (TDSHM_TENSORCLASS does this at start-up).
   static bool register_type() {

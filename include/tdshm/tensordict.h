@@ -68,6 +68,13 @@ class Key {
 
 class TensorDict;
 class Value;
+// The transfer API's options and results (include <tdshm/distributed.h> to call it).
+struct SendOptions;
+struct RecvOptions;
+struct Transfer;
+struct InitRemoteOptions;
+struct FromRemoteInitOptions;
+struct BroadcastOptions;
 
 /// Options of TensorDict::consolidate.
 struct ConsolidateOptions {
@@ -218,6 +225,36 @@ class TensorDict {
   /// Rebuilds a tensordict written by consolidate({.filename = path}) from that file alone; its
   /// leaves map the file (writes reach it). Throws MemmapError / SchemaError.
   static TensorDict from_consolidated_file(const std::string& path, MemmapMode mode = MemmapMode::kReadWrite);
+
+  // ---- transfers between processes (declared in <tdshm/distributed.h>; see SEMANTICS.md) ----
+  // Peers are checked before any communication: `group_dst` without `group`, both `dst` and
+  // `group_dst`, or neither, are three distinct Errors naming the parameters; a peer outside
+  // the group or equal to this rank is an Error too.
+
+  /// Sends every tensor leaf (per-leaf mode: one message per leaf in sorted_leaf_keys() order,
+  /// tags from transfer_tags) or, with `consolidated`, the consolidated storage as one message
+  /// (consolidating first when needed: a copy). Returns as Python's isend: the last tag, or the
+  /// Work handles with return_early, or nothing for a consolidated send.
+  Transfer isend(const SendOptions& options) const;
+  /// isend, then waits for every message to be sent.
+  void send(const SendOptions& options) const;
+  /// Receives into the existing leaves in place (per-leaf), or into the consolidated storage.
+  /// Each message's byte size, dtype and shape are checked against the leaf it lands in (an
+  /// Error naming the key); a consolidated receive checks the sender's schema fingerprint
+  /// before a byte of the storage is written. Returns nothing, or the Work handles with
+  /// return_premature.
+  Transfer irecv(const RecvOptions& options);
+  /// irecv, then waits; returns the last tag used (init_tag - 1 for no leaves).
+  int64_t recv(const RecvOptions& options);
+  /// Sends metadata (schema, non-tensor values, tensorclass name) and the consolidated storage
+  /// to `dst` (or, with use_broadcast, to every rank of the group).
+  void init_remote(const InitRemoteOptions& options) const;
+  /// Receives what init_remote sent and rebuilds it as a consolidated tensordict on `device`;
+  /// class_name() is the sender's tensorclass name, if any.
+  static TensorDict from_remote_init(const FromRemoteInitOptions& options);
+  /// Collective: the root (options.src) broadcasts this tensordict; every rank returns the
+  /// consolidated result (on non-root ranks `*this` is not used and may be empty).
+  TensorDict broadcast(const BroadcastOptions& options) const;
 
   /// Pretty, multi-line description (keys, dtypes, shapes, batch size).
   std::string repr() const;

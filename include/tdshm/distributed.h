@@ -1,0 +1,217 @@
+#pragma once
+/// \file
+/// Process groups and the options of the tensordict transfer API (the methods themselves are
+/// TensorDict members, see tensordict.h, and tensorclass members, see tensorclass.h).
+///
+/// The same user code runs over the shared-memory transport on one host ("shm",
+/// ProcessGroupShm) and over c10d's ProcessGroupGloo (TCP) across hosts ("gloo"):
+///
+/// \code
+///   auto world = tdshm::init_process_group("shm", {.rank = 1, .world_size = 2, .init_method = "shm://demo"});
+///   td.isend({.dst = 0});                                      // returns the last tag
+///   auto t = td2.irecv({.src = 1, .return_premature = true});  // t.works: the Work handles
+/// \endcode
+///
+/// Python keyword arguments are option structs with the same names and defaults; a Python
+/// `None` is an empty std::optional (or a default-constructed Group: the default group).
+
+#include <tdshm/errors.h>
+#include <tdshm/process_group.h>
+#include <tdshm/tensorclass.h>
+#include <tdshm/tensordict.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tdshm {
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+/// A process group as the transfer API sees it: a c10d backend plus, when the group was made by
+/// init_process_group or new_group, the global rank of each of its members.
+///
+/// A default-constructed Group is "no group": transfer calls then use the default group.
+/// A Group built from a backend alone is standalone (never registered): it is addressed with
+/// group_dst / group_src only; `dst` / `src` on it throw Error (as torch does for a group it
+/// does not know).
+class Group {
+ public:
+  Group() = default;
+  /// A standalone group over `backend` (its ranks are the backend's ranks).
+  explicit Group(c10::intrusive_ptr<c10d::ProcessGroup> backend);
+  /// A registered group: `global_ranks[i]` is the global rank of group rank i.
+  Group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int> global_ranks);
+
+  /// False for "no group" and for the value new_group returns on a rank outside the group.
+  bool defined() const noexcept { return static_cast<bool>(backend_); }
+  /// True for a group made by init_process_group or new_group.
+  bool registered() const noexcept { return !global_ranks_.empty(); }
+  /// The c10d backend. Throws Error if !defined().
+  c10d::ProcessGroup& backend() const;
+  const c10::intrusive_ptr<c10d::ProcessGroup>& backend_ptr() const noexcept { return backend_; }
+  /// "shm" or "gloo" (the backend's name).
+  std::string backend_name() const;
+  /// This process's rank in the group, and the group's size. Throw Error if !defined().
+  int rank() const;
+  int size() const;
+  /// Global ranks of the members (empty for a standalone group).
+  const std::vector<int>& global_ranks() const noexcept { return global_ranks_; }
+  /// The group rank of global rank `global`. Throws Error for a standalone group or a rank that
+  /// is not a member.
+  int group_rank(int global) const;
+  /// The global rank of group rank `group_rank`. Throws Error if out of range; for a standalone
+  /// group returns `group_rank` itself.
+  int global_rank(int group_rank) const;
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> backend_;
+  std::vector<int> global_ranks_;
+};
+
+/// Options of init_process_group (torch.distributed.init_process_group's parameters).
+struct InitOptions {
+  /// This process's rank and the number of processes; -1: read RANK / WORLD_SIZE from the
+  /// environment (as torch's env:// does).
+  int rank = -1;
+  int world_size = -1;
+  /// "shm://NAME" for the shm backend (NAME: a segment name, see validate_segment_name);
+  /// "tcp://HOST:PORT", "file://PATH" or "env://" (MASTER_ADDR, MASTER_PORT) for gloo.
+  std::string init_method = "env://";
+  /// Deadline of the rendezvous and of every later wait of the group.
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  /// Options of the shm backend (its timeout is replaced by `timeout`).
+  ShmOptions shm{};
+};
+
+/// Creates the default (world) group with `backend` "shm" or "gloo" and returns it. Throws
+/// Error if a default group exists already, for an unknown backend or a malformed init_method
+/// (the message names what was expected), TimeoutError if the peers do not arrive in time.
+Group init_process_group(const std::string& backend, const InitOptions& options = {});
+/// Whether init_process_group succeeded and destroy_process_group was not called since.
+bool is_initialized() noexcept;
+/// The default group. Throws Error if there is none.
+Group default_group();
+/// Rank and size in the default group. Throw Error if there is none.
+int get_rank();
+int get_world_size();
+/// A subgroup of the default group with the given global ranks (any order; group rank i is
+/// ranks[i]). Like torch, every rank of the default group must call new_group with the same
+/// ranks in the same order of calls; on a rank outside `ranks` the result is not defined()
+/// (Group{}). Throws Error for duplicate or out-of-range ranks.
+Group new_group(const std::vector<int>& ranks);
+/// Releases the default group and every group made by new_group (pending works fail).
+void destroy_process_group();
+/// A standalone gloo group over `store` (a c10d TCPStore or FileStore, possibly wrapped in a
+/// PrefixStore), never registered: address its ranks with group_dst / group_src.
+Group gloo_group_from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                            std::chrono::milliseconds timeout = std::chrono::minutes(30));
+
+// ---------------------------------------------------------------------------------------------
+// Options and results of the transfer methods. Peers: exactly one of dst / group_dst (src /
+// group_src); group_dst requires group. See SEMANTICS.md for tags and leaf order.
+
+/// isend / send (TensorDictBase.isend's keyword arguments).
+struct SendOptions {
+  std::optional<int> dst;        ///< global rank of the destination
+  Group group;                   ///< default: the default group
+  std::optional<int> group_dst;  ///< rank of the destination inside `group`
+  int64_t init_tag = 0;
+  bool pseudo_rand = false;
+  bool return_early = false;     ///< isend only: return the Work handles without waiting
+  bool consolidated = false;     ///< one message with the consolidated storage
+};
+
+/// irecv / recv (TensorDictBase.irecv's keyword arguments).
+struct RecvOptions {
+  std::optional<int> src;
+  Group group;
+  std::optional<int> group_src;
+  int64_t init_tag = 0;
+  bool pseudo_rand = false;
+  bool return_premature = false;  ///< irecv only: return the Work handles without waiting
+  bool consolidated = false;
+};
+
+/// What isend / irecv return. Python returns one of int, List[Work] or None; here:
+///  * isend per-leaf, return_early false: `last_tag` set, `works` empty;
+///  * return_early / return_premature true: `works` holds the handles (a list of one for a
+///    consolidated transfer), `has_works` is true;
+///  * otherwise (irecv, or isend consolidated without return_early): neither (Python's None).
+struct Transfer {
+  std::optional<int64_t> last_tag;
+  bool has_works = false;
+  std::vector<WorkPtr> works;
+  /// Waits for every work (rethrowing the first error); nothing to do when there are none.
+  void wait() const;
+};
+
+/// init_remote (dst, group, device, use_broadcast).
+struct InitRemoteOptions {
+  std::optional<int> dst;
+  Group group;
+  std::optional<c10::Device> device;
+  bool use_broadcast = false;
+};
+
+/// from_remote_init (src, group, device, use_broadcast).
+struct FromRemoteInitOptions {
+  std::optional<int> src;
+  Group group;
+  std::optional<c10::Device> device;  ///< where the storage is allocated (default CPU)
+  bool use_broadcast = false;
+};
+
+/// broadcast (src, group, device).
+struct BroadcastOptions {
+  int src = 0;  ///< global rank of the root
+  Group group;
+  std::optional<c10::Device> device;
+};
+
+/// The pseudo-random tag of `seed` (tensordict's _int_generator): numpy default_rng(seed),
+/// .bytes(8) read big-endian, mod 10000. Bit-identical to numpy for every seed >= 0; throws
+/// Error for a negative seed.
+int64_t pseudo_rand_tag(int64_t seed);
+/// The tags of `n` leaves: init_tag, init_tag+1, ... or, with pseudo_rand, t0 =
+/// pseudo_rand_tag(init_tag), t(i+1) = pseudo_rand_tag(t(i) + 1).
+std::vector<int64_t> transfer_tags(int64_t init_tag, size_t n, bool pseudo_rand);
+
+// ---------------------------------------------------------------------------------------------
+// The tensorclass transfer methods (declared in TensorClass): those of the inner tensordict.
+
+template <class Derived>
+Transfer TensorClass<Derived>::isend(const SendOptions& options) const {
+  return this->td_.isend(options);
+}
+template <class Derived>
+void TensorClass<Derived>::send(const SendOptions& options) const {
+  this->td_.send(options);
+}
+template <class Derived>
+Transfer TensorClass<Derived>::irecv(const RecvOptions& options) {
+  return this->td_.irecv(options);
+}
+template <class Derived>
+int64_t TensorClass<Derived>::recv(const RecvOptions& options) {
+  return this->td_.recv(options);
+}
+template <class Derived>
+void TensorClass<Derived>::init_remote(const InitRemoteOptions& options) const {
+  this->td_.init_remote(options);
+}
+template <class Derived>
+Derived TensorClass<Derived>::from_remote_init(const FromRemoteInitOptions& options) {
+  return tensorclass_cast<Derived>(TensorDict::from_remote_init(options));
+}
+template <class Derived>
+Derived TensorClass<Derived>::broadcast(const BroadcastOptions& options) const {
+  return tensorclass_cast<Derived>(this->td_.broadcast(options));
+}
+
+}  // namespace tdshm

@@ -1,0 +1,3 @@
+// group: see include/tdshm/distributed.h (work in progress).
+
+#include <tdshm/distributed.h>

@@ -1,0 +1,3 @@
+// pseudo_rand: see include/tdshm/distributed.h (work in progress).
+
+#include <tdshm/distributed.h>
