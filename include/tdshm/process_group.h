@@ -11,6 +11,9 @@
 /// in the order they were sent; messages with different tags may be received in any order.
 /// A message that arrives before its recv is posted is kept (in process memory) until it is
 /// received, so two ranks that both send before they receive never deadlock.
+/// A message whose byte size, dtype or shape does not fit the recv it matches fails that recv
+/// with a TransportError and is dropped (as MPI drops a truncated message), so the messages
+/// that follow it on the same tag are still received in order.
 ///
 /// Progress: there is no background thread on the data path. A transfer moves when a thread of
 /// this process is inside a tdshm call: send/recv post what fits at once, and Work::wait,

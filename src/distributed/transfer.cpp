@@ -1,3 +1,573 @@
-// transfer: see include/tdshm/distributed.h (work in progress).
+// The tensordict transfer API (TensorDict::isend, irecv, send, recv, init_remote,
+// from_remote_init, broadcast), written once against c10d::ProcessGroup.
+//
+// Wire protocol (both peers run tdshm; messages of one transfer share a tag, so MPI's same-tag
+// FIFO rule keeps them in order):
+//  * per-leaf: one message per tensor leaf in sorted_leaf_keys() order with the tags of
+//    transfer_tags(). Over shm every message carries its dtype and shape, which the transport
+//    checks against the receiving leaf. Other backends carry bytes only, so the sender first
+//    sends a layout descriptor (a 2-int64 header, then one int64 list of dtype, ndim and dims per
+//    leaf) under the first leaf's tag; the receiver checks it before it posts any leaf receive,
+//    and on a mismatch drains the leaves into scratch buffers (the stream stays in step) and
+//    throws an error naming the first key that differs.
+//  * consolidated: a 3-int64 header {magic, schema fingerprint, storage bytes} then the storage,
+//    both with tag 0. The receiver checks the header before its storage is written; on a
+//    mismatch it drains the storage into a scratch buffer and throws.
+//  * init_remote: a 3-int64 header {magic, schema bytes, storage bytes}, the encoded schema
+//    (keys, non-tensor values, tensorclass name), then the storage; tag 0, or three broadcasts.
 
 #include <tdshm/distributed.h>
+
+#include <ATen/ops/empty.h>
+
+#include <climits>
+#include <cstring>
+#include <mutex>
+
+namespace tdshm {
+
+namespace {
+
+constexpr int64_t kLayoutMagic = 0x7464736d6c617931;        // "tdsmlay1"
+constexpr int64_t kConsolidatedMagic = 0x7464736d636f6e31;  // "tdsmcon1"
+constexpr int64_t kRemoteInitMagic = 0x7464736d696e6931;    // "tdsminI1"
+constexpr int kConsolidatedTag = 0;
+constexpr int kRemoteInitTag = 0;
+// Bounds on what a peer's header may announce (a corrupt or hostile peer makes a transfer fail,
+// never an absurd allocation): descriptors and schemas are metadata, never this large.
+constexpr int64_t kMaxDescriptorWords = int64_t{1} << 24;
+constexpr int64_t kMaxSchemaBytes = int64_t{1} << 30;
+constexpr int64_t kMaxStorageBytes = int64_t{1} << 40;
+
+// ---------------------------------------------------------------------------------------------
+// Errors with context
+
+/// Rethrows the exception being handled with `context` in front of its message, keeping its
+/// tdshm type; anything else (c10::Error from gloo, std errors) becomes a TransportError.
+[[noreturn]] void rethrow_with_context(const std::string& context) {
+  try {
+    throw;
+  } catch (const PeerLostError& e) {
+    throw PeerLostError(context + e.what());
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(context + e.what());
+  } catch (const TransportError& e) {
+    throw TransportError(context + e.what());
+  } catch (const SchemaError& e) {
+    throw SchemaError(context + e.what());
+  } catch (const Error& e) {
+    throw Error(context + e.what());
+  } catch (const c10::Error& e) {
+    throw TransportError(context + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw TransportError(context + e.what());
+  }
+}
+
+std::exception_ptr current_with_context(const std::string& context) {
+  try {
+    rethrow_with_context(context);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Work handed to users: one or more backend works plus what to do once they all succeeded
+// (copy a staged leaf back), with errors that name the key.
+
+class TransferWork final : public c10d::Work {
+ public:
+  TransferWork(std::string context, std::vector<WorkPtr> inner, c10d::OpType type,
+               std::function<void()> on_success = {})
+      : c10d::Work(-1, type), context_(std::move(context)), inner_(std::move(inner)), on_success_(std::move(on_success)) {}
+
+  bool isCompleted() override {
+    for (auto& w : inner_) {
+      if (!w->isCompleted()) return false;
+    }
+    finalize(kNoTimeout);
+    return true;
+  }
+  bool isSuccess() const override {
+    std::lock_guard lk(mu_);
+    return finished_ && !error_;
+  }
+  std::exception_ptr exception() const override {
+    std::lock_guard lk(mu_);
+    return error_;
+  }
+  std::vector<at::Tensor> result() override { return inner_.size() == 1 ? inner_[0]->result() : std::vector<at::Tensor>{}; }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    finalize(timeout);
+    std::lock_guard lk(mu_);
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+  void abort() override {
+    for (auto& w : inner_) w->abort();
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    TORCH_CHECK(inner_.size() == 1 && !on_success_, "this tdshm transfer work has no future; call wait()");
+    return inner_[0]->getFuture();
+  }
+
+ private:
+  // Waits for every inner work (all of them, even after a failure: nothing stays posted into a
+  // leaf the caller may reuse), then runs on_success once.
+  void finalize(std::chrono::milliseconds timeout) {
+    std::lock_guard lk(mu_);
+    if (finished_) return;
+    for (auto& w : inner_) {
+      try {
+        w->wait(timeout);
+      } catch (...) {
+        if (!error_) error_ = current_with_context(context_);
+      }
+    }
+    if (!error_ && on_success_) {
+      try {
+        on_success_();
+      } catch (...) {
+        error_ = current_with_context(context_);
+      }
+    }
+    finished_ = true;
+  }
+
+  std::string context_;
+  std::vector<WorkPtr> inner_;
+  std::function<void()> on_success_;
+  mutable std::mutex mu_;
+  bool finished_ = false;
+  std::exception_ptr error_;
+};
+
+/// Waits for every work (all of them) and rethrows the first error.
+void wait_all(const std::vector<WorkPtr>& works) {
+  std::exception_ptr first;
+  for (const auto& w : works) {
+    try {
+      w->wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peers
+
+struct Peer {
+  Group group;
+  int rank = -1;  // in group
+};
+
+/// Resolves exactly one of `global` / `in_group` (SEMANTICS.md, Peers), before any message.
+Peer resolve_peer(const char* global_name, const char* group_name, std::optional<int> global,
+                  std::optional<int> in_group, const Group& given) {
+  const std::string g = global_name, gg = group_name;
+  if (in_group && !given.defined()) throw Error("`" + gg + "` requires `group` to be passed.");
+  if (global && in_group) throw Error("`" + g + "` and `" + gg + "` are mutually exclusive.");
+  if (!global && !in_group) throw Error("Exactly one of `" + g + "` and `" + gg + "` must be provided.");
+  Peer p;
+  p.group = given.defined() ? given : default_group();
+  p.rank = in_group ? *in_group : p.group.group_rank(*global);
+  if (p.rank < 0 || p.rank >= p.group.size()) {
+    throw Error("`" + (in_group ? gg : g) + "` = " + std::to_string(in_group ? *in_group : *global) +
+                " is not a rank of the group (size " + std::to_string(p.group.size()) + ")");
+  }
+  if (p.rank == p.group.rank()) {
+    throw Error("`" + (in_group ? gg : g) + "` = " + std::to_string(in_group ? *in_group : *global) +
+                " is this process's own rank: a tensordict cannot be sent to itself");
+  }
+  return p;
+}
+
+bool is_shm(const Group& g) { return g.backend_name() == "shm"; }
+
+int c10d_tag(int64_t tag) {
+  if (tag < 0 || tag > INT_MAX) {
+    throw Error("tag " + std::to_string(tag) + " is outside [0, " + std::to_string(INT_MAX) + "] (init_tag too large?)");
+  }
+  return static_cast<int>(tag);
+}
+
+WorkPtr send_one(const Group& g, at::Tensor t, int peer, int tag) {
+  std::vector<at::Tensor> v{std::move(t)};
+  return g.backend().send(v, peer, tag);
+}
+WorkPtr recv_one(const Group& g, at::Tensor t, int peer, int tag) {
+  std::vector<at::Tensor> v{std::move(t)};
+  return g.backend().recv(v, peer, tag);
+}
+void recv_now(const Group& g, const at::Tensor& t, int peer, int tag) { recv_one(g, t, peer, tag)->wait(); }
+void broadcast_now(const Group& g, const at::Tensor& t, int root) {
+  std::vector<at::Tensor> v{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  g.backend().broadcast(v, o)->wait();
+}
+
+at::Tensor int64_tensor(std::vector<int64_t> values) {
+  auto t = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kLong));
+  if (!values.empty()) std::memcpy(t.data_ptr(), values.data(), values.size() * sizeof(int64_t));
+  return t;
+}
+
+at::Tensor bytes_tensor(int64_t n) { return at::empty({n}, at::TensorOptions().dtype(at::kByte)); }
+
+/// A leaf that can be a message: a defined, dense CPU tensor.
+void check_leaf(const at::Tensor& t, const Key& key) {
+  if (!t.device().is_cpu()) {
+    throw TypeError("key " + key.str() + ": only CPU tensors can be transferred, this leaf is on " + t.device().str());
+  }
+  if (t.layout() != at::kStrided) throw TypeError("key " + key.str() + ": only dense (strided) tensors can be transferred");
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout descriptors (per-leaf mode on backends that carry bytes only)
+
+/// dtype, ndim, dims... per leaf.
+std::vector<int64_t> describe_leaves(const std::vector<at::Tensor>& leaves) {
+  std::vector<int64_t> d;
+  for (const auto& t : leaves) {
+    d.push_back(static_cast<int64_t>(t.scalar_type()));
+    d.push_back(t.dim());
+    for (int64_t s : t.sizes()) d.push_back(s);
+  }
+  return d;
+}
+
+struct LeafLayout {
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t bytes;
+};
+
+/// Parses a peer's descriptor, checking every value (it came from another process).
+std::vector<LeafLayout> parse_descriptor(const int64_t* d, int64_t n) {
+  std::vector<LeafLayout> out;
+  int64_t i = 0;
+  auto bad = [](const std::string& what) { return TransportError("malformed layout descriptor from the sender: " + what); };
+  while (i < n) {
+    if (n - i < 2) throw bad("truncated");
+    const int64_t dtype = d[i], ndim = d[i + 1];
+    if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions)) throw bad("dtype " + std::to_string(dtype));
+    if (ndim < 0 || ndim > n - i - 2) throw bad("ndim " + std::to_string(ndim));
+    LeafLayout l{static_cast<c10::ScalarType>(dtype), {d + i + 2, d + i + 2 + ndim}, 0};
+    const auto item = static_cast<int64_t>(c10::elementSize(l.dtype));
+    int64_t bytes = item;
+    for (int64_t s : l.shape) {
+      if (s < 0 || (s != 0 && bytes > kMaxStorageBytes / s)) throw bad("dimension " + std::to_string(s));
+      bytes *= s;
+    }
+    l.bytes = bytes;
+    out.push_back(std::move(l));
+    i += 2 + ndim;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-leaf transfers
+
+struct Leaves {
+  std::vector<Key> keys;
+  std::vector<at::Tensor> tensors;
+  std::vector<int64_t> tags;
+};
+
+Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
+  Leaves l;
+  l.keys = td.sorted_leaf_keys();
+  for (const auto& k : l.keys) {
+    l.tensors.push_back(td.get(k));
+    check_leaf(l.tensors.back(), k);
+  }
+  l.tags = transfer_tags(init_tag, l.keys.size(), pseudo_rand);
+  for (int64_t t : l.tags) c10d_tag(t);
+  return l;
+}
+
+/// The tag the descriptor travels with: the first leaf's (or the one it would have).
+int descriptor_tag(const Leaves& l, int64_t init_tag, bool pseudo_rand) {
+  return c10d_tag(l.tags.empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags[0]);
+}
+
+/// Receives and checks the sender's descriptor; on a mismatch drains its leaves and throws.
+void check_descriptor(const Group& g, int peer, const Leaves& l, int tag) {
+  auto header = int64_tensor({0, 0});
+  recv_now(g, header, peer, tag);
+  const int64_t magic = header[0].item<int64_t>(), words = header[1].item<int64_t>();
+  if (magic != kLayoutMagic || words < 0 || words > kMaxDescriptorWords) {
+    throw TransportError("the sender's per-leaf header is not a tdshm layout descriptor (is the sender using the same "
+                         "mode, per-leaf or consolidated, and tdshm?)");
+  }
+  auto desc = at::empty({words}, at::TensorOptions().dtype(at::kLong));
+  recv_now(g, desc, peer, tag);
+  const auto theirs = parse_descriptor(desc.data_ptr<int64_t>(), words);
+  std::string problem;
+  for (size_t i = 0; i < std::max(theirs.size(), l.keys.size()) && problem.empty(); ++i) {
+    if (i >= theirs.size()) {
+      problem = "key " + l.keys[i].str() + ": the sender has no leaf for it (it sends " + std::to_string(theirs.size()) +
+                " leaves, this tensordict has " + std::to_string(l.keys.size()) + ")";
+    } else if (i >= l.keys.size()) {
+      problem = "the sender sends " + std::to_string(theirs.size()) + " leaves, this tensordict has " +
+                std::to_string(l.keys.size());
+    } else if (theirs[i].dtype != l.tensors[i].scalar_type() || !l.tensors[i].sizes().equals(theirs[i].shape)) {
+      problem = "key " + l.keys[i].str() + ": the sender's leaf has dtype " + c10::toString(theirs[i].dtype) + " and shape " +
+                shape_str(theirs[i].shape) + ", this one " + c10::toString(l.tensors[i].scalar_type()) + " and " +
+                shape_str(l.tensors[i].sizes());
+    }
+  }
+  if (problem.empty()) return;
+  // Drain what the sender is sending (it cannot know), so that later transfers stay in step.
+  for (size_t i = 0; i < theirs.size(); ++i) {
+    const int tag_i = i < l.tags.size() ? static_cast<int>(l.tags[i]) : -1;
+    if (tag_i < 0) break;  // the sender's extra leaves use tags this side cannot know
+    recv_now(g, bytes_tensor(theirs[i].bytes), peer, tag_i);
+  }
+  throw TransportError(problem);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+void Transfer::wait() const { wait_all(works); }
+
+Transfer TensorDict::isend(const SendOptions& o) const {
+  const Peer p = resolve_peer("dst", "group_dst", o.dst, o.group_dst, o.group);
+  Transfer out;
+  if (o.consolidated) {
+    const TensorDict c = consolidate();
+    const at::Tensor storage = c.consolidated_storage();
+    const auto header = int64_tensor({kConsolidatedMagic, static_cast<int64_t>(c.schema_fingerprint()), storage.numel()});
+    std::vector<WorkPtr> inner{send_one(p.group, header, p.rank, kConsolidatedTag),
+                               send_one(p.group, storage, p.rank, kConsolidatedTag)};
+    auto w = c10::make_intrusive<TransferWork>("consolidated send: ", std::move(inner), c10d::OpType::SEND);
+    if (o.return_early) {
+      out.has_works = true;
+      out.works.push_back(w);
+    } else {
+      w->wait();
+    }
+    return out;
+  }
+  const Leaves l = collect(*this, o.init_tag, o.pseudo_rand);
+  std::vector<WorkPtr> descriptor;
+  if (!is_shm(p.group)) {
+    const int tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
+    auto desc = int64_tensor(describe_leaves(l.tensors));
+    descriptor.push_back(send_one(p.group, int64_tensor({kLayoutMagic, desc.numel()}), p.rank, tag));
+    descriptor.push_back(send_one(p.group, desc, p.rank, tag));
+  }
+  std::vector<WorkPtr> works;
+  for (size_t i = 0; i < l.keys.size(); ++i) {
+    // Over shm a strided leaf is packed by the transport; other backends want contiguous bytes.
+    at::Tensor t = is_shm(p.group) || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
+    std::vector<WorkPtr> inner = i == 0 ? std::move(descriptor) : std::vector<WorkPtr>{};
+    inner.push_back(send_one(p.group, t, p.rank, static_cast<int>(l.tags[i])));
+    works.push_back(c10::make_intrusive<TransferWork>("send of key " + l.keys[i].str() + ": ", std::move(inner),
+                                                      c10d::OpType::SEND));
+  }
+  if (l.keys.empty()) wait_all(descriptor);
+  if (o.return_early) {
+    out.has_works = true;
+    out.works = std::move(works);
+    return out;
+  }
+  wait_all(works);
+  out.last_tag = l.tags.empty() ? o.init_tag - 1 : l.tags.back();
+  return out;
+}
+
+void TensorDict::send(const SendOptions& o) const {
+  SendOptions early = o;
+  early.return_early = true;
+  isend(early).wait();
+}
+
+Transfer TensorDict::irecv(const RecvOptions& o) {
+  const Peer p = resolve_peer("src", "group_src", o.src, o.group_src, o.group);
+  Transfer out;
+  std::vector<WorkPtr> works;
+  if (o.consolidated) {
+    if (!is_consolidated()) {
+      throw Error("irecv(consolidated=True) needs a consolidated receiver: call consolidate() first (it must have the "
+                  "sender's schema)");
+    }
+    const at::Tensor storage = consolidated_storage();
+    auto header = int64_tensor({0, 0, 0});
+    recv_now(p.group, header, p.rank, kConsolidatedTag);
+    const int64_t magic = header[0].item<int64_t>(), bytes = header[2].item<int64_t>();
+    const auto fingerprint = static_cast<uint64_t>(header[1].item<int64_t>());
+    if (magic != kConsolidatedMagic || bytes < 0 || bytes > kMaxStorageBytes) {
+      throw TransportError("the sender's message is not a consolidated tdshm transfer (is it sending per-leaf?)");
+    }
+    if (fingerprint != schema_fingerprint() || bytes != storage.numel()) {
+      recv_now(p.group, bytes_tensor(bytes), p.rank, kConsolidatedTag);  // drained: the stream stays in step
+      throw SchemaError("consolidated recv: the sender's schema (fingerprint " + std::to_string(fingerprint) + ", " +
+                        std::to_string(bytes) + " bytes) differs from this tensordict's (fingerprint " +
+                        std::to_string(schema_fingerprint()) + ", " + std::to_string(storage.numel()) +
+                        " bytes); nothing was written");
+    }
+    works.push_back(c10::make_intrusive<TransferWork>(
+        "consolidated recv: ", std::vector<WorkPtr>{recv_one(p.group, storage, p.rank, kConsolidatedTag)},
+        c10d::OpType::RECV));
+  } else {
+    const Leaves l = collect(*this, o.init_tag, o.pseudo_rand);
+    const bool shm = is_shm(p.group);
+    if (!shm) check_descriptor(p.group, p.rank, l, descriptor_tag(l, o.init_tag, o.pseudo_rand));
+    for (size_t i = 0; i < l.keys.size(); ++i) {
+      const at::Tensor& leaf = l.tensors[i];
+      // Over shm a strided leaf is staged by the transport; others receive contiguous bytes,
+      // copied into the leaf once they are in.
+      const bool staged = !shm && !leaf.is_contiguous();
+      at::Tensor target = staged ? at::empty(leaf.sizes(), leaf.options()) : leaf;
+      std::function<void()> copy_back;
+      if (staged) copy_back = [leaf, target]() mutable { leaf.copy_(target); };
+      works.push_back(c10::make_intrusive<TransferWork>(
+          "recv of key " + l.keys[i].str() + ": ",
+          std::vector<WorkPtr>{recv_one(p.group, target, p.rank, static_cast<int>(l.tags[i]))}, c10d::OpType::RECV,
+          std::move(copy_back)));
+    }
+  }
+  if (o.return_premature) {
+    out.has_works = true;
+    out.works = std::move(works);
+  } else {
+    wait_all(works);
+  }
+  return out;
+}
+
+int64_t TensorDict::recv(const RecvOptions& o) {
+  RecvOptions premature = o;
+  premature.return_premature = true;
+  irecv(premature).wait();
+  if (o.consolidated) return kConsolidatedTag;
+  const auto n = sorted_leaf_keys().size();
+  return n == 0 ? o.init_tag - 1 : transfer_tags(o.init_tag, n, o.pseudo_rand).back();
+}
+
+// ---------------------------------------------------------------------------------------------
+// init_remote / from_remote_init / broadcast
+
+namespace {
+
+struct RemotePayload {
+  at::Tensor header;  // {magic, schema bytes, storage bytes}
+  at::Tensor schema;  // encoded
+  at::Tensor storage;
+};
+
+RemotePayload prepare_remote(const TensorDict& td) {
+  const TensorDict c = td.consolidate();
+  const std::vector<uint8_t> encoded = encode_schema(c.schema());
+  RemotePayload r;
+  r.schema = bytes_tensor(static_cast<int64_t>(encoded.size()));
+  if (!encoded.empty()) std::memcpy(r.schema.data_ptr(), encoded.data(), encoded.size());
+  r.storage = c.consolidated_storage();
+  r.header = int64_tensor({kRemoteInitMagic, r.schema.numel(), r.storage.numel()});
+  return r;
+}
+
+/// Checks a received header and allocates the schema buffer and storage it announces.
+RemotePayload allocate_remote(const at::Tensor& header) {
+  const int64_t magic = header[0].item<int64_t>(), schema_bytes = header[1].item<int64_t>(),
+                storage_bytes = header[2].item<int64_t>();
+  if (magic != kRemoteInitMagic) {
+    throw TransportError("from_remote_init: the first message is not a tdshm init_remote header (does the sender call "
+                         "init_remote with the same group and mode?)");
+  }
+  if (schema_bytes <= 0 || schema_bytes > kMaxSchemaBytes || storage_bytes < 0 || storage_bytes > kMaxStorageBytes) {
+    throw TransportError("from_remote_init: the sender announces " + std::to_string(schema_bytes) + " schema bytes and " +
+                         std::to_string(storage_bytes) + " storage bytes, which is not a valid transfer");
+  }
+  RemotePayload r;
+  r.header = header;
+  r.schema = bytes_tensor(schema_bytes);
+  r.storage = bytes_tensor(storage_bytes);
+  return r;
+}
+
+TensorDict rebuild_remote(const RemotePayload& r, const std::optional<c10::Device>& device) {
+  Schema schema = decode_schema(std::span<const uint8_t>(r.schema.data_ptr<uint8_t>(), static_cast<size_t>(r.schema.numel())),
+                                static_cast<uint64_t>(r.storage.numel()));
+  at::Tensor storage = r.storage;
+  if (device && *device != storage.device()) storage = storage.to(*device);
+  return TensorDict::from_consolidated(storage, std::move(schema));
+}
+
+/// The whole exchange as broadcasts from `root` (a group rank); `td` is used on the root only.
+TensorDict broadcast_remote(const TensorDict* td, const Group& g, int root, const std::optional<c10::Device>& device) {
+  if (g.rank() == root) {
+    RemotePayload r = prepare_remote(*td);
+    broadcast_now(g, r.header, root);
+    broadcast_now(g, r.schema, root);
+    broadcast_now(g, r.storage, root);
+    return td->consolidate();
+  }
+  auto header = int64_tensor({0, 0, 0});
+  broadcast_now(g, header, root);
+  RemotePayload r = allocate_remote(header);
+  broadcast_now(g, r.schema, root);
+  broadcast_now(g, r.storage, root);
+  return rebuild_remote(r, device);
+}
+
+Group group_or_default(const Group& g) { return g.defined() ? g : default_group(); }
+
+int root_in_group(const Group& g, int src) {
+  const int root = g.group_rank(src);
+  if (root < 0 || root >= g.size()) throw Error("`src` = " + std::to_string(src) + " is not a rank of the group");
+  return root;
+}
+
+}  // namespace
+
+void TensorDict::init_remote(const InitRemoteOptions& o) const {
+  if (o.use_broadcast) {
+    const Group g = group_or_default(o.group);
+    broadcast_remote(this, g, g.rank(), o.device);
+    return;
+  }
+  if (!o.dst) throw Error("init_remote: `dst` must be provided (or use_broadcast=True)");
+  const Peer p = resolve_peer("dst", "group_dst", o.dst, std::nullopt, o.group);
+  RemotePayload r = prepare_remote(*this);
+  std::vector<WorkPtr> works{send_one(p.group, r.header, p.rank, kRemoteInitTag),
+                             send_one(p.group, r.schema, p.rank, kRemoteInitTag),
+                             send_one(p.group, r.storage, p.rank, kRemoteInitTag)};
+  wait_all(works);
+}
+
+TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
+  if (!o.src) throw Error("from_remote_init: `src` must be provided");
+  if (o.use_broadcast) {
+    const Group g = group_or_default(o.group);
+    return broadcast_remote(nullptr, g, root_in_group(g, *o.src), o.device);
+  }
+  const Peer p = resolve_peer("src", "group_src", o.src, std::nullopt, o.group);
+  auto header = int64_tensor({0, 0, 0});
+  recv_now(p.group, header, p.rank, kRemoteInitTag);
+  RemotePayload r = allocate_remote(header);
+  recv_now(p.group, r.schema, p.rank, kRemoteInitTag);
+  recv_now(p.group, r.storage, p.rank, kRemoteInitTag);
+  return rebuild_remote(r, o.device);
+}
+
+TensorDict TensorDict::broadcast(const BroadcastOptions& o) const {
+  const Group g = group_or_default(o.group);
+  return broadcast_remote(this, g, root_in_group(g, o.src), o.device);
+}
+
+}  // namespace tdshm

@@ -36,6 +36,7 @@ struct Incoming {
   std::shared_ptr<ShmOp> op;  // the receive it lands in; null while unexpected
   std::unique_ptr<uint8_t[]> heap;  // its bytes while unexpected (not zero-filled: all are written)
   bool complete = false;
+  bool discard = false;  // it failed the receive it matched: drained and dropped, never copied
   uint64_t arrival = 0;
 };
 
@@ -217,7 +218,16 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
   for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
     const auto& msg = *it;
     if ((src >= 0 && msg->src != src) || msg->tag != tag || msg->control != control) continue;
-    if (!try_match(msg, op)) return op;  // failed with a clear error; the message stays
+    if (!try_match(msg, op)) {
+      // The receive failed with a clear error and the message is dropped (as MPI drops a
+      // truncated one), so that what follows on this tag stays in step.
+      if (!msg->complete) {
+        msg->discard = true;
+        msg->heap.reset();
+      }
+      unexpected_.erase(it);
+      return op;
+    }
     if (msg->complete) {
       if (msg->total != 0) std::memcpy(op->data, msg->heap.get(), msg->total);
       unexpected_.erase(it);
@@ -395,7 +405,7 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   }
   const bool last = (flags & shm::kEntryLast) != 0;
   if (last != (msg.received + e.chunk_bytes == msg.total)) throw corrupt("last-entry flag disagrees with the size");
-  if (e.chunk_bytes != 0) {
+  if (e.chunk_bytes != 0 && !msg.discard) {
     uint8_t* dst = msg.op ? msg.op->data + msg.received : msg.heap.get() + msg.received;
     // A message larger than the caches is written around them (see copy_bytes); the ring's
     // slots themselves stay cached for the next chunks.
@@ -405,8 +415,8 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   if (last) {
     msg.complete = true;
     auto done = std::move(cur);
-    if (done->op) {
-      finish(done->op, nullptr);
+    if (done->op) finish(done->op, nullptr);
+    if (done->op || done->discard) {
       done->op.reset();
       if (done.use_count() == 1) spare_[static_cast<size_t>(src)] = std::move(done);  // reused by the next message
     }
@@ -433,9 +443,10 @@ void ShmEngine::start_message(int src, const EntryHeader& e, const shm::EntrySha
     posted_.erase(it);
     if (try_match(msg, keep)) {
       msg->op = keep;
-      return;
+    } else {
+      msg->discard = true;  // that receive failed on a mismatch; the message is dropped
     }
-    break;  // that receive failed on a mismatch: the message waits for another one
+    return;
   }
   msg->heap = std::make_unique_for_overwrite<uint8_t[]>(msg->total);
   unexpected_.push_back(msg);
