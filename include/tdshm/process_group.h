@@ -15,6 +15,13 @@
 /// with a TransportError and is dropped (as MPI drops a truncated message), so the messages
 /// that follow it on the same tag are still received in order.
 ///
+/// MemoryMappedTensors travel by reference: a contiguous tensor that views a named
+/// MemoryMappedTensor (one with a filename) is sent as (file, offset) in one ring entry, whatever
+/// its size, and the send completes at once. The receiver reads the bytes from the file when the
+/// message is received (so writes the sender makes to the file until then are seen), straight
+/// into its tensor; when its tensor maps the same bytes (same file and offset, a shared mapping)
+/// nothing is copied at all. An anonymous memmap, or a strided view of one, is sent by value.
+///
 /// Progress: there is no background thread on the data path. A transfer moves when a thread of
 /// this process is inside a tdshm call: send/recv post what fits at once, and Work::wait,
 /// Work::isCompleted and every later call move everything that is pending, in both directions.

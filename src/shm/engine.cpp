@@ -6,10 +6,14 @@
 #include "common/log.h"
 #include "shm/futex.h"
 
+#include <tdshm/memmap.h>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <fcntl.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -37,6 +41,7 @@ struct Incoming {
   std::unique_ptr<uint8_t[]> heap;  // its bytes while unexpected (not zero-filled: all are written)
   bool complete = false;
   bool discard = false;  // it failed the receive it matched: drained and dropped, never copied
+  bool reference = false;  // a MemmapReference: `heap` holds it while unexpected
   uint64_t arrival = 0;
 };
 
@@ -63,6 +68,26 @@ std::string shape_str(const int64_t* dims, size_t n) {
 template <class E>
 std::exception_ptr make_error(const std::string& what) {
   return std::make_exception_ptr(E(what));
+}
+
+// The MemmapReference payload for sending `t` by reference, or "" to send its bytes: only a
+// contiguous view of a named (not anonymous) mapping whose path fits in a slot goes so.
+std::string memmap_reference(const at::Tensor& t, uint64_t slot_bytes) {
+  auto info = MemoryMappedTensor::info(t);
+  if (!info || info->filename.empty() || !t.is_contiguous()) return {};
+  if (sizeof(shm::MemmapReference) + info->filename.size() > slot_bytes) return {};
+  shm::MemmapReference r{};
+  r.offset = static_cast<uint64_t>(info->offset);
+  r.path_bytes = static_cast<uint32_t>(info->filename.size());
+  std::string out(sizeof r, '\0');
+  std::memcpy(out.data(), &r, sizeof r);
+  return out + info->filename;
+}
+
+uint32_t reference_path_bytes(const uint8_t* payload) {
+  shm::MemmapReference r;
+  std::memcpy(&r, payload, sizeof r);
+  return r.path_bytes;
 }
 
 // A null op is a send that completed when it was posted.
@@ -172,15 +197,20 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
                          std::to_string(rank_) + " of " + std::to_string(size_));
   }
   const size_t peer = static_cast<size_t>(dst);
+  const std::string reference = memmap_reference(tensor, options_.slot_bytes);
   {
     // The common small send: nothing queued before it, one entry, room in the ring. It is
     // published before any allocation (the peer may be spinning on it) and needs no op at all.
     std::lock_guard lk(mu_);
     if (!shut_down_ && !peer_error_[peer] && send_queues_[peer].empty() && tensor.is_contiguous()) {
-      const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+      const uint64_t bytes =
+          reference.empty() ? static_cast<uint64_t>(tensor.numel()) * tensor.element_size() : reference.size();
       if (bytes <= options_.slot_bytes && ring_has_room(dst)) {
-        const uint32_t flags = shm::kEntryFirst | shm::kEntryLast | (control ? uint32_t{shm::kEntryControl} : 0u);
-        write_entry(dst, tx_pos_[peer]++, flags, tag, tensor, static_cast<const uint8_t*>(tensor.data_ptr()), 0, bytes);
+        const uint32_t flags = shm::kEntryFirst | shm::kEntryLast | (control ? uint32_t{shm::kEntryControl} : 0u) |
+                               (reference.empty() ? 0u : uint32_t{shm::kEntryReference});
+        const auto* data = reference.empty() ? static_cast<const uint8_t*>(tensor.data_ptr())
+                                             : reinterpret_cast<const uint8_t*>(reference.data());
+        write_entry(dst, tx_pos_[peer]++, flags, tag, tensor, data, 0, bytes);
         notify(dst);
         return nullptr;
       }
@@ -189,6 +219,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
   // A send snapshots a strided tensor at post time.
   auto op = make_op(ShmOp::Kind::kSend, dst, tag, control, tensor,
                     tensor.is_contiguous() ? tensor : tensor.contiguous());
+  op->reference = reference;
   std::lock_guard lk(mu_);
   if (shut_down_ || peer_error_[peer]) {
     finish(op, shut_down_ ? shut_down_ : peer_error_[peer]);
@@ -228,7 +259,11 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
       unexpected_.erase(it);
       return op;
     }
-    if (msg->complete) {
+    if (msg->reference) {  // always complete: one entry
+      auto error = resolve_reference(*op, msg->heap.get(), sizeof(shm::MemmapReference) + reference_path_bytes(msg->heap.get()));
+      unexpected_.erase(it);
+      finish(op, error);
+    } else if (msg->complete) {
       if (msg->total != 0) std::memcpy(op->data, msg->heap.get(), msg->total);
       unexpected_.erase(it);
       finish(op, nullptr);
@@ -269,7 +304,8 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
               shape_str(op->buffer.sizes().data(), op->buffer.sizes().size());
   }
   if (problem.empty()) return true;
-  finish(op, make_error<TransportError>(op->what() + " from rank " + std::to_string(msg->src) + ": " + problem));
+  const std::string from = op->peer < 0 ? " (from rank " + std::to_string(msg->src) + ")" : "";
+  finish(op, make_error<TransportError>(op->what() + from + ": " + problem));
   return false;
 }
 
@@ -313,11 +349,19 @@ bool ShmEngine::progress_sends(int dst) {
   while (!queue.empty()) {
     ShmOp& op = *queue.front();
     if (!ring_has_room(dst)) break;
-    const uint64_t chunk = std::min(slot, op.bytes - op.posted);
     uint32_t flags = op.control ? uint32_t{shm::kEntryControl} : 0u;
-    if (!op.started) flags |= shm::kEntryFirst;
-    if (op.posted + chunk == op.bytes) flags |= shm::kEntryLast;
-    write_entry(dst, pos, flags, op.tag, op.buffer, op.data + op.posted, op.posted, chunk);
+    uint64_t chunk;
+    if (!op.reference.empty()) {  // the whole message in one entry, whatever the tensor's size
+      chunk = op.bytes;
+      flags |= shm::kEntryFirst | shm::kEntryLast | shm::kEntryReference;
+      write_entry(dst, pos, flags, op.tag, op.buffer, reinterpret_cast<const uint8_t*>(op.reference.data()), 0,
+                  op.reference.size());
+    } else {
+      chunk = std::min(slot, op.bytes - op.posted);
+      if (!op.started) flags |= shm::kEntryFirst;
+      if (op.posted + chunk == op.bytes) flags |= shm::kEntryLast;
+      write_entry(dst, pos, flags, op.tag, op.buffer, op.data + op.posted, op.posted, chunk);
+    }
     ++pos;
     op.posted += chunk;
     op.started = true;
@@ -386,7 +430,18 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   };
   auto& cur = current_[static_cast<size_t>(src)];
   const uint32_t flags = e.flags;
-  if (flags & ~uint32_t{shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl}) throw corrupt("unknown flags");
+  if (flags & ~uint32_t{shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl | shm::kEntryReference}) {
+    throw corrupt("unknown flags");
+  }
+  if (flags & shm::kEntryReference) {
+    if ((flags & (shm::kEntryFirst | shm::kEntryLast)) != (shm::kEntryFirst | shm::kEntryLast)) {
+      throw corrupt("a memmap reference that is not a whole message");
+    }
+    shm::MemmapReference r;
+    if (e.chunk_bytes < sizeof r || e.chunk_bytes > options_.slot_bytes) throw corrupt("memmap reference of " + std::to_string(e.chunk_bytes) + " bytes");
+    std::memcpy(&r, payload, sizeof r);
+    if (r.path_bytes == 0 || sizeof r + r.path_bytes != e.chunk_bytes) throw corrupt("memmap reference path length");
+  }
   if (flags & shm::kEntryFirst) {
     if (cur) throw corrupt("a new message starts before the previous one ended");
     if (e.total_bytes > kMaxMessageBytes) throw corrupt("message size " + std::to_string(e.total_bytes));
@@ -397,6 +452,19 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   }
   Incoming& msg = *cur;
   if (static_cast<bool>(flags & shm::kEntryControl) != msg.control) throw corrupt("control flag changed mid-message");
+  if (msg.reference) {
+    std::exception_ptr error;
+    if (msg.op) {
+      error = resolve_reference(*msg.op, payload, e.chunk_bytes);
+    } else if (!msg.discard) {
+      std::memcpy(msg.heap.get(), payload, e.chunk_bytes);
+    }
+    msg.received = msg.total;
+    msg.complete = true;
+    auto done = std::move(cur);
+    if (done->op) finish(done->op, error);
+    return;
+  }
   if (e.chunk_offset != msg.received) {
     throw corrupt("chunk at offset " + std::to_string(e.chunk_offset) + ", expected " + std::to_string(msg.received));
   }
@@ -423,6 +491,38 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   }
 }
 
+// Lands a reference message (validated by handle_entry) in `op`: nothing to do when op's
+// tensor maps the same bytes, else one copy from the file. Returns the error to fail op with.
+std::exception_ptr ShmEngine::resolve_reference(const ShmOp& op, const uint8_t* payload, uint64_t bytes) const {
+  shm::MemmapReference r;
+  std::memcpy(&r, payload, sizeof r);
+  const std::string path(reinterpret_cast<const char*>(payload) + sizeof r, bytes - sizeof r);
+  if (op.bytes == 0) return nullptr;
+  if (auto mine = MemoryMappedTensor::info(op.user);
+      mine && mine->writable && op.user.is_contiguous() && mine->filename == path &&
+      static_cast<uint64_t>(mine->offset) == r.offset) {  // (a private copy-on-write mapping may differ)
+    return nullptr;  // the receiver's tensor is the sender's bytes
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return make_error<TransportError>(op.what() + ": cannot open the sender's memory-mapped file '" + path +
+                                      "': " + std::strerror(errno));
+  }
+  uint64_t done = 0;
+  while (done < op.bytes) {
+    const ssize_t n = ::pread(fd, op.data + done, op.bytes - done, static_cast<off_t>(r.offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? std::strerror(errno) : "the file is shorter than the message";
+      ::close(fd);
+      return make_error<TransportError>(op.what() + ": reading the sender's memory-mapped file '" + path + "': " + why);
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  ::close(fd);
+  return nullptr;
+}
+
 void ShmEngine::start_message(int src, const EntryHeader& e, const shm::EntryShape& shape) {
   auto& spare = spare_[static_cast<size_t>(src)];
   auto msg = spare ? std::move(spare) : std::make_shared<Incoming>();
@@ -430,6 +530,7 @@ void ShmEngine::start_message(int src, const EntryHeader& e, const shm::EntrySha
   msg->src = src;
   msg->tag = e.tag;
   msg->control = (e.flags & shm::kEntryControl) != 0;
+  msg->reference = (e.flags & shm::kEntryReference) != 0;
   msg->total = e.total_bytes;
   msg->dtype = e.dtype;
   msg->ndim = e.ndim;
@@ -448,7 +549,8 @@ void ShmEngine::start_message(int src, const EntryHeader& e, const shm::EntrySha
     }
     return;
   }
-  msg->heap = std::make_unique_for_overwrite<uint8_t[]>(msg->total);
+  // An unexpected reference keeps the reference, not the bytes.
+  msg->heap = std::make_unique_for_overwrite<uint8_t[]>(msg->reference ? e.chunk_bytes : msg->total);
   unexpected_.push_back(msg);
 }
 

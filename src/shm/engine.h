@@ -8,6 +8,9 @@
 //    carries up to slot_bytes of payload. The producer fills an entry, then stores its seq
 //    (release); the consumer polls that seq (acquire), copies the payload out, then advances the
 //    ring's tail (release), which frees the entry for the producer.
+//  * A contiguous tensor that views a named MemoryMappedTensor is sent as a reference (file,
+//    offset; kEntryReference): the receiver copies straight from the file into its tensor, or
+//    nothing at all when its tensor maps the same bytes. An anonymous memmap goes by value.
 //  * A message that matches a posted recv is copied straight into the receiver's tensor. One that
 //    matches nothing yet is copied into process memory ("unexpected", as in MPI) so that the
 //    ring keeps moving: two ranks that both send before receiving cannot deadlock.
@@ -47,6 +50,7 @@ struct ShmOp {
   at::Tensor buffer;     // contiguous bytes: `user` itself or a staging copy
   uint8_t* data = nullptr;
   uint64_t bytes = 0;
+  std::string reference;      // send of a named memmap: the MemmapReference payload sent instead of the bytes
   uint64_t posted = 0;        // send: payload bytes written to the ring
   bool started = false;       // send: first entry written
   std::atomic<bool> done{false};
@@ -103,6 +107,7 @@ class ShmEngine {
   bool progress_receives(int src);
   void handle_entry(int src, const shm::EntryHeader& e, const uint8_t* payload, const shm::EntryShape& shape);
   void start_message(int src, const shm::EntryHeader& e, const shm::EntryShape& shape);
+  std::exception_ptr resolve_reference(const ShmOp& op, const uint8_t* payload, uint64_t bytes) const;
   bool try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op);
   void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
   void fail_peer(int peer, std::exception_ptr error);

@@ -25,7 +25,7 @@ namespace tdshm::shm {
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
 inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;  // 2: kEntryReference
 inline constexpr size_t kMaxDims = 8;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words and states must be lock-free");
@@ -97,7 +97,18 @@ enum EntryFlags : uint32_t {
   kEntryFirst = 1,    // first chunk of a message: tag, total size, dtype and shape are valid
   kEntryLast = 2,     // last chunk of a message
   kEntryControl = 4,  // a collective's message (barrier, broadcast), matched apart from user tags
+  kEntryReference = 8,  // the message's bytes are in a file: the payload is a MemmapReference
 };
+
+/// Payload of a kEntryReference entry (always a whole message: kEntryFirst | kEntryLast): the
+/// message's total_bytes are at `offset` in the file whose absolute path follows this struct
+/// (path_bytes bytes, no terminating NUL). A MemoryMappedTensor travels so over shm.
+struct MemmapReference {
+  uint64_t offset;      // 0
+  uint32_t path_bytes;  // 8
+  uint32_t reserved;    // 12
+};
+static_assert(sizeof(MemmapReference) == 16);
 
 /// The header of one ring entry. The payload follows it directly, so a message of up to 16
 /// bytes travels in the same cache line as its header (the consumer polls `seq` in that line);

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <tdshm/errors.h>
+#include <tdshm/memmap.h>
 #include <tdshm/process_group.h>
 
 #include <algorithm>
@@ -20,6 +21,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include "shm_test_support.h"
 
@@ -474,6 +477,61 @@ TEST_F(ShmP2PProcs, MessagesOfADepartedSenderAreDelivered) {
   Shared<std::atomic<int>> sender_left;
   SHM_EXPECT_RANKS_OK(
       run_ranks(Peers::kProcesses, 2, [&](int r) { left_sender_scenario(name, r, small_options(), *sender_left); }));
+}
+
+// ---------------------------------------------------------------------------------------------
+// MemoryMappedTensors travel by reference
+
+/// Rank 0 sends views of a named memmap (file `file`) and an anonymous one; rank 1 receives them.
+/// A named one is one entry whatever its size (the send completes at once with a 4-entry ring of
+/// 4 KiB slots) and its bytes are read from the file when it is received (rank 0 writes 2s after
+/// sending 1s: rank 1 sees 2s). A receiver that maps the same bytes copies nothing (it succeeds
+/// after the file is unlinked, which a copy could not); a plain receiver then fails clearly.
+void memmap_reference_scenario(const std::string& name, int r, const std::string& file) {
+  ProcessGroupShm pg(name, r, 2, small_options());
+  constexpr int64_t n = 16384;  // 64 KiB of floats: 4x the ring's capacity
+  if (r == 0) {
+    auto mm = MemoryMappedTensor::full({n}, 1.0, at::kFloat, file);
+    auto w = post_send(pg, mm.tensor(), 1, 3);
+    SHM_CHECK(w->isCompleted(), "a named memmap is sent as one reference entry");
+    w->wait();
+    mm->fill_(2.0);
+    send_wait(pg, MemoryMappedTensor::full({n}, 5.0, at::kFloat).tensor(), 1, 5);  // anonymous: by value
+    send_wait(pg, mm->narrow(0, 100, 50), 1, 6);                                   // a view at an offset
+    send_wait(pg, mm.tensor(), 1, 8);
+    send_wait(pg, mm.tensor(), 1, 9);
+    send_wait(pg, at::ones({1}), 1, 4);
+    recv_wait(pg, at::zeros({1}), 1, 7);  // rank 1 is done: the file may go
+  } else {
+    recv_wait(pg, at::zeros({1}), 0, 4);  // everything else is in (unexpected) by now
+    auto plain = at::zeros({n});
+    recv_wait(pg, plain, 0, 3);
+    SHM_CHECK(plain.eq(2.0).all().item<bool>(), "the file is read when the message is received");
+    auto anon = at::zeros({n});
+    recv_wait(pg, anon, 0, 5);
+    SHM_CHECK(anon.eq(5.0).all().item<bool>(), "an anonymous memmap arrives by value");
+    auto slice = at::zeros({50});
+    recv_wait(pg, slice, 0, 6);
+    SHM_CHECK(slice.eq(2.0).all().item<bool>(), "a view at an offset");
+    auto mine = MemoryMappedTensor::from_filename(file, at::kFloat, {n});
+    SHM_CHECK(::unlink(file.c_str()) == 0, "unlink " << file);
+    recv_wait(pg, mine.tensor(), 0, 8);
+    SHM_CHECK(mine->eq(2.0).all().item<bool>(), "the receiver's own mapping");
+    SHM_CHECK_THROWS(TransportError, [&] { recv_wait(pg, at::zeros({n}), 0, 9); }, "cannot open", file);
+    send_wait(pg, at::ones({1}), 0, 7);
+  }
+}
+
+TEST_F(ShmP2PThreads, MemmapTravelsByReference) {
+  const std::string name = unique_name();
+  const std::string file = segment_path(name) + ".memmap";
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { memmap_reference_scenario(name, r, file); }));
+}
+
+TEST_F(ShmP2PProcs, MemmapTravelsByReference) {
+  const std::string name = unique_name();
+  const std::string file = segment_path(name) + ".memmap";
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) { memmap_reference_scenario(name, r, file); }));
 }
 
 TEST_F(ShmP2PProcs, Bidirectional256MiBAtOnce) {

@@ -1,5 +1,5 @@
 // Binary compatibility of the structs that live in a segment. These numbers are the layout that
-// kLayoutVersion 1 promises to every process attached to a segment: changing a struct without
+// kLayoutVersion 2 promises to every process attached to a segment: changing a struct without
 // bumping the version makes one of these fail.
 
 #include "shm/segment_layout.h"
@@ -12,7 +12,7 @@ namespace {
 using namespace tdshm::shm;
 
 TEST(ShmLayout, VersionAndMagicArePinned) {
-  EXPECT_EQ(kLayoutVersion, 1u);
+  EXPECT_EQ(kLayoutVersion, 2u);
   char magic[8];
   std::memcpy(magic, &kSegmentMagic, 8);
   EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");
@@ -74,7 +74,14 @@ TEST(ShmLayout, EntryHeaderV1) {
   EXPECT_EQ(kEntryFirst, 1u);
   EXPECT_EQ(kEntryLast, 2u);
   EXPECT_EQ(kEntryControl, 4u);
+  EXPECT_EQ(kEntryReference, 8u);
   EXPECT_EQ(kShapeNotSent, 255u);
+}
+
+TEST(ShmLayout, MemmapReference) {
+  EXPECT_EQ(sizeof(MemmapReference), 16u);
+  EXPECT_EQ(offsetof(MemmapReference, offset), 0u);
+  EXPECT_EQ(offsetof(MemmapReference, path_bytes), 8u);
 }
 
 TEST(ShmLayout, GeometryOfAKnownSegment) {
