@@ -1,7 +1,9 @@
 // The tdshm command-line tool.
 //
-//   tdshm demo     build, consolidate and inspect a TensorDict; rebuild it from its schema
-//                  and from a consolidated file; exit non-zero if any check fails
+//   tdshm demo     the two seed scenarios (isend/irecv, init_remote/from_remote_init) as two
+//                  processes over shm or, with --backend gloo, gloo (tools/demo.cpp)
+//   tdshm tour     build, consolidate and inspect a TensorDict in one process; rebuild it from
+//                  its schema and from a consolidated file; exit non-zero if any check fails
 //   tdshm bench    two-process ping-pong of the transports, their floors and baselines
 //                  (benchmarks/pingpong.h); `tdshm bench --help` lists its options
 //   tdshm help     this text
@@ -10,6 +12,7 @@
 #include <tdshm/tensorclass.h>
 #include <tdshm/tensordict.h>
 
+#include "demo.h"
 #include "pingpong.h"
 
 #include <ATen/core/Tensor.h>
@@ -64,8 +67,8 @@ std::string scratch_file() {
   return (dir / ("tdshm-demo-" + std::to_string(::getpid()) + ".td")).string();
 }
 
-int demo() {
-  std::printf("tdshm demo: the seed tensordict of TensorDictBase.isend\n\n");
+int tour() {
+  std::printf("tdshm tour: the seed tensordict of TensorDictBase.isend\n\n");
   tdshm::TensorDict td({{{"a", "b"}, at::randn({2})}, {"c", at::randn({2, 3})}, {"_", at::ones({2, 1, 5})},
                         {"step", int64_t{42}}},
                        {2});
@@ -110,14 +113,15 @@ int demo() {
   check(any->type_name() == "tdshm.demo.Transition" && dynamic_cast<DemoTransition*>(any.get()) != nullptr,
         "a tensorclass is rebuilt from its schema by registered name");
 
-  std::printf("\n%s\n", failures == 0 ? "demo passed" : "demo FAILED");
+  std::printf("\n%s\n", failures == 0 ? "tour passed" : "tour FAILED");
   return failures == 0 ? 0 : 1;
 }
 
 void usage(FILE* out) {
   std::fprintf(out,
                "usage: tdshm <command>\n"
-               "  demo   build, consolidate and inspect a TensorDict (checks included)\n"
+               "  demo   the seed scenarios as two processes over shm or gloo (--help)\n"
+               "  tour   build, consolidate and inspect a TensorDict in one process (checks included)\n"
                "  bench  two-process ping-pong: ProcessGroupShm, gloo, raw floors, memcpy (--help)\n"
                "  help   this text\n");
 }
@@ -145,7 +149,8 @@ int bench(int argc, char** argv) {
 int main(int argc, char** argv) {
   const std::string cmd = argc > 1 ? argv[1] : "";
   try {
-    if (cmd == "demo") return demo();
+    if (cmd == "demo") return tdshm::tools::run_demo(argc - 2, argv + 2);
+    if (cmd == "tour") return tour();
     if (cmd == "bench") return bench(argc - 2, argv + 2);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
       usage(stdout);
