@@ -290,6 +290,9 @@ std::shared_ptr<World> make_world(const std::string& backend, const InitOptions&
       store_options.port = r.port;
       store_options.isServer = rank == 0;
       store_options.numWorkers = static_cast<size_t>(size);
+      // Not waiting for the workers here: the gloo rendezvous right after waits for every rank
+      // anyway, within `timeout`; TCPStore's own wait would cost up to twice the timeout first.
+      store_options.waitWorkers = false;
       store_options.timeout = options.timeout;
       world->store = c10::make_intrusive<c10d::TCPStore>(r.host, store_options);
     }
