@@ -136,7 +136,7 @@ void init_remote_scenario(int rank) {
     std::printf("[rank %d]   from_remote_init(src=0) took %.1f us (waiting for the sender included); received:\n%s",
                 rank, us, values(got).c_str());
     std::vector<std::string> top;
-    for (const auto& k : got.keys()) top.push_back(k.str());
+    for (const auto& k : got.keys()) top.push_back(k.front());
     check(rank, std::set<std::string>(top.begin(), top.end()) == std::set<std::string>{"a", "c", "d"},
           "set(keys) == {\"a\", \"c\", \"d\"}");
     check(rank, (got == 1).all(), "(td == 1).all()");
