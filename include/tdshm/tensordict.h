@@ -250,7 +250,10 @@ class TensorDict {
   /// to `dst` (or, with use_broadcast, to every rank of the group).
   void init_remote(const InitRemoteOptions& options) const;
   /// Receives what init_remote sent and rebuilds it as a consolidated tensordict on `device`;
-  /// class_name() is the sender's tensorclass name, if any.
+  /// class_name() is the sender's tensorclass name, if any. Over shm, a leaf that was a named
+  /// MemoryMappedTensor on the sender (contiguous) arrives as a mapping of the same file, so
+  /// writes on either side are seen by the other; the storage keeps the copy taken at
+  /// init_remote (a later consolidated send of the result sends that copy, not the file).
   static TensorDict from_remote_init(const FromRemoteInitOptions& options);
   /// Collective: the root (options.src) broadcasts this tensordict; every rank returns the
   /// consolidated result (on non-root ranks `*this` is not used and may be empty).

@@ -13,10 +13,13 @@
 //  * consolidated: a 3-int64 header {magic, schema fingerprint, storage bytes} then the storage,
 //    both with tag 0. The receiver checks the header before its storage is written; on a
 //    mismatch it drains the storage into a scratch buffer and throws.
-//  * init_remote: a 3-int64 header {magic, schema bytes, storage bytes}, the encoded schema
-//    (keys, non-tensor values, tensorclass name), then the storage; tag 0, or three broadcasts.
+//  * init_remote: a 4-int64 header {magic, schema bytes, storage bytes, reference bytes}, the
+//    encoded schema (keys, non-tensor values, tensorclass name), the storage, then (over shm, when
+//    the tree has named MemoryMappedTensor leaves) their file references; tag 0, or broadcasts.
 
 #include <tdshm/distributed.h>
+
+#include "tensordict/impl.h"
 
 #include <ATen/ops/empty.h>
 
@@ -465,31 +468,105 @@ int64_t TensorDict::recv(const RecvOptions& o) {
 namespace {
 
 struct RemotePayload {
-  at::Tensor header;  // {magic, schema bytes, storage bytes}
+  at::Tensor header;  // {magic, schema bytes, storage bytes, reference bytes}
   at::Tensor schema;  // encoded
   at::Tensor storage;
+  at::Tensor references;  // encoded MemoryMappedTensor references; empty if none
 };
 
-RemotePayload prepare_remote(const TensorDict& td) {
+// References of named MemoryMappedTensor leaves: per leaf, the key's parts, the file and the
+// offset, each string as u32 length + bytes, the offset as i64 (native byte order: one host).
+void put_u32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); }
+void put_string(std::string& out, const std::string& v) {
+  put_u32(out, static_cast<uint32_t>(v.size()));
+  out += v;
+}
+
+std::string encode_references(const TensorDict& td) {
+  std::string out;
+  for (const auto& key : td.keys(/*include_nested=*/true, /*leaves_only=*/true)) {
+    const Value v = td.get_value(key);
+    if (!v.is_tensor()) continue;
+    const auto info = MemoryMappedTensor::info(v.tensor());
+    if (!info || info->filename.empty() || !v.tensor().is_contiguous()) continue;
+    put_u32(out, static_cast<uint32_t>(key.size()));
+    for (const auto& part : key.parts()) put_string(out, part);
+    put_string(out, info->filename);
+    out.append(reinterpret_cast<const char*>(&info->offset), sizeof info->offset);
+  }
+  return out;
+}
+
+/// Replaces the leaves named in `bytes` (from a peer: every length is checked) with mappings of
+/// the sender's files. The leaves keep their dtype and shape.
+void apply_references(const TensorDict& td, const at::Tensor& bytes) {
+  const auto* p = bytes.data_ptr<uint8_t>();
+  const auto* end = p + bytes.numel();
+  auto bad = []() { return TransportError("from_remote_init: malformed memory-map references from the sender"); };
+  auto u32 = [&]() {
+    if (end - p < 4) throw bad();
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    p += 4;
+    return v;
+  };
+  auto str = [&]() {
+    const uint32_t n = u32();
+    if (static_cast<uint64_t>(end - p) < n) throw bad();
+    std::string v(reinterpret_cast<const char*>(p), n);
+    p += n;
+    return v;
+  };
+  while (p < end) {
+    const uint32_t parts = u32();
+    if (parts == 0 || parts > kSchemaMaxDepth + 1) throw bad();
+    std::vector<std::string> key_parts;
+    for (uint32_t i = 0; i < parts; ++i) key_parts.push_back(str());
+    const std::string file = str();
+    int64_t offset;
+    if (end - p < 8) throw bad();
+    std::memcpy(&offset, p, 8);
+    p += 8;
+    const Key key(std::move(key_parts));
+    const at::Tensor leaf = td.get(key);
+    const auto mapped = MemoryMappedTensor::from_filename(file, leaf.scalar_type(), leaf.sizes(), offset);
+    // The consolidated tensordict is locked: the leaf is swapped in its node directly.
+    TensorDict parent = key.size() == 1 ? td : td.get_tensordict(Key(std::vector<std::string>(key.parts().begin(), key.parts().end() - 1)));
+    Value* slot = parent.impl()->find(key.back());
+    if (slot == nullptr) throw bad();  // td.get(key) found it: cannot happen
+    *slot = Value(mapped);
+  }
+}
+
+RemotePayload prepare_remote(const TensorDict& td, bool by_reference) {
   const TensorDict c = td.consolidate();
   const std::vector<uint8_t> encoded = encode_schema(c.schema());
   RemotePayload r;
   r.schema = bytes_tensor(static_cast<int64_t>(encoded.size()));
   if (!encoded.empty()) std::memcpy(r.schema.data_ptr(), encoded.data(), encoded.size());
   r.storage = c.consolidated_storage();
-  r.header = int64_tensor({kRemoteInitMagic, r.schema.numel(), r.storage.numel()});
+  if (by_reference) {
+    const std::string refs = encode_references(td);
+    if (!refs.empty()) {
+      r.references = bytes_tensor(static_cast<int64_t>(refs.size()));
+      std::memcpy(r.references.data_ptr(), refs.data(), refs.size());
+    }
+  }
+  r.header = int64_tensor({kRemoteInitMagic, r.schema.numel(), r.storage.numel(),
+                           r.references.defined() ? r.references.numel() : 0});
   return r;
 }
 
 /// Checks a received header and allocates the schema buffer and storage it announces.
 RemotePayload allocate_remote(const at::Tensor& header) {
   const int64_t magic = header[0].item<int64_t>(), schema_bytes = header[1].item<int64_t>(),
-                storage_bytes = header[2].item<int64_t>();
+                storage_bytes = header[2].item<int64_t>(), reference_bytes = header[3].item<int64_t>();
   if (magic != kRemoteInitMagic) {
     throw TransportError("from_remote_init: the first message is not a tdshm init_remote header (does the sender call "
                          "init_remote with the same group and mode?)");
   }
-  if (schema_bytes <= 0 || schema_bytes > kMaxSchemaBytes || storage_bytes < 0 || storage_bytes > kMaxStorageBytes) {
+  if (schema_bytes <= 0 || schema_bytes > kMaxSchemaBytes || storage_bytes < 0 || storage_bytes > kMaxStorageBytes ||
+      reference_bytes < 0 || reference_bytes > kMaxSchemaBytes) {
     throw TransportError("from_remote_init: the sender announces " + std::to_string(schema_bytes) + " schema bytes and " +
                          std::to_string(storage_bytes) + " storage bytes, which is not a valid transfer");
   }
@@ -497,6 +574,7 @@ RemotePayload allocate_remote(const at::Tensor& header) {
   r.header = header;
   r.schema = bytes_tensor(schema_bytes);
   r.storage = bytes_tensor(storage_bytes);
+  if (reference_bytes > 0) r.references = bytes_tensor(reference_bytes);
   return r;
 }
 
@@ -505,23 +583,30 @@ TensorDict rebuild_remote(const RemotePayload& r, const std::optional<c10::Devic
                                 static_cast<uint64_t>(r.storage.numel()));
   at::Tensor storage = r.storage;
   if (device && *device != storage.device()) storage = storage.to(*device);
-  return TensorDict::from_consolidated(storage, std::move(schema));
+  TensorDict td = TensorDict::from_consolidated(storage, std::move(schema));
+  if (r.references.defined()) apply_references(td, r.references);
+  return td;
+}
+
+/// Sends (root) or receives the parts of a payload in order, by broadcast.
+void broadcast_parts(const Group& g, RemotePayload& r, int root) {
+  broadcast_now(g, r.schema, root);
+  broadcast_now(g, r.storage, root);
+  if (r.references.defined()) broadcast_now(g, r.references, root);
 }
 
 /// The whole exchange as broadcasts from `root` (a group rank); `td` is used on the root only.
 TensorDict broadcast_remote(const TensorDict* td, const Group& g, int root, const std::optional<c10::Device>& device) {
   if (g.rank() == root) {
-    RemotePayload r = prepare_remote(*td);
+    RemotePayload r = prepare_remote(*td, is_shm(g));
     broadcast_now(g, r.header, root);
-    broadcast_now(g, r.schema, root);
-    broadcast_now(g, r.storage, root);
+    broadcast_parts(g, r, root);
     return td->consolidate();
   }
-  auto header = int64_tensor({0, 0, 0});
+  auto header = int64_tensor({0, 0, 0, 0});
   broadcast_now(g, header, root);
   RemotePayload r = allocate_remote(header);
-  broadcast_now(g, r.schema, root);
-  broadcast_now(g, r.storage, root);
+  broadcast_parts(g, r, root);
   return rebuild_remote(r, device);
 }
 
@@ -543,10 +628,11 @@ void TensorDict::init_remote(const InitRemoteOptions& o) const {
   }
   if (!o.dst) throw Error("init_remote: `dst` must be provided (or use_broadcast=True)");
   const Peer p = resolve_peer("dst", "group_dst", o.dst, std::nullopt, o.group);
-  RemotePayload r = prepare_remote(*this);
+  RemotePayload r = prepare_remote(*this, is_shm(p.group));
   std::vector<WorkPtr> works{send_one(p.group, r.header, p.rank, kRemoteInitTag),
                              send_one(p.group, r.schema, p.rank, kRemoteInitTag),
                              send_one(p.group, r.storage, p.rank, kRemoteInitTag)};
+  if (r.references.defined()) works.push_back(send_one(p.group, r.references, p.rank, kRemoteInitTag));
   wait_all(works);
 }
 
@@ -557,11 +643,12 @@ TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
     return broadcast_remote(nullptr, g, root_in_group(g, *o.src), o.device);
   }
   const Peer p = resolve_peer("src", "group_src", o.src, std::nullopt, o.group);
-  auto header = int64_tensor({0, 0, 0});
+  auto header = int64_tensor({0, 0, 0, 0});
   recv_now(p.group, header, p.rank, kRemoteInitTag);
   RemotePayload r = allocate_remote(header);
   recv_now(p.group, r.schema, p.rank, kRemoteInitTag);
   recv_now(p.group, r.storage, p.rank, kRemoteInitTag);
+  if (r.references.defined()) recv_now(p.group, r.references, p.rank, kRemoteInitTag);
   return rebuild_remote(r, o.device);
 }
 
