@@ -19,19 +19,18 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <errno.h>
 #include <netinet/in.h>
-#include <stdlib.h>
+#include <stdlib.h>  // mkdtemp, setenv, unsetenv
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <set>
-#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <thread>
