@@ -79,7 +79,7 @@ class Group {
 /// Options of init_process_group (torch.distributed.init_process_group's parameters).
 struct InitOptions {
   /// This process's rank and the number of processes; -1: read RANK / WORLD_SIZE from the
-  /// environment (as torch's env:// does).
+  /// environment (as torch's env:// does; here with any init_method).
   int rank = -1;
   int world_size = -1;
   /// "shm://NAME" for the shm backend (NAME: a segment name, see validate_segment_name);
@@ -94,6 +94,9 @@ struct InitOptions {
 /// Creates the default (world) group with `backend` "shm" or "gloo" and returns it. Throws
 /// Error if a default group exists already, for an unknown backend or a malformed init_method
 /// (the message names what was expected), TimeoutError if the peers do not arrive in time.
+/// gloo's transport binds to 127.0.0.1 when the rendezvous host is a loopback address (all peers
+/// are local), else to the interface GLOO_SOCKET_IFNAME names, else to gloo's default device.
+/// Thread safety: all functions of the default group may be called from any thread.
 Group init_process_group(const std::string& backend, const InitOptions& options = {});
 /// Whether init_process_group succeeded and destroy_process_group was not called since.
 bool is_initialized() noexcept;
@@ -105,12 +108,20 @@ int get_world_size();
 /// A subgroup of the default group with the given global ranks (any order; group rank i is
 /// ranks[i]). Like torch, every rank of the default group must call new_group with the same
 /// ranks in the same order of calls; on a rank outside `ranks` the result is not defined()
-/// (Group{}). Throws Error for duplicate or out-of-range ranks.
+/// (Group{}) and the call returns at once, without communicating. Throws Error for an empty
+/// list, duplicate or out-of-range ranks (such a call counts for nothing in that order).
+/// gloo: the members meet in the default group's store under "tdshm_group_<k>/"; shm: on the
+/// segment "<name>.g<k>" (k: 0 for the first valid call, then 1, ...).
 Group new_group(const std::vector<int>& ranks);
-/// Releases the default group and every group made by new_group (pending works fail).
+/// Releases the default group and every group made by new_group: a group the caller still holds
+/// (a Group copy) stays usable; the pending works of the others fail. With gloo over tcp:// or
+/// env://, rank 0 serves the store: it must not destroy before the other ranks are done with
+/// their new_group calls.
 void destroy_process_group();
 /// A standalone gloo group over `store` (a c10d TCPStore or FileStore, possibly wrapped in a
-/// PrefixStore), never registered: address its ranks with group_dst / group_src.
+/// PrefixStore), never registered: address its ranks with group_dst / group_src. The device is
+/// chosen as for init_process_group (loopback for a TCPStore on a loopback host). Throws Error
+/// for a null store or a rank outside [0, size).
 Group gloo_group_from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                             std::chrono::milliseconds timeout = std::chrono::minutes(30));
 

@@ -19,18 +19,18 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <errno.h>
 #include <netinet/in.h>
-#include <stdlib.h>
+#include <stdlib.h>  // mkdtemp, setenv, unsetenv
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <set>
-#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -164,12 +164,17 @@ void wait_until(const std::atomic<int>& value, int at_least, const char* what) {
   }
 }
 
-/// The end of a scenario: every rank is done with every group before any tears its groups down.
-/// (With tcp:// and env:// rank 0 serves the store; peers of gloo groups must not vanish while
-/// others still wait on them.)
-void finish(Flags& flags, int world) {
+/// Counts this rank as done and waits until all `world` ranks are. Before a rank tears its
+/// groups down: peers of a gloo group must not vanish while others still wait on them (and with
+/// tcp:// or env:// rank 0 serves the store).
+void all_done(Flags& flags, int world) {
   flags.done.fetch_add(1, std::memory_order_acq_rel);
   wait_until(flags.done, world, "every rank to finish");
+}
+
+/// The end of a scenario: all_done, then destroy_process_group.
+void finish(Flags& flags, int world) {
+  all_done(flags, world);
   destroy_process_group();
 }
 
@@ -226,6 +231,18 @@ class DistTest : public ShmTest {
       const uint16_t port = free_port();
       if (ports_.insert(port).second) return port;
     }
+  }
+
+  /// Forks `world` ranks that init_process_group at a fresh rendezvous of `m`, run body(rank,
+  /// flags), wait for one another and destroy the default group.
+  void run_in_world(Method m, int world, const std::function<void(int, Flags&)>& body) {
+    const Rendezvous rv = rendezvous(m);
+    Shared<Flags> flags;
+    SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, world, [&](int rank) {
+      init_process_group(backend_of(m), init_options(rv, rank, world));
+      body(rank, *flags);
+      finish(*flags, world);
+    }));
   }
 
   TempDir dir_;
@@ -291,10 +308,7 @@ TEST_P(DistGroups, InitSendRecvDestroyAndInitAgain) {
 // new_group after the non-member's call has returned (so a blocking non-member would time out).
 TEST_P(DistGroups, NewGroupWithARankOutside) {
   const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 3, [&](int rank) {
-    init_process_group(backend_of(m), init_options(rv, rank, 3));
+  run_in_world(m, 3, [&](int rank, Flags& flags) {
 
     // Group A: members 2 and 0, in that order (group rank 0 is global rank 2).
     if (rank == 1) {
@@ -302,9 +316,9 @@ TEST_P(DistGroups, NewGroupWithARankOutside) {
       SHM_CHECK(!a.defined() && !a.registered(), "a non-member got a defined group");
       SHM_CHECK_THROWS(Error, [&] { a.backend(); }, "not defined");
       SHM_CHECK_THROWS(Error, [&] { a.rank(); }, "not defined");
-      flags->returned[0].store(1, std::memory_order_release);
+      flags.returned[0].store(1, std::memory_order_release);
     } else {
-      wait_until(flags->returned[0], 1, "the non-member of group A to return from new_group");
+      wait_until(flags.returned[0], 1, "the non-member of group A to return from new_group");
       const Group a = new_group({2, 0});
       SHM_CHECK(a.defined() && a.registered());
       SHM_CHECK(a.backend_name() == backend_of(m));
@@ -324,24 +338,19 @@ TEST_P(DistGroups, NewGroupWithARankOutside) {
     // Group B: members 1 and 2.
     if (rank == 0) {
       SHM_CHECK(!new_group({1, 2}).defined(), "a non-member got a defined group");
-      flags->returned[1].store(1, std::memory_order_release);
+      flags.returned[1].store(1, std::memory_order_release);
     } else {
-      wait_until(flags->returned[1], 1, "the non-member of group B to return from new_group");
+      wait_until(flags.returned[1], 1, "the non-member of group B to return from new_group");
       const Group b = new_group({1, 2});
       SHM_CHECK(b.defined() && b.size() == 2 && b.rank() == rank - 1);
       SHM_CHECK(b.group_rank(1) == 0 && b.global_rank(1) == 2);
       ping_pong(b.backend(), 1, 0, 50, 13);
     }
-    finish(*flags, 3);
-  }));
+  });
 }
 
 TEST_P(DistGroups, NewGroupRejectsBadRanks) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int rank) {
-    init_process_group(backend_of(m), init_options(rv, rank, 2));
+  run_in_world(GetParam(), 2, [](int rank, Flags&) {
     SHM_CHECK_THROWS(Error, [] { new_group({}); }, "empty");
     SHM_CHECK_THROWS(Error, [] { new_group({0, 1, 0}); }, "rank 0", "twice");
     SHM_CHECK_THROWS(Error, [] { new_group({0, 2}); }, "rank 2", "outside");
@@ -350,8 +359,7 @@ TEST_P(DistGroups, NewGroupRejectsBadRanks) {
     const Group g = new_group({1, 0});
     SHM_CHECK(g.defined() && g.rank() == 1 - rank);
     ping_pong(g.backend(), 0, 1, 60, 17);
-    finish(*flags, 2);
-  }));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, DistGroups, kAllMethods, param_name);
@@ -499,8 +507,7 @@ TEST_P(DistStandalone, GlooGroupFromStore) {
     SHM_CHECK_THROWS(Error, [&] { Group(g.backend_ptr(), {3, 3}); }, "twice");
     SHM_CHECK_THROWS(Error, [&] { Group(g.backend_ptr(), {-1, 0}); }, "negative");
     ping_pong(g.backend(), 0, 1, 70, 19);
-    flags->done.fetch_add(1, std::memory_order_acq_rel);
-    wait_until(flags->done, 2, "both ranks to finish");
+    all_done(*flags, 2);
   }));
 }
 
