@@ -4,6 +4,7 @@
 
 #include <cxxabi.h>
 #include <dirent.h>
+#include <errno.h>  // program_invocation_short_name (GNU)
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -56,8 +57,8 @@ void unregister_child(pid_t pid) {
 
 /// The process is about to end because a deadline passed: leave nothing behind.
 [[noreturn]] void emergency_exit(const std::string& why) {
-  std::fprintf(stderr, "\n*** tdshm_shm_tests: %s; killing children, removing segments, exiting\n",
-               why.c_str());
+  std::fprintf(stderr, "\n*** %s: %s; killing children, removing segments, exiting\n",
+               program_invocation_short_name, why.c_str());
   std::fflush(stderr);
   // No lock: the thread that holds it may be the one that is stuck.
   for (pid_t pid : registry().children) ::kill(pid, SIGKILL);

@@ -1,5 +1,6 @@
 #pragma once
-// Helpers of the shared-memory transport tests (tdshm_shm_tests).
+// Helpers of the tests that run peers: the shared-memory transport (tdshm_shm_tests) and the
+// process groups (tdshm_dist_tests). Built once, as the static library tdshm_test_support.
 //
 // Peers run in two ways, with the same scenario code:
 //  - as threads: `world` std::threads of this process, each constructing its own ProcessGroupShm
@@ -313,12 +314,12 @@ class ShmTest : public ::testing::Test {
   void set_deadline(Clock::duration timeout);
 };
 
-/// pg.send / pg.recv of one tensor (c10d takes a vector).
-inline c10::intrusive_ptr<c10d::Work> post_send(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag) {
+/// pg.send / pg.recv of one tensor (c10d takes a vector), on any c10d group.
+inline c10::intrusive_ptr<c10d::Work> post_send(c10d::ProcessGroup& pg, const at::Tensor& t, int dst, int tag) {
   std::vector<at::Tensor> v{t};
   return pg.send(v, dst, tag);
 }
-inline c10::intrusive_ptr<c10d::Work> post_recv(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag) {
+inline c10::intrusive_ptr<c10d::Work> post_recv(c10d::ProcessGroup& pg, const at::Tensor& t, int src, int tag) {
   std::vector<at::Tensor> v{t};
   return pg.recv(v, src, tag);
 }
