@@ -118,20 +118,20 @@ Group gloo_group_from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int
 
 /// isend / send (TensorDictBase.isend's keyword arguments).
 struct SendOptions {
-  std::optional<int> dst;        ///< global rank of the destination
-  Group group;                   ///< default: the default group
-  std::optional<int> group_dst;  ///< rank of the destination inside `group`
+  std::optional<int> dst{};        ///< global rank of the destination
+  Group group{};                   ///< default: the default group
+  std::optional<int> group_dst{};  ///< rank of the destination inside `group`
   int64_t init_tag = 0;
   bool pseudo_rand = false;
-  bool return_early = false;     ///< isend only: return the Work handles without waiting
-  bool consolidated = false;     ///< one message with the consolidated storage
+  bool return_early = false;       ///< isend only: return the Work handles without waiting
+  bool consolidated = false;       ///< one message with the consolidated storage
 };
 
 /// irecv / recv (TensorDictBase.irecv's keyword arguments).
 struct RecvOptions {
-  std::optional<int> src;
-  Group group;
-  std::optional<int> group_src;
+  std::optional<int> src{};
+  Group group{};
+  std::optional<int> group_src{};
   int64_t init_tag = 0;
   bool pseudo_rand = false;
   bool return_premature = false;  ///< irecv only: return the Work handles without waiting
@@ -144,34 +144,34 @@ struct RecvOptions {
 ///    consolidated transfer), `has_works` is true;
 ///  * otherwise (irecv, or isend consolidated without return_early): neither (Python's None).
 struct Transfer {
-  std::optional<int64_t> last_tag;
+  std::optional<int64_t> last_tag{};
   bool has_works = false;
-  std::vector<WorkPtr> works;
+  std::vector<WorkPtr> works{};
   /// Waits for every work (rethrowing the first error); nothing to do when there are none.
   void wait() const;
 };
 
 /// init_remote (dst, group, device, use_broadcast).
 struct InitRemoteOptions {
-  std::optional<int> dst;
-  Group group;
-  std::optional<c10::Device> device;
+  std::optional<int> dst{};
+  Group group{};
+  std::optional<c10::Device> device{};
   bool use_broadcast = false;
 };
 
 /// from_remote_init (src, group, device, use_broadcast).
 struct FromRemoteInitOptions {
-  std::optional<int> src;
-  Group group;
-  std::optional<c10::Device> device;  ///< where the storage is allocated (default CPU)
+  std::optional<int> src{};
+  Group group{};
+  std::optional<c10::Device> device{};  ///< where the storage is allocated (default CPU)
   bool use_broadcast = false;
 };
 
 /// broadcast (src, group, device).
 struct BroadcastOptions {
   int src = 0;  ///< global rank of the root
-  Group group;
-  std::optional<c10::Device> device;
+  Group group{};
+  std::optional<c10::Device> device{};
 };
 
 /// The pseudo-random tag of `seed` (tensordict's _int_generator): numpy default_rng(seed),
