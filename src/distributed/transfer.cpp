@@ -302,8 +302,9 @@ int descriptor_tag(const Leaves& l, int64_t init_tag, bool pseudo_rand) {
   return c10d_tag(l.tags.empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags[0]);
 }
 
-/// Receives and checks the sender's descriptor; on a mismatch drains its leaves and throws.
-void check_descriptor(const Group& g, int peer, const Leaves& l, int tag) {
+/// Receives and checks the sender's descriptor; on a mismatch drains its leaves (all of them,
+/// with the sender's tags: those of its leaf count from the same init_tag) and throws.
+void check_descriptor(const Group& g, int peer, const Leaves& l, int tag, int64_t init_tag, bool pseudo_rand) {
   auto header = int64_tensor({0, 0});
   recv_now(g, header, peer, tag);
   const int64_t magic = header[0].item<int64_t>(), words = header[1].item<int64_t>();
@@ -329,11 +330,11 @@ void check_descriptor(const Group& g, int peer, const Leaves& l, int tag) {
     }
   }
   if (problem.empty()) return;
-  // Drain what the sender is sending (it cannot know), so that later transfers stay in step.
+  // Drain what the sender is sending (it cannot know), so that later transfers stay in step. Its
+  // tags depend only on init_tag, pseudo_rand and its leaf count, which the descriptor gives.
+  const std::vector<int64_t> their_tags = transfer_tags(init_tag, theirs.size(), pseudo_rand);
   for (size_t i = 0; i < theirs.size(); ++i) {
-    const int tag_i = i < l.tags.size() ? static_cast<int>(l.tags[i]) : -1;
-    if (tag_i < 0) break;  // the sender's extra leaves use tags this side cannot know
-    recv_now(g, bytes_tensor(theirs[i].bytes), peer, tag_i);
+    recv_now(g, bytes_tensor(theirs[i].bytes), peer, c10d_tag(their_tags[i]));
   }
   throw TransportError(problem);
 }
@@ -426,7 +427,7 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
   } else {
     const Leaves l = collect(*this, o.init_tag, o.pseudo_rand);
     const bool shm = is_shm(p.group);
-    if (!shm) check_descriptor(p.group, p.rank, l, descriptor_tag(l, o.init_tag, o.pseudo_rand));
+    if (!shm) check_descriptor(p.group, p.rank, l, descriptor_tag(l, o.init_tag, o.pseudo_rand), o.init_tag, o.pseudo_rand);
     for (size_t i = 0; i < l.keys.size(); ++i) {
       const at::Tensor& leaf = l.tensors[i];
       // Over shm a strided leaf is staged by the transport; others receive contiguous bytes,
