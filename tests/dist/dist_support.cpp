@@ -2,6 +2,10 @@
 
 #include "dist/dist_support.h"
 
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -9,6 +13,7 @@
 
 #include <cerrno>
 #include <filesystem>
+#include <stdexcept>
 #include <system_error>
 #include <thread>
 
@@ -86,6 +91,17 @@ InitOptions init_options(const Rendezvous& rv, int rank, int world) {
       break;
   }
   return o;
+}
+
+c10::intrusive_ptr<c10d::Store> user_store(const Rendezvous& rv, int rank, int world, const std::string& prefix) {
+  if (rv.method == Method::kShm) throw std::invalid_argument("user_store: the shm method has no store");
+  if (rv.method == Method::kGlooFile) return c10::make_intrusive<c10d::FileStore>(rv.file, world);
+  c10d::TCPStoreOptions so;
+  so.port = rv.port;
+  so.isServer = rank == 0;
+  so.numWorkers = world;
+  so.timeout = kGroupTimeout;
+  return c10::make_intrusive<c10d::PrefixStore>(prefix, c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so));
 }
 
 void wait_until(const std::atomic<int>& value, int at_least, const char* what, const std::atomic<int>* failed) {

@@ -9,6 +9,8 @@
 
 #include <tdshm/distributed.h>
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -65,6 +67,11 @@ struct Rendezvous {
 /// shm rings). For env:// it sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE in this (child)
 /// process and leaves rank and world_size at -1, so they are read from the environment.
 InitOptions init_options(const Rendezvous& rv, int rank, int world);
+
+/// A store made by the user, as for a standalone group (gloo_group_from_store): a FileStore at
+/// rv.file (kGlooFile), or a TCPStore at rv.port served by rank 0 behind a PrefixStore `prefix`
+/// (kGlooTcp, kGlooEnv). Throws std::invalid_argument for kShm.
+c10::intrusive_ptr<c10d::Store> user_store(const Rendezvous& rv, int rank, int world, const std::string& prefix);
 
 // ---------------------------------------------------------------------------------------------
 // Meeting points between the children, outside tdshm (in a Shared<Flags>)

@@ -30,12 +30,10 @@
 #include <tdshm/tensorclass.h>
 #include <tdshm/tensordict.h>
 
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
 #include <climits>
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -141,15 +139,27 @@ void check_exact_error(const char* file, int line, Fn&& fn, const std::string& m
 }
 #define CHECK_EXACT_ERROR(E, fn, message) check_exact_error<E>(__FILE__, __LINE__, fn, message)
 
-/// Rank `rank` joins the default group at `rv` (world `world`).
-Group join(Method m, const Rendezvous& rv, int rank, int world) {
-  return init_process_group(backend_of(m), init_options(rv, rank, world));
-}
-
 class TransferTest : public DistTest, public ::testing::WithParamInterface<Method> {
  protected:
   /// A file name in the test's temporary directory.
   std::string file(const std::string& name) const { return dir_.path() + "/" + name; }
+
+  /// Runs scenario(rank, flags) in `world` forked ranks: each joins a default group of the
+  /// test's method (deadline `timeout`), plays its part, then meets the others and destroys its
+  /// groups (finish). A rank that fails fails the test, and its peers stop waiting for it.
+  void run_world(int world, const std::function<void(int, Flags&)>& scenario,
+                 std::chrono::milliseconds timeout = kGroupTimeout) {
+    const Method m = GetParam();
+    const Rendezvous rv = rendezvous(m);
+    Shared<Flags> flags;
+    SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, world, counting_failures(*flags, [&](int rank) {
+      InitOptions o = init_options(rv, rank, world);
+      o.timeout = timeout;
+      init_process_group(backend_of(m), o);
+      scenario(rank, *flags);
+      finish(*flags, world);
+    })));
+  }
 };
 
 class TransferSeed : public TransferTest {};
@@ -159,7 +169,6 @@ class TransferRemote : public TransferTest {};
 class TransferBroadcast : public TransferTest {};
 class TransferConsolidated : public TransferTest {};
 class TransferTensorClass : public TransferTest {};
-class TransferMismatch : public TransferTest {};
 class TransferEarly : public TransferTest {};
 class TransferTwoSenders : public TransferTest {};
 
@@ -205,18 +214,32 @@ std::vector<Combo> seed_combos() {
   return out;
 }
 
+/// The options of one side of combination `c` (SendOptions or RecvOptions): its tags, and the
+/// peer as `global` = global_peer (through the default group or `sub`) or as `in_group` =
+/// group_peer (inside `sub`).
+template <class Options>
+Options combo_options(const Combo& c, const Group& sub, std::optional<int> Options::*global, int global_peer,
+                      std::optional<int> Options::*in_group, int group_peer) {
+  Options o;
+  o.init_tag = c.init_tag;
+  o.pseudo_rand = c.pseudo;
+  if (c.via != Via::kDefault) o.group = sub;
+  if (c.via == Via::kSubgroupRank) {
+    o.*in_group = group_peer;
+  } else {
+    o.*global = global_peer;
+  }
+  return o;
+}
+
 // World of 3: rank 1 sends to rank 0 (rank 2 only takes part in new_group), the subgroup is
 // new_group({1, 0}) (group rank 0 is global rank 1: group ranks and global ranks differ). Rank 1
 // sends k + 1 in combination k, rank 0 zeroes its leaves and receives. The two ranks go in
 // lockstep (step[0]): a named MemoryMappedTensor travels over shm by reference and is read from
 // the sender's file when received, so the sender must not refill it before that.
 TEST_P(TransferSeed, EveryCombinationOfSendAndReceive) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
   const std::string send_file = file("seed_send.mm"), recv_file = file("seed_recv.mm");
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 3, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 3);
+  run_world(3, [&](int rank, Flags& flags) {
     const Group sub = new_group({1, 0});
     // The reference values of SEMANTICS.md for this test's tag computation.
     SHM_CHECK((expected_tags(0, 4, true) == std::vector<int64_t>{9651, 3450, 3834, 3840}));
@@ -226,15 +249,9 @@ TEST_P(TransferSeed, EveryCombinationOfSendAndReceive) {
       TensorDict td = seed_tree_with_memmap(1, MemoryMappedTensor::zeros({2, 2}, at::kFloat, send_file));
       for (size_t k = 0; k < combos.size(); ++k) {
         const Combo& c = combos[k];
-        wait_until(flags->step[0], static_cast<int>(k), "the receiver to finish the previous combination", &flags->failed);
+        wait_until(flags.step[0], static_cast<int>(k), "the receiver to finish the previous combination", &flags.failed);
         fill(td, static_cast<float>(k + 1));
-        SendOptions o;
-        o.init_tag = c.init_tag;
-        o.pseudo_rand = c.pseudo;
-        if (c.via == Via::kDefault) o.dst = 0;
-        if (c.via != Via::kDefault) o.group = sub;
-        if (c.via == Via::kSubgroupGlobal) o.dst = 0;
-        if (c.via == Via::kSubgroupRank) o.group_dst = 1;
+        SendOptions o = combo_options(c, sub, &SendOptions::dst, 0, &SendOptions::group_dst, 1);
         const int64_t last = expected_last_tag(c.init_tag, 4, c.pseudo);
         if (c.send == SendCall::kSend) {
           td.send(o);
@@ -258,13 +275,7 @@ TEST_P(TransferSeed, EveryCombinationOfSendAndReceive) {
       for (size_t k = 0; k < combos.size(); ++k) {
         const Combo& c = combos[k];
         fill(td, 0);
-        RecvOptions o;
-        o.init_tag = c.init_tag;
-        o.pseudo_rand = c.pseudo;
-        if (c.via == Via::kDefault) o.src = 1;
-        if (c.via != Via::kDefault) o.group = sub;
-        if (c.via == Via::kSubgroupGlobal) o.src = 1;
-        if (c.via == Via::kSubgroupRank) o.group_src = 0;
+        RecvOptions o = combo_options(c, sub, &RecvOptions::src, 1, &RecvOptions::group_src, 0);
         const int64_t last = expected_last_tag(c.init_tag, 4, c.pseudo);
         if (c.recv == RecvCall::kRecv) {
           const int64_t tag = td.recv(o);
@@ -286,14 +297,13 @@ TEST_P(TransferSeed, EveryCombinationOfSendAndReceive) {
         const auto info = MemoryMappedTensor::info(td.get({"d", "e"}));
         SHM_CHECK(info && info->filename == recv_file, describe(c) << ": the memory-mapped leaf no longer maps "
                                                                    << recv_file);
-        flags->step[0].store(static_cast<int>(k + 1), std::memory_order_release);
+        flags.step[0].store(static_cast<int>(k + 1), std::memory_order_release);
       }
       // The receiver's file holds what it received.
       const auto back = MemoryMappedTensor::from_filename(recv_file, at::kFloat, {2, 2});
       SHM_CHECK(at::equal(back.tensor(), at::full({2, 2}, static_cast<float>(combos.size()))));
     }
-    finish(*flags, 3);
-  })));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TransferSeed, ::testing::Values(Method::kShm, Method::kGlooFile, Method::kGlooTcp),
@@ -310,18 +320,7 @@ Group standalone_group(Method m, const Rendezvous& rv, int rank) {
     o.timeout = kGroupTimeout;
     return Group(c10::make_intrusive<ProcessGroupShm>(rv.shm_name, rank, 2, o));
   }
-  c10::intrusive_ptr<c10d::Store> store;
-  if (m == Method::kGlooFile) {
-    store = c10::make_intrusive<c10d::FileStore>(rv.file, 2);
-  } else {
-    c10d::TCPStoreOptions so;
-    so.port = rv.port;
-    so.isServer = rank == 0;
-    so.numWorkers = 2;
-    so.timeout = kGroupTimeout;
-    store = c10::make_intrusive<c10d::PrefixStore>("xfer/", c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so));
-  }
-  return gloo_group_from_store(store, rank, 2, kGroupTimeout);
+  return gloo_group_from_store(user_store(rv, rank, 2, "xfer/"), rank, 2, kGroupTimeout);
 }
 
 // No default group exists at all: the transfers must use the group's own backend.
@@ -404,7 +403,7 @@ TEST_P(TransferPeers, ValidationErrors) {
                         src_neither);
     }
 
-    join(m, rv, rank, 3);
+    init_process_group(backend_of(m), init_options(rv, rank, 3));
     const Group world = default_group();
     const Group sub = new_group({0, 1});
     for (bool consolidated : {false, true}) {
@@ -499,12 +498,8 @@ TensorDict remote_example_tree(const std::string& memmap_file) {
 }
 
 TEST_P(TransferRemote, SeedExample) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
   const std::string memmap_file = file("remote_example.mm");
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
+  run_world(2, [&](int rank, Flags&) {
     if (rank == 0) {
       remote_example_tree(memmap_file).init_remote({.dst = 1});
     } else {
@@ -524,19 +519,15 @@ TEST_P(TransferRemote, SeedExample) {
       const at::Tensor storage = r.consolidated_storage();
       for (const Key& k : r.sorted_leaf_keys()) SHM_CHECK(r.get(k).is_alias_of(storage), k.str());
     }
-    finish(*flags, 2);
-  })));
+  });
 }
 
 // SEMANTICS.md, "tdshm goes further": over shm a MemoryMappedTensor leaf arrives as a
 // MemoryMappedTensor mapping the same file; over gloo it travels by value.
 TEST_P(TransferRemote, MemmapLeafOverShmMapsTheSameFile) {
   const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
   const std::string memmap_file = file("remote_leaf.mm");
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
+  run_world(2, [&](int rank, Flags&) {
     const at::Tensor expected = at::arange(4, at::kFloat).reshape({2, 2});
     if (rank == 0) {
       TensorDict td({{"x", at::ones({2})}, {{"d", "e"}, MemoryMappedTensor::from_tensor(expected, memmap_file)}}, {2});
@@ -553,17 +544,12 @@ TEST_P(TransferRemote, MemmapLeafOverShmMapsTheSameFile) {
                       << memmap_file);
       }
     }
-    finish(*flags, 2);
-  })));
+  });
 }
 
 TEST_P(TransferRemote, NonTensorValues) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
   const std::string with_nul("a\0b", 3);
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
+  run_world(2, [&](int rank, Flags&) {
     if (rank == 1) {
       TensorDict td({{"x", at::full({3}, 2.0)},
                      {"name", "hello"},
@@ -595,8 +581,7 @@ TEST_P(TransferRemote, NonTensorValues) {
       SHM_CHECK(r.is_consolidated());
       SHM_CHECK((r.batch_size() == std::vector<int64_t>{3}));
     }
-    finish(*flags, 2);
-  })));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TransferRemote, ::testing::Values(Method::kShm, Method::kGlooFile, Method::kGlooTcp),
@@ -606,11 +591,7 @@ INSTANTIATE_TEST_SUITE_P(Methods, TransferRemote, ::testing::Values(Method::kShm
 // 6. Broadcast, 3 ranks
 
 TEST_P(TransferBroadcast, InitRemoteWithBroadcastAndBroadcast) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 3, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 3);
+  run_world(3, [&](int rank, Flags&) {
     // init_remote(use_broadcast) from rank 1; dst is ignored (it names rank 2, rank 0 receives too).
     if (rank == 1) {
       seed_tree(7).init_remote({.dst = 2, .use_broadcast = true});
@@ -634,8 +615,7 @@ TEST_P(TransferBroadcast, InitRemoteWithBroadcastAndBroadcast) {
         SHM_CHECK(all_equal(r, 12), values(r));
       }
     }
-    finish(*flags, 3);
-  })));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TransferBroadcast, kBothBackends, param_name);
@@ -644,13 +624,9 @@ INSTANTIATE_TEST_SUITE_P(Methods, TransferBroadcast, kBothBackends, param_name);
 // 7. init_remote, then repeated consolidated sends after update_
 
 TEST_P(TransferConsolidated, RepeatedSendsAfterUpdate) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
   const std::string memmap_file = file("consolidated_send.mm");
-  Shared<Flags> flags;
   constexpr int kRounds = 7;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
+  run_world(2, [&](int rank, Flags&) {
     if (rank == 1) {
       TensorDict td = seed_tree_with_memmap(0, MemoryMappedTensor::zeros({2, 2}, at::kFloat, memmap_file));
       TensorDict c = td.consolidate();
@@ -698,8 +674,7 @@ TEST_P(TransferConsolidated, RepeatedSendsAfterUpdate) {
                   "round " << k << ": not received in place");
       }
     }
-    finish(*flags, 2);
-  })));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TransferConsolidated, kBothBackends, param_name);
@@ -713,11 +688,7 @@ XferTransition transition(float v) {
 }
 
 TEST_P(TransferTensorClass, InitRemoteAndConsolidatedSends) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
+  run_world(2, [&](int rank, Flags&) {
     const std::string name(XferTransition::kTypeName);
     if (rank == 1) {
       transition(1).init_remote({.dst = 0});
@@ -762,8 +733,7 @@ TEST_P(TransferTensorClass, InitRemoteAndConsolidatedSends) {
       const XferTransition b = XferTransition({}, {4}).broadcast({.src = 1});
       SHM_CHECK(b.type_name() == name && at::equal(b.action(), at::full({4}, 8.0)));
     }
-    finish(*flags, 2);
-  })));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TransferTensorClass, kBothBackends, param_name);
@@ -805,18 +775,43 @@ void expect_good(int i, const std::string& after) {
   SHM_CHECK(all_equal(r, static_cast<float>(200 + i)), "after " << after << ", the next transfer received:\n" << values(r));
 }
 
+class TransferMismatch : public TransferTest {
+ protected:
+  /// Rank 1 sends the seed tree twice. Rank 0 receives the first into a seed tree changed by
+  /// `change`: a TransportError that mentions `needle`, within half the group's deadline
+  /// `timeout`; then the second into a correct receiver.
+  void check_key_mismatch(const std::function<void(TensorDict&)>& change, const std::string& needle,
+                          const std::string& what, std::chrono::milliseconds timeout = kGroupTimeout) {
+    const Method m = GetParam();
+    run_world(
+        2,
+        [&](int rank, Flags&) {
+          if (rank == 1) {
+            send_bad_then_good(1);
+            return;
+          }
+          TensorDict bad = seed_tree(0);
+          change(bad);
+          const auto start = Clock::now();
+          expect_per_leaf_mismatch(m, bad, {needle}, what);
+          const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+          SHM_CHECK(elapsed < timeout / 2, what << ": the error came after " << elapsed.count()
+                                                << " ms (group timeout " << timeout.count() << " ms)");
+          expect_good(0, what);
+        },
+        timeout);
+  }
+};
+
 TEST_P(TransferMismatch, PerLeafShapeAndDtype) {
   const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
   struct Case {
     const char* what;
     Key key;
     at::Tensor leaf;
     std::string needle;
   };
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
+  run_world(2, [&](int rank, Flags&) {
     const std::vector<Case> cases = {
         {"'c' of shape [2, 4] (more bytes)", "c", at::zeros({2, 4}), "'c'"},
         {"'c' of shape [2, 3, 1] (same bytes)", "c", at::zeros({2, 3, 1}), "'c'"},
@@ -840,86 +835,33 @@ TEST_P(TransferMismatch, PerLeafShapeAndDtype) {
         expect_good(static_cast<int>(i), c.what);
       }
     }
-    finish(*flags, 2);
-  })));
+  });
 }
 
 // The receiver lacks a key in the middle of the order: the leaves after it meet the sender's
 // messages of other leaves. The error names the receiver's leaf where that shows ('c').
 TEST_P(TransferMismatch, ReceiverLacksAKey) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
-    if (rank == 1) {
-      send_bad_then_good(1);
-    } else {
-      TensorDict bad = seed_tree(0);
-      bad.erase("a");
-      expect_per_leaf_mismatch(m, bad, {"'c'"}, "a receiver without ('a', 'b')");
-      expect_good(0, "a receiver without ('a', 'b')");
-    }
-    finish(*flags, 2);
-  })));
+  check_key_mismatch([](TensorDict& td) { td.erase("a"); }, "'c'", "a receiver without ('a', 'b')");
 }
 
 // The receiver lacks the last key of the order: the sender sends one message more than the
 // receiver expects. That must be an error too, and must not stay in the stream.
 TEST_P(TransferMismatch, ReceiverLacksTheLastKey) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
-    if (rank == 1) {
-      send_bad_then_good(1);
-    } else {
-      TensorDict bad = seed_tree(0);
-      bad.erase("c");
-      expect_per_leaf_mismatch(m, bad, {"3 leaves"}, "a receiver without 'c'");
-      expect_good(0, "a receiver without 'c'");
-    }
-    finish(*flags, 2);
-  })));
+  check_key_mismatch([](TensorDict& td) { td.erase("c"); }, "3 leaves", "a receiver without 'c'");
 }
 
 // The receiver has a key the sender lacks ('b', between ('a', 'b') and 'c'): the sender sends one
 // message fewer than the receiver expects. The error names 'b' and comes at once, not at the
-// group's deadline (4 s here); the next transfer works.
+// group's deadline (4 s here).
 TEST_P(TransferMismatch, ReceiverHasAnExtraKey) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
-  constexpr std::chrono::milliseconds kTimeout{4000};
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    InitOptions o = init_options(rv, rank, 2);
-    o.timeout = kTimeout;
-    init_process_group(backend_of(m), o);
-    if (rank == 1) {
-      send_bad_then_good(1);
-    } else {
-      TensorDict bad = seed_tree(0);
-      bad.set("b", at::zeros({2}));
-      const auto start = Clock::now();
-      expect_per_leaf_mismatch(m, bad, {"'b'"}, "a receiver with an extra 'b'");
-      const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
-      SHM_CHECK(elapsed < kTimeout / 2, "the error came after " << elapsed.count() << " ms (group timeout "
-                                                                << kTimeout.count() << " ms)");
-      expect_good(0, "a receiver with an extra 'b'");
-    }
-    finish(*flags, 2);
-  })));
+  check_key_mismatch([](TensorDict& td) { td.set("b", at::zeros({2})); }, "'b'", "a receiver with an extra 'b'",
+                     std::chrono::milliseconds(4000));
 }
 
 // Consolidated: another schema is a SchemaError before a byte is written; a receiver that is not
 // consolidated is refused before any communication.
 TEST_P(TransferMismatch, Consolidated) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
+  run_world(2, [&](int rank, Flags&) {
     // Receivers of another schema: more bytes; same bytes, another dtype; same keys, dtypes and
     // shapes in another insertion order (another layout of the same byte count).
     std::vector<std::pair<std::string, TensorDict>> receivers;
@@ -965,8 +907,7 @@ TEST_P(TransferMismatch, Consolidated) {
       SHM_CHECK(good.recv({.src = 1, .consolidated = true}) == 0);
       SHM_CHECK(all_equal(good, 300), "after the refused plain receiver:\n" << values(good));
     }
-    finish(*flags, 2);
-  })));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TransferMismatch, kBothBackends, param_name);
@@ -999,11 +940,8 @@ void wait_after_receiver(Method m, Flags& flags, int phase, const Transfer& post
 // everything while the sender is not inside any tdshm call (over shm nothing moves otherwise).
 TEST_P(TransferEarly, WorksWaitedAfterTheReceiverReceived) {
   const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
   const std::string send_file = file("early_send.mm"), recv_file = file("early_recv.mm");
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 2);
+  run_world(2, [&](int rank, Flags& flags) {
     const auto tree = [](float v, const std::string& f) {
       const MemoryMappedTensor mm = MemoryMappedTensor::full({2, 8192}, v, at::kFloat, f);
       return TensorDict({{"_", at::full({2, 1, 5}, v)}, {{"a", "b"}, at::full({2}, v)}, {{"d", "e"}, mm}}, {2});
@@ -1011,24 +949,23 @@ TEST_P(TransferEarly, WorksWaitedAfterTheReceiverReceived) {
     if (rank == 1) {
       const Transfer t = tree(5, send_file).isend({.dst = 0, .init_tag = 4, .return_early = true});
       SHM_CHECK(t.has_works && t.works.size() == 3 && !t.last_tag, t.works.size() << " works");
-      wait_after_receiver(m, *flags, 0, t);
+      wait_after_receiver(m, flags, 0, t);
       const Transfer tc = seed_tree(6).isend({.dst = 0, .return_early = true, .consolidated = true});
       SHM_CHECK(tc.has_works && tc.works.size() == 1 && !tc.last_tag, tc.works.size() << " works");
-      wait_after_receiver(m, *flags, 1, tc);
+      wait_after_receiver(m, flags, 1, tc);
     } else {
-      wait_until(flags->step[0], 1, "the sender to post its sends", &flags->failed);
+      wait_until(flags.step[0], 1, "the sender to post its sends", &flags.failed);
       TensorDict r = tree(0, recv_file);
       SHM_CHECK(r.recv({.src = 1, .init_tag = 4}) == 6);
       SHM_CHECK(all_equal(r, 5), values(r));
-      flags->step[0].store(2, std::memory_order_release);
-      wait_until(flags->step[1], 1, "the sender to post its consolidated send", &flags->failed);
+      flags.step[0].store(2, std::memory_order_release);
+      wait_until(flags.step[1], 1, "the sender to post its consolidated send", &flags.failed);
       TensorDict rc = seed_tree(0).consolidate();
       SHM_CHECK(rc.recv({.src = 1, .consolidated = true}) == 0);
       SHM_CHECK(all_equal(rc, 6), values(rc));
-      flags->step[1].store(2, std::memory_order_release);
+      flags.step[1].store(2, std::memory_order_release);
     }
-    finish(*flags, 2);
-  })));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TransferEarly, kBothBackends, param_name);
@@ -1054,11 +991,7 @@ bool holds_ten_leaves(const TensorDict& td, float base) {
 // sender are matched in order), rank 2 init_tag 0. Three rounds; rank 0 posts both receives
 // before waiting, in one order then the other.
 TEST_P(TransferTwoSenders, PseudoRandTags) {
-  const Method m = GetParam();
-  const Rendezvous rv = rendezvous(m);
-  Shared<Flags> flags;
-  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 3, counting_failures(*flags, [&](int rank) {
-    join(m, rv, rank, 3);
+  run_world(3, [&](int rank, Flags&) {
     SHM_CHECK((expected_tags(1, 10, true) ==
                std::vector<int64_t>{1907, 3796, 8050, 3441, 8330, 6044, 5283, 6066, 755, 3796}));
     const auto init_tag_of = [](int sender) { return sender == 1 ? int64_t{1} : int64_t{0}; };
@@ -1081,8 +1014,7 @@ TEST_P(TransferTwoSenders, PseudoRandTags) {
         }
       }
     }
-    finish(*flags, 3);
-  })));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TransferTwoSenders, kBothBackends, param_name);
