@@ -136,8 +136,8 @@ struct SendOptions {
   std::optional<int> group_dst{};  ///< rank of the destination inside `group`
   int64_t init_tag = 0;
   bool pseudo_rand = false;
-  bool return_early = false;     ///< isend only: return the Work handles without waiting
-  bool consolidated = false;     ///< one message with the consolidated storage
+  bool return_early = false;       ///< isend only: return the Work handles without waiting
+  bool consolidated = false;       ///< one message with the consolidated storage
 };
 
 /// irecv / recv (TensorDictBase.irecv's keyword arguments).
@@ -159,7 +159,7 @@ struct RecvOptions {
 struct Transfer {
   std::optional<int64_t> last_tag{};
   bool has_works = false;
-  std::vector<WorkPtr> works;
+  std::vector<WorkPtr> works{};
   /// Waits for every work (rethrowing the first error); nothing to do when there are none.
   void wait() const;
 };

@@ -1,0 +1,1023 @@
+// The tensordict transfer API (TensorDict / tensorclass isend, send, irecv, recv, init_remote,
+// from_remote_init, broadcast) over real processes, on both backends: "shm" and "gloo".
+//
+// Every scenario runs in forked ranks (run_ranks with Peers::kProcesses): each rank calls
+// init_process_group, plays its part, then meets the others (finish) and destroys its groups.
+// What a rank checks (values received, return values, errors and their messages) fails the test
+// through SHM_CHECK. Every wait has a deadline (kGroupTimeout, the groups' own timeout, or the
+// watchdog of the fixture); segment names, store files, ports and memory-mapped files are unique
+// to the test and removed with it.
+//
+// The suites follow the matrix of the transfer API's issue:
+//   TransferSeed        the isend/irecv example, every combination of the send and receive calls
+//   TransferStandalone  a group never registered (from a store, or a ProcessGroupShm), group_dst
+//   TransferPeers       the peer-validation errors, before any communication
+//   TransferRemote      init_remote / from_remote_init (the example, non-tensor values, memmaps)
+//   TransferBroadcast   init_remote(use_broadcast) and TensorDict::broadcast, 3 ranks
+//   TransferConsolidated  repeated consolidated sends after update_
+//   TransferTensorClass   a tensorclass through init_remote and consolidated sends
+//   TransferMismatch    receivers of another schema or shape, and the next transfer after them
+//   TransferEarly       isend(return_early) whose works are waited after the receiver received
+//   TransferTwoSenders  two senders with pseudo-random tags to one receiver
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <tdshm/distributed.h>
+#include <tdshm/errors.h>
+#include <tdshm/memmap.h>
+#include <tdshm/process_group.h>
+#include <tdshm/tensorclass.h>
+#include <tdshm/tensordict.h>
+
+#include <climits>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <variant>
+#include <vector>
+
+#include "dist/dist_support.h"
+
+namespace tdshm::test {
+
+TDSHM_TENSORCLASS(XferTransition, "tdshm.test.xfer.Transition", obs, action, reward);
+TDSHM_TENSORCLASS(XferOther, "tdshm.test.xfer.Other", x);
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Trees
+
+/// The tree of the isend example, in its insertion order: ("a", "b") [2], "c" [2, 3], "_"
+/// [2, 1, 5]; batch size [2]; every element `value`. Per-leaf order: "_", ("a", "b"), "c".
+TensorDict seed_tree(float value) {
+  return TensorDict({{{"a", "b"}, at::full({2}, value)}, {"c", at::full({2, 3}, value)}, {"_", at::full({2, 1, 5}, value)}},
+                    {2});
+}
+
+/// seed_tree plus ("d", "e"): `memmap` (a named MemoryMappedTensor [2, ...]), filled with `value`.
+/// Per-leaf order: "_", ("a", "b"), "c", ("d", "e").
+TensorDict seed_tree_with_memmap(float value, const MemoryMappedTensor& memmap) {
+  memmap->fill_(value);
+  TensorDict td = seed_tree(value);
+  td.set({"d", "e"}, memmap);
+  return td;
+}
+
+/// Writes `value` into every tensor leaf in place (a memory-mapped leaf: into its file).
+void fill(TensorDict& td, float value) {
+  td.apply_([value](const at::Tensor& t) { return at::full_like(t, value); });
+}
+
+/// True if every element of every tensor leaf equals `value`.
+bool all_equal(const TensorDict& td, float value) { return (td == value).all(); }
+
+/// "'_' = 1, ('a', 'b') = 1, 'c' = 0..1": each tensor leaf's range of values, for messages.
+std::string values(const TensorDict& td) {
+  std::ostringstream os;
+  for (const Key& k : td.sorted_leaf_keys()) {
+    const at::Tensor t = td.get(k).to(at::kDouble);
+    os << (os.tellp() > 0 ? ", " : "") << k.str() << " = ";
+    if (t.numel() == 0) {
+      os << "(empty)";
+      continue;
+    }
+    const double lo = t.min().item<double>(), hi = t.max().item<double>();
+    os << lo;
+    if (hi != lo) os << ".." << hi;
+  }
+  return os.str();
+}
+
+/// The data pointers of the tensor leaves, in per-leaf order.
+std::vector<const void*> leaf_pointers(const TensorDict& td) {
+  std::vector<const void*> out;
+  for (const Key& k : td.sorted_leaf_keys()) out.push_back(td.get(k).data_ptr());
+  return out;
+}
+
+/// The tags of n leaves from init_tag, computed here (SEMANTICS.md) rather than by
+/// transfer_tags: init_tag, +1, ... or t0 = pseudo_rand_tag(init_tag), t(i+1) = pseudo_rand_tag(t(i) + 1).
+std::vector<int64_t> expected_tags(int64_t init_tag, int64_t n, bool pseudo) {
+  std::vector<int64_t> tags;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!pseudo) {
+      tags.push_back(init_tag + i);
+    } else {
+      tags.push_back(pseudo_rand_tag(i == 0 ? init_tag : tags.back() + 1));
+    }
+  }
+  return tags;
+}
+
+int64_t expected_last_tag(int64_t init_tag, int64_t n, bool pseudo) {
+  return n == 0 ? init_tag - 1 : expected_tags(init_tag, n, pseudo).back();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks
+
+/// Waits for every work with the test's deadline; each must succeed.
+void wait_works(const Transfer& t, const char* what) {
+  for (size_t i = 0; i < t.works.size(); ++i) {
+    SHM_CHECK(t.works[i], what << ": work " << i << " is null");
+    SHM_CHECK(t.works[i]->wait(kGroupTimeout), what << ": work " << i << " did not complete");
+  }
+}
+
+/// Runs fn, which must throw exactly an E (not a subclass) with exactly `message`.
+template <typename E, typename Fn>
+void check_exact_error(const char* file, int line, Fn&& fn, const std::string& message) {
+  const Caught c = check_throws<E>(file, line, std::forward<Fn>(fn));
+  if (c.type != demangle(typeid(E).name())) fail_check(file, line, "expected exactly " + demangle(typeid(E).name()) + ", got " + c.describe());
+  if (c.what != message) fail_check(file, line, "expected the message \"" + message + "\", got \"" + c.what + "\"");
+}
+#define CHECK_EXACT_ERROR(E, fn, message) check_exact_error<E>(__FILE__, __LINE__, fn, message)
+
+class TransferTest : public DistTest, public ::testing::WithParamInterface<Method> {
+ protected:
+  /// A file name in the test's temporary directory.
+  std::string file(const std::string& name) const { return dir_.path() + "/" + name; }
+
+  /// Runs scenario(rank, flags) in `world` forked ranks: each joins a default group of the
+  /// test's method (deadline `timeout`), plays its part, then meets the others and destroys its
+  /// groups (finish). A rank that fails fails the test, and its peers stop waiting for it.
+  void run_world(int world, const std::function<void(int, Flags&)>& scenario,
+                 std::chrono::milliseconds timeout = kGroupTimeout) {
+    const Method m = GetParam();
+    const Rendezvous rv = rendezvous(m);
+    Shared<Flags> flags;
+    SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, world, counting_failures(*flags, [&](int rank) {
+      InitOptions o = init_options(rv, rank, world);
+      o.timeout = timeout;
+      init_process_group(backend_of(m), o);
+      scenario(rank, *flags);
+      finish(*flags, world);
+    })));
+  }
+};
+
+class TransferSeed : public TransferTest {};
+class TransferStandalone : public TransferTest {};
+class TransferPeers : public TransferTest {};
+class TransferRemote : public TransferTest {};
+class TransferBroadcast : public TransferTest {};
+class TransferConsolidated : public TransferTest {};
+class TransferTensorClass : public TransferTest {};
+class TransferEarly : public TransferTest {};
+class TransferTwoSenders : public TransferTest {};
+
+const auto kBothBackends = ::testing::Values(Method::kShm, Method::kGlooFile);
+
+// ---------------------------------------------------------------------------------------------
+// 1. The isend/irecv example, every combination
+
+enum class SendCall { kSend, kIsend, kIsendEarly };
+enum class RecvCall { kRecv, kIrecv, kIrecvPremature };
+/// How the peer is named: a global rank through the default group, a global rank through a
+/// subgroup (resolved by it), or a rank inside the subgroup (group_dst / group_src).
+enum class Via { kDefault, kSubgroupGlobal, kSubgroupRank };
+
+struct Combo {
+  SendCall send;
+  RecvCall recv;
+  bool pseudo;
+  Via via;
+  int64_t init_tag;
+};
+
+std::string describe(const Combo& c) {
+  static const char* sends[] = {"send", "isend", "isend(return_early)"};
+  static const char* recvs[] = {"recv", "irecv", "irecv(return_premature)"};
+  static const char* vias[] = {"default group", "subgroup by dst", "subgroup by group_dst"};
+  return std::string(sends[static_cast<int>(c.send)]) + " -> " + recvs[static_cast<int>(c.recv)] +
+         (c.pseudo ? ", pseudo_rand" : "") + ", " + vias[static_cast<int>(c.via)] + ", init_tag " +
+         std::to_string(c.init_tag);
+}
+
+std::vector<Combo> seed_combos() {
+  std::vector<Combo> out;
+  for (SendCall s : {SendCall::kSend, SendCall::kIsend, SendCall::kIsendEarly}) {
+    for (RecvCall r : {RecvCall::kRecv, RecvCall::kIrecv, RecvCall::kIrecvPremature}) {
+      for (bool pseudo : {false, true}) {
+        for (Via via : {Via::kDefault, Via::kSubgroupGlobal, Via::kSubgroupRank}) {
+          out.push_back({s, r, pseudo, via, static_cast<int64_t>(out.size())});
+        }
+      }
+    }
+  }
+  return out;
+}
+
+/// The options of one side of combination `c` (SendOptions or RecvOptions): its tags, and the
+/// peer as `global` = global_peer (through the default group or `sub`) or as `in_group` =
+/// group_peer (inside `sub`).
+template <class Options>
+Options combo_options(const Combo& c, const Group& sub, std::optional<int> Options::*global, int global_peer,
+                      std::optional<int> Options::*in_group, int group_peer) {
+  Options o;
+  o.init_tag = c.init_tag;
+  o.pseudo_rand = c.pseudo;
+  if (c.via != Via::kDefault) o.group = sub;
+  if (c.via == Via::kSubgroupRank) {
+    o.*in_group = group_peer;
+  } else {
+    o.*global = global_peer;
+  }
+  return o;
+}
+
+// World of 3: rank 1 sends to rank 0 (rank 2 only takes part in new_group), the subgroup is
+// new_group({1, 0}) (group rank 0 is global rank 1: group ranks and global ranks differ). Rank 1
+// sends k + 1 in combination k, rank 0 zeroes its leaves and receives. The two ranks go in
+// lockstep (step[0]): a named MemoryMappedTensor travels over shm by reference and is read from
+// the sender's file when received, so the sender must not refill it before that.
+TEST_P(TransferSeed, EveryCombinationOfSendAndReceive) {
+  const std::string send_file = file("seed_send.mm"), recv_file = file("seed_recv.mm");
+  run_world(3, [&](int rank, Flags& flags) {
+    const Group sub = new_group({1, 0});
+    // The reference values of SEMANTICS.md for this test's tag computation.
+    SHM_CHECK((expected_tags(0, 4, true) == std::vector<int64_t>{9651, 3450, 3834, 3840}));
+    SHM_CHECK((expected_tags(1, 4, true) == std::vector<int64_t>{1907, 3796, 8050, 3441}));
+    const std::vector<Combo> combos = seed_combos();
+    if (rank == 1) {
+      TensorDict td = seed_tree_with_memmap(1, MemoryMappedTensor::zeros({2, 2}, at::kFloat, send_file));
+      for (size_t k = 0; k < combos.size(); ++k) {
+        const Combo& c = combos[k];
+        wait_until(flags.step[0], static_cast<int>(k), "the receiver to finish the previous combination", &flags.failed);
+        fill(td, static_cast<float>(k + 1));
+        SendOptions o = combo_options(c, sub, &SendOptions::dst, 0, &SendOptions::group_dst, 1);
+        const int64_t last = expected_last_tag(c.init_tag, 4, c.pseudo);
+        if (c.send == SendCall::kSend) {
+          td.send(o);
+        } else {
+          o.return_early = c.send == SendCall::kIsendEarly;
+          const Transfer t = td.isend(o);
+          if (o.return_early) {
+            SHM_CHECK(t.has_works && t.works.size() == 4 && !t.last_tag, describe(c) << ": " << t.works.size() << " works");
+            wait_works(t, "isend(return_early)");
+          } else {
+            SHM_CHECK(!t.has_works && t.works.empty(), describe(c));
+            SHM_CHECK(t.last_tag && *t.last_tag == last,
+                      describe(c) << ": isend returned " << (t.last_tag ? std::to_string(*t.last_tag) : "no tag")
+                                  << ", expected " << last);
+          }
+        }
+      }
+    } else if (rank == 0) {
+      TensorDict td = seed_tree_with_memmap(0, MemoryMappedTensor::zeros({2, 2}, at::kFloat, recv_file));
+      const std::vector<const void*> pointers = leaf_pointers(td);
+      for (size_t k = 0; k < combos.size(); ++k) {
+        const Combo& c = combos[k];
+        fill(td, 0);
+        RecvOptions o = combo_options(c, sub, &RecvOptions::src, 1, &RecvOptions::group_src, 0);
+        const int64_t last = expected_last_tag(c.init_tag, 4, c.pseudo);
+        if (c.recv == RecvCall::kRecv) {
+          const int64_t tag = td.recv(o);
+          SHM_CHECK(tag == last, describe(c) << ": recv returned " << tag << ", expected " << last);
+        } else {
+          o.return_premature = c.recv == RecvCall::kIrecvPremature;
+          const Transfer t = td.irecv(o);
+          SHM_CHECK(!t.last_tag, describe(c) << ": irecv returned a tag");
+          if (o.return_premature) {
+            SHM_CHECK(t.has_works && t.works.size() == 4, describe(c) << ": " << t.works.size() << " works");
+            wait_works(t, "irecv(return_premature)");
+          } else {
+            SHM_CHECK(!t.has_works && t.works.empty(), describe(c));
+          }
+        }
+        SHM_CHECK((td != 0).all(), describe(c) << ": some leaf was not received");
+        SHM_CHECK(all_equal(td, static_cast<float>(k + 1)), describe(c) << ": other values received:\n" << values(td));
+        SHM_CHECK(leaf_pointers(td) == pointers, describe(c) << ": a leaf was replaced instead of received in place");
+        const auto info = MemoryMappedTensor::info(td.get({"d", "e"}));
+        SHM_CHECK(info && info->filename == recv_file, describe(c) << ": the memory-mapped leaf no longer maps "
+                                                                   << recv_file);
+        flags.step[0].store(static_cast<int>(k + 1), std::memory_order_release);
+      }
+      // The receiver's file holds what it received.
+      const auto back = MemoryMappedTensor::from_filename(recv_file, at::kFloat, {2, 2});
+      SHM_CHECK(at::equal(back.tensor(), at::full({2, 2}, static_cast<float>(combos.size()))));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferSeed, ::testing::Values(Method::kShm, Method::kGlooFile, Method::kGlooTcp),
+                         param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 2. A standalone group: never registered, addressed with group_dst / group_src
+
+/// A group of 2 that init_process_group never saw: a ProcessGroupShm of its own (kShm), or a
+/// gloo group over a FileStore (kGlooFile) or over a TCPStore behind a PrefixStore (kGlooTcp).
+Group standalone_group(Method m, const Rendezvous& rv, int rank) {
+  if (m == Method::kShm) {
+    ShmOptions o = small_options();
+    o.timeout = kGroupTimeout;
+    return Group(c10::make_intrusive<ProcessGroupShm>(rv.shm_name, rank, 2, o));
+  }
+  return gloo_group_from_store(user_store(rv, rank, 2, "xfer/"), rank, 2, kGroupTimeout);
+}
+
+// No default group exists at all: the transfers must use the group's own backend.
+TEST_P(TransferStandalone, GroupDstAndGroupSrc) {
+  const Method m = GetParam();
+  const Rendezvous rv = rendezvous(m);
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
+    {
+      const Group g = standalone_group(m, rv, rank);
+      SHM_CHECK(g.defined() && !g.registered() && !is_initialized());
+      if (rank == 1) {
+        TensorDict td = seed_tree(3);
+        SHM_CHECK_THROWS(Error, [&] { td.send({.dst = 0, .group = g}); }, "standalone", "group_dst");
+        td.send({.group = g, .group_dst = 0, .init_tag = 5});
+        fill(td, 4);
+        const Transfer t = td.isend({.group = g, .group_dst = 0, .init_tag = 9, .pseudo_rand = true});
+        SHM_CHECK(t.last_tag && *t.last_tag == expected_last_tag(9, 3, true));
+        fill(td, 5);
+        td.consolidate().send({.group = g, .group_dst = 0, .consolidated = true});
+      } else {
+        TensorDict td = seed_tree(0);
+        SHM_CHECK_THROWS(Error, [&] { td.recv({.src = 1, .group = g}); }, "standalone", "group_src");
+        SHM_CHECK(td.recv({.group = g, .group_src = 1, .init_tag = 5}) == 7);
+        SHM_CHECK(all_equal(td, 3), values(td));
+        const Transfer t =
+            td.irecv({.group = g, .group_src = 1, .init_tag = 9, .pseudo_rand = true, .return_premature = true});
+        SHM_CHECK(t.has_works && t.works.size() == 3);
+        wait_works(t, "irecv");
+        SHM_CHECK(all_equal(td, 4), values(td));
+        TensorDict c = seed_tree(0).consolidate();
+        SHM_CHECK(c.recv({.group = g, .group_src = 1, .consolidated = true}) == 0);
+        SHM_CHECK(all_equal(c, 5), values(c));
+      }
+      // Both ranks are done with the group before either leaves it.
+      flags->done.fetch_add(1, std::memory_order_acq_rel);
+      wait_until(flags->done, 2, "both ranks to finish", &flags->failed);
+    }
+    SHM_CHECK(!is_initialized());
+  })));
+}
+
+INSTANTIATE_TEST_SUITE_P(Stores, TransferStandalone,
+                         ::testing::Values(Method::kShm, Method::kGlooFile, Method::kGlooTcp), param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 3. Peer validation: refused before any communication
+
+// World of 3, subgroup {0, 1}. Every refused call posts nothing: ranks 0 and 1 then exchange an
+// empty tensordict and the seed tree with the tags the refused calls would have used.
+TEST_P(TransferPeers, ValidationErrors) {
+  const Method m = GetParam();
+  const Rendezvous rv = rendezvous(m);
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 3, counting_failures(*flags, [&](int rank) {
+    TensorDict td = seed_tree(1);
+    TensorDict c = seed_tree(1).consolidate();
+    const std::string dst_needs_group = "`group_dst` requires `group` to be passed.";
+    const std::string dst_both = "`dst` and `group_dst` are mutually exclusive.";
+    const std::string dst_neither = "Exactly one of `dst` and `group_dst` must be provided.";
+    const std::string src_needs_group = "`group_src` requires `group` to be passed.";
+    const std::string src_both = "`src` and `group_src` are mutually exclusive.";
+    const std::string src_neither = "Exactly one of `src` and `group_src` must be provided.";
+
+    // Before init_process_group: the checks need no group at all. (Rule 1 comes before rule 2:
+    // dst and group_dst without a group is "requires `group`".)
+    for (bool consolidated : {false, true}) {
+      CHECK_EXACT_ERROR(Error, [&] { td.send({.group_dst = 0, .consolidated = consolidated}); }, dst_needs_group);
+      CHECK_EXACT_ERROR(Error, [&] { td.isend({.group_dst = 0, .consolidated = consolidated}); }, dst_needs_group);
+      CHECK_EXACT_ERROR(Error, [&] { td.send({.dst = 0, .group_dst = 0, .consolidated = consolidated}); }, dst_needs_group);
+      CHECK_EXACT_ERROR(Error, [&] { td.send({.consolidated = consolidated}); }, dst_neither);
+      CHECK_EXACT_ERROR(Error, [&] { td.isend({.init_tag = 3, .consolidated = consolidated}); }, dst_neither);
+      TensorDict& receiver = consolidated ? c : td;
+      CHECK_EXACT_ERROR(Error, [&] { receiver.recv({.group_src = 0, .consolidated = consolidated}); }, src_needs_group);
+      CHECK_EXACT_ERROR(Error, [&] { receiver.irecv({.group_src = 0, .consolidated = consolidated}); }, src_needs_group);
+      CHECK_EXACT_ERROR(Error, [&] { receiver.recv({.src = 0, .group_src = 0, .consolidated = consolidated}); },
+                        src_needs_group);
+      CHECK_EXACT_ERROR(Error, [&] { receiver.recv({.consolidated = consolidated}); }, src_neither);
+      CHECK_EXACT_ERROR(Error, [&] { receiver.irecv({.return_premature = true, .consolidated = consolidated}); },
+                        src_neither);
+    }
+
+    init_process_group(backend_of(m), init_options(rv, rank, 3));
+    const Group world = default_group();
+    const Group sub = new_group({0, 1});
+    for (bool consolidated : {false, true}) {
+      TensorDict& receiver = consolidated ? c : td;
+      // Both given.
+      CHECK_EXACT_ERROR(Error, [&] { td.send({.dst = 1, .group = world, .group_dst = 1, .consolidated = consolidated}); },
+                        dst_both);
+      CHECK_EXACT_ERROR(Error, [&] { td.isend({.dst = 1, .group = world, .group_dst = 1, .return_early = true}); },
+                        dst_both);
+      CHECK_EXACT_ERROR(Error,
+                        [&] { receiver.irecv({.src = 1, .group = world, .group_src = 1, .consolidated = consolidated}); },
+                        src_both);
+      CHECK_EXACT_ERROR(Error, [&] { receiver.recv({.src = 1, .group = world, .group_src = 1}); }, src_both);
+      // Neither, with a group.
+      CHECK_EXACT_ERROR(Error, [&] { td.send({.group = world, .consolidated = consolidated}); }, dst_neither);
+      CHECK_EXACT_ERROR(Error, [&] { receiver.recv({.group = world, .consolidated = consolidated}); }, src_neither);
+      // Its own rank.
+      SHM_CHECK_THROWS(Error, [&] { td.send({.dst = rank, .consolidated = consolidated}); },
+                       "`dst` = " + std::to_string(rank), "own rank");
+      SHM_CHECK_THROWS(Error, [&] { td.isend({.group = world, .group_dst = rank, .consolidated = consolidated}); },
+                       "`group_dst` = " + std::to_string(rank), "own rank");
+      SHM_CHECK_THROWS(Error, [&] { receiver.recv({.src = rank, .consolidated = consolidated}); },
+                       "`src` = " + std::to_string(rank), "own rank");
+      SHM_CHECK_THROWS(Error, [&] { receiver.irecv({.group = world, .group_src = rank, .consolidated = consolidated}); },
+                       "`group_src` = " + std::to_string(rank), "own rank");
+      // Out of range: a global rank is not a member of the default group; a group rank is not
+      // in [0, size).
+      for (int bad : {3, -1}) {
+        SHM_CHECK_THROWS(Error, [&] { td.send({.dst = bad, .consolidated = consolidated}); },
+                         "global rank " + std::to_string(bad), "not a member");
+        SHM_CHECK_THROWS(Error, [&] { receiver.recv({.src = bad, .consolidated = consolidated}); },
+                         "global rank " + std::to_string(bad), "not a member");
+        SHM_CHECK_THROWS(Error, [&] { td.send({.group = world, .group_dst = bad, .consolidated = consolidated}); },
+                         "`group_dst` = " + std::to_string(bad), "not a rank of the group (size 3)");
+        SHM_CHECK_THROWS(Error, [&] { receiver.irecv({.group = world, .group_src = bad, .consolidated = consolidated}); },
+                         "`group_src` = " + std::to_string(bad), "not a rank of the group (size 3)");
+      }
+    }
+    // init_remote / from_remote_init: a peer is needed, and not this rank.
+    CHECK_EXACT_ERROR(Error, [&] { td.init_remote({}); }, "init_remote: `dst` must be provided (or use_broadcast=True)");
+    CHECK_EXACT_ERROR(Error, [&] { TensorDict::from_remote_init({}); }, "from_remote_init: `src` must be provided");
+    SHM_CHECK_THROWS(Error, [&] { td.init_remote({.dst = rank}); }, "own rank");
+    SHM_CHECK_THROWS(Error, [&] { TensorDict::from_remote_init({.src = rank}); }, "own rank");
+    SHM_CHECK_THROWS(Error, [&] { td.init_remote({.dst = 5}); }, "global rank 5", "not a member");
+    // Tags that do not fit c10d's int: refused before the first message.
+    SHM_CHECK_THROWS(Error, [&] { td.send({.dst = (rank + 1) % 3, .init_tag = INT_MAX}); }, "tag 2147483648", "outside");
+    SHM_CHECK_THROWS(Error, [&] { td.recv({.src = (rank + 1) % 3, .init_tag = -1}); }, "tag -1", "outside");
+    SHM_CHECK_THROWS(Error, [&] { td.send({.dst = (rank + 1) % 3, .init_tag = -1, .pseudo_rand = true}); });
+
+    if (rank == 0 || rank == 1) {
+      // Subgroup {0, 1}: global rank 2 is not a member; its own group rank is refused.
+      SHM_CHECK_THROWS(Error, [&] { td.send({.dst = 2, .group = sub}); }, "global rank 2", "not a member");
+      SHM_CHECK_THROWS(Error, [&] { td.recv({.src = 2, .group = sub}); }, "global rank 2", "not a member");
+      SHM_CHECK_THROWS(Error, [&] { td.send({.group = sub, .group_dst = sub.rank()}); }, "own rank");
+      SHM_CHECK_THROWS(Error, [&] { td.send({.group = sub, .group_dst = 2}); }, "not a rank of the group (size 2)");
+    }
+
+    // Nothing was posted by the refused calls: the same tags carry the real transfers.
+    if (rank == 1) {
+      const Transfer empty = TensorDict(std::vector<int64_t>{2}).isend({.dst = 0, .init_tag = 7});
+      SHM_CHECK(empty.last_tag && *empty.last_tag == 6, "isend of no leaves returns init_tag - 1");
+      td.send({.dst = 0});
+      c.send({.dst = 0, .consolidated = true});
+    } else if (rank == 0) {
+      TensorDict empty(std::vector<int64_t>{2});
+      SHM_CHECK(empty.recv({.src = 1, .init_tag = 7}) == 6, "recv of no leaves returns init_tag - 1");
+      TensorDict r = seed_tree(0);
+      SHM_CHECK(r.recv({.src = 1}) == 2);
+      SHM_CHECK(all_equal(r, 1), values(r));
+      TensorDict rc = seed_tree(0).consolidate();
+      SHM_CHECK(rc.recv({.src = 1, .consolidated = true}) == 0);
+      SHM_CHECK(all_equal(rc, 1), values(rc));
+    }
+    finish(*flags, 3);
+  })));
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferPeers, kBothBackends, param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 4, 5. init_remote / from_remote_init
+
+/// The tree of the init_remote example: ("a", "b"), "c", ("d", "e", "f") (a MemoryMappedTensor of
+/// `memmap_file`, or an anonymous one), all ones, batch [2], then expand(1, 2).contiguous().
+TensorDict remote_example_tree(const std::string& memmap_file) {
+  return TensorDict({{{"a", "b"}, at::ones({2})},
+                     {"c", at::ones({2})},
+                     {{"d", "e", "f"}, MemoryMappedTensor::from_tensor(at::ones({2, 2}), memmap_file)}},
+                    {2})
+      .expand({1, 2})
+      .contiguous();
+}
+
+TEST_P(TransferRemote, SeedExample) {
+  const std::string memmap_file = file("remote_example.mm");
+  run_world(2, [&](int rank, Flags&) {
+    if (rank == 0) {
+      remote_example_tree(memmap_file).init_remote({.dst = 1});
+    } else {
+      const TensorDict r = TensorDict::from_remote_init({.src = 0});
+      std::set<std::string> keys;
+      for (const Key& k : r.keys()) keys.insert(k.str());
+      SHM_CHECK((keys == std::set<std::string>{"'a'", "'c'", "'d'"}), values(r));
+      SHM_CHECK((r == 1).all(), values(r));
+      SHM_CHECK(r.is_consolidated() && r.is_locked());
+      SHM_CHECK((r.batch_size() == std::vector<int64_t>{1, 2}));
+      SHM_CHECK((r.get({"a", "b"}).sizes().vec() == std::vector<int64_t>{1, 2}));
+      SHM_CHECK((r.get({"d", "e", "f"}).sizes().vec() == std::vector<int64_t>{1, 2, 2}));
+      SHM_CHECK(r.class_name().empty());
+      // The same layout as the sender's consolidation (same keys, order, dtypes, shapes).
+      SHM_CHECK(r.schema_fingerprint() == remote_example_tree("").consolidate().schema_fingerprint());
+      // Every leaf views the one storage.
+      const at::Tensor storage = r.consolidated_storage();
+      for (const Key& k : r.sorted_leaf_keys()) SHM_CHECK(r.get(k).is_alias_of(storage), k.str());
+    }
+  });
+}
+
+// SEMANTICS.md, "tdshm goes further": over shm a MemoryMappedTensor leaf arrives as a
+// MemoryMappedTensor mapping the same file; over gloo it travels by value.
+TEST_P(TransferRemote, MemmapLeafOverShmMapsTheSameFile) {
+  const Method m = GetParam();
+  const std::string memmap_file = file("remote_leaf.mm");
+  run_world(2, [&](int rank, Flags&) {
+    const at::Tensor expected = at::arange(4, at::kFloat).reshape({2, 2});
+    if (rank == 0) {
+      TensorDict td({{"x", at::ones({2})}, {{"d", "e"}, MemoryMappedTensor::from_tensor(expected, memmap_file)}}, {2});
+      td.init_remote({.dst = 1});
+    } else {
+      const TensorDict r = TensorDict::from_remote_init({.src = 0});
+      SHM_CHECK(at::equal(r.get({"d", "e"}), expected), values(r));
+      SHM_CHECK(at::equal(r.get("x"), at::ones({2})), values(r));
+      if (m == Method::kShm) {
+        const auto info = MemoryMappedTensor::info(r.get({"d", "e"}));
+        SHM_CHECK(info && info->filename == memmap_file,
+                  "over shm the memory-mapped leaf arrived "
+                      << (info ? "mapping '" + info->filename + "'" : std::string("as a plain tensor")) << ", not mapping "
+                      << memmap_file);
+      }
+    }
+  });
+}
+
+TEST_P(TransferRemote, NonTensorValues) {
+  const std::string with_nul("a\0b", 3);
+  run_world(2, [&](int rank, Flags&) {
+    if (rank == 1) {
+      TensorDict td({{"x", at::full({3}, 2.0)},
+                     {"name", "hello"},
+                     {"empty", ""},
+                     {"bytes", with_nul},
+                     {"count", int64_t{-(int64_t{1} << 40)}},
+                     {"small", 42},
+                     {"ratio", 0.25},
+                     {"flag", true},
+                     {"off", false},
+                     {{"meta", "label"}, "inner"},
+                     {{"meta", "y"}, at::full({3, 2}, 3.0)}},
+                    {3});
+      td.init_remote({.dst = 0});
+    } else {
+      const TensorDict r = TensorDict::from_remote_init({.src = 1});
+      const auto text = [&](const Key& k) { return std::get<std::string>(r.get_non_tensor(k)); };
+      SHM_CHECK(text("name") == "hello");
+      SHM_CHECK(text("empty").empty());
+      SHM_CHECK(text("bytes") == with_nul, "a string with a NUL byte came back as " << text("bytes").size() << " bytes");
+      SHM_CHECK(std::get<int64_t>(r.get_non_tensor("count")) == -(int64_t{1} << 40));
+      SHM_CHECK(std::get<int64_t>(r.get_non_tensor("small")) == 42);
+      SHM_CHECK(std::get<double>(r.get_non_tensor("ratio")) == 0.25);
+      SHM_CHECK(std::get<bool>(r.get_non_tensor("flag")));
+      SHM_CHECK(!std::get<bool>(r.get_non_tensor("off")));
+      SHM_CHECK(text({"meta", "label"}) == "inner");
+      SHM_CHECK(at::equal(r.get("x"), at::full({3}, 2.0)));
+      SHM_CHECK(at::equal(r.get({"meta", "y"}), at::full({3, 2}, 3.0)));
+      SHM_CHECK(r.is_consolidated());
+      SHM_CHECK((r.batch_size() == std::vector<int64_t>{3}));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferRemote, ::testing::Values(Method::kShm, Method::kGlooFile, Method::kGlooTcp),
+                         param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 6. Broadcast, 3 ranks
+
+TEST_P(TransferBroadcast, InitRemoteWithBroadcastAndBroadcast) {
+  run_world(3, [&](int rank, Flags&) {
+    // init_remote(use_broadcast) from rank 1; dst is ignored (it names rank 2, rank 0 receives too).
+    if (rank == 1) {
+      seed_tree(7).init_remote({.dst = 2, .use_broadcast = true});
+    } else {
+      const TensorDict r = TensorDict::from_remote_init({.src = 1, .use_broadcast = true});
+      SHM_CHECK(r.is_consolidated() && all_equal(r, 7), values(r));
+      SHM_CHECK(r.same_structure(seed_tree(0)), values(r));
+    }
+    // TensorDict::broadcast from rank 2: every rank, the root too, returns a consolidated copy.
+    const TensorDict b = (rank == 2 ? seed_tree(9) : TensorDict()).broadcast({.src = 2});
+    SHM_CHECK(b.is_consolidated() && all_equal(b, 9) && b.same_structure(seed_tree(0)), "rank " << rank << ": " << values(b));
+    // Over a subgroup {2, 0}: src is a global rank (group rank 1), rank 1 is outside.
+    const Group sub = new_group({2, 0});
+    if (rank != 1) {
+      const TensorDict s = (rank == 0 ? seed_tree(11) : TensorDict()).broadcast({.src = 0, .group = sub});
+      SHM_CHECK(s.is_consolidated() && all_equal(s, 11), "rank " << rank << ": " << values(s));
+      if (rank == 0) {
+        seed_tree(12).init_remote({.group = sub, .use_broadcast = true});
+      } else {
+        const TensorDict r = TensorDict::from_remote_init({.src = 0, .group = sub, .use_broadcast = true});
+        SHM_CHECK(all_equal(r, 12), values(r));
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferBroadcast, kBothBackends, param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 7. init_remote, then repeated consolidated sends after update_
+
+TEST_P(TransferConsolidated, RepeatedSendsAfterUpdate) {
+  const std::string memmap_file = file("consolidated_send.mm");
+  constexpr int kRounds = 7;
+  run_world(2, [&](int rank, Flags&) {
+    if (rank == 1) {
+      TensorDict td = seed_tree_with_memmap(0, MemoryMappedTensor::zeros({2, 2}, at::kFloat, memmap_file));
+      TensorDict c = td.consolidate();
+      c.init_remote({.dst = 0});
+      for (int k = 1; k <= kRounds; ++k) {
+        const auto v = static_cast<float>(k);
+        if (k <= 5) {
+          // The consolidated copy, refreshed in place.
+          c.update_(seed_tree_with_memmap(v, MemoryMappedTensor::zeros({2, 2})));
+          if (k == 1 || k == 3) {
+            c.send({.dst = 0, .consolidated = true});
+          } else if (k == 2) {
+            // init_tag and pseudo_rand are ignored by a consolidated send.
+            c.send({.dst = 0, .init_tag = 77, .pseudo_rand = true, .consolidated = true});
+          } else if (k == 4) {
+            const Transfer t = c.isend({.dst = 0, .consolidated = true});
+            SHM_CHECK(!t.has_works && t.works.empty() && !t.last_tag, "isend(consolidated) returns nothing");
+          } else {
+            const Transfer t = c.isend({.dst = 0, .return_early = true, .consolidated = true});
+            SHM_CHECK(t.has_works && t.works.size() == 1 && !t.last_tag, t.works.size() << " works");
+            wait_works(t, "isend(consolidated, return_early)");
+          }
+        } else {
+          // A sender that is not consolidated consolidates (copies) on every call.
+          fill(td, v);
+          td.send({.dst = 0, .consolidated = true});
+          SHM_CHECK(!td.is_consolidated());
+        }
+      }
+    } else {
+      TensorDict r = TensorDict::from_remote_init({.src = 1});
+      SHM_CHECK(r.is_consolidated() && all_equal(r, 0), values(r));
+      const void* storage = r.consolidated_storage().data_ptr();
+      const std::vector<const void*> pointers = leaf_pointers(r);
+      for (int k = 1; k <= kRounds; ++k) {
+        if (k % 2 == 1) {
+          SHM_CHECK(r.recv({.src = 1, .consolidated = true}) == 0, "recv(consolidated) returns tag 0");
+        } else {
+          const Transfer t = r.irecv({.src = 1, .return_premature = true, .consolidated = true});
+          SHM_CHECK(t.has_works && t.works.size() == 1, t.works.size() << " works");
+          wait_works(t, "irecv(consolidated, return_premature)");
+        }
+        SHM_CHECK(all_equal(r, static_cast<float>(k)), "round " << k << ":\n" << values(r));
+        SHM_CHECK(r.consolidated_storage().data_ptr() == storage && leaf_pointers(r) == pointers,
+                  "round " << k << ": not received in place");
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferConsolidated, kBothBackends, param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 8. tensorclass
+
+XferTransition transition(float v) {
+  return XferTransition({{"obs", at::full({4, 3}, v)}, {"action", at::full({4}, v)}, {"reward", at::full({4, 1}, v)}},
+                        {4});
+}
+
+TEST_P(TransferTensorClass, InitRemoteAndConsolidatedSends) {
+  run_world(2, [&](int rank, Flags&) {
+    const std::string name(XferTransition::kTypeName);
+    if (rank == 1) {
+      transition(1).init_remote({.dst = 0});
+      transition(2).init_remote({.dst = 0});
+      transition(3).init_remote({.dst = 0});  // received as XferOther: refused
+      seed_tree(4).init_remote({.dst = 0});   // a plain tensordict, received as XferTransition: refused
+      XferTransition c = transition(0).consolidate();
+      for (int k = 5; k <= 6; ++k) {
+        c.update_(transition(static_cast<float>(k)).to_tensordict());
+        c.send({.dst = 0, .consolidated = true});
+      }
+      // Per-leaf too: "action", "obs", "reward" with tags 3, 4, 5.
+      const Transfer t = transition(7).isend({.dst = 0, .init_tag = 3});
+      SHM_CHECK(t.last_tag && *t.last_tag == 5);
+      const XferTransition b = transition(8).broadcast({.src = 1});
+      SHM_CHECK(b.type_name() == name && b.is_consolidated());
+    } else {
+      const TensorDict plain = TensorDict::from_remote_init({.src = 1});
+      SHM_CHECK(plain.class_name() == name, "class_name() '" << plain.class_name() << "'");
+      SHM_CHECK(plain.is_consolidated() && all_equal(plain, 1));
+      const auto any = make_tensorclass(plain);
+      SHM_CHECK(dynamic_cast<XferTransition*>(any.get()) != nullptr, "make_tensorclass gave another type");
+
+      XferTransition back = XferTransition::from_remote_init({.src = 1});
+      SHM_CHECK(back.type_name() == name && back.is_consolidated());
+      SHM_CHECK(at::equal(back.obs(), at::full({4, 3}, 2.0)) && at::equal(back.reward(), at::full({4, 1}, 2.0)));
+
+      SHM_CHECK_THROWS(TypeError, [] { XferOther::from_remote_init({.src = 1}); }, name, "tdshm.test.xfer.Other");
+      SHM_CHECK_THROWS(TypeError, [] { XferTransition::from_remote_init({.src = 1}); }, "class ''", name);
+
+      const void* storage = back.tensordict().consolidated_storage().data_ptr();
+      for (int k = 5; k <= 6; ++k) {
+        SHM_CHECK(back.recv({.src = 1, .consolidated = true}) == 0);
+        SHM_CHECK(all_equal(back.tensordict(), static_cast<float>(k)), values(back.tensordict()));
+      }
+      SHM_CHECK(back.tensordict().consolidated_storage().data_ptr() == storage);
+      const Transfer t = back.irecv({.src = 1, .init_tag = 3, .return_premature = true});
+      SHM_CHECK(t.has_works && t.works.size() == 3);
+      wait_works(t, "tensorclass irecv");
+      SHM_CHECK(all_equal(back.tensordict(), 7), values(back.tensordict()));
+
+      const XferTransition b = XferTransition({}, {4}).broadcast({.src = 1});
+      SHM_CHECK(b.type_name() == name && at::equal(b.action(), at::full({4}, 8.0)));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferTensorClass, kBothBackends, param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 9. Mismatched receivers
+
+/// Receives per-leaf from rank 1 into `receiver` with irecv(return_premature), which must fail
+/// with a TransportError whose message contains every needle: over gloo irecv itself throws (the
+/// layout descriptor is checked before a leaf is posted), over shm a work does.
+void expect_per_leaf_mismatch(Method m, TensorDict receiver, const std::vector<std::string>& needles, const std::string& what) {
+  Transfer t;
+  const Caught at_irecv = catch_any([&] { t = receiver.irecv({.src = 1, .return_premature = true}); });
+  Caught error = at_irecv;
+  if (m == Method::kShm) {
+    SHM_CHECK(!at_irecv.threw, what << ": over shm irecv itself threw " << at_irecv.describe());
+    SHM_CHECK(t.has_works, what);
+    error = catch_any([&] { t.wait(); });
+  }
+  SHM_CHECK(error.is<TransportError>(), what << ": expected a TransportError, got " << error.describe());
+  for (const std::string& n : needles) {
+    SHM_CHECK(contains_nocase(error.what, n), what << ": the message does not mention " << n << ": " << error.what);
+  }
+}
+
+/// Rank 1's side of a mismatch test: for each case, the seed tree with a "bad" value (the
+/// receiver refuses it), then with a "good" one (it must arrive whole).
+void send_bad_then_good(int cases) {
+  for (int i = 0; i < cases; ++i) {
+    seed_tree(static_cast<float>(100 + i)).send({.dst = 0});
+    seed_tree(static_cast<float>(200 + i)).send({.dst = 0});
+  }
+}
+
+/// Rank 0's side: the next correct transfer between the same peers works (the stream is in step).
+void expect_good(int i, const std::string& after) {
+  TensorDict r = seed_tree(0);
+  SHM_CHECK(r.recv({.src = 1}) == 2, "after " << after);
+  SHM_CHECK(all_equal(r, static_cast<float>(200 + i)), "after " << after << ", the next transfer received:\n" << values(r));
+}
+
+class TransferMismatch : public TransferTest {
+ protected:
+  /// Rank 1 sends the seed tree twice. Rank 0 receives the first into a seed tree changed by
+  /// `change`: a TransportError that mentions `needle`, within half the group's deadline
+  /// `timeout`; then the second into a correct receiver.
+  void check_key_mismatch(const std::function<void(TensorDict&)>& change, const std::string& needle,
+                          const std::string& what, std::chrono::milliseconds timeout = kGroupTimeout) {
+    const Method m = GetParam();
+    run_world(
+        2,
+        [&](int rank, Flags&) {
+          if (rank == 1) {
+            send_bad_then_good(1);
+            return;
+          }
+          TensorDict bad = seed_tree(0);
+          change(bad);
+          const auto start = Clock::now();
+          expect_per_leaf_mismatch(m, bad, {needle}, what);
+          const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+          SHM_CHECK(elapsed < timeout / 2, what << ": the error came after " << elapsed.count()
+                                                << " ms (group timeout " << timeout.count() << " ms)");
+          expect_good(0, what);
+        },
+        timeout);
+  }
+};
+
+TEST_P(TransferMismatch, PerLeafShapeAndDtype) {
+  const Method m = GetParam();
+  struct Case {
+    const char* what;
+    Key key;
+    at::Tensor leaf;
+    std::string needle;
+  };
+  run_world(2, [&](int rank, Flags&) {
+    const std::vector<Case> cases = {
+        {"'c' of shape [2, 4] (more bytes)", "c", at::zeros({2, 4}), "'c'"},
+        {"'c' of shape [2, 3, 1] (same bytes)", "c", at::zeros({2, 3, 1}), "'c'"},
+        {"'c' of dtype int32 (same bytes)", "c", at::zeros({2, 3}, at::kInt), "'c'"},
+        {"'c' of dtype float64", "c", at::zeros({2, 3}, at::kDouble), "'c'"},
+        {"('a', 'b') of shape [2, 2]", {"a", "b"}, at::zeros({2, 2}), "('a', 'b')"},
+        {"'_' of shape [2, 5, 1] (same bytes), with recv", "_", at::zeros({2, 5, 1}), "'_'"},
+    };
+    if (rank == 1) {
+      send_bad_then_good(static_cast<int>(cases.size()));
+    } else {
+      for (size_t i = 0; i < cases.size(); ++i) {
+        const Case& c = cases[i];
+        TensorDict bad = seed_tree(0);
+        bad.set(c.key, c.leaf);
+        if (i + 1 < cases.size()) {
+          expect_per_leaf_mismatch(m, bad, {c.needle}, c.what);
+        } else {
+          SHM_CHECK_THROWS(TransportError, [&] { bad.recv({.src = 1}); }, c.needle);
+        }
+        expect_good(static_cast<int>(i), c.what);
+      }
+    }
+  });
+}
+
+// The receiver lacks a key in the middle of the order: the leaves after it meet the sender's
+// messages of other leaves. The error names the receiver's leaf where that shows ('c').
+TEST_P(TransferMismatch, ReceiverLacksAKey) {
+  check_key_mismatch([](TensorDict& td) { td.erase("a"); }, "'c'", "a receiver without ('a', 'b')");
+}
+
+// The receiver lacks the last key of the order: the sender sends one message more than the
+// receiver expects. That must be an error too, and must not stay in the stream.
+TEST_P(TransferMismatch, ReceiverLacksTheLastKey) {
+  check_key_mismatch([](TensorDict& td) { td.erase("c"); }, "3 leaves", "a receiver without 'c'");
+}
+
+// The receiver has a key the sender lacks ('b', between ('a', 'b') and 'c'): the sender sends one
+// message fewer than the receiver expects. The error names 'b' and comes at once, not at the
+// group's deadline (4 s here).
+TEST_P(TransferMismatch, ReceiverHasAnExtraKey) {
+  check_key_mismatch([](TensorDict& td) { td.set("b", at::zeros({2})); }, "'b'", "a receiver with an extra 'b'",
+                     std::chrono::milliseconds(4000));
+}
+
+// Consolidated: another schema is a SchemaError before a byte is written; a receiver that is not
+// consolidated is refused before any communication.
+TEST_P(TransferMismatch, Consolidated) {
+  run_world(2, [&](int rank, Flags&) {
+    // Receivers of another schema: more bytes; same bytes, another dtype; same keys, dtypes and
+    // shapes in another insertion order (another layout of the same byte count).
+    std::vector<std::pair<std::string, TensorDict>> receivers;
+    TensorDict wider = seed_tree(0);
+    wider.set("c", at::zeros({2, 4}));
+    receivers.emplace_back("'c' of shape [2, 4]", wider);
+    TensorDict as_int = seed_tree(0);
+    as_int.set("c", at::zeros({2, 3}, at::kInt));
+    receivers.emplace_back("'c' of dtype int32", as_int);
+    receivers.emplace_back("another insertion order",
+                           TensorDict({{"_", at::zeros({2, 1, 5})}, {"c", at::zeros({2, 3})}, {{"a", "b"}, at::zeros({2})}}, {2}));
+    if (rank == 1) {
+      TensorDict c = seed_tree(0).consolidate();
+      for (size_t i = 0; i < receivers.size(); ++i) {
+        c.update_(seed_tree(static_cast<float>(100 + i)));
+        c.send({.dst = 0, .consolidated = true});
+        c.update_(seed_tree(static_cast<float>(200 + i)));
+        c.send({.dst = 0, .consolidated = true});
+      }
+      c.update_(seed_tree(300));
+      c.send({.dst = 0, .consolidated = true});
+    } else {
+      TensorDict good = seed_tree(0).consolidate();
+      for (size_t i = 0; i < receivers.size(); ++i) {
+        const std::string& what = receivers[i].first;
+        TensorDict bad = receivers[i].second.consolidate();
+        bad.consolidated_storage().fill_(0x5A);
+        const at::Tensor before = bad.consolidated_storage().clone();
+        SHM_CHECK_THROWS(SchemaError, [&] { bad.recv({.src = 1, .consolidated = true}); }, "schema",
+                         "nothing was written");
+        SHM_CHECK(at::equal(bad.consolidated_storage(), before), what << ": the refused receiver's storage changed");
+        SHM_CHECK(good.recv({.src = 1, .consolidated = true}) == 0);
+        SHM_CHECK(all_equal(good, static_cast<float>(200 + i)), "after " << what << ":\n" << values(good));
+      }
+      const std::string not_consolidated =
+          "irecv(consolidated=True) needs a consolidated receiver: call consolidate() first (it must have the "
+          "sender's schema)";
+      TensorDict plain = seed_tree(0);
+      CHECK_EXACT_ERROR(Error, [&] { plain.recv({.src = 1, .consolidated = true}); }, not_consolidated);
+      CHECK_EXACT_ERROR(Error, [&] { plain.irecv({.src = 1, .return_premature = true, .consolidated = true}); },
+                        not_consolidated);
+      SHM_CHECK(all_equal(plain, 0));
+      SHM_CHECK(good.recv({.src = 1, .consolidated = true}) == 0);
+      SHM_CHECK(all_equal(good, 300), "after the refused plain receiver:\n" << values(good));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferMismatch, kBothBackends, param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 10. isend(return_early): the works are waited after the receiver received
+
+/// Rank 1's side of one phase: once rank 0 received (step[phase] reached 2), the works of
+/// `posted` complete. Over shm they do without a wait (a small send, or a memmap reference, is
+/// complete when posted); c10d's gloo SendWork only reports completion from wait(), so there
+/// only wait() is checked.
+void wait_after_receiver(Method m, Flags& flags, int phase, const Transfer& posted) {
+  flags.step[phase].store(1, std::memory_order_release);
+  wait_until(flags.step[phase], 2, "the receiver to receive", &flags.failed);
+  for (const WorkPtr& w : posted.works) {
+    if (m == Method::kShm) {
+      const auto deadline = Clock::now() + kGroupTimeout;
+      while (!w->isCompleted()) {
+        SHM_CHECK(Clock::now() < deadline, "phase " << phase << ": a send work never completed");
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    SHM_CHECK(w->wait(kGroupTimeout) && w->isSuccess() && !w->exception(), "phase " << phase);
+  }
+}
+
+// Phase 0, per-leaf: two small leaves (one shm slot each) and a named MemoryMappedTensor of
+// 64 KiB (one ring entry over shm whatever its size). Phase 1, consolidated: header and storage,
+// both small. Each phase fits the 4-entry rings of the test's shm groups, so the receiver gets
+// everything while the sender is not inside any tdshm call (over shm nothing moves otherwise).
+TEST_P(TransferEarly, WorksWaitedAfterTheReceiverReceived) {
+  const Method m = GetParam();
+  const std::string send_file = file("early_send.mm"), recv_file = file("early_recv.mm");
+  run_world(2, [&](int rank, Flags& flags) {
+    const auto tree = [](float v, const std::string& f) {
+      const MemoryMappedTensor mm = MemoryMappedTensor::full({2, 8192}, v, at::kFloat, f);
+      return TensorDict({{"_", at::full({2, 1, 5}, v)}, {{"a", "b"}, at::full({2}, v)}, {{"d", "e"}, mm}}, {2});
+    };
+    if (rank == 1) {
+      const Transfer t = tree(5, send_file).isend({.dst = 0, .init_tag = 4, .return_early = true});
+      SHM_CHECK(t.has_works && t.works.size() == 3 && !t.last_tag, t.works.size() << " works");
+      wait_after_receiver(m, flags, 0, t);
+      const Transfer tc = seed_tree(6).isend({.dst = 0, .return_early = true, .consolidated = true});
+      SHM_CHECK(tc.has_works && tc.works.size() == 1 && !tc.last_tag, tc.works.size() << " works");
+      wait_after_receiver(m, flags, 1, tc);
+    } else {
+      wait_until(flags.step[0], 1, "the sender to post its sends", &flags.failed);
+      TensorDict r = tree(0, recv_file);
+      SHM_CHECK(r.recv({.src = 1, .init_tag = 4}) == 6);
+      SHM_CHECK(all_equal(r, 5), values(r));
+      flags.step[0].store(2, std::memory_order_release);
+      wait_until(flags.step[1], 1, "the sender to post its consolidated send", &flags.failed);
+      TensorDict rc = seed_tree(0).consolidate();
+      SHM_CHECK(rc.recv({.src = 1, .consolidated = true}) == 0);
+      SHM_CHECK(all_equal(rc, 6), values(rc));
+      flags.step[1].store(2, std::memory_order_release);
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferEarly, kBothBackends, param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 11. Two senders, one receiver, pseudo-random tags
+
+/// Ten leaves "k0".."k9" of distinct shapes [2, i + 1], leaf i = base + i.
+TensorDict ten_leaves(float base) {
+  TensorDict td(std::vector<int64_t>{2});
+  for (int i = 0; i < 10; ++i) td.set("k" + std::to_string(i), at::full({2, i + 1}, base + static_cast<float>(i)));
+  return td;
+}
+
+bool holds_ten_leaves(const TensorDict& td, float base) {
+  for (int i = 0; i < 10; ++i) {
+    if (!at::equal(td.get("k" + std::to_string(i)), at::full({2, i + 1}, base + static_cast<float>(i)))) return false;
+  }
+  return true;
+}
+
+// Rank 1 uses init_tag 1, whose chain repeats (tags 2 and 10 are both 3796: equal tags from one
+// sender are matched in order), rank 2 init_tag 0. Three rounds; rank 0 posts both receives
+// before waiting, in one order then the other.
+TEST_P(TransferTwoSenders, PseudoRandTags) {
+  run_world(3, [&](int rank, Flags&) {
+    SHM_CHECK((expected_tags(1, 10, true) ==
+               std::vector<int64_t>{1907, 3796, 8050, 3441, 8330, 6044, 5283, 6066, 755, 3796}));
+    const auto init_tag_of = [](int sender) { return sender == 1 ? int64_t{1} : int64_t{0}; };
+    for (int round = 0; round < 3; ++round) {
+      const auto base = [round](int sender) { return static_cast<float>(1000 * round + 100 * sender); };
+      if (rank != 0) {
+        const Transfer t = ten_leaves(base(rank)).isend({.dst = 0, .init_tag = init_tag_of(rank), .pseudo_rand = true});
+        SHM_CHECK(t.last_tag && *t.last_tag == expected_last_tag(init_tag_of(rank), 10, true));
+      } else {
+        TensorDict from[3] = {TensorDict(), ten_leaves(0), ten_leaves(0)};
+        std::vector<Transfer> transfers;
+        for (int sender : round % 2 == 0 ? std::vector<int>{1, 2} : std::vector<int>{2, 1}) {
+          transfers.push_back(from[sender].irecv(
+              {.src = sender, .init_tag = init_tag_of(sender), .pseudo_rand = true, .return_premature = true}));
+        }
+        for (const Transfer& t : transfers) wait_works(t, "irecv from two senders");
+        for (int sender : {1, 2}) {
+          SHM_CHECK(holds_ten_leaves(from[sender], base(sender)), "round " << round << ", from rank " << sender << ":\n"
+                                                                           << values(from[sender]));
+        }
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferTwoSenders, kBothBackends, param_name);
+
+}  // namespace
+}  // namespace tdshm::test
