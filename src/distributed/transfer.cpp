@@ -3,15 +3,17 @@
 //
 // Wire protocol (both peers run tdshm; messages of one transfer share a tag, so MPI's same-tag
 // FIFO rule keeps them in order):
-//  * per-leaf: one message per tensor leaf in sorted_leaf_keys() order with the tags of
-//    transfer_tags(). Over shm every message carries its dtype and shape, which the transport
-//    checks against the receiving leaf. Other backends carry bytes only, so the sender first
-//    sends a layout descriptor (a 2-int64 header, then one int64 list of dtype, ndim and dims per
-//    leaf) under the first leaf's tag; the receiver checks it before it posts any leaf receive,
-//    and on a mismatch drains the leaves into scratch buffers (the stream stays in step) and
-//    throws an error naming the first key that differs.
+//  * per-leaf: a layout descriptor, then one message per tensor leaf in sorted_leaf_keys() order
+//    with the tags of transfer_tags(). The descriptor (dtype, ndim and dims per leaf, as int64)
+//    travels under the first leaf's tag in a fixed 32-int64 header {magic, words, up to 30 words
+//    inline}, plus a second message when it does not fit (more than a few leaves). The receiver
+//    posts its leaf receives only once it has checked the descriptor, so a receiver whose keys,
+//    dtypes or shapes differ gets an error naming the first key that differs, and the sender's
+//    leaves are drained into scratch buffers (nothing stays queued to spoil the next transfer);
+//    over shm every message also carries its dtype and shape, checked by the transport.
+//    irecv does not block for the descriptor: its works wait for it (see Deferred).
 //  * consolidated: a 3-int64 header {magic, schema fingerprint, storage bytes} then the storage,
-//    both with tag 0. The receiver checks the header before its storage is written; on a
+//    both with tag 0. The receiver checks the header before it posts the storage's receive; on a
 //    mismatch it drains the storage into a scratch buffer and throws.
 //  * init_remote: a 4-int64 header {magic, schema bytes, storage bytes, reference bytes}, the
 //    encoded schema (keys, non-tensor values, tensorclass name), the storage, then (over shm, when
@@ -39,6 +41,10 @@ constexpr int kRemoteInitTag = 0;
 // Bounds on what a peer's header may announce (a corrupt or hostile peer makes a transfer fail,
 // never an absurd allocation): descriptors and schemas are metadata, never this large.
 constexpr int64_t kMaxDescriptorWords = int64_t{1} << 24;
+// The descriptor header: {magic, words} then up to kInlineWords descriptor words (a tree of a
+// few small leaves needs no second message).
+constexpr int64_t kHeaderWords = 32;
+constexpr int64_t kInlineWords = kHeaderWords - 2;
 constexpr int64_t kMaxSchemaBytes = int64_t{1} << 30;
 constexpr int64_t kMaxStorageBytes = int64_t{1} << 40;
 
@@ -76,17 +82,68 @@ std::exception_ptr current_with_context(const std::string& context) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The Work handed to users: one or more backend works plus what to do once they all succeeded
-// (copy a staged leaf back), with errors that name the key.
+// A receive that can only be posted once a header from the sender has been checked (the layout
+// descriptor, the consolidated header). irecv posts the header's receive and returns; the first
+// wait (or isCompleted that finds the header in) runs `rest`, which checks it and posts the real
+// receives. So irecv never blocks, and ranks that post receives before sends do not deadlock.
 
+class Deferred {
+ public:
+  Deferred(WorkPtr header, std::function<std::vector<WorkPtr>()> rest)
+      : header_(std::move(header)), rest_(std::move(rest)) {}
+
+  /// The works `rest` posted, once the header is in and checked; rethrows the check's error.
+  const std::vector<WorkPtr>& works(std::chrono::milliseconds timeout) {
+    std::lock_guard lk(mu_);
+    if (!started_) {
+      started_ = true;
+      try {
+        header_->wait(timeout);
+        works_ = rest_();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      rest_ = nullptr;
+    }
+    if (error_) std::rethrow_exception(error_);
+    return works_;
+  }
+  /// True once works() would not wait for the header.
+  bool header_in() {
+    {
+      std::lock_guard lk(mu_);
+      if (started_) return true;
+    }
+    return header_->isCompleted();
+  }
+
+ private:
+  std::mutex mu_;
+  WorkPtr header_;
+  std::function<std::vector<WorkPtr>()> rest_;
+  bool started_ = false;
+  std::vector<WorkPtr> works_;
+  std::exception_ptr error_;
+};
+
+// The Work handed to users: backend works (given, or the index-th work of a Deferred) plus what
+// to do once they all succeeded (copy a staged leaf back), with errors that name the key.
 class TransferWork final : public c10d::Work {
  public:
   TransferWork(std::string context, std::vector<WorkPtr> inner, c10d::OpType type,
                std::function<void()> on_success = {})
       : c10d::Work(-1, type), context_(std::move(context)), inner_(std::move(inner)), on_success_(std::move(on_success)) {}
+  TransferWork(std::string context, std::shared_ptr<Deferred> deferred, size_t index, c10d::OpType type,
+               std::function<void()> on_success = {})
+      : c10d::Work(-1, type),
+        context_(std::move(context)),
+        deferred_(std::move(deferred)),
+        index_(index),
+        on_success_(std::move(on_success)) {}
 
   bool isCompleted() override {
-    for (auto& w : inner_) {
+    if (deferred_ && !deferred_->header_in()) return false;
+    for (auto& w : inner_works(kNoTimeout)) {
       if (!w->isCompleted()) return false;
     }
     finalize(kNoTimeout);
@@ -100,7 +157,7 @@ class TransferWork final : public c10d::Work {
     std::lock_guard lk(mu_);
     return error_;
   }
-  std::vector<at::Tensor> result() override { return inner_.size() == 1 ? inner_[0]->result() : std::vector<at::Tensor>{}; }
+  std::vector<at::Tensor> result() override { return {}; }
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
     finalize(timeout);
     std::lock_guard lk(mu_);
@@ -111,16 +168,34 @@ class TransferWork final : public c10d::Work {
     for (auto& w : inner_) w->abort();
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    TORCH_CHECK(inner_.size() == 1 && !on_success_, "this tdshm transfer work has no future; call wait()");
+    TORCH_CHECK(inner_.size() == 1 && !deferred_ && !on_success_, "this tdshm transfer work has no future; call wait()");
     return inner_[0]->getFuture();
   }
 
  private:
+  // The backend works; for a deferred one, those `rest` posted (an empty list if it failed:
+  // finalize reports that error).
+  std::vector<WorkPtr> inner_works(std::chrono::milliseconds timeout) {
+    if (!deferred_) return inner_;
+    try {
+      return {deferred_->works(timeout).at(index_)};
+    } catch (...) {
+      return {};
+    }
+  }
+
   // Waits for every inner work (all of them, even after a failure: nothing stays posted into a
   // leaf the caller may reuse), then runs on_success once.
   void finalize(std::chrono::milliseconds timeout) {
     std::lock_guard lk(mu_);
     if (finished_) return;
+    if (deferred_) {
+      try {
+        inner_ = {deferred_->works(timeout).at(index_)};
+      } catch (...) {
+        error_ = std::current_exception();  // about the whole transfer: it names the key itself
+      }
+    }
     for (auto& w : inner_) {
       try {
         w->wait(timeout);
@@ -140,6 +215,8 @@ class TransferWork final : public c10d::Work {
 
   std::string context_;
   std::vector<WorkPtr> inner_;
+  std::shared_ptr<Deferred> deferred_;
+  size_t index_ = 0;
   std::function<void()> on_success_;
   mutable std::mutex mu_;
   bool finished_ = false;
@@ -305,19 +382,35 @@ int descriptor_tag(const Leaves& l, int64_t init_tag, bool pseudo_rand) {
   return c10d_tag(l.tags.empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags[0]);
 }
 
-/// Receives and checks the sender's descriptor; on a mismatch drains its leaves (the sender's
-/// tags follow from the same init_tag and pseudo_rand) and throws.
-void check_descriptor(const Group& g, int peer, const Leaves& l, int tag, int64_t init_tag, bool pseudo_rand) {
-  auto header = int64_tensor({0, 0});
-  recv_now(g, header, peer, tag);
+/// The descriptor header of `desc` (see the file comment); the descriptor itself goes in a
+/// second message when it does not fit inline.
+at::Tensor descriptor_header(const at::Tensor& desc) {
+  auto header = at::zeros({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+  auto* h = header.data_ptr<int64_t>();
+  h[0] = kLayoutMagic;
+  h[1] = desc.numel();
+  if (desc.numel() <= kInlineWords && desc.numel() > 0) std::memcpy(h + 2, desc.data_ptr(), desc.numel() * sizeof(int64_t));
+  return header;
+}
+
+/// Checks the sender's descriptor (its `header` is in; a long descriptor is received now); on a
+/// mismatch drains all of the sender's leaves (its tags follow from the same init_tag and
+/// pseudo_rand) and throws an error naming the first key that differs.
+void check_descriptor(const Group& g, int peer, const Leaves& l, int tag, int64_t init_tag, bool pseudo_rand,
+                      const at::Tensor& header) {
   const int64_t magic = header[0].item<int64_t>(), words = header[1].item<int64_t>();
   if (magic != kLayoutMagic || words < 0 || words > kMaxDescriptorWords) {
     throw TransportError("the sender's per-leaf header is not a tdshm layout descriptor (is the sender using the same "
                          "mode, per-leaf or consolidated, and tdshm?)");
   }
-  auto desc = at::empty({words}, at::TensorOptions().dtype(at::kLong));
-  recv_now(g, desc, peer, tag);
-  const auto theirs = parse_descriptor(desc.data_ptr<int64_t>(), words);
+  at::Tensor desc;
+  if (words <= kInlineWords) {
+    desc = header.narrow(0, 2, words);
+  } else {
+    desc = at::empty({words}, at::TensorOptions().dtype(at::kLong));
+    recv_now(g, desc, peer, tag);
+  }
+  const auto theirs = parse_descriptor(desc.contiguous().data_ptr<int64_t>(), words);
   std::string problem;
   for (size_t i = 0; i < std::max(theirs.size(), l.keys.size()) && problem.empty(); ++i) {
     if (i >= theirs.size()) {
@@ -335,7 +428,10 @@ void check_descriptor(const Group& g, int peer, const Leaves& l, int tag, int64_
   if (problem.empty()) return;
   // Drain what the sender is sending (it cannot know), so that later transfers stay in step.
   const std::vector<int64_t> their_tags = transfer_tags(init_tag, theirs.size(), pseudo_rand);
-  for (size_t i = 0; i < theirs.size(); ++i) recv_now(g, bytes_tensor(theirs[i].bytes), peer, c10d_tag(their_tags[i]));
+  for (size_t i = 0; i < theirs.size(); ++i) {
+    // Scratch of the sender's dtype and shape: shm checks both.
+    recv_now(g, at::empty(theirs[i].shape, at::TensorOptions().dtype(theirs[i].dtype)), peer, c10d_tag(their_tags[i]));
+  }
   throw TransportError(problem);
 }
 
@@ -365,11 +461,11 @@ Transfer TensorDict::isend(const SendOptions& o) const {
   }
   const Leaves l = collect(*this, o.init_tag, o.pseudo_rand);
   std::vector<WorkPtr> descriptor;
-  if (!is_shm(p.group)) {
+  {
     const int tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
-    auto desc = int64_tensor(describe_leaves(l.tensors));
-    descriptor.push_back(send_one(p.group, int64_tensor({kLayoutMagic, desc.numel()}), p.rank, tag));
-    descriptor.push_back(send_one(p.group, desc, p.rank, tag));
+    const auto desc = int64_tensor(describe_leaves(l.tensors));
+    descriptor.push_back(send_one(p.group, descriptor_header(desc), p.rank, tag));
+    if (desc.numel() > kInlineWords) descriptor.push_back(send_one(p.group, desc, p.rank, tag));
   }
   std::vector<WorkPtr> works;
   for (size_t i = 0; i < l.keys.size(); ++i) {
@@ -407,40 +503,57 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
                   "sender's schema)");
     }
     const at::Tensor storage = consolidated_storage();
+    const uint64_t mine = schema_fingerprint();
     auto header = int64_tensor({0, 0, 0});
-    recv_now(p.group, header, p.rank, kConsolidatedTag);
-    const int64_t magic = header[0].item<int64_t>(), bytes = header[2].item<int64_t>();
-    const auto fingerprint = static_cast<uint64_t>(header[1].item<int64_t>());
-    if (magic != kConsolidatedMagic || bytes < 0 || bytes > kMaxStorageBytes) {
-      throw TransportError("the sender's message is not a consolidated tdshm transfer (is it sending per-leaf?)");
-    }
-    if (fingerprint != schema_fingerprint() || bytes != storage.numel()) {
-      recv_now(p.group, bytes_tensor(bytes), p.rank, kConsolidatedTag);  // drained: the stream stays in step
-      throw SchemaError("consolidated recv: the sender's schema (fingerprint " + std::to_string(fingerprint) + ", " +
-                        std::to_string(bytes) + " bytes) differs from this tensordict's (fingerprint " +
-                        std::to_string(schema_fingerprint()) + ", " + std::to_string(storage.numel()) +
-                        " bytes); nothing was written");
-    }
-    works.push_back(c10::make_intrusive<TransferWork>(
-        "consolidated recv: ", std::vector<WorkPtr>{recv_one(p.group, storage, p.rank, kConsolidatedTag)},
-        c10d::OpType::RECV));
+    const Group g = p.group;
+    const int peer = p.rank;
+    auto rest = [g, peer, header, storage, mine]() -> std::vector<WorkPtr> {
+      const int64_t magic = header[0].item<int64_t>(), bytes = header[2].item<int64_t>();
+      const auto fingerprint = static_cast<uint64_t>(header[1].item<int64_t>());
+      if (magic != kConsolidatedMagic || bytes < 0 || bytes > kMaxStorageBytes) {
+        throw TransportError("the sender's message is not a consolidated tdshm transfer (is it sending per-leaf?)");
+      }
+      if (fingerprint != mine || bytes != storage.numel()) {
+        recv_now(g, bytes_tensor(bytes), peer, kConsolidatedTag);  // drained: the stream stays in step
+        throw SchemaError("the sender's schema (fingerprint " + std::to_string(fingerprint) + ", " +
+                          std::to_string(bytes) + " bytes) differs from this tensordict's (fingerprint " +
+                          std::to_string(mine) + ", " + std::to_string(storage.numel()) + " bytes); nothing was written");
+      }
+      return {recv_one(g, storage, peer, kConsolidatedTag)};
+    };
+    auto deferred = std::make_shared<Deferred>(recv_one(g, header, peer, kConsolidatedTag), std::move(rest));
+    works.push_back(c10::make_intrusive<TransferWork>("consolidated recv: ", deferred, 0, c10d::OpType::RECV));
   } else {
     const Leaves l = collect(*this, o.init_tag, o.pseudo_rand);
     const bool shm = is_shm(p.group);
-    if (!shm) check_descriptor(p.group, p.rank, l, descriptor_tag(l, o.init_tag, o.pseudo_rand), o.init_tag, o.pseudo_rand);
-    for (size_t i = 0; i < l.keys.size(); ++i) {
-      const at::Tensor& leaf = l.tensors[i];
-      // Over shm a strided leaf is staged by the transport; others receive contiguous bytes,
-      // copied into the leaf once they are in.
-      const bool staged = !shm && !leaf.is_contiguous();
-      at::Tensor target = staged ? at::empty(leaf.sizes(), leaf.options()) : leaf;
-      std::function<void()> copy_back;
-      if (staged) copy_back = [leaf, target]() mutable { leaf.copy_(target); };
-      works.push_back(c10::make_intrusive<TransferWork>(
-          "recv of key " + l.keys[i].str() + ": ",
-          std::vector<WorkPtr>{recv_one(p.group, target, p.rank, static_cast<int>(l.tags[i]))}, c10d::OpType::RECV,
-          std::move(copy_back)));
+    const int dtag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
+    auto header = at::zeros({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+    // Over shm a strided leaf is staged by the transport; others receive contiguous bytes,
+    // copied into the leaf once they are in.
+    std::vector<at::Tensor> targets;
+    for (const auto& leaf : l.tensors) {
+      targets.push_back(!shm && !leaf.is_contiguous() ? at::empty(leaf.sizes(), leaf.options()) : leaf);
     }
+    const Group g = p.group;
+    const int peer = p.rank;
+    const int64_t init_tag = o.init_tag;
+    const bool pseudo = o.pseudo_rand;
+    auto rest = [g, peer, l, dtag, init_tag, pseudo, header, targets]() -> std::vector<WorkPtr> {
+      check_descriptor(g, peer, l, dtag, init_tag, pseudo, header);
+      std::vector<WorkPtr> posted;
+      for (size_t i = 0; i < l.keys.size(); ++i) posted.push_back(recv_one(g, targets[i], peer, static_cast<int>(l.tags[i])));
+      return posted;
+    };
+    auto deferred = std::make_shared<Deferred>(recv_one(g, header, peer, dtag), std::move(rest));
+    for (size_t i = 0; i < l.keys.size(); ++i) {
+      std::function<void()> copy_back;
+      if (!targets[i].is_same(l.tensors[i])) {
+        copy_back = [leaf = l.tensors[i], target = targets[i]]() mutable { leaf.copy_(target); };
+      }
+      works.push_back(c10::make_intrusive<TransferWork>("recv of key " + l.keys[i].str() + ": ", deferred, i,
+                                                        c10d::OpType::RECV, std::move(copy_back)));
+    }
+    if (l.keys.empty()) deferred->works(kNoTimeout);  // the descriptor is consumed (and checked) all the same
   }
   if (o.return_premature) {
     out.has_works = true;

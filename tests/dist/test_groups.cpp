@@ -36,146 +36,16 @@
 #include <thread>
 #include <vector>
 
+#include "dist/dist_support.h"
 #include "shm/shm_test_support.h"
 
 namespace tdshm::test {
 namespace {
 
-/// Deadline of every group (rendezvous and waits) and of every Work::wait in the scenarios.
-constexpr std::chrono::milliseconds kGroupTimeout{20000};
-
-// ---------------------------------------------------------------------------------------------
-// Rendezvous points
-
-enum class Method { kShm, kGlooFile, kGlooTcp, kGlooEnv };
-
-const char* method_name(Method m) {
-  switch (m) {
-    case Method::kShm:
-      return "shm";
-    case Method::kGlooFile:
-      return "gloo_file";
-    case Method::kGlooTcp:
-      return "gloo_tcp";
-    case Method::kGlooEnv:
-      return "gloo_env";
-  }
-  return "?";
-}
-
-std::string backend_of(Method m) { return m == Method::kShm ? "shm" : "gloo"; }
-
-/// A port of 127.0.0.1 that was free a moment ago (bound to port 0, read back, closed). Another
-/// process could take it before the test binds it; it comes from the ephemeral range, so that
-/// is rare, and the failure would be a clear "address in use".
-uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw std::system_error(errno, std::generic_category(), "socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throw std::system_error(err, std::generic_category(), "bind/getsockname on 127.0.0.1:0");
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-/// A fresh directory under /tmp, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = "/tmp/tdshm_dist_XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::system_error(errno, std::generic_category(), "mkdtemp");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-/// Where the ranks of one group meet. Made in the parent before the fork, so that every rank
-/// sees the same point, and unique to the test.
-struct Rendezvous {
-  Method method = Method::kShm;
-  std::string shm_name;  // kShm
-  std::string file;      // kGlooFile
-  uint16_t port = 0;     // kGlooTcp, kGlooEnv
-};
-
-/// The options of init_process_group for `rank` of `world` at `rv`. For env:// it sets
-/// MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE in this (child) process and leaves rank and
-/// world_size at -1, so they are read from the environment.
-InitOptions init_options(const Rendezvous& rv, int rank, int world) {
-  InitOptions o;
-  o.rank = rank;
-  o.world_size = world;
-  o.timeout = kGroupTimeout;
-  o.shm = small_options();  // small rings: a world of 3 needs well under 1 MiB of /dev/shm
-  switch (rv.method) {
-    case Method::kShm:
-      o.init_method = "shm://" + rv.shm_name;
-      break;
-    case Method::kGlooFile:
-      o.init_method = "file://" + rv.file;
-      break;
-    case Method::kGlooTcp:
-      o.init_method = "tcp://127.0.0.1:" + std::to_string(rv.port);
-      break;
-    case Method::kGlooEnv:
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(rv.port).c_str(), 1);
-      ::setenv("RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      o.rank = -1;
-      o.world_size = -1;
-      o.init_method = "env://";
-      break;
-  }
-  return o;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Meeting points between the children, outside tdshm
-
-struct Flags {
-  std::atomic<int> done;          // ranks that finished their part of the scenario
-  std::atomic<int> returned[2];   // set by a non-member once its new_group call returned
-};
-
-/// Waits until `value` reaches `at_least`, at most kGroupTimeout.
-void wait_until(const std::atomic<int>& value, int at_least, const char* what) {
-  const auto deadline = Clock::now() + kGroupTimeout;
-  while (value.load(std::memory_order_acquire) < at_least) {
-    SHM_CHECK(Clock::now() < deadline, "timed out waiting for " << what);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-}
-
-/// Counts this rank as done and waits until all `world` ranks are. Before a rank tears its
-/// groups down: peers of a gloo group must not vanish while others still wait on them (and with
-/// tcp:// or env:// rank 0 serves the store).
+/// Counts this rank as done and waits until all `world` ranks are (see finish()).
 void all_done(Flags& flags, int world) {
   flags.done.fetch_add(1, std::memory_order_acq_rel);
   wait_until(flags.done, world, "every rank to finish");
-}
-
-/// The end of a scenario: all_done, then destroy_process_group.
-void finish(Flags& flags, int world) {
-  all_done(flags, world);
-  destroy_process_group();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -204,35 +74,8 @@ void ping_pong(c10d::ProcessGroup& pg, int a, int b, uint64_t seed, int tag) {
 // ---------------------------------------------------------------------------------------------
 // Fixtures
 
-class DistTest : public ShmTest {
+class GroupsTest : public DistTest {
  protected:
-  Rendezvous rendezvous(Method m) {
-    Rendezvous rv;
-    rv.method = m;
-    switch (m) {
-      case Method::kShm:
-        rv.shm_name = unique_name();
-        break;
-      case Method::kGlooFile:
-        rv.file = dir_.path() + "/store" + std::to_string(++files_);
-        break;
-      case Method::kGlooTcp:
-      case Method::kGlooEnv:
-        rv.port = distinct_free_port();
-        break;
-    }
-    return rv;
-  }
-
-  /// A free port that this test has not handed out yet (the ports of one test must differ: a
-  /// store's port may still be in use when the next group starts).
-  uint16_t distinct_free_port() {
-    for (;;) {
-      const uint16_t port = free_port();
-      if (ports_.insert(port).second) return port;
-    }
-  }
-
   /// Forks `world` ranks that init_process_group at a fresh rendezvous of `m`, run body(rank,
   /// flags), wait for one another and destroy the default group.
   void run_in_world(Method m, int world, const std::function<void(int, Flags&)>& body) {
@@ -245,17 +88,12 @@ class DistTest : public ShmTest {
     }));
   }
 
-  TempDir dir_;
-  int files_ = 0;
-  std::set<uint16_t> ports_;
 };
 
-class DistGroups : public DistTest, public ::testing::WithParamInterface<Method> {};
-class DistErrors : public DistTest, public ::testing::WithParamInterface<Method> {};
-class DistStandalone : public DistTest, public ::testing::WithParamInterface<Method> {};
-class DistErrorsArgs : public DistTest {};
-
-std::string param_name(const ::testing::TestParamInfo<Method>& info) { return method_name(info.param); }
+class DistGroups : public GroupsTest, public ::testing::WithParamInterface<Method> {};
+class DistErrors : public GroupsTest, public ::testing::WithParamInterface<Method> {};
+class DistStandalone : public GroupsTest, public ::testing::WithParamInterface<Method> {};
+class DistErrorsArgs : public GroupsTest {};
 
 const auto kAllMethods = ::testing::Values(Method::kShm, Method::kGlooFile, Method::kGlooTcp, Method::kGlooEnv);
 

@@ -515,9 +515,17 @@ TEST_P(TransferRemote, SeedExample) {
       SHM_CHECK(r.class_name().empty());
       // The same layout as the sender's consolidation (same keys, order, dtypes, shapes).
       SHM_CHECK(r.schema_fingerprint() == remote_example_tree("").consolidate().schema_fingerprint());
-      // Every leaf views the one storage.
+      // Every leaf views the one storage, except that over shm the memory-mapped leaf (still one
+      // after expand(1, 2).contiguous(): the size-1 dimension needs no copy) maps the sender's file.
       const at::Tensor storage = r.consolidated_storage();
-      for (const Key& k : r.sorted_leaf_keys()) SHM_CHECK(r.get(k).is_alias_of(storage), k.str());
+      for (const Key& k : r.sorted_leaf_keys()) {
+        const auto info = MemoryMappedTensor::info(r.get(k));
+        if (GetParam() == Method::kShm && k == Key({"d", "e", "f"})) {
+          SHM_CHECK(info && info->filename == memmap_file, k.str() << " does not map " << memmap_file);
+        } else {
+          SHM_CHECK(r.get(k).is_alias_of(storage), k.str());
+        }
+      }
     }
   });
 }
@@ -741,18 +749,15 @@ INSTANTIATE_TEST_SUITE_P(Methods, TransferTensorClass, kBothBackends, param_name
 // ---------------------------------------------------------------------------------------------
 // 9. Mismatched receivers
 
-/// Receives per-leaf from rank 1 into `receiver` with irecv(return_premature), which must fail
-/// with a TransportError whose message contains every needle: over gloo irecv itself throws (the
-/// layout descriptor is checked before a leaf is posted), over shm a work does.
-void expect_per_leaf_mismatch(Method m, TensorDict receiver, const std::vector<std::string>& needles, const std::string& what) {
+/// Receives per-leaf from rank 1 into `receiver` with irecv(return_premature): irecv itself
+/// returns at once (the layout descriptor is checked when the works are waited), and waiting
+/// fails with a TransportError whose message contains every needle.
+void expect_per_leaf_mismatch(TensorDict receiver, const std::vector<std::string>& needles, const std::string& what) {
   Transfer t;
   const Caught at_irecv = catch_any([&] { t = receiver.irecv({.src = 1, .return_premature = true}); });
-  Caught error = at_irecv;
-  if (m == Method::kShm) {
-    SHM_CHECK(!at_irecv.threw, what << ": over shm irecv itself threw " << at_irecv.describe());
-    SHM_CHECK(t.has_works, what);
-    error = catch_any([&] { t.wait(); });
-  }
+  SHM_CHECK(!at_irecv.threw, what << ": irecv itself threw " << at_irecv.describe());
+  SHM_CHECK(t.has_works, what);
+  const Caught error = catch_any([&] { t.wait(); });
   SHM_CHECK(error.is<TransportError>(), what << ": expected a TransportError, got " << error.describe());
   for (const std::string& n : needles) {
     SHM_CHECK(contains_nocase(error.what, n), what << ": the message does not mention " << n << ": " << error.what);
@@ -782,7 +787,6 @@ class TransferMismatch : public TransferTest {
   /// `timeout`; then the second into a correct receiver.
   void check_key_mismatch(const std::function<void(TensorDict&)>& change, const std::string& needle,
                           const std::string& what, std::chrono::milliseconds timeout = kGroupTimeout) {
-    const Method m = GetParam();
     run_world(
         2,
         [&](int rank, Flags&) {
@@ -793,7 +797,7 @@ class TransferMismatch : public TransferTest {
           TensorDict bad = seed_tree(0);
           change(bad);
           const auto start = Clock::now();
-          expect_per_leaf_mismatch(m, bad, {needle}, what);
+          expect_per_leaf_mismatch(bad, {needle}, what);
           const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
           SHM_CHECK(elapsed < timeout / 2, what << ": the error came after " << elapsed.count()
                                                 << " ms (group timeout " << timeout.count() << " ms)");
@@ -804,7 +808,6 @@ class TransferMismatch : public TransferTest {
 };
 
 TEST_P(TransferMismatch, PerLeafShapeAndDtype) {
-  const Method m = GetParam();
   struct Case {
     const char* what;
     Key key;
@@ -828,7 +831,7 @@ TEST_P(TransferMismatch, PerLeafShapeAndDtype) {
         TensorDict bad = seed_tree(0);
         bad.set(c.key, c.leaf);
         if (i + 1 < cases.size()) {
-          expect_per_leaf_mismatch(m, bad, {c.needle}, c.what);
+          expect_per_leaf_mismatch(bad, {c.needle}, c.what);
         } else {
           SHM_CHECK_THROWS(TransportError, [&] { bad.recv({.src = 1}); }, c.needle);
         }
