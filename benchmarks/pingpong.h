@@ -5,12 +5,13 @@
 ///
 /// Method (after Aeron's Ping/Pong samples): the bench forks one peer before LibTorch starts any
 /// thread, pins rank 0 and rank 1 to two different CPUs, brings every transport up in both
-/// processes, then, size by size and transport by transport, rank 0 sends a message of the size
-/// to rank 1, which receives it and sends a message of the same size back. Each round trip is
-/// timed on rank 0 with steady_clock; one-way latency is half of it. Warm-up round trips come
-/// first and are not recorded. A size's round trips are cut into rounds that interleave the
-/// transports, so that a change of load on the (shared) machine hits them all alike. p50 and p99 are nearest-rank percentiles of the recorded one-way
-/// times; GB/s is bytes / p50 one-way time in decimal units (10^9 bytes per second).
+/// processes, then, size by size (or workload by workload, below) and transport by transport,
+/// rank 0 sends a message of the size to rank 1, which receives it and sends a message of the
+/// same size back. Each round trip is timed on rank 0 with steady_clock; one-way latency is half
+/// of it. Warm-up round trips come first and are not recorded. A row's round trips are cut into
+/// rounds that interleave the transports, so that a change of load on the (shared) machine hits
+/// them all alike. p50 and p99 are nearest-rank percentiles of the recorded one-way times; GB/s
+/// is bytes / p50 one-way time in decimal units (10^9 bytes per second).
 ///
 /// Transports (names as `--transports` spells them):
 ///   shm           ProcessGroupShm, waiters spin 50 us then sleep on a futex   mode "spinning"
