@@ -42,21 +42,42 @@ constexpr std::chrono::milliseconds kTransportTimeout{std::chrono::seconds(30)};
 // ShmOptions::spin of the spinning mode; the blocking-only mode uses 0.
 constexpr std::chrono::microseconds kShmSpin{50};
 
+// The directory of the memmap workloads' files.
+constexpr const char* kMemmapDir = "/dev/shm";
+// Round trips of a gloo transport at most: max(kGlooMinIters, kGlooBudget / bytes), so that a
+// 1 GiB workload over TCP takes seconds, not minutes.
+constexpr uint64_t kGlooBudget = uint64_t{4} << 30;
+constexpr uint64_t kGlooMinIters = 5;
+
 struct TransportInfo {
   const char* name;
   const char* mode;
   const char* what;
+  bool sizes;  // measured in the size sweep (the default mode)
+  bool td;     // measured in the TensorDict mode (--td)
 };
 
-// Table order: the floors, the transport under test, the baseline, the ceiling.
+// Table order, in each mode: the floors, the transport under test, the baseline, the ceiling.
 constexpr TransportInfo kTransports[] = {
-    {"spin", "spinning", "floor: sequence word on a shared cache line, peer spins; payload copied in and out"},
-    {"futex", "blocking", "floor: the same, every wait sleeps in FUTEX_WAIT, every post calls FUTEX_WAKE"},
-    {"shm", "spinning", "tdshm::ProcessGroupShm, waiters spin 50 us then sleep on a futex"},
-    {"shm-blocking", "blocking", "tdshm::ProcessGroupShm with spin = 0 (waiters only sleep)"},
-    {"gloo", "tcp-loopback", "c10d::ProcessGroupGloo over TCP on 127.0.0.1"},
-    {"memcpy", "single-process", "ceiling: one memcpy between two warm buffers in one process"},
+    {"spin", "spinning", "floor: sequence word on a shared cache line, peer spins; payload copied in and out", true, true},
+    {"futex", "blocking", "floor: the same, every wait sleeps in FUTEX_WAIT, every post calls FUTEX_WAKE", true, false},
+    {"shm", "spinning", "tdshm::ProcessGroupShm, waiters spin 50 us then sleep on a futex", true, false},
+    {"shm-blocking", "blocking", "tdshm::ProcessGroupShm with spin = 0 (waiters only sleep)", true, false},
+    {"td-shm", "spinning", "TensorDict send/recv over tdshm::ProcessGroupShm (\"shm\") as a standalone Group", false, true},
+    {"gloo", "tcp-loopback", "c10d::ProcessGroupGloo over TCP on 127.0.0.1", true, false},
+    {"td-gloo", "tcp-loopback", "TensorDict send/recv over the same gloo group as a standalone Group", false, true},
+    {"memcpy", "single-process", "ceiling: one memcpy between two warm buffers in one process", true, true},
 };
+
+bool is_gloo(const std::string& transport) { return transport == "gloo" || transport == "td-gloo"; }
+
+std::vector<std::string> transports_of(bool td) {
+  std::vector<std::string> v;
+  for (const auto& t : kTransports) {
+    if (td ? t.td : t.sizes) v.emplace_back(t.name);
+  }
+  return v;
+}
 
 const TransportInfo& info(const std::string& name) {
   for (const auto& t : kTransports) {
@@ -77,6 +98,12 @@ std::vector<std::string> split(const std::string& list) {
     if (comma == std::string::npos) return out;
     start = comma + 1;
   }
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ",") + item;
+  return out;
 }
 
 // "4096", "4K", "4KiB", "64M", "1G": binary multiples.
@@ -126,6 +153,8 @@ std::string size_label(size_t bytes) {
 struct Measurement {
   std::string transport;
   std::string mode;
+  std::string workload;  // "" in size mode
+  int leaves = 1;        // tensor leaves of the workload (1 in size mode)
   size_t bytes = 0;
   int iters = 0;
   int warmup = 0;
@@ -140,8 +169,9 @@ double percentile(const std::vector<double>& sorted, double p) {
   return sorted[std::clamp<size_t>(rank, 1, sorted.size()) - 1];
 }
 
-Measurement summarize(const std::string& transport, size_t bytes, int warmup, int rounds,
+Measurement summarize(const std::string& transport, const Workload& workload, int warmup, int rounds,
                       const std::vector<int64_t>& elapsed_ns, bool round_trips) {
+  const size_t bytes = workload.bytes;
   std::vector<double> one_way_us;
   one_way_us.reserve(elapsed_ns.size());
   double sum = 0;
@@ -154,6 +184,8 @@ Measurement summarize(const std::string& transport, size_t bytes, int warmup, in
   Measurement m;
   m.transport = transport;
   m.mode = info(transport).mode;
+  m.workload = workload.name;
+  m.leaves = workload.leaves;
   m.bytes = bytes;
   m.iters = static_cast<int>(elapsed_ns.size());
   m.warmup = warmup;
@@ -209,13 +241,18 @@ class SharedMapping {
 struct Session {
   const BenchOptions& options;
   std::vector<std::string> transports;  // in table order
+  std::vector<Workload> rows;           // in table order
   Link& link;
   uint8_t* payload0;
   uint8_t* payload1;
-  std::string shm_spin_name, shm_blocking_name;
+  std::string run_id;  // unique per run: names the shm segments and the memmap files
   // Rank 0 only.
   std::vector<Measurement> results;
   std::vector<std::string> failures;
+  std::vector<std::string> skipped;  // rows left out on purpose (no room), not failures
+
+  std::string segment(const char* which) const { return run_id + "-" + which; }
+  std::string memmap_file(const Workload& w) const { return std::string(kMemmapDir) + "/" + run_id + "-" + w.name; }
 };
 
 std::unique_ptr<PingPong> make_transport(const std::string& name, Session& s) {
@@ -224,12 +261,16 @@ std::unique_ptr<PingPong> make_transport(const std::string& name, Session& s) {
   if (name == "memcpy") return make_memcpy_pingpong();
   if (name == "gloo") return make_c10d_pingpong(make_gloo_group(s.link, kTransportTimeout));
   if (name == "shm") {
-    return make_c10d_pingpong(make_shm_group(s.shm_spin_name, s.link.rank(), kShmSpin, kTransportTimeout));
+    return make_c10d_pingpong(make_shm_group(s.segment("spin"), s.link.rank(), kShmSpin, kTransportTimeout));
   }
   if (name == "shm-blocking") {
     return make_c10d_pingpong(
-        make_shm_group(s.shm_blocking_name, s.link.rank(), std::chrono::microseconds(0), kTransportTimeout));
+        make_shm_group(s.segment("blocking"), s.link.rank(), std::chrono::microseconds(0), kTransportTimeout));
   }
+  if (name == "td-shm") {
+    return make_td_pingpong(make_shm_group(s.segment("td"), s.link.rank(), kShmSpin, kTransportTimeout), s.link.rank());
+  }
+  if (name == "td-gloo") return make_td_pingpong(make_gloo_group(s.link, kTransportTimeout), s.link.rank());
   throw std::invalid_argument("unknown transport '" + name + "'");
 }
 
@@ -238,14 +279,28 @@ void print_header(const Session& s, const std::string& pinning) {
   std::printf("one-way latency = round trip / 2 (memcpy: one copy in one process); p50/p99 over the recorded\n"
               "round trips after warm-up; GB/s = 10^9 bytes/s = bytes / p50 one-way time\n\n");
   for (const auto& name : s.transports) std::printf("  %-13s %s\n", name.c_str(), info(name).what);
-  std::printf("\n%9s  %-13s %-15s %7s %11s %11s %10s\n", "size", "transport", "mode", "iters", "p50 us", "p99 us",
-              "GB/s");
+  if (s.options.td) {
+    std::printf("\nrows are TensorDict workloads: td-* move the tensordict (per-leaf: one message per leaf;\n"
+                "consolidated: one storage), the floor and the ceiling move `bytes` as one message\n");
+    std::printf("\n%-18s %6s %9s  %-13s %-15s %7s %11s %11s %10s\n", "workload", "leaves", "bytes", "transport", "mode",
+                "iters", "p50 us", "p99 us", "GB/s");
+  } else {
+    std::printf("\n%9s  %-13s %-15s %7s %11s %11s %10s\n", "size", "transport", "mode", "iters", "p50 us", "p99 us",
+                "GB/s");
+  }
   std::fflush(stdout);
 }
 
-void print_row(const Measurement& m, bool first_of_size) {
-  std::printf("%9s  %-13s %-15s %7d %11.3f %11.3f %10.3f\n", first_of_size ? size_label(m.bytes).c_str() : "",
-              m.transport.c_str(), m.mode.c_str(), m.iters, m.p50_us, m.p99_us, m.gbps);
+void print_row(const Measurement& m, bool first_of_row) {
+  if (m.workload.empty()) {
+    std::printf("%9s  ", first_of_row ? size_label(m.bytes).c_str() : "");
+  } else if (first_of_row) {
+    std::printf("%-18s %6d %9s  ", m.workload.c_str(), m.leaves, size_label(m.bytes).c_str());
+  } else {
+    std::printf("%-18s %6s %9s  ", "", "", "");
+  }
+  std::printf("%-13s %-15s %7d %11.3f %11.3f %10.3f\n", m.transport.c_str(), m.mode.c_str(), m.iters, m.p50_us,
+              m.p99_us, m.gbps);
   std::fflush(stdout);
 }
 
@@ -303,36 +358,86 @@ void run_round(Session& s, PingPong& transport, int warmup, int iters, std::vect
   }
 }
 
-// Measures every live transport at `bytes`. The iterations are cut into rounds and the rounds
-// interleave the transports (round 1 of each, then round 2 of each, ...), so that a change in the
-// machine's load during the size's measurement hits every transport alike and the ratios
-// between them stay fair; each round starts with its share of the warm-up.
-void measure_size(Session& s, std::vector<std::pair<std::string, std::unique_ptr<PingPong>>>& live, size_t bytes) {
+using Live = std::vector<std::pair<std::string, std::unique_ptr<PingPong>>>;
+
+// Memory a memmap row needs at `bytes`: its file, plus the buffers of the live floors (spin:
+// two page buffers per rank and the two shared payload buffers; memcpy: two page buffers).
+uint64_t memory_for_memmap_row(const Live& live, size_t bytes) {
+  uint64_t buffers = 1;
+  for (const auto& [name, transport] : live) {
+    if (name == "spin" || name == "futex") buffers += 6;
+    if (name == "memcpy") buffers += 2;
+  }
+  return buffers * bytes;
+}
+
+// A memmap row's file: rank 0 checks for room and creates it, both ranks agree. Returns false
+// (on both ranks) if the row is skipped; rank 0 has then recorded why.
+bool make_workload_file(Session& s, const Live& live, Workload& w, WorkloadFile& file) {
+  w.file = s.memmap_file(w);
+  std::string why;
+  if (s.link.rank() == 0) {
+    why = no_room_for(kMemmapDir, w.bytes, memory_for_memmap_row(live, w.bytes));
+    if (why.empty()) {
+      try {
+        file = WorkloadFile(w.file, w.bytes);
+      } catch (const std::exception& e) {
+        why = std::string("could not create ") + w.file + ": " + e.what();
+      }
+    }
+  }
+  if (s.link.sync(why.empty())) return true;
+  if (s.link.rank() == 0) {
+    s.skipped.push_back(w.name + ": skipped: " + why);
+    std::printf("%-18s skipped: %s\n\n", w.name.c_str(), why.c_str());
+    std::fflush(stdout);
+  }
+  return false;
+}
+
+// Measures every live transport on one row (a size, or a TD workload). The iterations are cut
+// into rounds and the rounds interleave the transports (round 1 of each, then round 2 of each,
+// ...), so that a change in the machine's load during the row's measurement hits every
+// transport alike and the ratios between them stay fair; each round starts with its share of
+// the warm-up. A gloo transport may get fewer iterations than the others (iterations_for): it
+// then sits out the rounds its share leaves empty.
+void measure_row(Session& s, Live& live, Workload w) {
   const int rank = s.link.rank();
-  const int iters = iterations_for(s.options, bytes);
-  const int rounds = std::min(s.options.rounds, iters);
-  const int warmup_per_round = (warmup_for(s.options, bytes) + rounds - 1) / rounds;
+  WorkloadFile file;  // rank 0, memmap rows: removed when the row is done, whatever happens
+  if (w.tree == Workload::Tree::memmap && !make_workload_file(s, live, w, file)) return;
+  std::vector<int> iters(live.size()), warmups(live.size());
+  int most = 1;
+  for (size_t t = 0; t < live.size(); ++t) {
+    iters[t] = iterations_for(s.options, w.bytes, live[t].first);
+    warmups[t] = warmup_for(s.options, w.bytes, live[t].first);
+    most = std::max(most, iters[t]);
+  }
+  const int rounds = std::min(s.options.rounds, most);
   std::vector<std::vector<int64_t>> elapsed(live.size());
   for (auto& [name, transport] : live) {
-    if (rank == 0 || !transport->single_process()) transport->prepare(bytes);
+    if (rank == 0 || !transport->single_process()) transport->prepare(w);
   }
   for (int r = 0; r < rounds; ++r) {
-    // Rounds split `iters` as evenly as integers allow.
-    const int n = iters * (r + 1) / rounds - iters * r / rounds;
     for (size_t t = 0; t < live.size(); ++t) {
       PingPong& transport = *live[t].second;
       if (transport.single_process() && rank != 0) continue;
-      run_round(s, transport, warmup_per_round, n, elapsed[t]);
+      // Rounds split a transport's iterations as evenly as integers allow.
+      const int n = iters[t] * (r + 1) / rounds - iters[t] * r / rounds;
+      if (n == 0) continue;
+      run_round(s, transport, (warmups[t] + rounds - 1) / rounds, n, elapsed[t]);
     }
   }
   if (rank != 0) return;
   for (size_t t = 0; t < live.size(); ++t) {
     const auto& [name, transport] = live[t];
+    const std::string where = w.name.empty() ? size_label(w.bytes) : w.name;
     if (!transport->verify()) {
-      s.failures.push_back(name + " at " + size_label(bytes) + ": the echoed message differs from the one sent");
+      s.failures.push_back(name + " at " + where + ": the echoed message differs from the one sent");
       std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
     }
-    s.results.push_back(summarize(name, bytes, warmup_per_round * rounds, rounds, elapsed[t], !transport->single_process()));
+    const int warmup_rounds = std::min(rounds, iters[t]);  // the rounds it took part in
+    s.results.push_back(summarize(name, w, (warmups[t] + rounds - 1) / rounds * warmup_rounds, rounds, elapsed[t],
+                                  !transport->single_process()));
     print_row(s.results.back(), t == 0);
   }
   std::printf("\n");
@@ -342,49 +447,87 @@ void measure_size(Session& s, std::vector<std::pair<std::string, std::unique_ptr
 void run_rank(Session& s) {
   auto live = set_up(s);
   if (live.empty()) return;
-  for (const size_t bytes : s.options.sizes) measure_size(s, live, bytes);
+  for (const Workload& w : s.rows) measure_row(s, live, w);
 }
 
 // ---- goals and JSON ----
 
-const Measurement* find(const std::vector<Measurement>& results, const std::string& transport, size_t bytes) {
+// One side of a goal's ratio: a transport on a row (a size, or a TD workload by name).
+struct Side {
+  std::string transport;
+  std::string workload;  // "" for a size row
+  size_t bytes = 0;      // size rows only
+};
+
+const Measurement* find(const std::vector<Measurement>& results, const Side& side) {
   for (const auto& m : results) {
-    if (m.transport == transport && m.bytes == bytes) return &m;
+    if (m.transport == side.transport && m.workload == side.workload && (!side.workload.empty() || m.bytes == side.bytes)) {
+      return &m;
+    }
   }
   return nullptr;
 }
 
-void print_goals(const std::vector<Measurement>& results) {
-  struct Goal {
+struct Goal {
+  std::string label;  // first column: the size or the workload
+  std::string what;
+  Side a, b;
+  bool bandwidth;  // ratio of GB/s (a / b); otherwise ratio of p50 latencies (a / b)
+  bool at_most;    // goal: ratio <= limit; otherwise ratio >= limit
+  double limit;
+};
+
+std::vector<Goal> size_goals() {
+  struct Compact {
     size_t bytes;
     const char* a;
     const char* b;
-    bool bandwidth;  // ratio of GB/s (a / b); otherwise ratio of p50 latencies (a / b)
-    bool at_most;    // goal: ratio <= limit; otherwise ratio >= limit
+    bool bandwidth, at_most;
     double limit;
   };
   constexpr size_t k64MiB = size_t{64} << 20;
-  const Goal goals[] = {
+  const Compact goals[] = {
       {8, "shm", "spin", false, true, 2.0},          {8, "shm-blocking", "futex", false, true, 1.3},
       {8, "gloo", "shm", false, false, 100.0},       {k64MiB, "shm", "memcpy", true, false, 0.8},
       {k64MiB, "shm", "gloo", true, false, 3.0},
   };
-  std::printf("goals (ratios from this run):\n");
+  std::vector<Goal> out;
   for (const auto& g : goals) {
-    const std::string what = std::string(g.a) + (g.bandwidth ? " GB/s / " : " p50 / ") + g.b +
-                             (g.bandwidth ? " GB/s" : " p50");
+    const char* unit = g.bandwidth ? " GB/s" : " p50";
+    out.push_back({size_label(g.bytes), std::string(g.a) + unit + " / " + g.b + unit, {g.a, "", g.bytes},
+                   {g.b, "", g.bytes}, g.bandwidth, g.at_most, g.limit});
+  }
+  return out;
+}
+
+std::vector<Goal> td_goals() {
+  return {
+      {"seed", "one-way td-gloo p50 / td-shm p50", {"td-gloo", "seed", 0}, {"td-shm", "seed", 0}, false, false, 100.0},
+      {"seed", "td-shm p50 / spin p50 (72 B)", {"td-shm", "seed", 0}, {"spin", "seed", 0}, false, true, 3.0},
+      {"64MiB-consolidated", "td-shm GB/s / memcpy GB/s", {"td-shm", "64MiB-consolidated", 0},
+       {"memcpy", "64MiB-consolidated", 0}, true, false, 0.8},
+      {"memmap-1GiB", "td-shm p50 / memmap-4KiB td-shm p50", {"td-shm", "memmap-1GiB", 0}, {"td-shm", "memmap-4KiB", 0},
+       false, true, 2.0},
+  };
+}
+
+void print_goals(const std::vector<Measurement>& results, bool td) {
+  // Column widths: the size mode's table is as it always was.
+  const int label_width = td ? 18 : 7, what_width = td ? 36 : 32;
+  std::printf("goals (ratios from this run):\n");
+  for (const auto& g : td ? td_goals() : size_goals()) {
     char limit[32];
     std::snprintf(limit, sizeof(limit), "%s %g", g.at_most ? "<=" : ">=", g.limit);
-    const Measurement* a = find(results, g.a, g.bytes);
-    const Measurement* b = find(results, g.b, g.bytes);
+    const Measurement* a = find(results, g.a);
+    const Measurement* b = find(results, g.b);
     if (a == nullptr || b == nullptr) {
-      std::printf("  %-7s %-32s %9s  %-7s n/a (not measured)\n", size_label(g.bytes).c_str(), what.c_str(), "",
-                  limit);
+      std::printf("  %-*s %-*s %9s  %-7s n/a (not measured)\n", label_width, g.label.c_str(), what_width, g.what.c_str(),
+                  "", limit);
       continue;
     }
     const double ratio = g.bandwidth ? a->gbps / b->gbps : a->p50_us / b->p50_us;
     const bool pass = g.at_most ? ratio <= g.limit : ratio >= g.limit;
-    std::printf("  %-7s %-32s %9.3f  %-7s %s\n", size_label(g.bytes).c_str(), what.c_str(), ratio, limit,
+    std::printf("  %-*s %-*s %9.3f  %-7s %s\n", label_width, g.label.c_str(), what_width, g.what.c_str(), ratio, limit,
                 pass ? "PASS" : "MISS");
   }
 }
@@ -399,9 +542,10 @@ std::string json_number(double v) {
 void write_json(const std::string& path, const std::vector<Measurement>& results) {
   std::ofstream out(path, std::ios::trunc);
   if (!out) throw std::runtime_error("cannot open '" + path + "' for writing the JSON results");
-  // Transport and mode names are plain ASCII identifiers: no escaping needed.
+  // Transport, mode and workload names are plain ASCII identifiers: no escaping needed.
   for (const auto& m : results) {
-    out << "{\"transport\":\"" << m.transport << "\",\"mode\":\"" << m.mode << "\",\"bytes\":" << m.bytes
+    out << "{\"transport\":\"" << m.transport << "\",\"mode\":\"" << m.mode << "\",\"workload\":\"" << m.workload
+        << "\",\"leaves\":" << m.leaves << ",\"bytes\":" << m.bytes
         << ",\"iters\":" << m.iters << ",\"warmup\":" << m.warmup << ",\"rounds\":" << m.rounds << ",\"p50_us\":" << json_number(m.p50_us)
         << ",\"p99_us\":" << json_number(m.p99_us) << ",\"min_us\":" << json_number(m.min_us)
         << ",\"mean_us\":" << json_number(m.mean_us) << ",\"gbps\":" << json_number(m.gbps) << "}\n";
@@ -485,58 +629,97 @@ class ChildReaper {
 }  // namespace
 
 const std::vector<std::string>& all_transports() {
+  static const std::vector<std::string> names = transports_of(false);
+  return names;
+}
+
+const std::vector<std::string>& all_td_transports() {
+  static const std::vector<std::string> names = transports_of(true);
+  return names;
+}
+
+const std::vector<std::string>& all_workloads() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> v;
-    for (const auto& t : kTransports) v.emplace_back(t.name);
+    for (const auto& w : td_workloads()) v.push_back(w.name);
     return v;
   }();
   return names;
 }
 
-int iterations_for(const BenchOptions& options, size_t bytes) {
-  // A byte budget per size keeps big sizes short; a floor keeps p50 meaningful.
+int iterations_for(const BenchOptions& options, size_t bytes, const std::string& transport) {
+  // A byte budget per row keeps big rows short; a floor keeps p50 meaningful.
   const uint64_t budget = options.quick ? uint64_t{16} << 20 : uint64_t{512} << 20;
   const uint64_t floor = options.quick ? 5 : 20;
-  const uint64_t by_budget = std::max<uint64_t>(floor, budget / std::max<size_t>(bytes, 1));
+  const uint64_t size = std::max<size_t>(bytes, 1);
+  uint64_t by_budget = std::max<uint64_t>(floor, budget / size);
+  // TCP moves about a GB/s here: 20 round trips of 1 GiB would take a minute.
+  if (is_gloo(transport)) by_budget = std::min(by_budget, std::max(kGlooMinIters, kGlooBudget / size));
   return static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(options.iters), by_budget));
 }
 
-int warmup_for(const BenchOptions& options, size_t bytes) {
-  const int iters = iterations_for(options, bytes);
+int warmup_for(const BenchOptions& options, size_t bytes, const std::string& transport) {
+  const int iters = iterations_for(options, bytes, transport);
   return std::min(options.warmup, std::max(2, iters / 4));
 }
 
 void print_bench_usage(FILE* out) {
   std::fprintf(out,
                "usage: tdshm bench [options]\n"
+               "       tdshm bench --td [--workloads LIST] [options]\n"
                "Two-process ping-pong: rank 0 sends a message, rank 1 sends it back; one-way latency is half\n"
-               "the round trip. Ranks are pinned to the first two allowed CPUs. Prints a table per size and\n"
-               "the goal ratios. Exit code 0 unless a measurement could not run (missed goals are not errors).\n"
+               "the round trip. Ranks are pinned to the first two allowed CPUs. Prints a table per size (or\n"
+               "per TensorDict workload with --td) and the goal ratios. Exit code 0 unless a measurement\n"
+               "could not run (missed goals and workloads skipped for want of room are not errors).\n"
                "\n"
                "  --sizes LIST       message sizes, e.g. 8,4K,64KiB,1M (default 8,64,4K,64K,1M,16M,64M)\n"
-               "  --iters N          recorded round trips per size at most (default 10000; big sizes get\n"
-               "                     fewer: a byte budget of 512 MiB per size, at least 20)\n"
-               "  --warmup N         warm-up round trips per size at most (default 1000; at most iters/4)\n"
-               "  --rounds N         split each size's iterations into N rounds that interleave the\n"
+               "  --td               TensorDict mode: the rows are workloads, the transports td-shm and\n"
+               "                     td-gloo (rank 0: td.send(group_dst=1), then td_back.recv(group_src=1);\n"
+               "                     rank 1: recv, then send back) next to spin and memcpy at the workload's\n"
+               "                     total bytes (one message)\n"
+               "  --workloads LIST   TD workloads to measure (implies --td; default: all of them):\n"
+               "                       seed                the seed tree {(\"a\",\"b\"): 2 floats, \"c\": 2x3,\n"
+               "                                           \"_\": 2x1x5}, batch [2]: 3 leaves, 72 B, per-leaf\n"
+               "                       seed-consolidated   the same, send/recv(consolidated=True) between\n"
+               "                                           consolidated tensordicts\n"
+               "                       100x1KiB            100 leaves of 1 KiB, per-leaf\n"
+               "                       10x1MiB             10 leaves of 1 MiB, per-leaf\n"
+               "                       64MiB-consolidated  one 64 MiB storage, consolidated\n"
+               "                       memmap-4KiB         one named MemoryMappedTensor leaf, per-leaf; both\n"
+               "                       memmap-1GiB         ranks map the same file in /dev/shm (removed at\n"
+               "                                           the end): by reference over shm, by value over\n"
+               "                                           gloo; skipped with a message when /dev/shm or\n"
+               "                                           memory has no room (1 GiB needs ~8 GiB of memory\n"
+               "                                           with the floors)\n"
+               "  --iters N          recorded round trips per row at most (default 10000; big rows get\n"
+               "                     fewer: a byte budget of 512 MiB per row, at least 20; gloo and td-gloo\n"
+               "                     at most max(5, 4 GiB / bytes): 5 at 1 GiB)\n"
+               "  --warmup N         warm-up round trips per row at most (default 1000; at most iters/4)\n"
+               "  --rounds N         split each row's iterations into N rounds that interleave the\n"
                "                     transports, each with its share of the warm-up (default 5), so that\n"
-               "                     load changing during a size hits all transports alike\n"
-               "  --transports LIST  any of spin,futex,shm,shm-blocking,gloo,memcpy (default: all)\n"
+               "                     load changing during a row hits all transports alike\n"
+               "  --transports LIST  any of spin,futex,shm,shm-blocking,gloo,memcpy (default: all); with\n"
+               "                     --td any of spin,td-shm,td-gloo,memcpy (default: all four)\n"
                "  --json FILE        write one JSON object per measurement per line (JSON Lines) with the\n"
-               "                     fields transport, mode, bytes, iters, warmup, rounds, p50_us, p99_us,\n"
-               "                     min_us, mean_us, gbps (GB/s, 10^9 bytes/s, from p50)\n"
+               "                     fields transport, mode, workload (\"\" in the size sweep), leaves (1 in\n"
+               "                     the size sweep), bytes, iters, warmup, rounds, p50_us, p99_us, min_us,\n"
+               "                     mean_us, gbps (GB/s, 10^9 bytes/s, from p50)\n"
                "  --quick            short run for smoke tests (iters 200, warmup 20, rounds 2, 16 MiB per\n"
-               "                     size)\n"
+               "                     row)\n"
                "  --no-pin           do not pin the ranks to CPUs\n"
                "  -h, --help         this text\n"
                "\n"
                "transports:\n");
-  for (const auto& t : kTransports) std::fprintf(out, "  %-13s %-15s %s\n", t.name, t.mode, t.what);
+  for (const auto& t : kTransports) {
+    std::fprintf(out, "  %-13s %-15s %s%s\n", t.name, t.mode, t.what, t.sizes ? "" : " (--td)");
+  }
 }
 
 BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
   BenchOptions o;
   help = false;
   std::optional<int> iters, warmup, rounds;
+  bool sizes_given = false;
   for (int i = 0; i < argc; ++i) {
     std::string arg = argv[i];
     std::optional<std::string> inline_value;
@@ -555,6 +738,19 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
       o.sizes.clear();
       for (const auto& item : split(value())) o.sizes.push_back(parse_size(item));
       if (o.sizes.empty()) throw std::invalid_argument("--sizes needs at least one size");
+      sizes_given = true;
+    } else if (arg == "--td") {
+      o.td = true;
+    } else if (arg == "--workloads") {
+      const auto wanted = split(value());
+      if (wanted.empty()) throw std::invalid_argument("--workloads needs at least one workload");
+      for (const auto& name : wanted) {
+        if (std::find(all_workloads().begin(), all_workloads().end(), name) == all_workloads().end()) {
+          throw std::invalid_argument("unknown workload '" + name + "'");
+        }
+      }
+      o.workloads = wanted;
+      o.td = true;
     } else if (arg == "--iters") {
       iters = parse_count(arg, value(), 1);
     } else if (arg == "--warmup") {
@@ -564,7 +760,6 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
     } else if (arg == "--transports") {
       const auto wanted = split(value());
       if (wanted.empty()) throw std::invalid_argument("--transports needs at least one transport");
-      for (const auto& name : wanted) info(name);  // throws for an unknown name
       o.transports = wanted;
     } else if (arg == "--json") {
       o.json_path = value();
@@ -576,6 +771,14 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
       throw std::invalid_argument("unknown option '" + arg + "'");
     }
   }
+  if (o.td && sizes_given) throw std::invalid_argument("--sizes is for the size sweep; --td measures workloads");
+  const auto& known = o.td ? all_td_transports() : all_transports();
+  for (const auto& name : o.transports) {
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      throw std::invalid_argument("unknown transport '" + name + "'" + (o.td ? " with --td" : "") + " (use one of " +
+                                  join(known) + ")");
+    }
+  }
   o.iters = iters.value_or(o.quick ? 200 : o.iters);
   o.warmup = warmup.value_or(o.quick ? 20 : o.warmup);
   o.rounds = rounds.value_or(o.quick ? 2 : o.rounds);
@@ -583,18 +786,31 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
 }
 
 int run_pingpong_bench(const BenchOptions& options) {
-  if (options.sizes.empty()) throw std::invalid_argument("no message sizes given");
   std::vector<std::string> transports;
-  for (const auto& name : all_transports()) {
+  for (const auto& name : options.td ? all_td_transports() : all_transports()) {
     if (options.transports.empty() ||
         std::find(options.transports.begin(), options.transports.end(), name) != options.transports.end()) {
       transports.push_back(name);
     }
   }
+  std::vector<Workload> rows;
+  if (options.td) {
+    for (const auto& w : td_workloads()) {
+      if (options.workloads.empty() ||
+          std::find(options.workloads.begin(), options.workloads.end(), w.name) != options.workloads.end()) {
+        rows.push_back(w);
+      }
+    }
+  } else {
+    for (const size_t bytes : options.sizes) rows.push_back(message_workload(bytes));
+  }
+  if (rows.empty()) throw std::invalid_argument(options.td ? "no workloads given" : "no message sizes given");
 
   // Control block, then the two payload buffers of the floors, page aligned.
   constexpr size_t kPage = 4096;
-  const size_t max_bytes = *std::max_element(options.sizes.begin(), options.sizes.end());
+  const size_t max_bytes =
+      std::max_element(rows.begin(), rows.end(), [](const Workload& a, const Workload& b) { return a.bytes < b.bytes; })
+          ->bytes;
   const size_t control_bytes = (sizeof(ControlBlock) + kPage - 1) / kPage * kPage;
   const size_t payload_bytes = (max_bytes + kPage - 1) / kPage * kPage;
   SharedMapping mapping(control_bytes + 2 * payload_bytes);
@@ -620,8 +836,8 @@ int run_pingpong_bench(const BenchOptions& options) {
     reaper.watch(child);
   }
   Link link(block, rank, rank == 0 ? child : parent, pin, rank == 0 ? &g_child_status : nullptr);
-  Session s{options, transports, link, mapping.data() + control_bytes, mapping.data() + control_bytes + payload_bytes,
-            run_id + "-spin", run_id + "-blocking", {}, {}};
+  Session s{options, transports, rows, link, mapping.data() + control_bytes,
+            mapping.data() + control_bytes + payload_bytes, run_id, {}, {}, {}};
 
   at::set_num_threads(1);
   std::string pinning = "ranks not pinned";
@@ -662,13 +878,16 @@ int run_pingpong_bench(const BenchOptions& options) {
     s.failures.push_back("rank 1 ended badly (wait status " + std::to_string(status) + ")" +
                          (link.peer_error().empty() ? "" : ": " + link.peer_error()));
   }
-  remove_shm_segment(s.shm_spin_name);
-  remove_shm_segment(s.shm_blocking_name);
+  for (const char* which : {"spin", "blocking", "td"}) remove_shm_segment(s.segment(which));
 
-  print_goals(s.results);
+  print_goals(s.results, options.td);
   if (!options.json_path.empty()) {
     write_json(options.json_path, s.results);
     std::printf("\nwrote %zu measurements to %s (JSON Lines)\n", s.results.size(), options.json_path.c_str());
+  }
+  if (!s.skipped.empty()) {
+    std::printf("\n%zu workload(s) skipped:\n", s.skipped.size());
+    for (const auto& why : s.skipped) std::printf("  %s\n", why.c_str());
   }
   if (!s.failures.empty()) {
     std::printf("\n%zu problem(s):\n", s.failures.size());

@@ -53,10 +53,6 @@ uint32_t load_acquire(uint32_t& word) noexcept {
   return std::atomic_ref<uint32_t>(word).load(std::memory_order_acquire);
 }
 
-void fill_pattern(uint8_t* p, size_t n, size_t seed) noexcept {
-  for (size_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>((i * 131 + seed * 7 + 1) & 0xff);
-}
-
 // A page-aligned, zeroed buffer. The floors and the ceiling copy between page-aligned buffers
 // because glibc's memcpy (rep movsb on CPUs with FSRM) runs an order of magnitude slower when
 // the destination is 1 to 16 bytes past the source modulo 4096: measured on an AMD EPYC (Zen 3)
@@ -87,6 +83,23 @@ class PageBuffer {
 };
 
 }  // namespace
+
+// ---- the payload pattern ----
+
+namespace {
+uint8_t pattern_byte(size_t i, size_t seed) noexcept { return static_cast<uint8_t>((i * 131 + seed * 7 + 1) & 0xff); }
+}  // namespace
+
+void fill_pattern(uint8_t* p, size_t n, size_t seed) noexcept {
+  for (size_t i = 0; i < n; ++i) p[i] = pattern_byte(i, seed);
+}
+
+bool has_pattern(const uint8_t* p, size_t n, size_t seed) noexcept {
+  for (size_t i = 0; i < n; ++i) {
+    if (p[i] != pattern_byte(i, seed)) return false;
+  }
+  return true;
+}
 
 // ---- Link ----
 
@@ -209,7 +222,8 @@ class FloorPingPong final : public PingPong {
     in_seq_ = &seq[1 - link.rank()].value;
   }
 
-  void prepare(size_t bytes) override {
+  void prepare(const Workload& workload) override {
+    const size_t bytes = workload.bytes;
     bytes_ = bytes;
     src_ = PageBuffer(bytes);
     fill_pattern(src_.data(), bytes, bytes);
@@ -246,7 +260,8 @@ class FloorPingPong final : public PingPong {
 
 class MemcpyPingPong final : public PingPong {
  public:
-  void prepare(size_t bytes) override {
+  void prepare(const Workload& workload) override {
+    const size_t bytes = workload.bytes;
     src_ = PageBuffer(bytes);
     fill_pattern(src_.data(), bytes, bytes);
     dst_ = PageBuffer(bytes);
@@ -268,7 +283,8 @@ class C10dPingPong final : public PingPong {
  public:
   explicit C10dPingPong(c10::intrusive_ptr<c10d::ProcessGroup> group) : group_(std::move(group)) {}
 
-  void prepare(size_t bytes) override {
+  void prepare(const Workload& workload) override {
+    const size_t bytes = workload.bytes;
     const auto n = static_cast<int64_t>(bytes);
     src_ = {at::empty({n}, at::kByte)};
     dst_ = {at::empty({n}, at::kByte)};

@@ -7,6 +7,8 @@
 //   pingpong_floors.cpp  spin and futex floors, memcpy ceiling, ping-pong over any c10d group
 //   pingpong_gloo.cpp    c10d::ProcessGroupGloo on 127.0.0.1
 //   pingpong_shm.cpp     tdshm::ProcessGroupShm
+//   pingpong_td.cpp      TensorDict workloads (--td): their trees, the ping-pong of
+//                        TensorDict::send/recv over any c10d group, the memmap workloads' files
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -20,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace tdshm::bench::detail {
 
@@ -114,12 +117,40 @@ void wait_for_word(uint32_t& word, uint32_t expected, WaitMode mode, Link& link,
 /// in mode futex also wakes the one waiter.
 void post_word(uint32_t& word, uint32_t value, WaitMode mode);
 
+/// What one row of the table moves per one-way trip: a message of `bytes` (size mode), or a
+/// TensorDict workload (--td), which the floors and the ceiling move as one message of `bytes`.
+struct Workload {
+  /// How the tensordict of a workload is made (see pingpong_td.cpp).
+  enum class Tree {
+    message,  ///< size mode: no tensordict
+    seed,     ///< {("a","b"): 2 floats, "c": 2x3 floats, "_": 2x1x5 floats}, batch [2]
+    uniform,  ///< `leaves` float leaves of `leaf_bytes` each, batch []
+    memmap,   ///< one float leaf of `leaf_bytes` that maps `file` (both ranks map the same file)
+  };
+  std::string name;  ///< "" in size mode
+  Tree tree = Tree::message;
+  int leaves = 1;
+  size_t leaf_bytes = 0;      ///< uniform and memmap
+  bool consolidated = false;  ///< send/recv(consolidated=True) between consolidated tensordicts
+  size_t bytes = 0;           ///< payload bytes of one one-way trip (all the leaves)
+  std::string file;           ///< memmap: absolute path of the file, set by the driver
+};
+
+/// A plain message of `bytes` (size mode).
+Workload message_workload(size_t bytes);
+/// The TD workloads, in table order.
+const std::vector<Workload>& td_workloads();
+
+/// Fills `p` with a byte pattern that depends on `seed`; has_pattern checks it.
+void fill_pattern(uint8_t* p, size_t n, size_t seed) noexcept;
+bool has_pattern(const uint8_t* p, size_t n, size_t seed) noexcept;
+
 /// One transport of the benchmark, built in both ranks (only in rank 0 for single-process ones).
 class PingPong {
  public:
   virtual ~PingPong() = default;
-  /// Makes the buffers for messages of `bytes`: no communication.
-  virtual void prepare(size_t bytes) = 0;
+  /// Makes the buffers (or tensordicts) for one row: no communication.
+  virtual void prepare(const Workload& workload) = 0;
   /// Rank 0: one round trip (send, then receive the echo). Single-process: one copy.
   virtual void ping() = 0;
   /// Rank 1: receives one message and sends it back.
@@ -146,5 +177,37 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_shm_group(const std::string& name, i
                                                       std::chrono::milliseconds timeout);
 /// Removes segment `name` if it was left behind (all its ranks dead). Never throws.
 void remove_shm_segment(const std::string& name) noexcept;
+
+/// Ping-pong of TensorDict::send / recv over a two-rank c10d group, wrapped as a standalone
+/// tdshm::Group (peers addressed with group_dst / group_src). Rank 0 sends its tensordict and
+/// receives the echo into a second one; rank 1 receives into its tensordict and sends it back.
+/// verify() checks the echo's leaves against the pattern rank 0 sent.
+std::unique_ptr<PingPong> make_td_pingpong(c10::intrusive_ptr<c10d::ProcessGroup> group, int rank);
+
+/// Why a memmap workload's file of `file_bytes` cannot be made in directory `dir` now (free
+/// space of its filesystem), or why the row would run short of memory (`memory_bytes`: the file
+/// plus the buffers of the floors at that size, against MemAvailable); "" if there is room.
+std::string no_room_for(const std::string& dir, uint64_t file_bytes, uint64_t memory_bytes);
+
+/// The file of a memmap workload, owned by rank 0: created holding the pattern of leaf 0, and
+/// unlinked by the destructor, or by SIGINT / SIGTERM / SIGHUP while it exists (the handler
+/// then re-raises the signal with its default action; the previous handlers are put back when
+/// the file is removed). Move-only; at most one exists at a time.
+class WorkloadFile {
+ public:
+  WorkloadFile() = default;
+  /// Creates `path` (absolute, must not exist) of `bytes`. Throws MemmapError / runtime_error.
+  WorkloadFile(const std::string& path, size_t bytes);
+  ~WorkloadFile();
+  WorkloadFile(WorkloadFile&& other) noexcept;
+  WorkloadFile& operator=(WorkloadFile&& other) noexcept;
+  WorkloadFile(const WorkloadFile&) = delete;
+  WorkloadFile& operator=(const WorkloadFile&) = delete;
+  const std::string& path() const noexcept { return path_; }
+
+ private:
+  void remove() noexcept;
+  std::string path_;
+};
 
 }  // namespace tdshm::bench::detail
