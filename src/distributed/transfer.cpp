@@ -398,7 +398,7 @@ at::Tensor descriptor_header(const at::Tensor& desc) {
 /// pseudo_rand) and throws an error naming the first key that differs.
 void check_descriptor(const Group& g, int peer, const Leaves& l, int tag, int64_t init_tag, bool pseudo_rand,
                       const at::Tensor& header) {
-  const int64_t magic = header[0].item<int64_t>(), words = header[1].item<int64_t>();
+  const int64_t magic = header.data_ptr<int64_t>()[0], words = header.data_ptr<int64_t>()[1];
   if (magic != kLayoutMagic || words < 0 || words > kMaxDescriptorWords) {
     throw TransportError("the sender's per-leaf header is not a tdshm layout descriptor (is the sender using the same "
                          "mode, per-leaf or consolidated, and tdshm?)");
@@ -508,8 +508,8 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
     const Group g = p.group;
     const int peer = p.rank;
     auto rest = [g, peer, header, storage, mine]() -> std::vector<WorkPtr> {
-      const int64_t magic = header[0].item<int64_t>(), bytes = header[2].item<int64_t>();
-      const auto fingerprint = static_cast<uint64_t>(header[1].item<int64_t>());
+      const int64_t magic = header.data_ptr<int64_t>()[0], bytes = header.data_ptr<int64_t>()[2];
+      const auto fingerprint = static_cast<uint64_t>(header.data_ptr<int64_t>()[1]);
       if (magic != kConsolidatedMagic || bytes < 0 || bytes > kMaxStorageBytes) {
         throw TransportError("the sender's message is not a consolidated tdshm transfer (is it sending per-leaf?)");
       }
@@ -670,8 +670,8 @@ RemotePayload prepare_remote(const TensorDict& td, bool by_reference) {
 
 /// Checks a received header and allocates the schema buffer and storage it announces.
 RemotePayload allocate_remote(const at::Tensor& header) {
-  const int64_t magic = header[0].item<int64_t>(), schema_bytes = header[1].item<int64_t>(),
-                storage_bytes = header[2].item<int64_t>(), reference_bytes = header[3].item<int64_t>();
+  const int64_t magic = header.data_ptr<int64_t>()[0], schema_bytes = header.data_ptr<int64_t>()[1],
+                storage_bytes = header.data_ptr<int64_t>()[2], reference_bytes = header.data_ptr<int64_t>()[3];
   if (magic != kRemoteInitMagic) {
     throw TransportError("from_remote_init: the first message is not a tdshm init_remote header (does the sender call "
                          "init_remote with the same group and mode?)");
