@@ -50,6 +50,15 @@ class Group {
   /// A registered group: `global_ranks[i]` is the global rank of group rank i.
   Group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int> global_ranks);
 
+  /// What new_group returns on a rank outside the group (torch's NON_GROUP_MEMBER): not
+  /// defined(), and a transfer given it as `group` throws Error instead of using the default group.
+  static Group not_a_member() {
+    Group g;
+    g.non_member_ = true;
+    return g;
+  }
+  bool is_non_member() const noexcept { return non_member_; }
+
   /// False for "no group" and for the value new_group returns on a rank outside the group.
   bool defined() const noexcept { return static_cast<bool>(backend_); }
   /// True for a group made by init_process_group or new_group.
@@ -74,6 +83,7 @@ class Group {
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> backend_;
   std::vector<int> global_ranks_;
+  bool non_member_ = false;
 };
 
 /// Options of init_process_group (torch.distributed.init_process_group's parameters).

@@ -433,7 +433,7 @@ Group new_group(const std::vector<int>& ranks) {
 
   const int me = world->group.rank();
   const auto it = std::find(ranks.begin(), ranks.end(), me);
-  if (it == ranks.end()) return Group{};  // not a member: nothing to join, nothing to wait for
+  if (it == ranks.end()) return Group::not_a_member();  // nothing to join, nothing to wait for
   const int group_rank = static_cast<int>(it - ranks.begin());
   const int size = static_cast<int>(ranks.size());
 

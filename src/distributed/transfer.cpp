@@ -248,6 +248,7 @@ struct Peer {
 Peer resolve_peer(const char* global_name, const char* group_name, std::optional<int> global,
                   std::optional<int> in_group, const Group& given) {
   const std::string g = global_name, gg = group_name;
+  if (given.is_non_member()) throw Error("this rank is not a member of `group` (new_group did not include it)");
   if (in_group && !given.defined()) throw Error("`" + gg + "` requires `group` to be passed.");
   if (global && in_group) throw Error("`" + g + "` and `" + gg + "` are mutually exclusive.");
   if (!global && !in_group) throw Error("Exactly one of `" + g + "` and `" + gg + "` must be provided.");
@@ -721,7 +722,10 @@ TensorDict broadcast_remote(const TensorDict* td, const Group& g, int root, cons
   return rebuild_remote(r, device);
 }
 
-Group group_or_default(const Group& g) { return g.defined() ? g : default_group(); }
+Group group_or_default(const Group& g) {
+  if (g.is_non_member()) throw Error("this rank is not a member of `group` (new_group did not include it)");
+  return g.defined() ? g : default_group();
+}
 
 int root_in_group(const Group& g, int src) {
   const int root = g.group_rank(src);

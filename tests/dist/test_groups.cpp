@@ -154,6 +154,12 @@ TEST_P(DistGroups, NewGroupWithARankOutside) {
       SHM_CHECK(!a.defined() && !a.registered(), "a non-member got a defined group");
       SHM_CHECK_THROWS(Error, [&] { a.backend(); }, "not defined");
       SHM_CHECK_THROWS(Error, [&] { a.rank(); }, "not defined");
+      // Unlike "no group", it is refused by transfers (as torch refuses NON_GROUP_MEMBER), before
+      // any message.
+      SHM_CHECK(a.is_non_member() && !Group{}.is_non_member());
+      TensorDict td({{"x", at::ones({1})}}, {1});
+      SHM_CHECK_THROWS(Error, [&] { td.send({.dst = 0, .group = a}); }, "not a member");
+      SHM_CHECK_THROWS(Error, [&] { td.recv({.src = 0, .group = a}); }, "not a member");
       flags.returned[0].store(1, std::memory_order_release);
     } else {
       wait_until(flags.returned[0], 1, "the non-member of group A to return from new_group");
