@@ -383,14 +383,15 @@ int descriptor_tag(const Leaves& l, int64_t init_tag, bool pseudo_rand) {
   return c10d_tag(l.tags.empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags[0]);
 }
 
-/// The descriptor header of `desc` (see the file comment); the descriptor itself goes in a
-/// second message when it does not fit inline.
-at::Tensor descriptor_header(const at::Tensor& desc) {
-  auto header = at::zeros({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+/// The descriptor header for `desc` (see the file comment): built with plain stores, as small
+/// metadata tensors through ATen ops would cost more than the messages themselves.
+at::Tensor descriptor_header(const std::vector<int64_t>& desc) {
+  auto header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
   auto* h = header.data_ptr<int64_t>();
+  std::fill(h, h + kHeaderWords, 0);
   h[0] = kLayoutMagic;
-  h[1] = desc.numel();
-  if (desc.numel() <= kInlineWords && desc.numel() > 0) std::memcpy(h + 2, desc.data_ptr(), desc.numel() * sizeof(int64_t));
+  h[1] = static_cast<int64_t>(desc.size());
+  if (static_cast<int64_t>(desc.size()) <= kInlineWords) std::copy(desc.begin(), desc.end(), h + 2);
   return header;
 }
 
@@ -404,14 +405,13 @@ void check_descriptor(const Group& g, int peer, const Leaves& l, int tag, int64_
     throw TransportError("the sender's per-leaf header is not a tdshm layout descriptor (is the sender using the same "
                          "mode, per-leaf or consolidated, and tdshm?)");
   }
-  at::Tensor desc;
-  if (words <= kInlineWords) {
-    desc = header.narrow(0, 2, words);
-  } else {
-    desc = at::empty({words}, at::TensorOptions().dtype(at::kLong));
-    recv_now(g, desc, peer, tag);
+  at::Tensor long_desc;
+  if (words > kInlineWords) {
+    long_desc = at::empty({words}, at::TensorOptions().dtype(at::kLong));
+    recv_now(g, long_desc, peer, tag);
   }
-  const auto theirs = parse_descriptor(desc.contiguous().data_ptr<int64_t>(), words);
+  const int64_t* desc = words > kInlineWords ? long_desc.data_ptr<int64_t>() : header.data_ptr<int64_t>() + 2;
+  const auto theirs = parse_descriptor(desc, words);
   std::string problem;
   for (size_t i = 0; i < std::max(theirs.size(), l.keys.size()) && problem.empty(); ++i) {
     if (i >= theirs.size()) {
@@ -464,9 +464,10 @@ Transfer TensorDict::isend(const SendOptions& o) const {
   std::vector<WorkPtr> descriptor;
   {
     const int tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
-    const auto desc = int64_tensor(describe_leaves(l.tensors));
+    std::vector<int64_t> desc = describe_leaves(l.tensors);
+    const bool long_desc = static_cast<int64_t>(desc.size()) > kInlineWords;
     descriptor.push_back(send_one(p.group, descriptor_header(desc), p.rank, tag));
-    if (desc.numel() > kInlineWords) descriptor.push_back(send_one(p.group, desc, p.rank, tag));
+    if (long_desc) descriptor.push_back(send_one(p.group, int64_tensor(std::move(desc)), p.rank, tag));
   }
   std::vector<WorkPtr> works;
   for (size_t i = 0; i < l.keys.size(); ++i) {
@@ -528,7 +529,7 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
     const Leaves l = collect(*this, o.init_tag, o.pseudo_rand);
     const bool shm = is_shm(p.group);
     const int dtag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
-    auto header = at::zeros({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+    auto header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
     // Over shm a strided leaf is staged by the transport; others receive contiguous bytes,
     // copied into the leaf once they are in.
     std::vector<at::Tensor> targets;

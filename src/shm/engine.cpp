@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -418,6 +419,10 @@ bool ShmEngine::progress_receives(int src) {
     ++pos;
     ring.tail.store(pos, std::memory_order_release);  // the entry may be reused now
     moved = true;
+    // A posted receive just completed: return, so that a waiter that now has what it waited
+    // for stops here instead of draining later messages into process memory ("unexpected", a
+    // second copy) before their receives are posted. A waiter that still waits calls again.
+    if (std::exchange(completed_posted_, false)) break;
   }
   if (moved) notify(src);
   return moved;
@@ -462,7 +467,10 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
     msg.received = msg.total;
     msg.complete = true;
     auto done = std::move(cur);
-    if (done->op) finish(done->op, error);
+    if (done->op) {
+      finish(done->op, error);
+      completed_posted_ = true;
+    }
     return;
   }
   if (e.chunk_offset != msg.received) {
@@ -483,7 +491,10 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
   if (last) {
     msg.complete = true;
     auto done = std::move(cur);
-    if (done->op) finish(done->op, nullptr);
+    if (done->op) {
+      finish(done->op, nullptr);
+      completed_posted_ = true;
+    }
     if (done->op || done->discard) {
       done->op.reset();
       if (done.use_count() == 1) spare_[static_cast<size_t>(src)] = std::move(done);  // reused by the next message
@@ -599,7 +610,8 @@ void ShmEngine::check_peers() {
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || peer_error_[static_cast<size_t>(p)]) continue;
     if (segment_->rank_alive(static_cast<uint32_t>(p))) continue;
-    progress_receives(p);  // what it sent before it went is still good
+    while (progress_receives(p)) {
+    }  // what it sent before it went is still good: all of it is taken
     if (peer_error_[static_cast<size_t>(p)]) continue;
     fail_peer(p, make_error<PeerLostError>(segment_->describe_rank(static_cast<uint32_t>(p)) +
                                            " of segment '" + name_ + "' is gone (it exited or died)"));

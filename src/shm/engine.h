@@ -133,6 +133,7 @@ class ShmEngine {
   std::deque<std::shared_ptr<Incoming>> unexpected_;             // unmatched messages, arrival order
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
   uint64_t arrivals_ = 0;
+  bool completed_posted_ = false;  // progress_receives: a posted receive completed (stop draining)
   std::vector<int64_t> collective_seq_;
   std::chrono::steady_clock::time_point next_peer_check_;
   std::exception_ptr shut_down_;  // set by shutdown(): the error of later posts
