@@ -223,6 +223,20 @@ class TransferWork final : public c10d::Work {
   std::exception_ptr error_;
 };
 
+/// Waits for every work (all of them) and rethrows the first error, its message prefixed with
+/// `verb` and the key of its leaf (works[i] moves keys[i]; the strings are built only on error).
+void wait_keyed(const std::vector<WorkPtr>& works, const std::vector<Key>& keys, const char* verb) {
+  std::exception_ptr first;
+  for (size_t i = 0; i < works.size(); ++i) {
+    try {
+      works[i]->wait();
+    } catch (...) {
+      if (!first) first = current_with_context(std::string(verb) + keys[i].str() + ": ");
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
 /// Waits for every work (all of them) and rethrows the first error.
 void wait_all(const std::vector<WorkPtr>& works) {
   std::exception_ptr first;
@@ -469,30 +483,34 @@ Transfer TensorDict::isend(const SendOptions& o) const {
     descriptor.push_back(send_one(p.group, descriptor_header(desc), p.rank, tag));
     if (long_desc) descriptor.push_back(send_one(p.group, int64_tensor(std::move(desc)), p.rank, tag));
   }
-  std::vector<WorkPtr> works;
+  std::vector<WorkPtr> sends;
   for (size_t i = 0; i < l.keys.size(); ++i) {
     // Over shm a strided leaf is packed by the transport; other backends want contiguous bytes.
     at::Tensor t = is_shm(p.group) || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
-    std::vector<WorkPtr> inner = i == 0 ? std::move(descriptor) : std::vector<WorkPtr>{};
-    inner.push_back(send_one(p.group, t, p.rank, static_cast<int>(l.tags[i])));
-    works.push_back(c10::make_intrusive<TransferWork>("send of key " + l.keys[i].str() + ": ", std::move(inner),
-                                                      c10d::OpType::SEND));
+    sends.push_back(send_one(p.group, t, p.rank, static_cast<int>(l.tags[i])));
   }
-  if (l.keys.empty()) wait_all(descriptor);
   if (o.return_early) {
+    if (l.keys.empty()) wait_all(descriptor);
     out.has_works = true;
-    out.works = std::move(works);
+    for (size_t i = 0; i < l.keys.size(); ++i) {
+      std::vector<WorkPtr> inner = i == 0 ? std::move(descriptor) : std::vector<WorkPtr>{};
+      inner.push_back(std::move(sends[i]));
+      out.works.push_back(c10::make_intrusive<TransferWork>("send of key " + l.keys[i].str() + ": ", std::move(inner),
+                                                            c10d::OpType::SEND));
+    }
     return out;
   }
-  wait_all(works);
+  // Waited here: no user-facing Work per leaf.
+  wait_all(descriptor);
+  wait_keyed(sends, l.keys, "send of key ");
   out.last_tag = l.tags.empty() ? o.init_tag - 1 : l.tags.back();
   return out;
 }
 
 void TensorDict::send(const SendOptions& o) const {
-  SendOptions early = o;
-  early.return_early = true;
-  isend(early).wait();
+  SendOptions waited = o;
+  waited.return_early = false;
+  isend(waited);
 }
 
 Transfer TensorDict::irecv(const RecvOptions& o) {
@@ -526,7 +544,8 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
     auto deferred = std::make_shared<Deferred>(recv_one(g, header, peer, kConsolidatedTag), std::move(rest));
     works.push_back(c10::make_intrusive<TransferWork>("consolidated recv: ", deferred, 0, c10d::OpType::RECV));
   } else {
-    const Leaves l = collect(*this, o.init_tag, o.pseudo_rand);
+    const auto shared = std::make_shared<const Leaves>(collect(*this, o.init_tag, o.pseudo_rand));
+    const Leaves& l = *shared;
     const bool shm = is_shm(p.group);
     const int dtag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
     auto header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
@@ -540,13 +559,23 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
     const int peer = p.rank;
     const int64_t init_tag = o.init_tag;
     const bool pseudo = o.pseudo_rand;
-    auto rest = [g, peer, l, dtag, init_tag, pseudo, header, targets]() -> std::vector<WorkPtr> {
-      check_descriptor(g, peer, l, dtag, init_tag, pseudo, header);
+    auto rest = [g, peer, shared, dtag, init_tag, pseudo, header, targets]() -> std::vector<WorkPtr> {
+      check_descriptor(g, peer, *shared, dtag, init_tag, pseudo, header);
       std::vector<WorkPtr> posted;
-      for (size_t i = 0; i < l.keys.size(); ++i) posted.push_back(recv_one(g, targets[i], peer, static_cast<int>(l.tags[i])));
+      for (size_t i = 0; i < targets.size(); ++i) {
+        posted.push_back(recv_one(g, targets[i], peer, static_cast<int>(shared->tags[i])));
+      }
       return posted;
     };
     auto deferred = std::make_shared<Deferred>(recv_one(g, header, peer, dtag), std::move(rest));
+    if (!o.return_premature) {
+      // Waited here: no user-facing Work per leaf.
+      wait_keyed(deferred->works(kNoTimeout), l.keys, "recv of key ");
+      for (size_t i = 0; i < targets.size(); ++i) {
+        if (!targets[i].is_same(l.tensors[i])) l.tensors[i].copy_(targets[i]);
+      }
+      return out;
+    }
     for (size_t i = 0; i < l.keys.size(); ++i) {
       std::function<void()> copy_back;
       if (!targets[i].is_same(l.tensors[i])) {
@@ -567,9 +596,9 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
 }
 
 int64_t TensorDict::recv(const RecvOptions& o) {
-  RecvOptions premature = o;
-  premature.return_premature = true;
-  irecv(premature).wait();
+  RecvOptions waited = o;
+  waited.return_premature = false;
+  irecv(waited);
   if (o.consolidated) return kConsolidatedTag;
   const auto n = sorted_leaf_keys().size();
   return n == 0 ? o.init_tag - 1 : transfer_tags(o.init_tag, n, o.pseudo_rand).back();
