@@ -21,6 +21,7 @@
 
 #include <tdshm/distributed.h>
 
+#include "common/format.h"
 #include "tensordict/impl.h"
 
 #include <ATen/ops/empty.h>
@@ -321,12 +322,6 @@ void check_leaf(const at::Tensor& t, const Key& key) {
   if (t.layout() != at::kStrided) throw TypeError("key " + key.str() + ": only dense (strided) tensors can be transferred");
 }
 
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 // ---------------------------------------------------------------------------------------------
 // Layout descriptors (per-leaf mode on backends that carry bytes only)
 
@@ -344,7 +339,6 @@ std::vector<int64_t> describe_leaves(const std::vector<at::Tensor>& leaves) {
 struct LeafLayout {
   c10::ScalarType dtype;
   std::vector<int64_t> shape;
-  int64_t bytes;
 };
 
 /// Parses a peer's descriptor, checking every value (it came from another process).
@@ -357,14 +351,13 @@ std::vector<LeafLayout> parse_descriptor(const int64_t* d, int64_t n) {
     const int64_t dtype = d[i], ndim = d[i + 1];
     if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions)) throw bad("dtype " + std::to_string(dtype));
     if (ndim < 0 || ndim > n - i - 2) throw bad("ndim " + std::to_string(ndim));
-    LeafLayout l{static_cast<c10::ScalarType>(dtype), {d + i + 2, d + i + 2 + ndim}, 0};
+    LeafLayout l{static_cast<c10::ScalarType>(dtype), {d + i + 2, d + i + 2 + ndim}};
     const auto item = static_cast<int64_t>(c10::elementSize(l.dtype));
-    int64_t bytes = item;
+    int64_t bytes = item;  // bounded: a drain allocates a scratch leaf of this size
     for (int64_t s : l.shape) {
       if (s < 0 || (s != 0 && bytes > kMaxStorageBytes / s)) throw bad("dimension " + std::to_string(s));
       bytes *= s;
     }
-    l.bytes = bytes;
     out.push_back(std::move(l));
     i += 2 + ndim;
   }
@@ -436,8 +429,8 @@ void check_descriptor(const Group& g, int peer, const Leaves& l, int tag, int64_
                 std::to_string(l.keys.size());
     } else if (theirs[i].dtype != l.tensors[i].scalar_type() || !l.tensors[i].sizes().equals(theirs[i].shape)) {
       problem = "key " + l.keys[i].str() + ": the sender's leaf has dtype " + c10::toString(theirs[i].dtype) + " and shape " +
-                shape_str(theirs[i].shape) + ", this one " + c10::toString(l.tensors[i].scalar_type()) + " and " +
-                shape_str(l.tensors[i].sizes());
+                detail::shape_str(theirs[i].shape) + ", this one " + c10::toString(l.tensors[i].scalar_type()) + " and " +
+                detail::shape_str(l.tensors[i].sizes());
     }
   }
   if (problem.empty()) return;

@@ -42,6 +42,7 @@
 // the nesting depth is a counter, so neither memory nor stack can be exhausted) and finally runs
 // the same validator encode_schema runs: dtypes, shapes, offsets, padding, ordering, keys.
 
+#include "common/format.h"
 #include "schema/schema_internal.h"
 #include "schema/wire.h"
 
@@ -138,15 +139,6 @@ std::string join_path(const std::vector<std::string_view>& parts) {
   return out;
 }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i != 0) out += ", ";
-    out += std::to_string(shape[i]);
-  }
-  return out + "]";
-}
-
 // ------------------------------------------------------------------------------------------
 // CRC-32C
 // ------------------------------------------------------------------------------------------
@@ -188,7 +180,7 @@ class Validator {
     }
     for (size_t i = 0; i < n.batch_size.size(); ++i) {
       if (n.batch_size[i] < 0) {
-        fail("batch size of node '", where(), "' ", shape_string(n.batch_size), " has negative dimension ", i);
+        fail("batch size of node '", where(), "' ", detail::shape_str(n.batch_size), " has negative dimension ", i);
       }
     }
     if (n.device) {
@@ -246,7 +238,7 @@ class Validator {
     uint64_t numel = 1;
     bool empty = false;
     for (size_t i = 0; i < t.shape.size(); ++i) {
-      if (t.shape[i] < 0) fail("leaf '", key, "' shape ", shape_string(t.shape), " has negative dimension ", i);
+      if (t.shape[i] < 0) fail("leaf '", key, "' shape ", detail::shape_str(t.shape), " has negative dimension ", i);
       if (t.shape[i] == 0) empty = true;
     }
     if (empty) {
@@ -254,20 +246,20 @@ class Validator {
     } else {
       for (int64_t dim : t.shape) {
         if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dim), &numel)) {
-          fail("leaf '", key, "' shape ", shape_string(t.shape), " has more elements than fit in 64 bits");
+          fail("leaf '", key, "' shape ", detail::shape_str(t.shape), " has more elements than fit in 64 bits");
         }
       }
     }
     const uint64_t itemsize = c10::elementSize(t.dtype);
     uint64_t nbytes = 0;
     if (__builtin_mul_overflow(numel, itemsize, &nbytes)) {
-      fail("leaf '", key, "' shape ", shape_string(t.shape), " times itemsize ", itemsize, " overflows 64 bits");
+      fail("leaf '", key, "' shape ", detail::shape_str(t.shape), " times itemsize ", itemsize, " overflows 64 bits");
     }
     if (t.start % 8 != 0) fail("leaf '", key, "' starts at byte ", t.start, ", which is not a multiple of 8");
     if (t.stop < t.start) fail("leaf '", key, "' has stop ", t.stop, " before start ", t.start);
     if (t.stop - t.start != nbytes) {
       fail("leaf '", key, "' spans stop - start = ", t.stop, " - ", t.start, " = ", t.stop - t.start,
-           " bytes but its shape ", shape_string(t.shape), " of ", c10::toString(t.dtype), " needs numel ", numel,
+           " bytes but its shape ", detail::shape_str(t.shape), " of ", c10::toString(t.dtype), " needs numel ", numel,
            " * itemsize ", itemsize, " = ", nbytes);
     }
     if (t.pad > 7) fail("leaf '", key, "' has pad ", t.pad, ", more than 7");

@@ -3,6 +3,7 @@
 #include "shm/engine.h"
 
 #include "common/copy.h"
+#include "common/format.h"
 #include "common/log.h"
 #include "shm/futex.h"
 
@@ -58,12 +59,6 @@ inline void cpu_relax() noexcept {
 #if defined(__x86_64__)
   _mm_pause();
 #endif
-}
-
-std::string shape_str(const int64_t* dims, size_t n) {
-  std::string s = "[";
-  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
 }
 
 template <class E>
@@ -301,8 +296,8 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
                             : !std::equal(op->buffer.sizes().begin(), op->buffer.sizes().end(), msg->dims,
                                           msg->dims + msg->ndim))) {
     if (msg->ndim == 1) msg->dims[0] = static_cast<int64_t>(msg->total / op->buffer.element_size());
-    problem = "the message has shape " + shape_str(msg->dims, msg->ndim) + " but the tensor has shape " +
-              shape_str(op->buffer.sizes().data(), op->buffer.sizes().size());
+    problem = "the message has shape " + shape_str(c10::IntArrayRef(msg->dims, msg->ndim)) + " but the tensor has shape " +
+              shape_str(op->buffer.sizes());
   }
   if (problem.empty()) return true;
   const std::string from = op->peer < 0 ? " (from rank " + std::to_string(msg->src) + ")" : "";

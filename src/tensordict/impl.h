@@ -4,6 +4,8 @@
 
 #include <tdshm/tensordict.h>
 
+#include "common/format.h"
+
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -44,7 +46,5 @@ struct TensorDictImpl {
   }
 };
 
-/// "[2, 3]" for messages.
-std::string shape_str(at::IntArrayRef shape);
 
 }  // namespace tdshm::detail

@@ -12,19 +12,6 @@ namespace tdshm {
 
 using detail::TensorDictImpl;
 
-namespace detail {
-
-std::string shape_str(at::IntArrayRef shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i != 0) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
-}  // namespace detail
-
 namespace {
 
 using detail::shape_str;

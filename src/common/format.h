@@ -1,0 +1,21 @@
+#pragma once
+// Small formatting helpers shared by the layers' error messages.
+
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+#include <string>
+
+namespace tdshm::detail {
+
+/// "[2, 3]": a shape or batch size for messages.
+inline std::string shape_str(c10::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i != 0) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+}  // namespace tdshm::detail
