@@ -144,8 +144,12 @@ class TransferWork final : public c10d::Work {
 
   bool isCompleted() override {
     if (deferred_ && !deferred_->header_in()) return false;
-    for (auto& w : inner_works(kNoTimeout)) {
-      if (!w->isCompleted()) return false;
+    {
+      std::lock_guard lk(mu_);
+      take_deferred(kNoTimeout);
+      for (auto& w : inner_) {
+        if (!w->isCompleted()) return false;
+      }
     }
     finalize(kNoTimeout);
     return true;
@@ -166,6 +170,7 @@ class TransferWork final : public c10d::Work {
     return true;
   }
   void abort() override {
+    std::lock_guard lk(mu_);
     for (auto& w : inner_) w->abort();
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
@@ -174,14 +179,14 @@ class TransferWork final : public c10d::Work {
   }
 
  private:
-  // The backend works; for a deferred one, those `rest` posted (an empty list if it failed:
-  // finalize reports that error).
-  std::vector<WorkPtr> inner_works(std::chrono::milliseconds timeout) {
-    if (!deferred_) return inner_;
+  // Requires mu_. A deferred work's backend work is the one `rest` posted for it; if the check
+  // failed there is none, and error_ holds the check's error (it names the key itself).
+  void take_deferred(std::chrono::milliseconds timeout) {
+    if (!deferred_ || error_ || !inner_.empty()) return;
     try {
-      return {deferred_->works(timeout).at(index_)};
+      inner_ = {deferred_->works(timeout).at(index_)};
     } catch (...) {
-      return {};
+      error_ = std::current_exception();
     }
   }
 
@@ -190,13 +195,7 @@ class TransferWork final : public c10d::Work {
   void finalize(std::chrono::milliseconds timeout) {
     std::lock_guard lk(mu_);
     if (finished_) return;
-    if (deferred_) {
-      try {
-        inner_ = {deferred_->works(timeout).at(index_)};
-      } catch (...) {
-        error_ = std::current_exception();  // about the whole transfer: it names the key itself
-      }
-    }
+    take_deferred(timeout);
     for (auto& w : inner_) {
       try {
         w->wait(timeout);
@@ -458,12 +457,15 @@ Transfer TensorDict::isend(const SendOptions& o) const {
     const auto header = int64_tensor({kConsolidatedMagic, static_cast<int64_t>(c.schema_fingerprint()), storage.numel()});
     std::vector<WorkPtr> inner{send_one(p.group, header, p.rank, kConsolidatedTag),
                                send_one(p.group, storage, p.rank, kConsolidatedTag)};
-    auto w = c10::make_intrusive<TransferWork>("consolidated send: ", std::move(inner), c10d::OpType::SEND);
     if (o.return_early) {
       out.has_works = true;
-      out.works.push_back(w);
+      out.works.push_back(c10::make_intrusive<TransferWork>("consolidated send: ", std::move(inner), c10d::OpType::SEND));
     } else {
-      w->wait();
+      try {
+        wait_all(inner);
+      } catch (...) {
+        rethrow_with_context("consolidated send: ");
+      }
     }
     return out;
   }
