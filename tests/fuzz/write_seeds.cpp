@@ -1,0 +1,267 @@
+// Writes the seed corpus of the fuzz targets: tdshm_fuzz_write_seeds <corpus-root>, for
+// instance tests/fuzz/corpus from the repository root. It (re)writes
+// <corpus-root>/fuzz_schema_decode/: a handful of valid encode_schema outputs that together
+// use every part of the format (each entry kind, value type and storable dtype, padding,
+// devices, class names, nesting up to kSchemaMaxDepth, multi-byte LEB128 numbers), and a few
+// refused ones (truncated, bad magic, other version, bad checksum, trailing byte,
+// non-minimal LEB128, overlapping leaves), so that fuzzing starts at both sides of each check.
+// The output is deterministic: rerunning it changes no file unless the format changed.
+
+#include "schema/schema_internal.h"
+
+#include "tdshm/errors.h"
+#include "tdshm/schema.h"
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using c10::ScalarType;
+using tdshm::NonTensorData;
+using tdshm::Schema;
+using tdshm::SchemaEntry;
+using tdshm::SchemaNode;
+using tdshm::SchemaTensor;
+
+// Lays leaves out one after the other the way consolidation does: each starts at a multiple
+// of 8 and is padded to the next one.
+class Layout {
+ public:
+  SchemaEntry leaf(std::string key, ScalarType dtype, std::vector<int64_t> shape) {
+    uint64_t numel = 1;
+    for (int64_t dim : shape) numel *= static_cast<uint64_t>(dim);
+    SchemaTensor t{dtype, std::move(shape), cursor_, cursor_ + numel * c10::elementSize(dtype), 0};
+    t.pad = static_cast<uint32_t>((8 - t.stop % 8) % 8);
+    cursor_ = t.stop + t.pad;
+    return SchemaEntry{std::move(key), std::move(t)};
+  }
+  // Leaves the next `bytes` (a multiple of 8) unused, as a storage with a gap would.
+  void skip(uint64_t bytes) { cursor_ += bytes; }
+  uint64_t end() const { return cursor_; }
+
+ private:
+  uint64_t cursor_ = 0;
+};
+
+SchemaEntry value(std::string key, NonTensorData v) { return SchemaEntry{std::move(key), std::move(v)}; }
+
+SchemaEntry child(std::string key, SchemaNode n) {
+  return SchemaEntry{std::move(key), std::make_shared<SchemaNode>(std::move(n))};
+}
+
+// The tensordict of the README's tour: {("a","b"): (2,), "c": (2,3), "_": (2,1,5), "step": 42}.
+Schema readme_seed() {
+  Layout l;
+  Schema s;
+  s.root.batch_size = {2};
+  SchemaNode a;
+  a.batch_size = {2};
+  a.entries.push_back(l.leaf("b", ScalarType::Float, {2}));
+  s.root.entries.push_back(child("a", std::move(a)));
+  s.root.entries.push_back(l.leaf("c", ScalarType::Float, {2, 3}));
+  s.root.entries.push_back(l.leaf("_", ScalarType::Float, {2, 1, 5}));
+  s.root.entries.push_back(value("step", int64_t{42}));
+  s.total_bytes = l.end();
+  return s;
+}
+
+// One leaf of every storable dtype, with odd sizes (so most are padded), an empty and a 0-d one.
+Schema every_dtype() {
+  Layout l;
+  Schema s;
+  s.root.device = c10::Device(c10::DeviceType::CUDA, 1);
+  s.root.entries.push_back(l.leaf("u8", ScalarType::Byte, {3}));
+  s.root.entries.push_back(l.leaf("i8", ScalarType::Char, {1}));
+  s.root.entries.push_back(l.leaf("i16", ScalarType::Short, {3}));
+  s.root.entries.push_back(l.leaf("i32", ScalarType::Int, {5}));
+  s.root.entries.push_back(l.leaf("i64", ScalarType::Long, {2}));
+  s.root.entries.push_back(l.leaf("f16", ScalarType::Half, {3}));
+  s.root.entries.push_back(l.leaf("empty", ScalarType::Float, {0, 4}));
+  s.root.entries.push_back(l.leaf("f64", ScalarType::Double, {}));
+  s.root.entries.push_back(l.leaf("c32", ScalarType::ComplexHalf, {1}));
+  s.root.entries.push_back(l.leaf("c64", ScalarType::ComplexFloat, {2}));
+  s.root.entries.push_back(l.leaf("c128", ScalarType::ComplexDouble, {1}));
+  s.root.entries.push_back(l.leaf("b", ScalarType::Bool, {7}));
+  s.root.entries.push_back(l.leaf("bf16", ScalarType::BFloat16, {5}));
+  s.total_bytes = l.end();
+  return s;
+}
+
+// Non-tensor values of every type, extremes included, in a tensorclass on the CPU.
+Schema every_value() {
+  Schema s;
+  SchemaNode n;
+  n.class_name = "my.Class";
+  n.device = c10::Device(c10::DeviceType::CPU);
+  n.entries.push_back(value("text", std::string("h\xC3\xA9llo")));
+  n.entries.push_back(value("empty", std::string()));
+  n.entries.push_back(value("imin", std::numeric_limits<int64_t>::min()));
+  n.entries.push_back(value("imax", std::numeric_limits<int64_t>::max()));
+  n.entries.push_back(value("neg", int64_t{-1}));
+  n.entries.push_back(value("negzero", -0.0));
+  n.entries.push_back(value("nan", std::numeric_limits<double>::quiet_NaN()));
+  n.entries.push_back(value("inf", std::numeric_limits<double>::infinity()));
+  n.entries.push_back(value("yes", true));
+  n.entries.push_back(value("no", false));
+  s.root.entries.push_back(child("n", std::move(n)));
+  return s;
+}
+
+// Nested nodes with batch sizes, devices and leaves at several levels, and a gap in the storage.
+Schema nested() {
+  Layout l;
+  Schema s;
+  s.root.batch_size = {4};
+  s.root.entries.push_back(l.leaf("obs", ScalarType::Float, {4, 3}));
+  SchemaNode inner;
+  inner.batch_size = {4, 2};
+  inner.device = c10::Device(c10::DeviceType::CUDA, 0);
+  inner.entries.push_back(l.leaf("mask", ScalarType::Bool, {4, 2}));
+  SchemaNode leafy;
+  leafy.class_name = "Pair";
+  leafy.batch_size = {4, 2};
+  leafy.entries.push_back(l.leaf("x", ScalarType::Long, {4, 2, 1}));
+  leafy.entries.push_back(value("tag", std::string("pair")));
+  inner.entries.push_back(child("pair", std::move(leafy)));
+  s.root.entries.push_back(child("next", std::move(inner)));
+  l.skip(16);
+  s.root.entries.push_back(l.leaf("reward", ScalarType::Double, {4}));
+  s.root.entries.push_back(child("empty", SchemaNode{}));
+  s.total_bytes = l.end() + 8;
+  return s;
+}
+
+// A chain of kSchemaMaxDepth child nodes (the deepest the decoder accepts) ending in a leaf.
+Schema deepest() {
+  Layout l;
+  SchemaNode current;
+  current.entries.push_back(l.leaf("x", ScalarType::Float, {1}));
+  for (size_t i = 0; i < tdshm::kSchemaMaxDepth; ++i) {
+    SchemaNode parent;
+    parent.entries.push_back(child("n", std::move(current)));
+    current = std::move(parent);
+  }
+  Schema s;
+  s.root = std::move(current);
+  s.total_bytes = l.end();
+  return s;
+}
+
+// Large numbers: kSchemaMaxDims dimensions, offsets near 2^40 (multi-byte LEB128).
+Schema large_numbers() {
+  Layout l;
+  Schema s;
+  l.skip(uint64_t{1} << 40);
+  s.root.batch_size.assign(tdshm::kSchemaMaxDims, 1);
+  s.root.entries.push_back(l.leaf("wide", ScalarType::Byte, std::vector<int64_t>(tdshm::kSchemaMaxDims, 1)));
+  s.root.entries.push_back(l.leaf("big", ScalarType::Long, {1 << 20, 3}));
+  s.total_bytes = l.end();
+  return s;
+}
+
+// ---- refused inputs ------------------------------------------------------------------------
+
+void put_le32(std::vector<uint8_t>& b, size_t at, uint32_t v) {
+  for (size_t i = 0; i < 4; ++i) b.at(at + i) = static_cast<uint8_t>(v >> (8 * i));
+}
+
+// Rewrites the body length and the checksum of a frame so that only its body is wrong.
+std::vector<uint8_t> reframe(std::vector<uint8_t> b) {
+  constexpr size_t kFrame = tdshm::detail::kSchemaHeaderBytes + tdshm::detail::kSchemaTrailerBytes;
+  put_le32(b, tdshm::detail::kSchemaBodyLengthOffset, static_cast<uint32_t>(b.size() - kFrame));
+  const size_t crc_at = b.size() - tdshm::detail::kSchemaTrailerBytes;
+  put_le32(b, crc_at, tdshm::detail::crc32c(std::span<const uint8_t>(b).first(crc_at)));
+  return b;
+}
+
+// The empty root's class-name length 0x00 written as the non-minimal 0x80 0x00.
+std::vector<uint8_t> non_minimal_leb128() {
+  std::vector<uint8_t> b = tdshm::encode_schema(Schema{});
+  b.insert(b.begin() + tdshm::detail::kSchemaHeaderBytes, 0x80);
+  return reframe(std::move(b));
+}
+
+// Two leaves over the same bytes: well framed, refused by the validator.
+std::vector<uint8_t> overlapping_leaves() {
+  Schema s;
+  s.total_bytes = 8;
+  s.root.entries.push_back(SchemaEntry{"a", SchemaTensor{ScalarType::Float, {2}, 0, 8, 0}});
+  s.root.entries.push_back(SchemaEntry{"b", SchemaTensor{ScalarType::Float, {2}, 0, 8, 0}});
+  return tdshm::detail::encode_schema_unchecked(s);
+}
+
+void write(const fs::path& dir, const std::string& name, const std::vector<uint8_t>& bytes) {
+  std::ofstream out(dir / name, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write " + (dir / name).string());
+  std::printf("%s: %zu bytes\n", (dir / name).c_str(), bytes.size());
+}
+
+void write_schema_seeds(const fs::path& dir) {
+  fs::create_directories(dir);
+  const auto seed = tdshm::encode_schema(readme_seed());
+  write(dir, "valid-empty", tdshm::encode_schema(Schema{}));
+  write(dir, "valid-readme-seed", seed);
+  write(dir, "valid-every-dtype", tdshm::encode_schema(every_dtype()));
+  write(dir, "valid-every-value", tdshm::encode_schema(every_value()));
+  write(dir, "valid-nested", tdshm::encode_schema(nested()));
+  write(dir, "valid-deepest", tdshm::encode_schema(deepest()));
+  write(dir, "valid-large-numbers", tdshm::encode_schema(large_numbers()));
+
+  write(dir, "bad-truncated", std::vector<uint8_t>(seed.begin(), seed.end() - 9));
+  write(dir, "bad-header-only", std::vector<uint8_t>(seed.begin(), seed.begin() + 12));
+  auto magic = seed;
+  magic[0] = 'X';
+  write(dir, "bad-magic", magic);
+  auto version = seed;
+  version[tdshm::detail::kSchemaVersionOffset] = 2;
+  write(dir, "bad-version", version);
+  auto crc = seed;
+  crc[tdshm::detail::kSchemaHeaderBytes + 3] ^= 0x01;
+  write(dir, "bad-checksum", crc);
+  auto trailing = seed;
+  trailing.push_back(0);
+  write(dir, "bad-trailing-byte", trailing);
+  write(dir, "bad-non-minimal-leb128", non_minimal_leb128());
+  write(dir, "bad-overlapping-leaves", overlapping_leaves());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s <corpus-root>   (for instance tests/fuzz/corpus)\n", argv[0]);
+    return 2;
+  }
+  try {
+    const fs::path root(argv[1]);
+    write_schema_seeds(root / "fuzz_schema_decode");
+    // Every valid seed must still decode: a format change makes stale seeds shallow.
+    for (const auto& file : fs::directory_iterator(root / "fuzz_schema_decode")) {
+      if (file.path().filename().string().rfind("valid-", 0) != 0) continue;
+      std::ifstream in(file.path(), std::ios::binary);
+      const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      (void)tdshm::decode_schema(bytes);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tdshm_fuzz_write_seeds: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
