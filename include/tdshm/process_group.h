@@ -9,8 +9,10 @@
 ///
 /// Matching follows MPI: messages from one sender to one receiver with the same tag are received
 /// in the order they were sent; messages with different tags may be received in any order.
-/// A message that arrives before its recv is posted is kept (in process memory) until it is
-/// received, so two ranks that both send before they receive never deadlock.
+/// A message that arrives before its recv is posted is kept (in process memory, up to
+/// ShmOptions::max_unexpected_bytes per group) until it is received, so two ranks that both send
+/// before they receive never deadlock while their early messages fit that budget; past it the
+/// sender waits for the recv (back-pressure).
 /// A message whose byte size, dtype or shape does not fit the recv it matches fails that recv
 /// with a TransportError and is dropped (as MPI drops a truncated message), so the messages
 /// that follow it on the same tag are still received in order.
@@ -32,7 +34,25 @@
 /// Waiting: a waiter spins for ShmOptions::spin (yielding now and then, so a peer on the same
 /// core still runs), then sleeps on a futex in the segment; posting to a spinning peer costs no
 /// system call. Every wait has a deadline (TimeoutError) and checks the liveness of the peers it
-/// waits on every ShmOptions::peer_check_interval (PeerLostError when one died).
+/// waits on every ShmOptions::peer_check_interval (PeerLostError when one died). A wait that
+/// times out withdraws its receives (and its sends that have not started): they fail with the
+/// TimeoutError and never match a later message.
+///
+/// Incarnations: each construction under a name joins or starts one incarnation of the group.
+/// A rank that was already a member of the current one (it left, or it died and was restarted)
+/// starts a new one, and the other ranks join it when they construct their own group again;
+/// ranks meet only ranks of the same incarnation and no message crosses incarnations. So
+/// destroy-then-construct under one name is always safe, in any order and interleaving.
+///
+/// Trust: the segment and its lock file must belong to the caller's effective uid and be private
+/// to it (mode 0600); anything else, or a symbolic link at either path, is a SegmentError. Ranks
+/// of the same user are trusted not to attack, but not to be bug-free: what they write is read
+/// once and validated, a malformed entry fails that pair's transfers with a TransportError, and
+/// a segment file truncated under a mapping fails the group's transfers instead of raising
+/// SIGBUS (tdshm installs a SIGBUS handler that chains to the previous one for other faults).
+///
+/// A receive into a tensor whose elements overlap (an expanded, stride-0 view) or into a
+/// read-only memory-mapped tensor is refused when posted (tdshm::TypeError).
 ///
 /// Thread safety: all methods may be called from several threads at once.
 
@@ -67,6 +87,10 @@ struct ShmOptions {
   /// How often a waiter checks that its peers are alive: a dead peer's transfers fail within
   /// about this long.
   std::chrono::milliseconds peer_check_interval{std::chrono::milliseconds(100)};
+  /// Most bytes of process memory a rank holds for messages that arrived before their recv was
+  /// posted. Past it, a new early message stays in its ring and its sender waits until the recv
+  /// is posted (back-pressure): nothing is dropped, and no peer can make a rank allocate more.
+  size_t max_unexpected_bytes = size_t{1} << 30;
 };
 
 /// Size in bytes of the segment for `world_size` ranks with `options`.

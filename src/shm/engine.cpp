@@ -9,11 +9,13 @@
 
 #include <tdshm/memmap.h>
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
 #include <fcntl.h>
 #include <sched.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,6 +43,7 @@ struct Incoming {
   uint64_t received = 0;
   std::shared_ptr<ShmOp> op;  // the receive it lands in; null while unexpected
   std::unique_ptr<uint8_t[]> heap;  // its bytes while unexpected (not zero-filled: all are written)
+  uint64_t heap_bytes = 0;          // counted in ShmEngine::unexpected_bytes_ while heap is held
   bool complete = false;
   bool discard = false;  // it failed the receive it matched: drained and dropped, never copied
   bool reference = false;  // a MemmapReference: `heap` holds it while unexpected
@@ -80,11 +83,8 @@ std::string memmap_reference(const at::Tensor& t, uint64_t slot_bytes) {
   return out + info->filename;
 }
 
-uint32_t reference_path_bytes(const uint8_t* payload) {
-  shm::MemmapReference r;
-  std::memcpy(&r, payload, sizeof r);
-  return r.path_bytes;
-}
+Clock::rep ticks(Clock::time_point t) { return t.time_since_epoch().count(); }
+Clock::time_point from_ticks(Clock::rep r) { return Clock::time_point(Clock::duration(r)); }
 
 // A null op is a send that completed when it was posted.
 bool is_done(const std::shared_ptr<ShmOp>& op) noexcept {
@@ -120,6 +120,7 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
     throw SegmentError("rank " + std::to_string(rank) + " is outside [0, " + std::to_string(size) + ")");
   }
   if (options.timeout.count() <= 0) throw SegmentError("ShmOptions::timeout must be positive");
+  if (options.peer_check_interval.count() <= 0) throw SegmentError("ShmOptions::peer_check_interval must be positive");
   const auto deadline = Clock::now() + options.timeout;
   shm::SegmentParams params{name, static_cast<uint32_t>(size), options.slot_bytes, options.ring_entries};
   segment_ = shm::Segment::attach(params, static_cast<uint32_t>(rank), deadline);
@@ -132,25 +133,57 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   current_.resize(n);
   spare_.resize(n);
   peer_error_.resize(n);
+  held_bytes_.assign(n, 0);
   collective_seq_.assign(4, 0);
-
-  // Rendezvous: every rank attached (they may start in any order; see Segment::all_arrived for
-  // a peer that came and went before this rank looked).
-  while (!segment_->all_arrived()) {
-    if (Clock::now() > deadline) {
-      int live = 0;
-      for (uint32_t r = 0; r < params.world_size; ++r) live += segment_->rank_alive(r) ? 1 : 0;
-      segment_->leave();
-      throw TimeoutError("segment '" + name + "': only " + std::to_string(live) + " of " + std::to_string(size) +
-                         " ranks attached within the timeout of " + std::to_string(options.timeout.count()) + " ms");
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  next_peer_check_ = Clock::now() + options_.peer_check_interval;
+  rendezvous(deadline);
+  next_peer_check_.store(ticks(Clock::now() + options_.peer_check_interval), std::memory_order_relaxed);
   log().debug("rank {} of {} ready on segment '{}'", rank, size, name);
 }
 
-ShmEngine::~ShmEngine() { shutdown(); }
+// Every rank of this incarnation arrived (they may start in any order; a peer that completed its
+// own rendezvous and left counts). A peer that died in it, or gave up on it, ends the wait at once.
+void ShmEngine::rendezvous(Clock::time_point deadline) {
+  auto next_check = Clock::now();
+  auto give_up = [&](auto error) {
+    segment_->leave(/*abandoned=*/true);
+    throw error;
+  };
+  const std::string where = "segment '" + name_ + "', rank " + std::to_string(rank_) + ": ";
+  while (!segment_->all_arrived()) {
+    if (const int r = segment_->first_abandoned(); r >= 0) {
+      give_up(PeerLostError(where + segment_->describe_rank(static_cast<uint32_t>(r)) +
+                            " gave up this group's rendezvous (it timed out or failed): construct the group again"));
+    }
+    const auto now = Clock::now();
+    if (now >= next_check) {
+      for (uint32_t r = 0; r < static_cast<uint32_t>(size_); ++r) {
+        if (segment_->rank_slot(r).state.load(std::memory_order_acquire) == shm::kRankLive && !segment_->rank_alive(r)) {
+          give_up(PeerLostError(where + segment_->describe_rank(r) + " died before the group formed"));
+        }
+      }
+      next_check = now + options_.peer_check_interval;
+    }
+    if (now > deadline) {
+      int live = 0;
+      for (uint32_t r = 0; r < static_cast<uint32_t>(size_); ++r) live += segment_->rank_alive(r) ? 1 : 0;
+      give_up(TimeoutError(where + "only " + std::to_string(live) + " of " + std::to_string(size_) +
+                           " ranks attached within the timeout of " + std::to_string(options_.timeout.count()) + " ms"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+ShmEngine::~ShmEngine() {
+  shutdown();
+  // The helper thread may hold the last reference (background_loop): it ends right after this.
+  if (background_.joinable()) {
+    if (background_.get_id() == std::this_thread::get_id()) {
+      background_.detach();
+    } else {
+      background_.join();
+    }
+  }
+}
 
 void ShmEngine::shutdown() noexcept {
   {
@@ -168,12 +201,15 @@ void ShmEngine::shutdown() noexcept {
       msg.reset();
     }
     unexpected_.clear();
+    unexpected_bytes_ = 0;
   }
   {
     std::lock_guard lk(watch_mu_);
     stopping_ = true;
   }
   watch_cv_.notify_all();
+  // On the helper thread itself (a callback destroyed the group) it cannot be joined: it returns
+  // to its loop, sees stopping_ and ends; the destructor detaches or joins it.
   if (background_.joinable() && background_.get_id() != std::this_thread::get_id()) background_.join();
   segment_->leave();
 }
@@ -198,7 +234,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
     // The common small send: nothing queued before it, one entry, room in the ring. It is
     // published before any allocation (the peer may be spinning on it) and needs no op at all.
     std::lock_guard lk(mu_);
-    if (!shut_down_ && !peer_error_[peer] && send_queues_[peer].empty() && tensor.is_contiguous()) {
+    if (!shut_down_ && !poisoned_ && !peer_error_[peer] && send_queues_[peer].empty() && tensor.is_contiguous()) {
       const uint64_t bytes =
           reference.empty() ? static_cast<uint64_t>(tensor.numel()) * tensor.element_size() : reference.size();
       if (bytes <= options_.slot_bytes && ring_has_room(dst)) {
@@ -208,7 +244,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
                                              : reinterpret_cast<const uint8_t*>(reference.data());
         write_entry(dst, tx_pos_[peer]++, flags, tag, tensor, data, 0, bytes);
         notify(dst);
-        return nullptr;
+        if (!check_poisoned()) return nullptr;  // else: the op below fails with the poison error
       }
     }
   }
@@ -217,8 +253,8 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
                     tensor.is_contiguous() ? tensor : tensor.contiguous());
   op->reference = reference;
   std::lock_guard lk(mu_);
-  if (shut_down_ || peer_error_[peer]) {
-    finish(op, shut_down_ ? shut_down_ : peer_error_[peer]);
+  if (shut_down_ || poisoned_ || peer_error_[peer]) {
+    finish(op, shut_down_ ? shut_down_ : poisoned_ ? poisoned_ : peer_error_[peer]);
     return op;
   }
   send_queues_[peer].push_back(op);
@@ -232,12 +268,23 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
                      "shm recv: source rank " + std::to_string(src) + " is invalid for rank " + std::to_string(rank_) +
                          " of " + std::to_string(size_));
   }
+  // Bytes land in place: a tensor whose elements share memory (an expanded view) cannot take
+  // them, nor can a read-only mapping. Refused before anything is posted.
+  if (tensor.numel() > 1 && at::has_internal_overlap(tensor) != at::MemOverlap::No) {
+    throw TypeError("shm recv: the tensor's elements overlap in memory (an expanded or stride-0 view, strides " +
+                    shape_str(tensor.strides()) + "), so it cannot receive bytes in place; receive into a tensor "
+                    "of its own (for instance t.contiguous() or t.clone())");
+  }
+  if (auto info = MemoryMappedTensor::info(tensor); info && !info->writable) {
+    throw TypeError("shm recv: the tensor is a read-only memory-mapped file ('" + info->filename +
+                    "'), so it cannot receive bytes; open it writable or receive into another tensor");
+  }
   // A strided destination receives into a contiguous staging tensor, copied over at the end.
   auto op = make_op(ShmOp::Kind::kRecv, src, tag, control, tensor,
                     tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options()));
   std::lock_guard lk(mu_);
-  if (shut_down_) {
-    finish(op, shut_down_);
+  if (shut_down_ || poisoned_) {
+    finish(op, shut_down_ ? shut_down_ : poisoned_);
     return op;
   }
   // Messages drained earlier (unexpected) are older than what is still in the rings: match them
@@ -245,29 +292,29 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
   for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
     const auto& msg = *it;
     if ((src >= 0 && msg->src != src) || msg->tag != tag || msg->control != control) continue;
-    if (!try_match(msg, op)) {
+    const std::shared_ptr<Incoming> keep = msg;
+    unexpected_.erase(it);
+    if (!try_match(keep, op)) {
       // The receive failed with a clear error and the message is dropped (as MPI drops a
       // truncated one), so that what follows on this tag stays in step.
-      if (!msg->complete) {
-        msg->discard = true;
-        msg->heap.reset();
-      }
-      unexpected_.erase(it);
+      if (!keep->complete) keep->discard = true;
+      release_unexpected(*keep);
       return op;
     }
-    if (msg->reference) {  // always complete: one entry
-      auto error = resolve_reference(*op, msg->heap.get(), sizeof(shm::MemmapReference) + reference_path_bytes(msg->heap.get()));
-      unexpected_.erase(it);
+    if (keep->reference) {  // always complete: one entry, checked when it arrived
+      shm::ReferenceFields ref;
+      const std::string problem = shm::check_reference(keep->heap.get(), keep->heap_bytes, keep->total, ref);
+      auto error = problem.empty() ? resolve_reference(*op, ref) : make_error<TransportError>(op->what() + ": " + problem);
+      release_unexpected(*keep);
       finish(op, error);
-    } else if (msg->complete) {
-      if (msg->total != 0) std::memcpy(op->data, msg->heap.get(), msg->total);
-      unexpected_.erase(it);
+    } else if (keep->complete) {
+      if (keep->total != 0) std::memcpy(op->data, keep->heap.get(), keep->total);
+      release_unexpected(*keep);
       finish(op, nullptr);
     } else {
-      if (msg->received != 0) std::memcpy(op->data, msg->heap.get(), msg->received);
-      msg->heap.reset();
-      msg->op = op;
-      unexpected_.erase(it);
+      if (keep->received != 0) std::memcpy(op->data, keep->heap.get(), keep->received);
+      release_unexpected(*keep);
+      keep->op = op;
     }
     return op;
   }
@@ -309,7 +356,7 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
 // Progress
 
 bool ShmEngine::progress_locked() {
-  if (shut_down_) return false;
+  if (shut_down_ || check_poisoned()) return false;
   bool moved = false;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
@@ -394,23 +441,33 @@ void ShmEngine::write_entry(int dst, uint64_t pos, uint32_t flags, int64_t tag, 
 }
 
 bool ShmEngine::progress_receives(int src) {
-  if (peer_error_[static_cast<size_t>(src)] && !current_[static_cast<size_t>(src)]) {
-    // A lost peer's ring was drained before it was declared lost; nothing more comes.
+  const auto s = static_cast<size_t>(src);
+  if (peer_error_[s] && !current_[s]) {
+    // A lost peer's ring was drained before it was declared lost, or it sent a malformed entry:
+    // nothing more is read from it.
     return false;
   }
   const auto from = static_cast<uint32_t>(src), me = static_cast<uint32_t>(rank_);
   shm::RingControl& ring = segment_->ring(from, me);
-  uint64_t& pos = rx_pos_[static_cast<size_t>(src)];
+  uint64_t& pos = rx_pos_[s];
   bool moved = false;
   for (;;) {
     const EntryHeader& e = segment_->entry(from, me, pos);
     if (e.seq.load(std::memory_order_acquire) != pos + 1) break;  // pairs with the producer's release
+    const shm::EntryFields fields = shm::read_entry(e);  // read once: only this copy is used below
+    Taken taken;
     try {
-      handle_entry(src, e, segment_->payload(from, me, pos), segment_->shape(from, me, pos));
+      taken = handle_entry(src, fields, segment_->payload(from, me, pos), segment_->shape(from, me, pos));
     } catch (const Error&) {
       fail_peer(src, std::current_exception());
       return true;
+    } catch (const std::bad_alloc&) {
+      fail_peer(src, make_error<TransportError>("out of memory receiving a message of " +
+                                                std::to_string(fields.total_bytes) + " bytes from " +
+                                                segment_->describe_rank(from)));
+      return true;
     }
+    if (taken == Taken::kHeld) break;  // over the unexpected budget: it waits in the ring
     ++pos;
     ring.tail.store(pos, std::memory_order_release);  // the entry may be reused now
     moved = true;
@@ -423,41 +480,37 @@ bool ShmEngine::progress_receives(int src) {
   return moved;
 }
 
-// Validates one entry (bytes written by another process) and moves its payload.
-void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* payload, const shm::EntryShape& shape) {
+// Validates one entry (a copy of what another process wrote) and moves its payload.
+ShmEngine::Taken ShmEngine::handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload,
+                                         const shm::EntryShape& shape) {
   auto corrupt = [&](const std::string& what) {
     return TransportError("corrupted entry from " + segment_->describe_rank(static_cast<uint32_t>(src)) + ": " + what);
   };
   auto& cur = current_[static_cast<size_t>(src)];
-  const uint32_t flags = e.flags;
-  if (flags & ~uint32_t{shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl | shm::kEntryReference}) {
-    throw corrupt("unknown flags");
+  shm::RxProgress rx;
+  if (cur) rx = {true, cur->control, cur->total, cur->received};
+  if (std::string problem = shm::check_entry(e, rx, options_.slot_bytes, kMaxMessageBytes); !problem.empty()) {
+    throw corrupt(problem);
   }
-  if (flags & shm::kEntryReference) {
-    if ((flags & (shm::kEntryFirst | shm::kEntryLast)) != (shm::kEntryFirst | shm::kEntryLast)) {
-      throw corrupt("a memmap reference that is not a whole message");
+  const bool reference = (e.flags & shm::kEntryReference) != 0;
+  shm::ReferenceFields ref;
+  if (reference) {
+    if (std::string problem = shm::check_reference(payload, e.chunk_bytes, e.total_bytes, ref); !problem.empty()) {
+      throw corrupt(problem);
     }
-    shm::MemmapReference r;
-    if (e.chunk_bytes < sizeof r || e.chunk_bytes > options_.slot_bytes) throw corrupt("memmap reference of " + std::to_string(e.chunk_bytes) + " bytes");
-    std::memcpy(&r, payload, sizeof r);
-    if (r.path_bytes == 0 || sizeof r + r.path_bytes != e.chunk_bytes) throw corrupt("memmap reference path length");
   }
-  if (flags & shm::kEntryFirst) {
-    if (cur) throw corrupt("a new message starts before the previous one ended");
-    if (e.total_bytes > kMaxMessageBytes) throw corrupt("message size " + std::to_string(e.total_bytes));
-    if (e.ndim != shm::kShapeNotSent && e.ndim > shm::kMaxDims) throw corrupt("ndim " + std::to_string(e.ndim));
-    start_message(src, e, shape);
-  } else if (!cur) {
-    throw corrupt("a continuation without a first entry");
+  if (e.flags & shm::kEntryFirst) {
+    int64_t dims[shm::kMaxDims] = {};
+    if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::memcpy(dims, shape.dims, e.ndim * sizeof(int64_t));
+    if (!start_message(src, e, dims)) return Taken::kHeld;
   }
   Incoming& msg = *cur;
-  if (static_cast<bool>(flags & shm::kEntryControl) != msg.control) throw corrupt("control flag changed mid-message");
-  if (msg.reference) {
+  if (reference) {
     std::exception_ptr error;
     if (msg.op) {
-      error = resolve_reference(*msg.op, payload, e.chunk_bytes);
+      error = resolve_reference(*msg.op, ref);
     } else if (!msg.discard) {
-      std::memcpy(msg.heap.get(), payload, e.chunk_bytes);
+      std::memcpy(msg.heap.get(), payload, e.chunk_bytes);  // checked again when a recv takes it
     }
     msg.received = msg.total;
     msg.complete = true;
@@ -466,16 +519,10 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
       finish(done->op, error);
       completed_posted_ = true;
     }
-    return;
+    return Taken::kYes;
   }
-  if (e.chunk_offset != msg.received) {
-    throw corrupt("chunk at offset " + std::to_string(e.chunk_offset) + ", expected " + std::to_string(msg.received));
-  }
-  if (e.chunk_bytes > options_.slot_bytes || e.chunk_bytes > msg.total - msg.received) {
-    throw corrupt("chunk of " + std::to_string(e.chunk_bytes) + " bytes");
-  }
-  const bool last = (flags & shm::kEntryLast) != 0;
-  if (last != (msg.received + e.chunk_bytes == msg.total)) throw corrupt("last-entry flag disagrees with the size");
+  // check_entry bounds the chunk by what is left of the message, whose size is the receive's
+  // (try_match) or that of the buffer allocated for it.
   if (e.chunk_bytes != 0 && !msg.discard) {
     uint8_t* dst = msg.op ? msg.op->data + msg.received : msg.heap.get() + msg.received;
     // A message larger than the caches is written around them (see copy_bytes); the ring's
@@ -483,7 +530,7 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
     copy_bytes(dst, payload, e.chunk_bytes, msg.total >= kStreamingMessageBytes);
   }
   msg.received += e.chunk_bytes;
-  if (last) {
+  if (e.flags & shm::kEntryLast) {
     msg.complete = true;
     auto done = std::move(cur);
     if (done->op) {
@@ -495,33 +542,44 @@ void ShmEngine::handle_entry(int src, const EntryHeader& e, const uint8_t* paylo
       if (done.use_count() == 1) spare_[static_cast<size_t>(src)] = std::move(done);  // reused by the next message
     }
   }
+  return Taken::kYes;
 }
 
-// Lands a reference message (validated by handle_entry) in `op`: nothing to do when op's
+// Lands a reference message (validated by check_reference) in `op`: nothing to do when op's
 // tensor maps the same bytes, else one copy from the file. Returns the error to fail op with.
-std::exception_ptr ShmEngine::resolve_reference(const ShmOp& op, const uint8_t* payload, uint64_t bytes) const {
-  shm::MemmapReference r;
-  std::memcpy(&r, payload, sizeof r);
-  const std::string path(reinterpret_cast<const char*>(payload) + sizeof r, bytes - sizeof r);
+// The file is the sender's choice: only a regular file this process can read is read, never
+// through a final symlink, and never past its end; the bytes go into the receiver's own tensor.
+std::exception_ptr ShmEngine::resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const {
   if (op.bytes == 0) return nullptr;
   if (auto mine = MemoryMappedTensor::info(op.user);
-      mine && mine->writable && op.user.is_contiguous() && mine->filename == path &&
-      static_cast<uint64_t>(mine->offset) == r.offset) {  // (a private copy-on-write mapping may differ)
+      mine && mine->writable && op.user.is_contiguous() && mine->filename == ref.path &&
+      static_cast<uint64_t>(mine->offset) == ref.offset) {  // (a private copy-on-write mapping may differ)
     return nullptr;  // the receiver's tensor is the sender's bytes
   }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return make_error<TransportError>(op.what() + ": cannot open the sender's memory-mapped file '" + path +
-                                      "': " + std::strerror(errno));
+  auto fail = [&](const std::string& why) {
+    return make_error<TransportError>(op.what() + ": the sender's memory-mapped file '" + ref.path + "': " + why);
+  };
+  // O_NONBLOCK: opening a FIFO named by a buggy peer must not block (it is refused below).
+  const int fd = ::open(ref.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return fail(std::string("cannot open it: ") + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return fail("not a regular file");
+  }
+  if (ref.offset + op.bytes > static_cast<uint64_t>(st.st_size)) {
+    ::close(fd);
+    return fail("the file has " + std::to_string(st.st_size) + " bytes, the message needs " +
+                std::to_string(ref.offset + op.bytes));
   }
   uint64_t done = 0;
   while (done < op.bytes) {
-    const ssize_t n = ::pread(fd, op.data + done, op.bytes - done, static_cast<off_t>(r.offset + done));
+    const ssize_t n = ::pread(fd, op.data + done, op.bytes - done, static_cast<off_t>(ref.offset + done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const std::string why = n < 0 ? std::strerror(errno) : "the file is shorter than the message";
       ::close(fd);
-      return make_error<TransportError>(op.what() + ": reading the sender's memory-mapped file '" + path + "': " + why);
+      return fail("reading it: " + why);
     }
     done += static_cast<uint64_t>(n);
   }
@@ -529,44 +587,97 @@ std::exception_ptr ShmEngine::resolve_reference(const ShmOp& op, const uint8_t* 
   return nullptr;
 }
 
-void ShmEngine::start_message(int src, const EntryHeader& e, const shm::EntryShape& shape) {
-  auto& spare = spare_[static_cast<size_t>(src)];
+// Starts the message whose first entry is `e`: into the receive posted for it, or into process
+// memory while the unexpected budget allows. Returns false, changing nothing, when it must stay in
+// the ring (back-pressure).
+bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t* dims) {
+  const auto s = static_cast<size_t>(src);
+  const bool control = (e.flags & shm::kEntryControl) != 0;
+  const bool reference = (e.flags & shm::kEntryReference) != 0;
+  auto posted = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<ShmOp>& op) {
+    return (op->peer < 0 || op->peer == src) && op->tag == e.tag && op->control == control;
+  });
+  // An unexpected reference keeps the reference, not the bytes.
+  const uint64_t need = posted != posted_.end() ? 0 : reference ? e.chunk_bytes : e.total_bytes;
+  if (posted == posted_.end() && need > options_.max_unexpected_bytes - std::min<uint64_t>(unexpected_bytes_, options_.max_unexpected_bytes)) {
+    held_bytes_[s] = std::max<uint64_t>(need, 1);
+    return false;
+  }
+  held_bytes_[s] = 0;
+  auto& spare = spare_[s];
   auto msg = spare ? std::move(spare) : std::make_shared<Incoming>();
   *msg = Incoming{};
   msg->src = src;
   msg->tag = e.tag;
-  msg->control = (e.flags & shm::kEntryControl) != 0;
-  msg->reference = (e.flags & shm::kEntryReference) != 0;
+  msg->control = control;
+  msg->reference = reference;
   msg->total = e.total_bytes;
   msg->dtype = e.dtype;
   msg->ndim = e.ndim;
-  if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(shape.dims, shape.dims + e.ndim, msg->dims);
+  if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(dims, dims + e.ndim, msg->dims);
   msg->arrival = arrivals_++;
-  current_[static_cast<size_t>(src)] = msg;
-  for (auto it = posted_.begin(); it != posted_.end(); ++it) {
-    const auto& op = *it;
-    if ((op->peer >= 0 && op->peer != src) || op->tag != msg->tag || op->control != msg->control) continue;
-    auto keep = op;
-    posted_.erase(it);
-    if (try_match(msg, keep)) {
-      msg->op = keep;
+  if (posted != posted_.end()) {
+    auto op = *posted;
+    posted_.erase(posted);
+    current_[s] = msg;
+    if (try_match(msg, op)) {
+      msg->op = op;
     } else {
       msg->discard = true;  // that receive failed on a mismatch; the message is dropped
     }
-    return;
+    return true;
   }
-  // An unexpected reference keeps the reference, not the bytes.
-  msg->heap = std::make_unique_for_overwrite<uint8_t[]>(msg->reference ? e.chunk_bytes : msg->total);
+  msg->heap = std::make_unique_for_overwrite<uint8_t[]>(need);
+  msg->heap_bytes = need;
+  unexpected_bytes_ += need;
+  current_[s] = msg;
   unexpected_.push_back(msg);
+  return true;
+}
+
+void ShmEngine::release_unexpected(Incoming& msg) {
+  unexpected_bytes_ -= std::min(unexpected_bytes_, msg.heap_bytes);
+  msg.heap.reset();
+  msg.heap_bytes = 0;
 }
 
 void ShmEngine::finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error) {
   if (op->done.load(std::memory_order_relaxed)) return;
+  // Bytes that went through a mapping the file no longer backs may be zeros: never a success.
+  if (!error && segment_->poisoned()) {
+    error = poisoned_ ? poisoned_
+                      : make_error<TransportError>(op->what() + ": the segment file of '" + name_ +
+                                                   "' was truncated by another process while mapped");
+  }
   if (!error && op->kind == ShmOp::Kind::kRecv && !op->buffer.is_same(op->user)) {
-    op->user.copy_(op->buffer);  // a non-contiguous destination gets the staged bytes
+    try {
+      op->user.copy_(op->buffer);  // a non-contiguous destination gets the staged bytes
+    } catch (const std::exception& e) {
+      error = make_error<TransportError>(op->what() + ": copying into the strided tensor: " + e.what());
+    }
   }
   op->error = std::move(error);
   op->done.store(true, std::memory_order_release);  // pairs with acquire loads of done in waiters
+}
+
+// Takes `op` back from the engine (its wait gave up): it fails with `error` and never matches a
+// later message. A send whose first entry is already in the ring cannot be taken back (its
+// receiver expects the rest) and goes on.
+void ShmEngine::withdraw(const std::shared_ptr<ShmOp>& op, const std::exception_ptr& error) {
+  if (!op || op->done.load(std::memory_order_relaxed)) return;
+  if (op->kind == ShmOp::Kind::kRecv) {
+    std::erase(posted_, op);
+    for (auto& msg : current_) {
+      if (msg && msg->op == op) {
+        msg->op.reset();
+        msg->discard = true;  // the rest of it is drained and dropped
+      }
+    }
+  } else {
+    if (op->started) return;
+    std::erase(send_queues_[static_cast<size_t>(op->peer)], op);
+  }
+  finish(op, error);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -581,9 +692,10 @@ void ShmEngine::fail_peer(int peer, std::exception_ptr error) {
   auto& cur = current_[static_cast<size_t>(peer)];
   if (cur) {
     if (cur->op) finish(cur->op, slot);
-    std::erase(unexpected_, cur);  // an incomplete message that nobody will ever finish
+    if (std::erase(unexpected_, cur) != 0) release_unexpected(*cur);  // nobody will ever finish it
     cur.reset();
   }
+  held_bytes_[static_cast<size_t>(peer)] = 0;
   bool someone_alive = false;
   for (int p = 0; p < size_; ++p) someone_alive |= (p != rank_ && !peer_error_[static_cast<size_t>(p)]);
   for (auto it = posted_.begin(); it != posted_.end();) {
@@ -594,14 +706,42 @@ void ShmEngine::fail_peer(int peer, std::exception_ptr error) {
       ++it;
     }
   }
-  segment_->reset_rings_with(static_cast<uint32_t>(peer));
-  tx_pos_[static_cast<size_t>(peer)] = 0;
-  tx_tail_[static_cast<size_t>(peer)] = 0;
-  rx_pos_[static_cast<size_t>(peer)] = 0;
+  // The rings with `peer` are not reset: they belong to this incarnation only, and `peer` (if it
+  // still runs) may still be writing to them. Nothing more is read from or written to them.
+}
+
+// Once the segment's mapping is lost (a peer truncated the file), every transfer fails.
+bool ShmEngine::check_poisoned() {
+  if (poisoned_) return true;
+  if (!segment_->poisoned()) return false;
+  poisoned_ = make_error<TransportError>("the segment file of '" + name_ +
+                                         "' was truncated by another process while in use: this group's shared "
+                                         "memory is gone and all of its transfers fail; construct the group again");
+  log().error("segment '{}' was truncated under its mapping: the group's transfers fail", name_);
+  fail_all(poisoned_);
+  return true;
+}
+
+void ShmEngine::fail_all(const std::exception_ptr& error) {
+  for (auto& q : send_queues_) {
+    for (auto& op : q) finish(op, error);
+    q.clear();
+  }
+  for (auto& op : posted_) finish(op, error);
+  posted_.clear();
+  for (auto& msg : current_) {
+    if (msg && msg->op) finish(msg->op, error);
+    msg.reset();
+  }
+  unexpected_.clear();
+  unexpected_bytes_ = 0;
+  for (auto& p : peer_error_) {
+    if (!p) p = error;
+  }
 }
 
 void ShmEngine::check_peers() {
-  if (shut_down_) return;
+  if (shut_down_ || check_poisoned()) return;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || peer_error_[static_cast<size_t>(p)]) continue;
     if (segment_->rank_alive(static_cast<uint32_t>(p))) continue;
@@ -613,6 +753,14 @@ void ShmEngine::check_peers() {
     log().warn("segment '{}': {} is gone; its pending transfers failed", name_,
                segment_->describe_rank(static_cast<uint32_t>(p)));
   }
+}
+
+void ShmEngine::maybe_check_peers(Clock::time_point now) {
+  if (ticks(now) < next_peer_check_.load(std::memory_order_relaxed)) return;
+  std::lock_guard lk(mu_);
+  if (ticks(now) < next_peer_check_.load(std::memory_order_relaxed)) return;  // another thread just did
+  check_peers();
+  next_peer_check_.store(ticks(now + options_.peer_check_interval), std::memory_order_relaxed);
 }
 
 void ShmEngine::notify(int r) {
@@ -631,6 +779,9 @@ void ShmEngine::notify(int r) {
 void ShmEngine::sleep_until_event(Clock::time_point until) {
   shm::RankSlot& slot = segment_->rank_slot(static_cast<uint32_t>(rank_));
   slot.sleepers.fetch_add(1, std::memory_order_seq_cst);  // announce, then re-check (see notify)
+  // The re-check below reads ring words with acquire loads, which the C++ model may order before
+  // the announcement; this fence pairs with the one in notify (store-load ordering, Dekker).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   const uint32_t seen = slot.wake_seq.load(std::memory_order_seq_cst);
   bool moved;
   {
@@ -668,24 +819,33 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     }
     now = Clock::now();
     if (spin_end == Clock::time_point{}) spin_end = now + options_.spin;
-    if (now >= next_peer_check_) {
-      std::lock_guard lk(mu_);
-      check_peers();
-      next_peer_check_ = now + options_.peer_check_interval;
-    }
+    maybe_check_peers(now);
     if (all_done()) return;
     if (now >= deadline) {
       std::string pending;
       for (const auto& op : ops) {
         if (!is_done(op)) pending += (pending.empty() ? "" : "; ") + op->what();
       }
-      throw TimeoutError("segment '" + name_ + "', rank " + std::to_string(rank_) + ": timed out waiting for " + pending);
+      std::lock_guard lk(mu_);
+      for (size_t p = 0; p < held_bytes_.size(); ++p) {
+        if (held_bytes_[p] != 0) {
+          pending += "; a message of " + std::to_string(held_bytes_[p]) + " bytes from rank " + std::to_string(p) +
+                     " waits in its ring for its recv (early messages already hold " +
+                     std::to_string(unexpected_bytes_) + " bytes of ShmOptions::max_unexpected_bytes = " +
+                     std::to_string(options_.max_unexpected_bytes) + ")";
+        }
+      }
+      auto error = make_error<TimeoutError>("segment '" + name_ + "', rank " + std::to_string(rank_) +
+                                            ": timed out waiting for " + pending);
+      for (const auto& op : ops) withdraw(op, error);
+      std::rethrow_exception(error);
     }
     if (now < spin_end) {
       if (spins % kYieldEvery == 0) sched_yield();
       continue;
     }
-    sleep_until_event(std::min({deadline, next_peer_check_, now + std::chrono::milliseconds(100)}));
+    const auto next_check = from_ticks(next_peer_check_.load(std::memory_order_relaxed));
+    sleep_until_event(std::min({deadline, std::max(next_check, now), now + std::chrono::milliseconds(100)}));
   }
 }
 
@@ -698,47 +858,73 @@ void ShmEngine::watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<voi
   {
     std::lock_guard lk(watch_mu_);
     watches_.push_back({std::move(ops), std::move(on_done)});
-    if (!background_.joinable()) background_ = std::thread([this] { background_loop(); });
+    if (!background_.joinable() && !stopping_) background_ = std::thread(background_loop, weak_from_this());
   }
   watch_cv_.notify_all();
 }
 
-void ShmEngine::background_loop() {
+// The helper thread holds the engine only while it works on it, so that the engine can be
+// destroyed (by a callback, even) while the thread runs.
+void ShmEngine::background_loop(std::weak_ptr<ShmEngine> weak) {
   for (;;) {
-    std::vector<Watch> ready;
-    bool stop = false;
-    {
-      std::unique_lock lk(watch_mu_);
-      watch_cv_.wait(lk, [&] { return stopping_ || !watches_.empty(); });
-      if (stopping_) {
-        stop = true;
-        ready = std::move(watches_);  // fail-fast: their ops were finished with errors or will be
-        watches_.clear();
+    auto self = weak.lock();
+    if (!self || !self->background_step()) return;
+  }
+}
+
+// One round of the helper thread; false once it should end. Nothing escapes it.
+bool ShmEngine::background_step() {
+  std::vector<Watch> ready;
+  bool stop = false;
+  {
+    std::unique_lock lk(watch_mu_);
+    watch_cv_.wait(lk, [&] { return stopping_ || !watches_.empty(); });
+    if (stopping_) {
+      stop = true;
+      ready = std::move(watches_);  // fail-fast: their ops were finished with errors or will be
+      watches_.clear();
+    }
+  }
+  auto run = [&](std::vector<Watch>& list) {
+    for (auto& w : list) {
+      try {
+        w.on_done();
+      } catch (const std::exception& e) {
+        log().error("segment '{}': a future's completion callback threw: {}", name_, e.what());
+      } catch (...) {
+        log().error("segment '{}': a future's completion callback threw", name_);
       }
     }
-    if (stop) {  // also when no watch is left: shutdown() joins this thread
-      for (auto& w : ready) w.on_done();
-      return;
-    }
+  };
+  if (stop) {  // also when no watch is left: shutdown() joins this thread
+    run(ready);
+    return false;
+  }
+  try {
     {
       std::lock_guard lk(mu_);
       progress_locked();
-      if (Clock::now() >= next_peer_check_) {
-        check_peers();
-        next_peer_check_ = Clock::now() + options_.peer_check_interval;
-      }
     }
-    {
-      std::lock_guard lk(watch_mu_);
-      auto it = std::partition(watches_.begin(), watches_.end(), [](const Watch& w) {
-        return !std::all_of(w.ops.begin(), w.ops.end(), is_done);
-      });
-      std::move(it, watches_.end(), std::back_inserter(ready));
-      watches_.erase(it, watches_.end());
-    }
-    for (auto& w : ready) w.on_done();
-    if (ready.empty()) sleep_until_event(Clock::now() + std::chrono::milliseconds(1));
+    maybe_check_peers(Clock::now());
+  } catch (const std::exception& e) {
+    log().error("segment '{}': progress on the helper thread failed: {}", name_, e.what());
   }
+  {
+    std::lock_guard lk(watch_mu_);
+    auto it = std::partition(watches_.begin(), watches_.end(), [](const Watch& w) {
+      return !std::all_of(w.ops.begin(), w.ops.end(), is_done);
+    });
+    std::move(it, watches_.end(), std::back_inserter(ready));
+    watches_.erase(it, watches_.end());
+  }
+  run(ready);
+  if (ready.empty()) {
+    try {
+      sleep_until_event(Clock::now() + std::chrono::milliseconds(1));
+    } catch (...) {
+    }
+  }
+  return true;
 }
 
 }  // namespace tdshm::detail

@@ -13,7 +13,15 @@
 //    nothing at all when its tensor maps the same bytes. An anonymous memmap goes by value.
 //  * A message that matches a posted recv is copied straight into the receiver's tensor. One that
 //    matches nothing yet is copied into process memory ("unexpected", as in MPI) so that the
-//    ring keeps moving: two ranks that both send before receiving cannot deadlock.
+//    ring keeps moving: two ranks that both send before receiving cannot deadlock. Those copies
+//    are bounded by ShmOptions::max_unexpected_bytes: a message that does not fit the budget
+//    stays in the ring (its sender waits: back-pressure) until its recv is posted.
+//  * Every entry is read once into a local copy and validated (validate.h) before any of its
+//    values is used: a peer that rewrites an entry after publishing it cannot move a copy out of
+//    bounds. A malformed entry fails that pair's transfers (TransportError); the rings are never
+//    reset (a ring belongs to one incarnation of the group, see segment_layout.h).
+//  * A wait that times out withdraws its receives (and sends that have not started), so a late
+//    message never lands in a receive its caller gave up on.
 //  * Wake-ups: a rank that sleeps announces it in its RankSlot::sleepers and sleeps on
 //    RankSlot::wake_seq; whoever makes progress possible for it (posts an entry to it, or frees
 //    an entry it writes to) bumps wake_seq and calls FUTEX_WAKE only when sleepers > 0, so a
@@ -23,6 +31,7 @@
 #include <tdshm/process_group.h>
 
 #include "shm/segment.h"
+#include "shm/validate.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -61,10 +70,10 @@ struct ShmOp {
 
 struct Incoming;
 
-class ShmEngine {
+class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
  public:
   ShmEngine(const std::string& name, int rank, int size, const ShmOptions& options);
-  /// Calls shutdown().
+  /// Calls shutdown() (and detaches the helper thread when it is the one destroying the engine).
   ~ShmEngine();
   /// Fails every pending op, stops the helper thread and leaves the segment. Idempotent; later
   /// posts fail at once.
@@ -78,12 +87,14 @@ class ShmEngine {
   /// Posts a receive into `tensor` (src -1: any source) and takes a message that already arrived.
   std::shared_ptr<ShmOp> post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control);
   /// Moves everything pending until every op in `ops` (null ones count as done) is done (or failed), spinning then
-  /// sleeping; throws TimeoutError at `deadline`. Does not rethrow the ops' errors.
+  /// sleeping; throws TimeoutError at `deadline`, after withdrawing the ops that are not done
+  /// (they fail with that error). Does not rethrow the ops' errors.
   void wait(std::span<const std::shared_ptr<ShmOp>> ops, std::chrono::steady_clock::time_point deadline);
   /// One non-blocking progress pass.
   void poll();
   /// Calls `on_done` (from a helper thread, or at once) when every op in `ops` is done; the
-  /// helper thread moves progress meanwhile.
+  /// helper thread moves progress meanwhile. Nothing escapes the helper thread: an exception from
+  /// `on_done` or from progress is logged. The engine must be owned by a shared_ptr.
   void watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done);
 
   int rank() const noexcept { return rank_; }
@@ -105,16 +116,24 @@ class ShmEngine {
   void write_entry(int dst, uint64_t pos, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
                    uint64_t offset, uint64_t chunk);
   bool progress_receives(int src);
-  void handle_entry(int src, const shm::EntryHeader& e, const uint8_t* payload, const shm::EntryShape& shape);
-  void start_message(int src, const shm::EntryHeader& e, const shm::EntryShape& shape);
-  std::exception_ptr resolve_reference(const ShmOp& op, const uint8_t* payload, uint64_t bytes) const;
+  enum class Taken { kYes, kHeld };  // kHeld: the entry stays in the ring (over the unexpected budget)
+  Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape);
+  bool start_message(int src, const shm::EntryFields& e, const int64_t* dims);
+  void release_unexpected(Incoming& msg);
+  std::exception_ptr resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const;
   bool try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op);
   void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
+  void withdraw(const std::shared_ptr<ShmOp>& op, const std::exception_ptr& error);
   void fail_peer(int peer, std::exception_ptr error);
+  void fail_all(const std::exception_ptr& error);
+  bool check_poisoned();
   void check_peers();
+  void maybe_check_peers(std::chrono::steady_clock::time_point now);
   void notify(int r);
   void sleep_until_event(std::chrono::steady_clock::time_point until);
-  void background_loop();
+  bool background_step();
+  static void background_loop(std::weak_ptr<ShmEngine> weak);
+  void rendezvous(std::chrono::steady_clock::time_point deadline);
 
   std::string name_;
   int rank_;
@@ -132,11 +151,16 @@ class ShmEngine {
   std::deque<std::shared_ptr<ShmOp>> posted_;                    // unmatched receives, posting order
   std::deque<std::shared_ptr<Incoming>> unexpected_;             // unmatched messages, arrival order
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
+  std::vector<uint64_t> held_bytes_;  // per source: size of a first entry left in the ring (budget), else 0
+  uint64_t unexpected_bytes_ = 0;     // process memory held by unexpected messages
   uint64_t arrivals_ = 0;
   bool completed_posted_ = false;  // progress_receives: a posted receive completed (stop draining)
   std::vector<int64_t> collective_seq_;
-  std::chrono::steady_clock::time_point next_peer_check_;
   std::exception_ptr shut_down_;  // set by shutdown(): the error of later posts
+  std::exception_ptr poisoned_;   // set once the segment's mapping was lost (bus_guard.h)
+
+  // Next liveness check, in steady_clock ticks; read by waiters without mu_.
+  std::atomic<std::chrono::steady_clock::rep> next_peer_check_{0};
 
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;

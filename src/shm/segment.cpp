@@ -1,8 +1,39 @@
 // Segment creation, attach, validation and leave.
 //
-// All of attach and leave runs under an exclusive flock on /dev/shm/tdshm.<name>.lock, so that
-// "is it stale? then replace it" and "am I the last? then remove it" are atomic with respect to
-// other processes; the kernel drops the lock of a process that dies, so a crash never wedges it.
+// Trust model. Trusted: processes of the same user (effective uid) that joined the group.
+// Everything else is refused, never joined, truncated or written:
+//  * the segment /dev/shm/tdshm.<name> and its lock file /dev/shm/tdshm.<name>.lock must be
+//    regular files owned by the caller's effective uid with no group/other permission bits (they
+//    are created 0600 with O_EXCL); both are opened with O_NOFOLLOW, so a symlink planted at
+//    either path is an error, never followed;
+//  * a segment whose size disagrees with its header is never mapped past the file's end; a file
+//    truncated later, while mapped, is survived (bus_guard.h);
+//  * a member may still be buggy: every value the engine reads from the segment is read once,
+//    bounded and validated (validate.h), and a bad entry fails that pair's transfers with a
+//    TransportError.
+//
+// Recovery model. Everything that creates, replaces, joins or removes a segment runs under an
+// exclusive flock on the lock file; the kernel drops the lock of a process that dies, so a crash
+// never wedges the name. Under the lock:
+//  * a creator first writes a record {pid, start time, rank, creating = 1} into the lock file,
+//    creates the file (O_EXCL), reserves its pages, writes the header, publishes the layout
+//    version (release) and claims its slot, then clears `creating`. Whoever takes the lock next
+//    and finds `creating` set knows that the creator died mid-way: the file (missing, short,
+//    zero, or half-written) is replaced, and the dead creator's rank is recorded in the new
+//    incarnation as a member that died, so that the other ranks' rendezvous fails with
+//    PeerLostError at once instead of waiting for their timeout;
+//  * a header that is incomplete, corrupt or truncated is refused while the rank that created it
+//    lives (someone damaged a group in use) and replaced otherwise;
+//  * a valid segment with no live rank (all left or dead) is stale: it is replaced;
+//  * a rank whose slot in the current incarnation is already used (it left, or died) starts a
+//    new incarnation: the old file is unlinked (its members keep their mapping) and a new one is
+//    created under the name. The members of the old incarnation finish with it; messages never
+//    cross incarnations because they never share a file;
+//  * the last live rank to leave removes the file, if the name still refers to its incarnation,
+//    and then the lock file. A dead rank leaves its slot Live with its pid: peers see it dead
+//    (process_alive compares pid and start time, so a reused pid is not mistaken for it), and the
+//    next group under the name replaces the segment. tdshm::remove_stale_segment removes one by
+//    hand.
 
 #include "shm/segment.h"
 
@@ -10,12 +41,14 @@
 #include <tdshm/process_group.h>
 
 #include "common/log.h"
-
-#include <boost/interprocess/shared_memory_object.hpp>
+#include "shm/bus_guard.h"
+#include "shm/validate.h"
 
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -23,6 +56,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -50,17 +84,12 @@ bool remove_stale_segment(const std::string& name) { return shm::remove_segment_
 
 namespace shm {
 
-namespace bip = boost::interprocess;
-
 namespace {
 
-constexpr uint32_t kMaxWorld = 4096;
-constexpr uint32_t kMaxRingEntries = 1u << 20;
-constexpr uint64_t kMaxSlotBytes = uint64_t{1} << 30;
 const char* const kShmDir = "/dev/shm";
 
-std::string shm_object_name(const std::string& name) { return "tdshm." + name; }
-std::string lock_path(const std::string& name) { return std::string(kShmDir) + "/tdshm." + name + ".lock"; }
+std::string segment_path(const std::string& name) { return std::string(kShmDir) + "/tdshm." + name; }
+std::string lock_path(const std::string& name) { return segment_path(name) + ".lock"; }
 
 uint64_t read_start_time(uint32_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
@@ -80,15 +109,91 @@ uint64_t read_start_time(uint32_t pid) {
   return 0;
 }
 
+/// Closes a descriptor at scope exit.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) noexcept : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const noexcept { return fd_; }
+  explicit operator bool() const noexcept { return fd_ >= 0; }
+
+ private:
+  int fd_;
+};
+
+std::string uid_str(uid_t uid) { return std::to_string(static_cast<unsigned long>(uid)); }
+
+/// Why open(path) failed, in words that point the user the right way.
+SegmentError open_error(const std::string& path, const std::string& what, int err) {
+  if (err == ELOOP) {
+    return SegmentError("the " + what + " '" + path +
+                        "' is a symbolic link; tdshm never follows links there (someone may be redirecting it): "
+                        "remove the link, or use another segment name");
+  }
+  struct stat st {};
+  if ((err == EACCES || err == EPERM) && ::lstat(path.c_str(), &st) == 0 && st.st_uid != ::geteuid()) {
+    return SegmentError("the " + what + " '" + path + "' belongs to uid " + uid_str(st.st_uid) +
+                        ", not to this process's uid " + uid_str(::geteuid()) +
+                        ": refusing another user's file; remove it or use another segment name");
+  }
+  if (err == ENOSPC || err == EROFS || err == ENOENT) {
+    return SegmentError("cannot create the " + what + " '" + path + "': " + std::strerror(err) + " (is " + kShmDir +
+                        " a writable tmpfs?)");
+  }
+  return SegmentError("cannot open the " + what + " '" + path + "': " + std::strerror(err));
+}
+
+/// Checks that `fd` (opened from `path`) is a regular file of this uid, private to it.
+void check_owned(int fd, const std::string& path, const std::string& what, struct stat* out = nullptr) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw SegmentError("cannot stat the " + what + " '" + path + "': " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) {
+    throw SegmentError("the " + what + " '" + path + "' is not a regular file; refusing it: remove it or use another segment name");
+  }
+  if (st.st_uid != ::geteuid()) {
+    throw SegmentError("the " + what + " '" + path + "' is owned by uid " + uid_str(st.st_uid) +
+                       ", not by this process's uid " + uid_str(::geteuid()) +
+                       ": refusing another user's file (it could read or forge this group's data); remove it or "
+                       "use another segment name");
+  }
+  if ((st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    throw SegmentError("the " + what + " '" + path + "' has mode " + mode +
+                       ": group/other permission bits would let other users read or write it, and tdshm "
+                       "creates its files 0600; refusing it: remove it or use another segment name");
+  }
+  if (out != nullptr) *out = st;
+}
+
+/// What the last creator under this name wrote into the lock file (see the recovery model).
+struct CreatorRecord {
+  static constexpr uint64_t kMagic = 0x314b434c4d534454ull;  // "TDSMLCK1"
+  uint64_t magic = 0;
+  uint32_t pid = 0;
+  uint32_t rank = 0;
+  uint64_t start_time = 0;
+  uint32_t creating = 0;
+  uint32_t reserved = 0;
+};
+static_assert(sizeof(CreatorRecord) == 32);
+
 // The exclusive lock that serialises attach and leave for one name.
 class LockFile {
  public:
   LockFile(const std::string& name, std::chrono::steady_clock::time_point deadline) : path_(lock_path(name)) {
     for (;;) {
-      fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-      if (fd_ < 0) {
-        throw SegmentError("cannot open the lock file '" + path_ + "': " + std::strerror(errno) +
-                           " (is /dev/shm mounted and writable?)");
+      fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+      if (fd_ < 0) throw open_error(path_, "lock file", errno);
+      try {
+        check_owned(fd_, path_, "lock file");
+      } catch (...) {
+        ::close(fd_);
+        throw;
       }
       while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
         if (errno != EWOULDBLOCK && errno != EINTR) {
@@ -105,7 +210,7 @@ class LockFile {
       // The last leaver may have removed the file while we waited: then our lock is on a
       // deleted inode and means nothing; take the lock again on the current file.
       struct stat held {}, current {};
-      if (::fstat(fd_, &held) == 0 && ::stat(path_.c_str(), &current) == 0 && held.st_ino == current.st_ino &&
+      if (::fstat(fd_, &held) == 0 && ::lstat(path_.c_str(), &current) == 0 && held.st_ino == current.st_ino &&
           held.st_dev == current.st_dev) {
         return;
       }
@@ -117,52 +222,103 @@ class LockFile {
   ~LockFile() { ::close(fd_); }  // closing drops the flock
   void remove_file() noexcept { ::unlink(path_.c_str()); }
 
+  std::optional<CreatorRecord> record() const noexcept {
+    CreatorRecord r;
+    if (::pread(fd_, &r, sizeof r, 0) != static_cast<ssize_t>(sizeof r) || r.magic != CreatorRecord::kMagic) {
+      return std::nullopt;
+    }
+    return r;
+  }
+  void write_record(const CreatorRecord& r) const {
+    if (::pwrite(fd_, &r, sizeof r, 0) != static_cast<ssize_t>(sizeof r)) {
+      throw SegmentError("cannot write the lock file '" + path_ + "': " + std::strerror(errno));
+    }
+  }
+
  private:
   std::string path_;
   int fd_ = -1;
 };
 
-bool remove_object(const std::string& name) noexcept {
-  try {
-    return bip::shared_memory_object::remove(shm_object_name(name).c_str());
-  } catch (...) {
-    return false;
+/// Opens the segment file of `name` read-write, refusing links and other users' files; returns
+/// a closed Fd when there is none.
+int open_segment(const std::string& name, struct stat& st) {
+  const std::string path = segment_path(name);
+  const int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return -1;
+    throw open_error(path, "segment", errno);
   }
+  try {
+    check_owned(fd, path, "segment", &st);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  return fd;
 }
 
-// What an existing segment's header says, checked against its real size. Throws SegmentError
-// for anything inconsistent; returns false when the creator died before publishing the version.
-bool validate_header(const SegmentHeader& h, uint64_t file_bytes, const std::string& name) {
-  auto corrupt = [&](const std::string& what) {
-    return SegmentError("segment '" + name + "' is corrupted or not a tdshm segment: " + what +
-                        "; if no process uses it, remove it with tdshm::remove_stale_segment or delete " +
-                        std::string(kShmDir) + "/tdshm." + name);
-  };
-  if (h.magic != kSegmentMagic) throw corrupt("bad magic");
-  const uint32_t version = h.layout_version.load(std::memory_order_acquire);  // pairs with the creator's release
-  if (version == 0) return false;
-  if (version != kLayoutVersion) {
-    throw SegmentError("segment '" + name + "' has layout version " + std::to_string(version) +
-                       " but this tdshm uses version " + std::to_string(kLayoutVersion) +
-                       ": all ranks must run the same tdshm build");
+/// A read-only view of an existing segment file, for deciding what to do with it.
+class Inspection {
+ public:
+  Inspection(int fd, uint64_t file_bytes) : bytes_(file_bytes) {
+    if (file_bytes >= sizeof(SegmentHeader)) {
+      void* p = ::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED) throw SegmentError(std::string("cannot map an existing segment: ") + std::strerror(errno));
+      base_ = static_cast<const uint8_t*>(p);
+      guard_ = BusGuard::add(const_cast<uint8_t*>(base_), bytes_);
+      header_ = read_header(*reinterpret_cast<const SegmentHeader*>(base_));
+      check_ = check_header(header_, file_bytes);
+    } else {
+      check_ = {HeaderVerdict::kIncomplete, "only " + std::to_string(file_bytes) + " bytes"};
+    }
   }
-  if (h.header_bytes != sizeof(SegmentHeader)) throw corrupt("header size " + std::to_string(h.header_bytes));
-  if (h.world_size < 1 || h.world_size > kMaxWorld) throw corrupt("world size " + std::to_string(h.world_size));
-  if (h.ring_entries < 1 || h.ring_entries > kMaxRingEntries) {
-    throw corrupt("ring entries " + std::to_string(h.ring_entries));
+  Inspection(const Inspection&) = delete;
+  Inspection& operator=(const Inspection&) = delete;
+  ~Inspection() {
+    if (base_ != nullptr) {
+      BusGuard::remove(guard_);
+      ::munmap(const_cast<uint8_t*>(base_), bytes_);
+    }
   }
-  if (h.slot_bytes < 1 || h.slot_bytes > kMaxSlotBytes) throw corrupt("slot bytes " + std::to_string(h.slot_bytes));
-  // With the bounds above the geometry cannot overflow 64 bits (2^12 * 2^12 * 2^20 * 2^31).
-  const SegmentGeometry g = segment_geometry(h.world_size, h.slot_bytes, h.ring_entries);
-  if (h.entry_bytes != g.entry_bytes || h.ring_bytes != g.ring_bytes || h.rank_table_offset != g.rank_table_offset ||
-      h.rings_offset != g.rings_offset || h.segment_bytes != g.segment_bytes) {
-    throw corrupt("offsets and sizes do not agree with world size, slot bytes and ring entries");
+  const HeaderFields& header() const noexcept { return header_; }
+  const HeaderCheck& check() const noexcept { return check_; }
+  /// Whether the rank table can be read: the header's geometry is consistent and fits the file.
+  bool table_readable() const noexcept {
+    return check_.verdict == HeaderVerdict::kValid ||
+           (check_.verdict == HeaderVerdict::kTruncated &&
+            header_.rank_table_offset + uint64_t{header_.world_size} * sizeof(RankSlot) <= bytes_);
   }
-  if (h.segment_bytes != file_bytes) {
-    throw corrupt("header says " + std::to_string(h.segment_bytes) + " bytes, the object has " +
-                  std::to_string(file_bytes));
+  /// The state of rank r's slot and whether its process lives (requires table_readable()).
+  const RankSlot& slot(uint32_t r) const noexcept {
+    return *reinterpret_cast<const RankSlot*>(base_ + header_.rank_table_offset + uint64_t{r} * sizeof(RankSlot));
   }
-  return true;
+  /// The first live rank, or -1.
+  int live_rank() const;
+
+ private:
+  const uint8_t* base_ = nullptr;
+  uint64_t bytes_;
+  int guard_ = -1;
+  HeaderFields header_{};
+  HeaderCheck check_{};
+};
+
+bool slot_alive(const RankSlot& slot) {
+  if (slot.state.load(std::memory_order_acquire) != kRankLive) return false;  // pairs with the claim's release
+  if (slot.pid == self_process().pid) return true;  // threads-as-ranks of this process
+  return process_alive({slot.pid, slot.start_time});
+}
+
+int Inspection::live_rank() const {
+  for (uint32_t r = 0; r < header_.world_size; ++r) {
+    if (slot_alive(slot(r))) return static_cast<int>(r);
+  }
+  return -1;
+}
+
+bool creator_alive(const std::optional<CreatorRecord>& rec) {
+  return rec && (rec->pid == self_process().pid || process_alive({rec->pid, rec->start_time}));
 }
 
 void check_capacity(uint64_t bytes, const std::string& name) {
@@ -176,6 +332,21 @@ void check_capacity(uint64_t bytes, const std::string& name) {
                        "m, or mount -o remount,size=... " + kShmDir +
                        ") or make ShmOptions::slot_bytes / ring_entries smaller");
   }
+}
+
+uint64_t random_id() {
+  uint64_t v = 0;
+  if (::getrandom(&v, sizeof v, GRND_NONBLOCK) != static_cast<ssize_t>(sizeof v)) {
+    v = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+        (uint64_t{self_process().pid} << 32);
+  }
+  return v;
+}
+
+std::string hex(uint64_t v) {
+  char buf[20];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
 }
 
 }  // namespace
@@ -199,6 +370,22 @@ bool process_alive(const ProcessId& id) {
 
 Segment::Segment(SegmentParams params, uint32_t rank) : params_(std::move(params)), rank_(rank) {}
 
+void Segment::map(int fd, uint64_t bytes) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    throw SegmentError("cannot map segment '" + params_.name + "' (" + std::to_string(bytes) + " bytes): " +
+                       std::strerror(errno));
+  }
+  base_ = static_cast<uint8_t*>(p);
+  mapped_bytes_ = bytes;
+  guard_ = BusGuard::add(base_, bytes);
+  struct stat st {};
+  if (::fstat(fd, &st) == 0) {
+    dev_ = st.st_dev;
+    ino_ = st.st_ino;
+  }
+}
+
 std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t rank,
                                          std::chrono::steady_clock::time_point deadline) {
   validate_segment_name(params.name);
@@ -218,145 +405,181 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
 
   std::unique_ptr<Segment> seg(new Segment(params, rank));
   seg->geometry_ = segment_geometry(params.world_size, params.slot_bytes, params.ring_entries);
-  const std::string object = shm_object_name(params.name);
+  const std::string path = segment_path(params.name);
   const ProcessId me = self_process();
 
   LockFile lock(params.name, deadline);
-  bool created = false;
-  for (int attempt = 0; attempt < 2 && seg->base_ == nullptr; ++attempt) {
-    try {
-      bip::shared_memory_object shm(bip::open_only, object.c_str(), bip::read_write);
-      bip::offset_t size = 0;
-      shm.get_size(size);
-      if (static_cast<uint64_t>(size) < sizeof(SegmentHeader)) {
-        throw SegmentError("segment '" + params.name + "' is corrupted: only " + std::to_string(size) +
-                           " bytes; remove it with tdshm::remove_stale_segment");
-      }
-      bip::mapped_region region(shm, bip::read_write);
-      auto* h = static_cast<SegmentHeader*>(region.get_address());
-      const bool ready = validate_header(*h, static_cast<uint64_t>(size), params.name);
-      bool live = false;
-      if (ready) {
-        for (uint32_t r = 0; r < h->world_size && !live; ++r) {
-          const auto* slot = reinterpret_cast<const RankSlot*>(static_cast<uint8_t*>(region.get_address()) +
-                                                               h->rank_table_offset + uint64_t{r} * sizeof(RankSlot));
-          const uint32_t state = slot->state.load(std::memory_order_acquire);
-          live = (state == kRankLive || state == kRankClaiming) && process_alive({slot->pid, slot->start_time});
-        }
-      }
-      if (!live) {
-        detail::log().info("segment '{}' is stale (no live rank); replacing it", params.name);
-        remove_object(params.name);
-        continue;  // create below
-      }
-      if (h->world_size != params.world_size || h->slot_bytes != params.slot_bytes ||
-          h->ring_entries != params.ring_entries) {
-        throw SegmentError("segment '" + params.name + "' is in use with world size " + std::to_string(h->world_size) +
-                           ", slot_bytes " + std::to_string(h->slot_bytes) + ", ring_entries " +
-                           std::to_string(h->ring_entries) + "; this rank asked for world size " +
-                           std::to_string(params.world_size) + ", slot_bytes " + std::to_string(params.slot_bytes) +
-                           ", ring_entries " + std::to_string(params.ring_entries));
-      }
-      seg->region_ = std::move(region);
-      seg->base_ = static_cast<uint8_t*>(seg->region_.get_address());
-    } catch (const bip::interprocess_exception& e) {
-      if (e.get_error_code() != bip::not_found_error) {
-        throw SegmentError("cannot open segment '" + params.name + "': " + e.what());
-      }
-    }
-    if (seg->base_ != nullptr) break;
+  const std::optional<CreatorRecord> record = lock.record();
+  // A creator that died mid-way left `creating` set (see the recovery model).
+  const bool creator_died = record && record->creating != 0 && !creator_alive(record);
+  auto corrupt = [&](const std::string& what) {
+    return SegmentError("segment '" + params.name + "' is corrupted or not a tdshm segment: " + what +
+                        "; the rank that created it still runs, so it is left alone: if no process uses it, remove "
+                        "it with tdshm::remove_stale_segment or delete " + path);
+  };
 
-    // Create it.
+  for (int attempt = 0; attempt < 4 && seg->base_ == nullptr; ++attempt) {
+    struct stat st {};
+    Fd fd(open_segment(params.name, st));
+    if (fd) {
+      const auto file_bytes = static_cast<uint64_t>(st.st_size);
+      const Inspection existing(fd.get(), file_bytes);
+      const HeaderFields& h = existing.header();
+      const HeaderVerdict verdict = existing.check().verdict;
+      std::string why_replace;
+      if (verdict == HeaderVerdict::kOtherVersion) {
+        throw SegmentError("segment '" + params.name + "' has " + existing.check().problem +
+                           ": all ranks must run the same tdshm build (if no process uses it, remove it with "
+                           "tdshm::remove_stale_segment)");
+      } else if (creator_died) {
+        why_replace = "its creator (pid " + std::to_string(record->pid) + ") died while creating it";
+      } else if (existing.table_readable()) {
+        const int live = existing.live_rank();
+        if (live < 0) {
+          why_replace = "stale: no live rank";
+        } else if (verdict == HeaderVerdict::kTruncated) {
+          throw SegmentError("segment '" + params.name + "' was truncated: " + existing.check().problem +
+                             "; rank " + std::to_string(live) + " still uses it, so it is left alone");
+        } else if (h.world_size != params.world_size || h.slot_bytes != params.slot_bytes ||
+                   h.ring_entries != params.ring_entries) {
+          throw SegmentError("segment '" + params.name + "' is in use with world size " + std::to_string(h.world_size) +
+                             ", slot_bytes " + std::to_string(h.slot_bytes) + ", ring_entries " +
+                             std::to_string(h.ring_entries) + "; this rank asked for world size " +
+                             std::to_string(params.world_size) + ", slot_bytes " + std::to_string(params.slot_bytes) +
+                             ", ring_entries " + std::to_string(params.ring_entries));
+        } else {
+          const RankSlot& mine = existing.slot(rank);
+          const uint32_t state = mine.state.load(std::memory_order_acquire);
+          if (state == kRankFree) {
+            seg->map(fd.get(), file_bytes);  // join this incarnation
+            seg->incarnation_ = h.incarnation;
+            break;
+          }
+          if (slot_alive(mine)) {
+            throw SegmentError("rank " + std::to_string(rank) + " of segment '" + params.name +
+                               "' is already taken by the live process " + std::to_string(mine.pid));
+          }
+          why_replace = "rank " + std::to_string(rank) + " was already a member of incarnation " + hex(h.incarnation) +
+                        ": a new incarnation starts";
+        }
+      } else if (creator_alive(record)) {
+        throw corrupt(existing.check().problem);
+      } else {
+        why_replace = "unusable (" + existing.check().problem + ") and its creator is gone";
+      }
+      detail::log().debug("segment '{}': replacing it ({})", params.name, why_replace);
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+        throw SegmentError("cannot replace segment '" + params.name + "': unlink " + path + ": " + std::strerror(errno));
+      }
+      continue;
+    }
+
+    // Create a new incarnation.
     const uint64_t bytes = seg->geometry_.segment_bytes;
     try {
       check_capacity(bytes, params.name);
     } catch (...) {
-      lock.remove_file();  // no segment of this name exists: leave no lock file behind either
+      if (!record) lock.remove_file();  // no segment of this name exists: leave no lock file behind either
       throw;
     }
-    try {
-      bip::permissions perm;
-      perm.set_permissions(0600);
-      bip::shared_memory_object shm(bip::create_only, object.c_str(), bip::read_write, perm);
-      shm.truncate(static_cast<bip::offset_t>(bytes));
-      // Reserve every page now: a full /dev/shm is an error here, never a SIGBUS later.
-      const int err = ::posix_fallocate(shm.get_mapping_handle().handle, 0, static_cast<off_t>(bytes));
-      if (err != 0) {
-        remove_object(params.name);
-        lock.remove_file();
-        throw SegmentError("cannot reserve " + std::to_string(bytes) + " bytes for segment '" + params.name +
-                           "' in " + kShmDir + ": " + std::strerror(err) +
-                           "; enlarge /dev/shm or make ShmOptions::slot_bytes / ring_entries smaller");
-      }
-      bip::mapped_region region(shm, bip::read_write);
-      auto* h = new (region.get_address()) SegmentHeader{};  // the pages are zero; this sets the fields
-      h->magic = kSegmentMagic;
-      h->header_bytes = sizeof(SegmentHeader);
-      h->segment_bytes = bytes;
-      h->world_size = params.world_size;
-      h->ring_entries = params.ring_entries;
-      h->slot_bytes = params.slot_bytes;
-      h->rank_table_offset = seg->geometry_.rank_table_offset;
-      h->rings_offset = seg->geometry_.rings_offset;
-      h->ring_bytes = seg->geometry_.ring_bytes;
-      h->entry_bytes = seg->geometry_.entry_bytes;
-      h->creator_pid = me.pid;
-      h->creator_start_time = me.start_time;
-      h->layout_version.store(kLayoutVersion, std::memory_order_release);  // pairs with validate_header
-      seg->region_ = std::move(region);
-      seg->base_ = static_cast<uint8_t*>(seg->region_.get_address());
-      created = true;
-    } catch (const bip::interprocess_exception& e) {
-      remove_object(params.name);
-      lock.remove_file();
-      throw SegmentError("cannot create segment '" + params.name + "' (" + std::to_string(bytes) + " bytes): " + e.what());
+    lock.write_record({CreatorRecord::kMagic, me.pid, rank, me.start_time, 1, 0});
+    auto undo = [&] {
+      ::unlink(path.c_str());
+      lock.write_record({CreatorRecord::kMagic, me.pid, rank, me.start_time, 0, 0});
+    };
+    const int raw = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (raw < 0) {
+      const int err = errno;
+      lock.write_record({CreatorRecord::kMagic, me.pid, rank, me.start_time, 0, 0});
+      if (err == EEXIST) continue;  // someone (not tdshm: we hold the lock) created it: look at it again
+      throw open_error(path, "segment", err);
     }
+    Fd created(raw);
+    // Reserve every page now: a full /dev/shm is an error here, never a SIGBUS later.
+    int err = ::fchmod(raw, 0600) != 0 ? errno : 0;
+    if (err == 0) err = ::posix_fallocate(raw, 0, static_cast<off_t>(bytes));  // returns the error
+    if (err != 0) {
+      undo();
+      throw SegmentError("cannot reserve " + std::to_string(bytes) + " bytes for segment '" + params.name + "' in " +
+                         kShmDir + ": " + std::strerror(err) +
+                         "; enlarge /dev/shm or make ShmOptions::slot_bytes / ring_entries smaller");
+    }
+    try {
+      seg->map(raw, bytes);
+    } catch (...) {
+      undo();
+      throw;
+    }
+    auto* hdr = new (seg->base_) SegmentHeader{};  // the pages are zero; this sets the fields
+    hdr->magic = kSegmentMagic;
+    hdr->header_bytes = sizeof(SegmentHeader);
+    hdr->segment_bytes = bytes;
+    hdr->world_size = params.world_size;
+    hdr->ring_entries = params.ring_entries;
+    hdr->slot_bytes = params.slot_bytes;
+    hdr->rank_table_offset = seg->geometry_.rank_table_offset;
+    hdr->rings_offset = seg->geometry_.rings_offset;
+    hdr->ring_bytes = seg->geometry_.ring_bytes;
+    hdr->entry_bytes = seg->geometry_.entry_bytes;
+    hdr->creator_pid = me.pid;
+    hdr->creator_rank = rank;
+    hdr->creator_start_time = me.start_time;
+    hdr->incarnation = seg->incarnation_ = random_id();
+    if (creator_died && record->rank < params.world_size && record->rank != rank) {
+      // The rank that died creating the previous file is a member that died: the others' rendezvous
+      // sees it dead and fails at once (PeerLostError). A restarted process for that rank starts a
+      // new incarnation, as after any death.
+      RankSlot& dead = seg->rank_slot(record->rank);
+      dead.pid = record->pid;
+      dead.start_time = record->start_time;
+      dead.state.store(kRankLive, std::memory_order_release);
+    }
+    hdr->layout_version.store(kLayoutVersion, std::memory_order_release);  // pairs with read_header
+    break;
   }
-  if (seg->base_ == nullptr) throw SegmentError("cannot attach segment '" + params.name + "'");
+  if (seg->base_ == nullptr) throw SegmentError("cannot attach segment '" + params.name + "': it keeps changing");
 
   RankSlot& slot = seg->rank_slot(rank);
-  const uint32_t state = slot.state.load(std::memory_order_acquire);
-  if ((state == kRankLive || state == kRankClaiming) && process_alive({slot.pid, slot.start_time})) {
-    seg->base_ = nullptr;  // not ours: do not mark it left
-    throw SegmentError("rank " + std::to_string(rank) + " of segment '" + params.name +
-                       "' is already taken by the live process " + std::to_string(slot.pid));
-  }
-  slot.state.store(kRankClaiming, std::memory_order_relaxed);
   slot.pid = me.pid;
   slot.start_time = me.start_time;
-  if (!created) {
-    for (uint32_t peer = 0; peer < params.world_size; ++peer) seg->reset_rings_with(peer);
+  slot.state.store(kRankLive, std::memory_order_release);  // pairs with the acquire loads of state
+  if (auto r = lock.record(); r && r->creating != 0) {
+    lock.write_record({CreatorRecord::kMagic, r->pid, r->rank, r->start_time, 0, 0});  // creation complete
   }
-  // Under the lock no rank leaves, and no peer completes its rendezvous before this rank is live:
-  // a rank found left now is an earlier member (see all_arrived).
-  seg->state_before_live_.resize(params.world_size);
-  for (uint32_t r = 0; r < params.world_size; ++r) {
-    seg->state_before_live_[r] = seg->rank_slot(r).state.load(std::memory_order_acquire);
-  }
-  slot.state.store(kRankLive, std::memory_order_release);  // pairs with rank_alive / all_live
-  seg->header().attached.fetch_add(1, std::memory_order_acq_rel);
-  detail::log().debug("rank {} attached to segment '{}' ({})", rank, params.name, created ? "created" : "existing");
+  detail::log().debug("rank {} attached to segment '{}', incarnation {}", rank, params.name, hex(seg->incarnation_));
   return seg;
 }
 
-Segment::~Segment() { leave(); }
+Segment::~Segment() {
+  leave();
+  if (base_ != nullptr) {
+    BusGuard::remove(guard_);
+    ::munmap(base_, mapped_bytes_);
+  }
+}
 
-void Segment::leave() noexcept {
+bool Segment::poisoned() const noexcept { return BusGuard::poisoned(guard_); }
+
+void Segment::leave(bool abandoned) noexcept {
   if (left_ || base_ == nullptr) return;
   left_ = true;
+  RankSlot& mine = rank_slot(rank_);
   try {
     LockFile lock(params_.name, std::chrono::steady_clock::now() + std::chrono::seconds(2));
-    rank_slot(rank_).state.store(kRankLeft, std::memory_order_release);
-    header().attached.fetch_sub(1, std::memory_order_acq_rel);
+    mine.state.store(abandoned ? kRankAbandoned : kRankLeft, std::memory_order_release);
     bool anyone = false;
-    for (uint32_t r = 0; r < params_.world_size && !anyone; ++r) anyone = rank_alive(r);
+    for (uint32_t r = 0; r < params_.world_size && !anyone; ++r) anyone = !poisoned() && rank_alive(r);
     if (!anyone) {
-      remove_object(params_.name);
-      lock.remove_file();
-      detail::log().debug("last rank left segment '{}': removed", params_.name);
+      // Remove the name only while it still refers to this incarnation; then the lock file, when
+      // no segment is left under the name.
+      const std::string path = segment_path(params_.name);
+      struct stat st {};
+      if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_) ::unlink(path.c_str());
+      if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) lock.remove_file();
+      detail::log().debug("last rank left segment '{}', incarnation {}", params_.name, hex(incarnation_));
     }
   } catch (const std::exception& e) {
-    rank_slot(rank_).state.store(kRankLeft, std::memory_order_release);
+    mine.state.store(abandoned ? kRankAbandoned : kRankLeft, std::memory_order_release);
     try {
       detail::log().warn("leaving segment '{}': {}", params_.name, e.what());
     } catch (...) {
@@ -364,79 +587,50 @@ void Segment::leave() noexcept {
   }
 }
 
-bool Segment::rank_alive(uint32_t r) const {
-  const RankSlot& slot = rank_slot(r);
-  const uint32_t state = slot.state.load(std::memory_order_acquire);  // pairs with the claim's release
-  if (state != kRankLive && state != kRankClaiming) return false;
-  if (slot.pid == self_process().pid) return true;  // threads-as-ranks of this process
-  return process_alive({slot.pid, slot.start_time});
-}
-
-bool Segment::all_live() const {
-  for (uint32_t r = 0; r < params_.world_size; ++r) {
-    if (rank_slot(r).state.load(std::memory_order_acquire) != kRankLive) return false;
-  }
-  return true;
-}
+bool Segment::rank_alive(uint32_t r) const { return slot_alive(rank_slot(r)); }
 
 bool Segment::all_arrived() const {
   for (uint32_t r = 0; r < params_.world_size; ++r) {
     const uint32_t state = rank_slot(r).state.load(std::memory_order_acquire);
-    if (state == kRankLive) continue;
-    if (state == kRankLeft && state_before_live_[r] != kRankLeft) continue;
-    return false;
+    if (state != kRankLive && state != kRankLeft) return false;
   }
   return true;
+}
+
+int Segment::first_abandoned() const {
+  for (uint32_t r = 0; r < params_.world_size; ++r) {
+    if (rank_slot(r).state.load(std::memory_order_acquire) == kRankAbandoned) return static_cast<int>(r);
+  }
+  return -1;
 }
 
 std::string Segment::describe_rank(uint32_t r) const {
   return "rank " + std::to_string(r) + " (pid " + std::to_string(rank_slot(r).pid) + ")";
 }
 
-void Segment::reset_rings_with(uint32_t peer) noexcept {
-  for (auto [src, dst] : {std::pair{rank_, peer}, std::pair{peer, rank_}}) {
-    RingControl& ring = this->ring(src, dst);
-    ring.head.store(0, std::memory_order_relaxed);
-    ring.tail.store(0, std::memory_order_relaxed);
-    for (uint64_t i = 0; i < params_.ring_entries; ++i) entry(src, dst, i).seq.store(0, std::memory_order_relaxed);
-  }
-  std::atomic_thread_fence(std::memory_order_release);
-}
-
 bool remove_segment_if_stale(const std::string& name) {
   validate_segment_name(name);
   LockFile lock(name, std::chrono::steady_clock::now() + std::chrono::seconds(5));
-  try {
-    bip::shared_memory_object shm(bip::open_only, shm_object_name(name).c_str(), bip::read_write);
-    bip::offset_t size = 0;
-    shm.get_size(size);
-    if (static_cast<uint64_t>(size) >= sizeof(SegmentHeader)) {
-      bip::mapped_region region(shm, bip::read_write);
-      const auto* h = static_cast<const SegmentHeader*>(region.get_address());
-      bool valid = false;
-      try {
-        valid = validate_header(*h, static_cast<uint64_t>(size), name);
-      } catch (const SegmentError&) {
-        valid = false;  // unusable by anyone: removable
-      }
-      for (uint32_t r = 0; valid && r < h->world_size; ++r) {
-        const auto* slot = reinterpret_cast<const RankSlot*>(static_cast<const uint8_t*>(region.get_address()) +
-                                                             h->rank_table_offset + uint64_t{r} * sizeof(RankSlot));
-        const uint32_t state = slot->state.load(std::memory_order_acquire);
-        if ((state == kRankLive || state == kRankClaiming) && process_alive({slot->pid, slot->start_time})) {
-          throw SegmentError("segment '" + name + "' is in use: rank " + std::to_string(r) + " (pid " +
-                             std::to_string(slot->pid) + ") is alive");
-        }
-      }
-    }
-  } catch (const bip::interprocess_exception& e) {
-    if (e.get_error_code() == bip::not_found_error) {
-      lock.remove_file();
-      return false;
-    }
-    throw SegmentError("cannot open segment '" + name + "': " + e.what());
+  struct stat st {};
+  Fd fd(open_segment(name, st));
+  if (!fd) {
+    lock.remove_file();
+    return false;
   }
-  const bool removed = remove_object(name);
+  {
+    const Inspection existing(fd.get(), static_cast<uint64_t>(st.st_size));
+    if (existing.table_readable()) {
+      if (const int live = existing.live_rank(); live >= 0) {
+        throw SegmentError("segment '" + name + "' is in use: rank " + std::to_string(live) + " (pid " +
+                           std::to_string(existing.slot(static_cast<uint32_t>(live)).pid) + ") is alive");
+      }
+    } else if (existing.check().verdict != HeaderVerdict::kOtherVersion && creator_alive(lock.record()) &&
+               lock.record()->creating == 0) {
+      throw SegmentError("segment '" + name + "' is unusable (" + existing.check().problem +
+                         ") but the rank that created it still runs: not removed");
+    }
+  }
+  const bool removed = ::unlink(segment_path(name).c_str()) == 0;
   lock.remove_file();
   return removed;
 }

@@ -1,10 +1,11 @@
 #pragma once
 // A process's attachment to a named segment: creation or attach under a lock file, validation of
-// everything read from the header, the rank claim, liveness of peers, and clean leave.
+// everything read from the header, the rank claim, liveness of peers, and clean leave. The
+// recovery and trust models are written down at the top of segment.cpp.
 
 #include "shm/segment_layout.h"
 
-#include <boost/interprocess/mapped_region.hpp>
+#include <sys/types.h>
 
 #include <chrono>
 #include <cstdint>
@@ -35,8 +36,9 @@ struct SegmentParams {
 
 class Segment {
  public:
-  /// Attaches `rank`, creating or replacing (stale) the segment as needed; returns once this
-  /// rank is live in it (not waiting for the others). Throws SegmentError.
+  /// Attaches `rank` to the current incarnation of the group, or creates a new one (no segment
+  /// yet, a stale one, an incomplete one, or one in which this rank's slot was already used);
+  /// returns once this rank is live in it (not waiting for the others). Throws SegmentError.
   static std::unique_ptr<Segment> attach(const SegmentParams& params, uint32_t rank,
                                          std::chrono::steady_clock::time_point deadline);
   Segment(const Segment&) = delete;
@@ -44,8 +46,13 @@ class Segment {
   /// Leaves (see leave()) and unmaps.
   ~Segment();
 
-  /// Marks this rank as left; the last live rank removes the segment and its lock file.
-  void leave() noexcept;
+  /// Marks this rank as left (`abandoned`: before its rendezvous completed); the last live rank
+  /// removes the segment, if the name still refers to this incarnation, and the lock file.
+  void leave(bool abandoned = false) noexcept;
+  /// Whether the mapping was lost because the file shrank under it (see bus_guard.h).
+  bool poisoned() const noexcept;
+  /// The random id of this incarnation (in messages).
+  uint64_t incarnation() const noexcept { return incarnation_; }
 
   const SegmentParams& params() const noexcept { return params_; }
   uint32_t rank() const noexcept { return rank_; }
@@ -70,19 +77,18 @@ class Segment {
 
   /// Whether rank `r` is attached and its process alive (left or dead ranks are not).
   bool rank_alive(uint32_t r) const;
-  /// Whether every rank is live (the rendezvous is complete).
-  bool all_live() const;
-  /// Whether every rank has arrived: it is live, or it has left since this rank went live (a fast
-  /// peer may complete its own rendezvous, send and leave before this rank looks). A rank that had
-  /// already left before that belongs to an earlier member and has not arrived.
+  /// Whether every rank has arrived in this incarnation: it is live, or it has left after its
+  /// own rendezvous completed (a fast peer may send and leave before this rank looks).
   bool all_arrived() const;
+  /// The first rank that abandoned this incarnation's rendezvous (left before it completed), or
+  /// -1.
+  int first_abandoned() const;
   /// "rank 1 (pid 1234)" for messages.
   std::string describe_rank(uint32_t r) const;
-  /// Empties both rings between this rank and `peer` (a dead peer's entries are reclaimed).
-  void reset_rings_with(uint32_t peer) noexcept;
 
  private:
   Segment(SegmentParams params, uint32_t rank);
+  void map(int fd, uint64_t bytes);
   uint8_t* ring_base(uint32_t src, uint32_t dst) const noexcept {
     return base_ + geometry_.rings_offset + (uint64_t{src} * params_.world_size + dst) * geometry_.ring_bytes;
   }
@@ -93,10 +99,13 @@ class Segment {
   SegmentParams params_;
   uint32_t rank_;
   SegmentGeometry geometry_{};
-  boost::interprocess::mapped_region region_;
   uint8_t* base_ = nullptr;
+  uint64_t mapped_bytes_ = 0;
+  int guard_ = -1;                   // BusGuard registration
+  dev_t dev_ = 0;                    // the file of this incarnation: the name may point elsewhere
+  ino_t ino_ = 0;                    //   by the time this rank leaves
+  uint64_t incarnation_ = 0;
   bool left_ = false;
-  std::vector<uint32_t> state_before_live_;  // every rank's state just before this one went live
 };
 
 /// Removes the segment `name` if no live process is attached. See process_group.h.

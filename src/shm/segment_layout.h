@@ -14,6 +14,17 @@
 // Offsets, never pointers: each process maps the segment at its own address. Atomics are
 // lock-free std::atomic of 32 and 64 bits (asserted), which are address-free and so work
 // across processes.
+//
+// Incarnations. One file is one incarnation of a group: each rank slot is claimed at most once
+// in a file's life (Free -> Live -> Left or Abandoned) and never reset. A rank whose slot in the
+// current file is already used (it was a member before, or died in it) creates a fresh file under
+// the same name (the old one is unlinked; its members keep their mapping and finish with it), so
+// a re-created group never meets, resets or reads the rings of an earlier one. See segment.cpp
+// for the recovery model (lock file, crashed creators, stale segments) and the trust model.
+//
+// Trust. The bytes of a segment are written by the ranks of one user. segment.cpp refuses a file
+// that another uid owns or that group/other may open. A member may still be buggy: the engine
+// reads every field once into a local copy and validates it (validate.h) before use.
 
 #include <atomic>
 #include <cstddef>
@@ -25,7 +36,7 @@ namespace tdshm::shm {
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
 inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
-inline constexpr uint32_t kLayoutVersion = 2;  // 2: kEntryReference
+inline constexpr uint32_t kLayoutVersion = 3;  // 2: kEntryReference; 3: incarnations
 inline constexpr size_t kMaxDims = 8;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words and states must be lock-free");
@@ -48,10 +59,9 @@ struct SegmentHeader {
   uint64_t ring_bytes;                   // 56  RingControl + entries
   uint64_t entry_bytes;                  // 64  EntryHeader + slot, a multiple of kCacheLine
   uint32_t creator_pid;                  // 72
-  uint32_t reserved0;                    // 76
+  uint32_t creator_rank;                 // 76
   uint64_t creator_start_time;           // 80  clock ticks since boot (/proc/<pid>/stat field 22)
-  std::atomic<uint32_t> attached;        // 88  ranks attached and not yet left
-  uint32_t reserved1;                    // 92
+  uint64_t incarnation;                  // 88  random, fixed at creation: names this incarnation
   uint8_t reserved[160];                 // 96  zero
 };
 static_assert(sizeof(SegmentHeader) == 256);
@@ -59,16 +69,18 @@ static_assert(offsetof(SegmentHeader, layout_version) == 8);
 static_assert(offsetof(SegmentHeader, world_size) == 24);
 static_assert(offsetof(SegmentHeader, slot_bytes) == 32);
 static_assert(offsetof(SegmentHeader, creator_start_time) == 80);
-static_assert(offsetof(SegmentHeader, attached) == 88);
+static_assert(offsetof(SegmentHeader, incarnation) == 88);
 
+/// A slot's life in one incarnation: Free -> Live -> Left or Abandoned, each step once.
 enum RankState : uint32_t {
-  kRankFree = 0,      // never attached
-  kRankClaiming = 1,  // a process is resetting its rings
-  kRankLive = 2,      // attached
-  kRankLeft = 3,      // left cleanly
+  kRankFree = 0,       // not yet claimed in this incarnation
+  kRankLive = 1,       // claimed by the process in pid/start_time (which may since have died)
+  kRankLeft = 2,       // left after its rendezvous completed
+  kRankAbandoned = 3,  // left before its rendezvous completed (timed out or failed)
 };
 
-/// One per rank, at rank_table_offset + rank * sizeof(RankSlot).
+/// One per rank, at rank_table_offset + rank * sizeof(RankSlot). pid and start_time are written
+/// once, before state becomes Live (release): a reader that loads Live (acquire) reads them.
 struct RankSlot {
   std::atomic<uint32_t> state;          // 0   RankState
   uint32_t pid;                         // 4

@@ -115,7 +115,7 @@ void expect_refused(ShmTest& /*fixture*/, const std::string& name, const Refusal
   });
   ASSERT_TRUE(wait_segment_ready(name, {0}, 10s)) << "rank 0 did not publish the segment; " << rank0.describe();
 
-  std::array<std::byte, offsetof(shm::SegmentHeader, attached)> saved{};
+  std::array<std::byte, offsetof(shm::SegmentHeader, incarnation)> saved{};
   if (refusal.corrupt) {
     RawSegment seg(name);
     std::memcpy(saved.data(), seg.data(), saved.size());

@@ -1,5 +1,5 @@
 // Binary compatibility of the structs that live in a segment. These numbers are the layout that
-// kLayoutVersion 2 promises to every process attached to a segment: changing a struct without
+// kLayoutVersion 3 promises to every process attached to a segment: changing a struct without
 // bumping the version makes one of these fail.
 
 #include "shm/segment_layout.h"
@@ -12,7 +12,7 @@ namespace {
 using namespace tdshm::shm;
 
 TEST(ShmLayout, VersionAndMagicArePinned) {
-  EXPECT_EQ(kLayoutVersion, 2u);
+  EXPECT_EQ(kLayoutVersion, 3u);
   char magic[8];
   std::memcpy(magic, &kSegmentMagic, 8);
   EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");
@@ -20,7 +20,7 @@ TEST(ShmLayout, VersionAndMagicArePinned) {
   EXPECT_EQ(kMaxDims, 8u);
 }
 
-TEST(ShmLayout, SegmentHeaderV1) {
+TEST(ShmLayout, SegmentHeaderV3) {
   EXPECT_EQ(sizeof(SegmentHeader), 256u);
   EXPECT_EQ(alignof(SegmentHeader), 8u);
   EXPECT_EQ(offsetof(SegmentHeader, magic), 0u);
@@ -35,12 +35,13 @@ TEST(ShmLayout, SegmentHeaderV1) {
   EXPECT_EQ(offsetof(SegmentHeader, ring_bytes), 56u);
   EXPECT_EQ(offsetof(SegmentHeader, entry_bytes), 64u);
   EXPECT_EQ(offsetof(SegmentHeader, creator_pid), 72u);
+  EXPECT_EQ(offsetof(SegmentHeader, creator_rank), 76u);
   EXPECT_EQ(offsetof(SegmentHeader, creator_start_time), 80u);
-  EXPECT_EQ(offsetof(SegmentHeader, attached), 88u);
+  EXPECT_EQ(offsetof(SegmentHeader, incarnation), 88u);
   EXPECT_TRUE(std::is_standard_layout_v<SegmentHeader>);
 }
 
-TEST(ShmLayout, RankSlotV1) {
+TEST(ShmLayout, RankSlotV3) {
   EXPECT_EQ(sizeof(RankSlot), 128u);
   EXPECT_EQ(offsetof(RankSlot, state), 0u);
   EXPECT_EQ(offsetof(RankSlot, pid), 4u);
@@ -48,9 +49,9 @@ TEST(ShmLayout, RankSlotV1) {
   EXPECT_EQ(offsetof(RankSlot, wake_seq), 64u);
   EXPECT_EQ(offsetof(RankSlot, sleepers), 68u);
   EXPECT_EQ(kRankFree, 0u);
-  EXPECT_EQ(kRankClaiming, 1u);
-  EXPECT_EQ(kRankLive, 2u);
-  EXPECT_EQ(kRankLeft, 3u);
+  EXPECT_EQ(kRankLive, 1u);
+  EXPECT_EQ(kRankLeft, 2u);
+  EXPECT_EQ(kRankAbandoned, 3u);
 }
 
 TEST(ShmLayout, RingControlV1) {

@@ -1,0 +1,143 @@
+// Validation of segment headers and ring entries (see validate.h).
+
+#include "shm/validate.h"
+
+#include <cstring>
+
+namespace tdshm::shm {
+
+namespace {
+
+template <class T>
+T load_field(const void* base, size_t offset) noexcept {
+  T v;
+  std::memcpy(&v, static_cast<const uint8_t*>(base) + offset, sizeof v);
+  return v;
+}
+
+}  // namespace
+
+HeaderFields read_header(const SegmentHeader& shared) noexcept {
+  HeaderFields h;
+  h.layout_version = shared.layout_version.load(std::memory_order_acquire);  // pairs with the creator's release
+  const void* b = &shared;
+  h.magic = load_field<uint64_t>(b, offsetof(SegmentHeader, magic));
+  h.header_bytes = load_field<uint32_t>(b, offsetof(SegmentHeader, header_bytes));
+  h.segment_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, segment_bytes));
+  h.world_size = load_field<uint32_t>(b, offsetof(SegmentHeader, world_size));
+  h.ring_entries = load_field<uint32_t>(b, offsetof(SegmentHeader, ring_entries));
+  h.slot_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, slot_bytes));
+  h.rank_table_offset = load_field<uint64_t>(b, offsetof(SegmentHeader, rank_table_offset));
+  h.rings_offset = load_field<uint64_t>(b, offsetof(SegmentHeader, rings_offset));
+  h.ring_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, ring_bytes));
+  h.entry_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, entry_bytes));
+  h.creator_pid = load_field<uint32_t>(b, offsetof(SegmentHeader, creator_pid));
+  h.creator_rank = load_field<uint32_t>(b, offsetof(SegmentHeader, creator_rank));
+  h.creator_start_time = load_field<uint64_t>(b, offsetof(SegmentHeader, creator_start_time));
+  h.incarnation = load_field<uint64_t>(b, offsetof(SegmentHeader, incarnation));
+  return h;
+}
+
+HeaderCheck check_header(const HeaderFields& h, uint64_t file_bytes) {
+  auto fail = [](HeaderVerdict v, std::string what) { return HeaderCheck{v, std::move(what)}; };
+  if (h.magic != kSegmentMagic) return fail(HeaderVerdict::kIncomplete, "no tdshm magic");
+  if (h.layout_version == 0) return fail(HeaderVerdict::kIncomplete, "layout version 0 (creation never finished)");
+  if (h.layout_version != kLayoutVersion) {
+    return fail(HeaderVerdict::kOtherVersion, "layout version " + std::to_string(h.layout_version) +
+                                                  " but this tdshm uses version " + std::to_string(kLayoutVersion));
+  }
+  if (h.header_bytes != sizeof(SegmentHeader)) {
+    return fail(HeaderVerdict::kCorrupt, "header size " + std::to_string(h.header_bytes));
+  }
+  if (h.world_size < 1 || h.world_size > kMaxWorld) {
+    return fail(HeaderVerdict::kCorrupt, "world size " + std::to_string(h.world_size));
+  }
+  if (h.ring_entries < 1 || h.ring_entries > kMaxRingEntries) {
+    return fail(HeaderVerdict::kCorrupt, "ring entries " + std::to_string(h.ring_entries));
+  }
+  if (h.slot_bytes < 1 || h.slot_bytes > kMaxSlotBytes) {
+    return fail(HeaderVerdict::kCorrupt, "slot bytes " + std::to_string(h.slot_bytes));
+  }
+  if (h.creator_rank >= h.world_size) {
+    return fail(HeaderVerdict::kCorrupt, "creator rank " + std::to_string(h.creator_rank));
+  }
+  // With the bounds above the geometry cannot overflow 64 bits (2^12 * 2^12 * 2^20 * 2^31).
+  const SegmentGeometry g = segment_geometry(h.world_size, h.slot_bytes, h.ring_entries);
+  if (h.entry_bytes != g.entry_bytes || h.ring_bytes != g.ring_bytes || h.rank_table_offset != g.rank_table_offset ||
+      h.rings_offset != g.rings_offset || h.segment_bytes != g.segment_bytes) {
+    return fail(HeaderVerdict::kCorrupt, "offsets and sizes do not agree with world size, slot bytes and ring entries");
+  }
+  if (h.segment_bytes != file_bytes) {
+    return fail(HeaderVerdict::kTruncated, "the header says " + std::to_string(h.segment_bytes) +
+                                               " bytes, the file has " + std::to_string(file_bytes));
+  }
+  return {HeaderVerdict::kValid, {}};
+}
+
+EntryFields read_entry(const EntryHeader& shared) noexcept {
+  EntryFields e;
+  const void* b = &shared;
+  e.tag = load_field<int64_t>(b, offsetof(EntryHeader, tag));
+  e.total_bytes = load_field<uint64_t>(b, offsetof(EntryHeader, total_bytes));
+  e.chunk_offset = load_field<uint64_t>(b, offsetof(EntryHeader, chunk_offset));
+  e.chunk_bytes = load_field<uint32_t>(b, offsetof(EntryHeader, chunk_bytes));
+  e.flags = load_field<uint32_t>(b, offsetof(EntryHeader, flags));
+  e.dtype = load_field<uint8_t>(b, offsetof(EntryHeader, dtype));
+  e.ndim = load_field<uint8_t>(b, offsetof(EntryHeader, ndim));
+  return e;
+}
+
+std::string check_entry(const EntryFields& e, const RxProgress& rx, uint64_t slot_bytes, uint64_t max_message_bytes) {
+  constexpr uint32_t kKnown = kEntryFirst | kEntryLast | kEntryControl | kEntryReference;
+  if (e.flags & ~kKnown) return "unknown flags " + std::to_string(e.flags);
+  const bool first = (e.flags & kEntryFirst) != 0, last = (e.flags & kEntryLast) != 0;
+  const bool control = (e.flags & kEntryControl) != 0;
+  if (e.chunk_bytes > slot_bytes) return "chunk of " + std::to_string(e.chunk_bytes) + " bytes in a slot of " + std::to_string(slot_bytes);
+  if (first) {
+    if (rx.in_message) return "a new message starts before the previous one ended";
+    if (e.total_bytes > max_message_bytes) return "message size " + std::to_string(e.total_bytes);
+    if (e.ndim != kShapeNotSent && e.ndim > kMaxDims) return "ndim " + std::to_string(e.ndim);
+  } else {
+    if (!rx.in_message) return "a continuation without a first entry";
+    if (control != rx.control) return "control flag changed mid-message";
+  }
+  if (e.flags & kEntryReference) {
+    if (!first || !last) return "a memmap reference that is not a whole message";
+    if (e.chunk_bytes < sizeof(MemmapReference)) return "memmap reference of " + std::to_string(e.chunk_bytes) + " bytes";
+    return {};
+  }
+  const uint64_t total = first ? e.total_bytes : rx.total;
+  const uint64_t received = first ? 0 : rx.received;
+  if (e.chunk_offset != received) {
+    return "chunk at offset " + std::to_string(e.chunk_offset) + ", expected " + std::to_string(received);
+  }
+  if (e.chunk_bytes > total - received) {
+    return "chunk of " + std::to_string(e.chunk_bytes) + " bytes past the message's " + std::to_string(total);
+  }
+  if (last != (received + e.chunk_bytes == total)) return "last-entry flag disagrees with the size";
+  return {};
+}
+
+std::string check_reference(const uint8_t* payload, uint64_t bytes, uint64_t total_bytes, ReferenceFields& out) {
+  if (bytes < sizeof(MemmapReference)) return "memmap reference of " + std::to_string(bytes) + " bytes";
+  MemmapReference r;
+  std::memcpy(&r, payload, sizeof r);
+  if (r.path_bytes == 0 || r.path_bytes > 4095 || sizeof r + r.path_bytes != bytes) {
+    return "memmap reference path length " + std::to_string(r.path_bytes);
+  }
+  if (r.offset > UINT64_MAX - total_bytes || r.offset + total_bytes > uint64_t{INT64_MAX}) {
+    return "memmap reference offset " + std::to_string(r.offset) + " + " + std::to_string(total_bytes) + " bytes";
+  }
+  std::string path(reinterpret_cast<const char*>(payload) + sizeof r, r.path_bytes);
+  if (path.front() != '/') return "memmap reference path is not absolute";
+  if (path.find('\0') != std::string::npos) return "memmap reference path holds a NUL byte";
+  const std::string tail = path + "/";
+  if (tail.find("/../") != std::string::npos || tail.find("/./") != std::string::npos) {
+    return "memmap reference path has '.' or '..' parts";
+  }
+  out.offset = r.offset;
+  out.path = std::move(path);
+  return {};
+}
+
+}  // namespace tdshm::shm
