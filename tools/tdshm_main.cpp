@@ -6,6 +6,8 @@
 //                  its schema and from a consolidated file; exit non-zero if any check fails
 //   tdshm bench    two-process ping-pong of the transports, their floors and baselines
 //                  (benchmarks/pingpong.h); `tdshm bench --help` lists its options
+//   tdshm stress   SIGKILL at random instants of real lifecycles, and destroy/init loops under one
+//                  name (tools/stress.cpp); `tdshm stress --help` lists its options
 //   tdshm help     this text
 
 #include <tdshm/memmap.h>
@@ -14,6 +16,7 @@
 
 #include "demo.h"
 #include "pingpong.h"
+#include "stress.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/ones.h>
@@ -123,6 +126,7 @@ void usage(FILE* out) {
                "  demo   the seed scenarios as two processes over shm or gloo (--help)\n"
                "  tour   build, consolidate and inspect a TensorDict in one process (checks included)\n"
                "  bench  two-process ping-pong: ProcessGroupShm, gloo, raw floors, memcpy (--help)\n"
+               "  stress kill ranks at random instants; destroy/init loops under one name (--help)\n"
                "  help   this text\n");
 }
 
@@ -152,6 +156,7 @@ int main(int argc, char** argv) {
     if (cmd == "demo") return tdshm::tools::run_demo(argc - 2, argv + 2);
     if (cmd == "tour") return tour();
     if (cmd == "bench") return bench(argc - 2, argv + 2);
+    if (cmd == "stress") return tdshm::tools::run_stress(argc - 2, argv + 2);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
       usage(stdout);
       return 0;
