@@ -149,18 +149,25 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
     throw error;
   };
   const std::string where = "segment '" + name_ + "', rank " + std::to_string(rank_) + ": ";
-  while (!segment_->all_arrived()) {
+  auto check_alive = [&] {
+    for (uint32_t r = 0; r < static_cast<uint32_t>(size_); ++r) {
+      if (segment_->rank_slot(r).state.load(std::memory_order_acquire) == shm::kRankLive && !segment_->rank_alive(r)) {
+        give_up(PeerLostError(where + segment_->describe_rank(r) + " died before the group formed"));
+      }
+    }
+  };
+  for (;;) {
     if (const int r = segment_->first_abandoned(); r >= 0) {
       give_up(PeerLostError(where + segment_->describe_rank(static_cast<uint32_t>(r)) +
                             " gave up this group's rendezvous (it timed out or failed): construct the group again"));
     }
+    if (segment_->all_arrived()) {
+      check_alive();  // once more: a member may have died before this rank looked
+      return;
+    }
     const auto now = Clock::now();
     if (now >= next_check) {
-      for (uint32_t r = 0; r < static_cast<uint32_t>(size_); ++r) {
-        if (segment_->rank_slot(r).state.load(std::memory_order_acquire) == shm::kRankLive && !segment_->rank_alive(r)) {
-          give_up(PeerLostError(where + segment_->describe_rank(r) + " died before the group formed"));
-        }
-      }
+      check_alive();
       next_check = now + options_.peer_check_interval;
     }
     if (now > deadline) {
@@ -270,7 +277,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
   }
   // Bytes land in place: a tensor whose elements share memory (an expanded view) cannot take
   // them, nor can a read-only mapping. Refused before anything is posted.
-  if (tensor.numel() > 1 && at::has_internal_overlap(tensor) != at::MemOverlap::No) {
+  if (tensor.numel() > 1 && at::has_internal_overlap(tensor) == at::MemOverlap::Yes) {
     throw TypeError("shm recv: the tensor's elements overlap in memory (an expanded or stride-0 view, strides " +
                     shape_str(tensor.strides()) + "), so it cannot receive bytes in place; receive into a tensor "
                     "of its own (for instance t.contiguous() or t.clone())");

@@ -129,13 +129,16 @@ std::string uid_str(uid_t uid) { return std::to_string(static_cast<unsigned long
 
 /// Why open(path) failed, in words that point the user the right way.
 SegmentError open_error(const std::string& path, const std::string& what, int err) {
-  if (err == ELOOP) {
-    return SegmentError("the " + what + " '" + path +
-                        "' is a symbolic link; tdshm never follows links there (someone may be redirecting it): "
-                        "remove the link, or use another segment name");
-  }
   struct stat st {};
-  if ((err == EACCES || err == EPERM) && ::lstat(path.c_str(), &st) == 0 && st.st_uid != ::geteuid()) {
+  const bool exists = ::lstat(path.c_str(), &st) == 0;
+  // (With fs.protected_symlinks, opening another user's link in /dev/shm fails with EACCES.)
+  if (err == ELOOP || (exists && S_ISLNK(st.st_mode))) {
+    const std::string owner = exists && st.st_uid != ::geteuid() ? ", owned by uid " + uid_str(st.st_uid) + "," : "";
+    return SegmentError("the " + what + " '" + path + "' is a symbolic link" + owner +
+                        "; tdshm never follows links there (someone may be redirecting it): remove the link, or use "
+                        "another segment name");
+  }
+  if ((err == EACCES || err == EPERM) && exists && st.st_uid != ::geteuid()) {
     return SegmentError("the " + what + " '" + path + "' belongs to uid " + uid_str(st.st_uid) +
                         ", not to this process's uid " + uid_str(::geteuid()) +
                         ": refusing another user's file; remove it or use another segment name");
@@ -169,18 +172,6 @@ void check_owned(int fd, const std::string& path, const std::string& what, struc
   }
   if (out != nullptr) *out = st;
 }
-
-/// What the last creator under this name wrote into the lock file (see the recovery model).
-struct CreatorRecord {
-  static constexpr uint64_t kMagic = 0x314b434c4d534454ull;  // "TDSMLCK1"
-  uint64_t magic = 0;
-  uint32_t pid = 0;
-  uint32_t rank = 0;
-  uint64_t start_time = 0;
-  uint32_t creating = 0;
-  uint32_t reserved = 0;
-};
-static_assert(sizeof(CreatorRecord) == 32);
 
 // The exclusive lock that serialises attach and leave for one name.
 class LockFile {

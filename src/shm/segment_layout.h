@@ -161,6 +161,21 @@ static_assert(std::is_trivially_destructible_v<SegmentHeader> && std::is_trivial
                   std::is_trivially_destructible_v<RingControl> && std::is_trivially_destructible_v<EntryHeader>,
               "shared structs are never destroyed");
 
+/// At offset 0 of the lock file /dev/shm/tdshm.<name>.lock: the last creator under the name.
+/// Written (pwrite) only under the lock: `creating` is 1 from before the segment file is created
+/// until its creator has published the header and claimed its slot, so whoever takes the lock
+/// and finds it set with a dead pid knows that creation was interrupted (segment.cpp).
+struct CreatorRecord {
+  static constexpr uint64_t kMagic = 0x314b434c4d534454ull;  // "TDSMLCK1"
+  uint64_t magic = 0;       // 0
+  uint32_t pid = 0;         // 8
+  uint32_t rank = 0;        // 12
+  uint64_t start_time = 0;  // 16
+  uint32_t creating = 0;    // 24
+  uint32_t reserved = 0;    // 28
+};
+static_assert(sizeof(CreatorRecord) == 32);
+
 /// Byte sizes and offsets of a segment with the given parameters (the one place they are computed).
 struct SegmentGeometry {
   uint64_t shape_offset;  // of the EntryShape within an entry

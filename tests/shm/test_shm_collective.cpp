@@ -232,12 +232,49 @@ TEST_F(ShmWorkThreads, IsCompletedBecomesTrueWithoutWait) {
   }));
 }
 
-TEST_F(ShmWorkThreads, WaitWithTimeoutThrowsTimeoutError) {
+// A wait that times out withdraws its recv: the work is completed with the TimeoutError, and the
+// peer's next message goes to the next recv posted for it, never into the abandoned tensor.
+TEST_F(ShmWorkThreads, WaitWithTimeoutThrowsTimeoutErrorAndWithdrawsTheRecv) {
+  const std::string name = unique_name();
+  std::atomic<bool> timed_out{false}, rank0_done{false};
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) {
+    if (r == 1) {
+      // Sends nothing until rank 0's wait has timed out, then one message on the same tag.
+      ProcessGroupShm pg(name, 1, 2, small_options());
+      const auto give_up = Clock::now() + 20s;
+      while (!timed_out.load() && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+      post_send(pg, at::full({4}, 7.0f), 0, 9)->wait();
+      while (!rank0_done.load() && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+      return;
+    }
+    const at::Tensor abandoned = at::zeros({4}, at::kFloat);
+    ProcessGroupShm pg(name, 0, 2, small_options());
+    auto work = post_recv(pg, abandoned, 1, 9);
+    const auto start = Clock::now();
+    const Caught c = catch_any([&] { work->wait(200ms); });
+    const auto elapsed = Clock::now() - start;
+    SHM_CHECK(c.is<TimeoutError>(), "wait(200 ms) threw " << c.describe());
+    SHM_CHECK(elapsed >= 195ms, "wait(200 ms) gave up after " << elapsed.count() / 1000 << " us");
+    SHM_CHECK(elapsed < 1200ms, "wait(200 ms) took " << elapsed.count() / 1000000 << " ms");
+    SHM_CHECK(work->isCompleted(), "a withdrawn recv is not completed");
+    SHM_CHECK(!work->isSuccess(), "a withdrawn recv reports success");
+    const Caught again = catch_any([&] { work->wait(50ms); });
+    SHM_CHECK(again.is<TimeoutError>(), "waiting again on the withdrawn recv threw " << again.describe());
+    timed_out.store(true);
+    const at::Tensor fresh = at::zeros({4}, at::kFloat);
+    post_recv(pg, fresh, 1, 9)->wait();
+    rank0_done.store(true);
+    SHM_CHECK(at::equal(fresh, at::full({4}, 7.0f)), "the next recv got " << fresh);
+    SHM_CHECK(at::equal(abandoned, at::zeros({4})), "the withdrawn recv's tensor was written: " << abandoned);
+  }));
+}
+
+// A recv still pending when its group is destroyed completes with a tdshm error.
+TEST_F(ShmWorkThreads, PendingRecvFailsWhenTheGroupIsDestroyed) {
   const std::string name = unique_name();
   std::atomic<bool> rank0_done{false};
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) {
     if (r == 1) {
-      // Stays in the group, sends nothing, until rank 0 is done.
       ProcessGroupShm pg(name, 1, 2, small_options());
       const auto give_up = Clock::now() + 20s;
       while (!rank0_done.load() && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
@@ -248,20 +285,9 @@ TEST_F(ShmWorkThreads, WaitWithTimeoutThrowsTimeoutError) {
     {
       ProcessGroupShm pg(name, 0, 2, small_options());
       work = post_recv(pg, t, 1, 9);
-      for (auto timeout : {200ms, 50ms}) {
-        const auto start = Clock::now();
-        const Caught c = catch_any([&] { work->wait(timeout); });
-        const auto elapsed = Clock::now() - start;
-        SHM_CHECK(c.is<TimeoutError>(), "wait(" << timeout.count() << " ms) threw " << c.describe());
-        SHM_CHECK(elapsed >= timeout - 5ms, "wait(" << timeout.count() << " ms) gave up after "
-                                                    << elapsed.count() / 1000 << " us");
-        SHM_CHECK(elapsed < timeout + 1s, "wait(" << timeout.count() << " ms) took "
-                                                  << elapsed.count() / 1000000 << " ms");
-        SHM_CHECK(!work->isCompleted(), "the recv completed with nothing sent");
-      }
+      SHM_CHECK(!work->isCompleted(), "the recv completed with nothing sent");
     }
     rank0_done.store(true);
-    // "Pending works fail" when the group goes away: completed, with a tdshm error.
     SHM_CHECK(work->isCompleted(), "a pending work of a destroyed group is not completed");
     const Caught after = catch_any([&] { work->wait(); });
     SHM_CHECK(after.is<tdshm::Error>(), "wait() on a work of a destroyed group threw " << after.describe());
@@ -307,6 +333,58 @@ TEST_F(ShmWorkThreads, FuturesCompleteWithoutWait) {
       SHM_CHECK(!future->hasError(), "the future of rank " << r << " failed: " << future->tryRetrieveErrorMessage());
       SHM_CHECK(work->isCompleted(), "the future completed before its work");
       SHM_CHECK(same_bytes(t, values), "rank " << r << " ends with wrong bytes (" << bytes << ")");
+    }
+  }));
+}
+
+// The helper thread of getFuture() survives callbacks that throw and callbacks that destroy the
+// group: nothing escapes it, nothing aborts.
+TEST_F(ShmWorkThreads, FutureCallbacksMayThrowOrDestroyTheGroup) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) {
+    auto pg = std::make_unique<ProcessGroupShm>(name, r, 2, small_options());
+    if (r == 1) {
+      std::this_thread::sleep_for(100ms);  // rank 0's futures wait first
+      post_send(*pg, at::full({2}, 1.0f), 0, 4)->wait();
+      post_send(*pg, at::full({2}, 2.0f), 0, 5)->wait();
+      return;
+    }
+    const at::Tensor a = at::zeros({2}), b = at::zeros({2});
+    auto first = post_recv(*pg, a, 1, 4)->getFuture();
+    first->addCallback([](c10::ivalue::Future&) { throw std::runtime_error("a user callback failed"); });
+    std::atomic<bool> destroyed{false};
+    auto second = post_recv(*pg, b, 1, 5)->getFuture();
+    second->addCallback([&](c10::ivalue::Future&) {
+      pg.reset();  // on the helper thread itself
+      destroyed.store(true);
+    });
+    const auto give_up = Clock::now() + 20s;
+    while (!destroyed.load() && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+    SHM_CHECK(destroyed.load(), "the second callback never ran");
+    SHM_CHECK(first->completed() && !first->hasError(), "the first future: " << first->tryRetrieveErrorMessage());
+    SHM_CHECK(at::equal(a, at::full({2}, 1.0f)) && at::equal(b, at::full({2}, 2.0f)), "received " << a << b);
+  }));
+}
+
+// A recv into a tensor whose elements overlap is refused when posted (TypeError), so the message
+// meant for it stays for the next recv: the pair stays in step.
+TEST_F(ShmWorkThreads, RecvIntoAnExpandedTensorIsRefusedAndThePairStaysInStep) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) {
+    ProcessGroupShm pg(name, r, 2, small_options());
+    if (r == 1) {
+      post_send(pg, at::full({4}, 1.0f), 0, 3)->wait();
+      post_send(pg, at::full({4}, 2.0f), 0, 3)->wait();
+      return;
+    }
+    const at::Tensor expanded = at::zeros({1}).expand({4});
+    const Caught c = catch_any([&] { post_recv(pg, expanded, 1, 3); });
+    SHM_CHECK(c.is<TypeError>(), "recv into an expanded tensor threw " << c.describe());
+    SHM_CHECK(contains_nocase(c.what, "overlap"), "the message does not say why: " << c.what);
+    for (float want : {1.0f, 2.0f}) {
+      const at::Tensor t = at::zeros({4});
+      post_recv(pg, t, 1, 3)->wait();
+      SHM_CHECK(at::equal(t, at::full({4}, want)), "expected " << want << ", got " << t);
     }
   }));
 }

@@ -28,6 +28,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -668,6 +669,129 @@ TEST_F(ShmSegmentProcs, PeerKilledWhileAnUnreapedChildOfTheWaiter) {
   if (!shm_entries_of(name).empty()) {
     EXPECT_TRUE(remove_stale_segment(name));
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Incarnations: destroy -> construct under one name, in any interleaving
+
+/// One round of a re-created group: rank 0 sends x = round to every rank, each answers x + rank.
+/// A message of another round (another incarnation) would carry another x.
+void checked_round(ProcessGroupShm& pg, int round) {
+  const int rank = pg.getRank(), size = pg.getSize();
+  const at::Tensor x = at::full({3}, static_cast<int64_t>(round), at::kLong);
+  if (rank == 0) {
+    for (int r = 1; r < size; ++r) post_send(pg, x, r, 5)->wait();
+    for (int r = 1; r < size; ++r) {
+      const at::Tensor got = at::zeros({3}, at::kLong);
+      post_recv(pg, got, r, 6)->wait();
+      SHM_CHECK(at::equal(got, x + r), "round " << round << ": rank " << r << " answered " << got);
+    }
+  } else {
+    const at::Tensor got = at::zeros({3}, at::kLong);
+    post_recv(pg, got, 0, 5)->wait();
+    SHM_CHECK(at::equal(got, x), "round " << round << ": rank " << rank << " got " << got);
+    post_send(pg, got + rank, 0, 6)->wait();
+  }
+}
+
+void recreate_loop(const std::string& name, int world, int rounds) {
+  ShmOptions opts = small_options();
+  opts.timeout = 20s;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, world, [&](int r) {
+    std::mt19937 rng(static_cast<unsigned>(r * 7919 + 17));
+    std::uniform_int_distribution<int> pause_us(0, 2000);
+    auto pause = [&] { std::this_thread::sleep_for(std::chrono::microseconds(pause_us(rng))); };
+    for (int round = 0; round < rounds; ++round) {
+      pause();
+      ProcessGroupShm pg(name, r, world, opts);
+      pause();
+      checked_round(pg, round);
+      if (round % 2 == 0) pg.barrier()->wait();  // with and without a barrier before destroy
+      pause();
+    }
+  }));
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{}) << "the last rank to leave removes the segment";
+}
+
+TEST_F(ShmSegmentProcs, RecreatedGroupOfTwoNeverSeesAnotherIncarnation) { recreate_loop(unique_name(), 2, 60); }
+
+TEST_F(ShmSegmentProcs, RecreatedGroupOfFourNeverSeesAnotherIncarnation) { recreate_loop(unique_name(), 4, 25); }
+
+/// Leaves, under `name`, what a creator SIGKILLed in the middle of creating the segment leaves:
+/// the lock file's creator record says it was creating, its process is gone, and the segment
+/// file is `leftover_bytes` of zeros (no header), or absent when that is negative.
+void leave_interrupted_creation(const std::string& name, int creator_rank, int64_t leftover_bytes) {
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ASSERT_GT(dead, 0);
+  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);  // reaped: the pid is free
+  const int lock = ::open((segment_path(name) + ".lock").c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  ASSERT_GE(lock, 0) << std::strerror(errno);
+  shm::CreatorRecord rec;
+  rec.magic = shm::CreatorRecord::kMagic;
+  rec.pid = static_cast<uint32_t>(dead);
+  rec.rank = static_cast<uint32_t>(creator_rank);
+  rec.start_time = 12345;
+  rec.creating = 1;
+  ASSERT_EQ(::pwrite(lock, &rec, sizeof rec, 0), static_cast<ssize_t>(sizeof rec));
+  ::close(lock);
+  if (leftover_bytes >= 0) {
+    const int seg = ::open(segment_path(name).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    ASSERT_GE(seg, 0) << std::strerror(errno);
+    ASSERT_EQ(::ftruncate(seg, leftover_bytes), 0);
+    ::close(seg);
+  }
+}
+
+// The creator (rank 0) died while creating: rank 1 replaces the leftover and its rendezvous fails
+// at once with PeerLostError naming rank 0 (not at its timeout); then a whole new group forms.
+TEST_F(ShmSegmentProcs, CreatorKilledMidCreationIsAPeerLostAndTheNameRecovers) {
+  for (int64_t leftover : {int64_t{-1}, int64_t{0}, int64_t{100}, static_cast<int64_t>(shm_segment_bytes(2, small_options()))}) {
+    SCOPED_TRACE("leftover segment of " + std::to_string(leftover) + " bytes");
+    const std::string name = unique_name();
+    leave_interrupted_creation(name, 0, leftover);
+    ShmOptions opts = small_options();
+    opts.timeout = 20s;
+    Child rank1([&] {
+      const auto start = Clock::now();
+      const Caught c = catch_any([&] { ProcessGroupShm pg(name, 1, 2, opts); });
+      SHM_CHECK(c.is<PeerLostError>(), "rank 1's rendezvous threw " << c.describe());
+      SHM_CHECK(contains_nocase(c.what, "rank 0"), "the error does not name rank 0: " << c.what);
+      SHM_CHECK(Clock::now() - start < 10s, "the dead creator was noticed only at the timeout");
+    });
+    rank1.wait(30s);
+    EXPECT_TRUE(rank1.ok()) << rank1.describe();
+    SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) {
+      ProcessGroupShm pg(name, r, 2, opts);
+      exchange(pg);
+    }));
+    EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
+  }
+}
+
+// A rank whose rendezvous timed out marks its slot abandoned: a peer still waiting in that
+// rendezvous fails at once instead of completing it with a member that is gone.
+TEST_F(ShmSegmentThreads, APeerThatGaveUpEndsTheRendezvousAtOnce) {
+  const std::string name = unique_name();
+  ShmOptions opts = small_options();
+  opts.timeout = 20s;
+  const auto start = Clock::now();
+  PendingRank rank1(name, 1, 3, opts);
+  ASSERT_TRUE(wait_segment_ready(name, {1}, 10s));
+  ShmOptions quick = small_options();
+  quick.timeout = 200ms;
+  const Caught gave_up = catch_any([&] { ProcessGroupShm pg(name, 0, 3, quick); });
+  ASSERT_TRUE(gave_up.is<TimeoutError>()) << gave_up.describe();
+  const Caught& c = rank1.join();
+  EXPECT_TRUE(c.is<PeerLostError>()) << c.describe();
+  EXPECT_TRUE(contains_nocase(c.what, "gave up")) << c.what;
+  EXPECT_LT(Clock::now() - start, 10s);
+  // And the name works again for a complete group.
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 3, [&](int r) {
+    ProcessGroupShm pg(name, r, 3, opts);
+    pg.barrier()->wait();
+  }));
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
 }
 
 }  // namespace
