@@ -162,6 +162,14 @@ static_assert(kCrc32cTable[128] == 0x82F63B78u, "CRC-32C table entry 128 is the 
 // Validation (shared by encode and decode)
 // ------------------------------------------------------------------------------------------
 
+// A key path joined only when a message streams it. Joining the path of every leaf up front
+// costs up to depth * kSchemaMaxKeyBytes bytes per leaf, which made validation quadratic in the
+// input (a hostile schema of long keys nested deep with many leaves took minutes).
+struct LazyPath {
+  const std::vector<std::string_view>& parts;
+  friend std::ostream& operator<<(std::ostream& os, const LazyPath& p) { return os << join_path(p.parts); }
+};
+
 class Validator {
  public:
   explicit Validator(uint64_t total_bytes) : total_bytes_(total_bytes) {}
@@ -226,7 +234,7 @@ class Validator {
   }
 
   void leaf(const SchemaTensor& t) {
-    const std::string key = where();
+    const LazyPath key{path_};
     if (!is_storable_dtype(t.dtype)) {
       fail("leaf '", key, "' has dtype code ", int{dtype_code(t.dtype)},
            ", which is not a storable dtype (allowed: uint8, int8, int16, int32, int64, float16, float32, float64, "
@@ -275,15 +283,16 @@ class Validator {
     }
     if (t.start < cursor_) {
       fail("leaf '", key, "' starts at byte ", t.start, ", before the end (stop + pad = ", cursor_,
-           ") of the previous leaf '", previous_leaf_, "': leaves overlap or are out of depth-first insertion order");
+           ") of the previous leaf '", LazyPath{previous_leaf_},
+           "': leaves overlap or are out of depth-first insertion order");
     }
     cursor_ = end;
-    previous_leaf_ = key;
+    previous_leaf_ = path_;  // O(depth) views, no key bytes copied
   }
 
   uint64_t total_bytes_;
   uint64_t cursor_ = 0;        // the first byte the next leaf may start at
-  std::string previous_leaf_;  // for the overlap message
+  std::vector<std::string_view> previous_leaf_;  // its key path, for the overlap message
   std::vector<std::string_view> path_;
 };
 
