@@ -101,14 +101,17 @@ std::vector<uint8_t> encode_schema(const Schema& schema);
 /// bounded by the input size whatever the counts in it claim. Thread safety: pure function.
 Schema decode_schema(std::span<const uint8_t> bytes, std::optional<uint64_t> storage_bytes = std::nullopt);
 
-/// A stable 64-bit fingerprint of the storage layout: the key tree, each tensor leaf's dtype,
-/// shape, offsets and pad, every batch size, and total_bytes. Equal layouts give equal
-/// fingerprints in every process and build; any change of key, dtype, shape or layout changes
-/// it. Non-tensor entries (key and value), devices and class names are left out: they do not
-/// affect where any byte of the storage is. The hash is computed over a canonical byte stream
-/// (fixed-width little-endian integers, length-prefixed keys), never over pointers or std::hash.
-/// It does not validate the schema, but throws SchemaError on a null child or on nesting deeper
-/// than kSchemaMaxDepth. Thread safety: pure function.
+/// A stable 64-bit fingerprint of the storage layout and of what the storage is: the key tree,
+/// each tensor leaf's dtype, shape, offsets and pad, every batch size, total_bytes, and the
+/// tensorclass name of every node (empty for a plain TensorDict). Equal schemas give equal
+/// fingerprints in every process and build; any change of key, dtype, shape, layout or class
+/// name changes it, so a consolidated tensorclass TcA is not received into a TcB of the same
+/// fields, nor into a plain TensorDict. Non-tensor entries (key and value) and devices are left
+/// out: they do not affect where any byte of the storage is. The hash is computed over a
+/// canonical byte stream (fixed-width little-endian integers, length-prefixed keys and class
+/// names, a version string first), never over pointers or std::hash. It does not validate the
+/// schema, but throws SchemaError on a null child or on nesting deeper than kSchemaMaxDepth.
+/// Thread safety: pure function.
 uint64_t schema_fingerprint(const Schema& schema);
 
 }  // namespace tdshm

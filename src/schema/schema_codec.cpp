@@ -511,6 +511,8 @@ class LayoutHasher {
 
 void hash_node(LayoutHasher& h, const SchemaNode& n, size_t depth) {
   if (depth > kSchemaMaxDepth) fail("cannot fingerprint nesting deeper than kSchemaMaxDepth = ", kSchemaMaxDepth);
+  // The tensorclass name: a consolidated TcA must not be received into a TcB of the same fields.
+  h.str(n.class_name);
   h.u64(n.batch_size.size());
   for (int64_t dim : n.batch_size) h.u64(static_cast<uint64_t>(dim));
   const auto layout_entries = std::count_if(n.entries.begin(), n.entries.end(), [](const SchemaEntry& e) {
@@ -644,7 +646,7 @@ Schema decode_schema(std::span<const uint8_t> bytes, std::optional<uint64_t> sto
 
 uint64_t schema_fingerprint(const Schema& schema) {
   LayoutHasher h;
-  h.str("tdshm.schema.layout.v1");
+  h.str("tdshm.schema.layout.v2");  // v2: class names of the nodes
   h.u64(schema.total_bytes);
   hash_node(h, schema.root, 0);
   return h.finish();

@@ -12,6 +12,7 @@ namespace tdshm_test {
 
 TDSHM_TENSORCLASS(TestTransition, "tdshm.test.Transition", obs, action, reward);
 TDSHM_TENSORCLASS(TestOther, "tdshm.test.Other", x);
+TDSHM_TENSORCLASS(TestTwin, "tdshm.test.Twin", obs, action, reward);  // TestTransition's fields
 
 }  // namespace tdshm_test
 
@@ -25,6 +26,7 @@ using tdshm::TensorDict;
 using tdshm::TypeError;
 using tdshm_test::TestOther;
 using tdshm_test::TestTransition;
+using tdshm_test::TestTwin;
 
 using Shape = std::vector<int64_t>;
 
@@ -309,6 +311,29 @@ TEST(TensorClassOps, UpdateInPlace) {
   at::Tensor before = tr.obs().clone();
   EXPECT_THROW(tr.update_(TensorDict({{"obs", at::zeros({4, 3})}, {"reward", at::zeros({4})}}, {4})), KeyError);
   EXPECT_TRUE(at::equal(tr.obs(), before));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consolidation: the class name is part of the schema fingerprint
+
+// Two tensorclasses with the same fields, and a plain tensordict with the same leaves, consolidate
+// to the same bytes but not to the same schema: a consolidated transfer between them is refused.
+TEST(TensorClassConsolidate, FingerprintNamesTheClass) {
+  const TestTransition tr({{"obs", at::zeros({4, 3})}, {"action", at::ones({4})}}, {4});
+  const TestTwin twin({{"obs", at::zeros({4, 3})}, {"action", at::ones({4})}}, {4});
+  const TensorDict plain({{"obs", at::zeros({4, 3})}, {"action", at::ones({4})}}, {4});
+  const uint64_t fp_tr = tr.consolidate().tensordict().schema_fingerprint();
+  const uint64_t fp_twin = twin.consolidate().tensordict().schema_fingerprint();
+  const uint64_t fp_plain = plain.consolidate().schema_fingerprint();
+  EXPECT_NE(fp_tr, fp_twin);
+  EXPECT_NE(fp_tr, fp_plain);
+  EXPECT_NE(fp_twin, fp_plain);
+  EXPECT_EQ(tr.consolidate().tensordict().consolidated_storage().numel(), plain.consolidate().consolidated_storage().numel());
+  // The same class and fields: equal, whatever the values.
+  EXPECT_EQ(fp_tr, TestTransition({{"obs", at::ones({4, 3})}, {"action", at::zeros({4})}}, {4})
+                       .consolidate()
+                       .tensordict()
+                       .schema_fingerprint());
 }
 
 }  // namespace
