@@ -239,10 +239,18 @@ class TensorDict {
   /// isend, then waits for every message to be sent.
   void send(const SendOptions& options) const;
   /// Receives into the existing leaves in place (per-leaf), or into the consolidated storage.
-  /// Each message's byte size, dtype and shape are checked against the leaf it lands in (an
-  /// Error naming the key); a consolidated receive checks the sender's schema fingerprint
-  /// before a byte of the storage is written. Returns nothing, or the Work handles with
-  /// return_premature.
+  /// Before a receive into a leaf is posted, each leaf must be able to take bytes in place
+  /// (else TypeError naming the key: not a dense CPU tensor, or elements that overlap, as in an
+  /// expanded tensor; MemmapError: a read-only MemoryMappedTensor), and the sender's layout
+  /// descriptor must match this tensordict's keys, dtypes and shapes leaf by leaf (else
+  /// TransportError naming the first key that differs). A consolidated receive checks its
+  /// storage the same way and the sender's schema fingerprint (SchemaError when keys, dtypes,
+  /// shapes, layout or tensorclass names differ) before a byte of the storage is written. A
+  /// refused transfer still consumes the sender's messages, so the next transfer between the
+  /// same peers is in step; its leaves are left as they were. Errors keep their type, with the
+  /// key or mode in front of their message. irecv never blocks: the checks run when its works
+  /// are waited or polled, and Work::isCompleted only polls. Returns nothing, or the Work
+  /// handles with return_premature.
   Transfer irecv(const RecvOptions& options);
   /// irecv, then waits; returns the last tag used (init_tag - 1 for no leaves).
   int64_t recv(const RecvOptions& options);

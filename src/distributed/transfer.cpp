@@ -4,28 +4,37 @@
 // Wire protocol (both peers run tdshm; messages of one transfer share a tag, so MPI's same-tag
 // FIFO rule keeps them in order):
 //  * per-leaf: a layout descriptor, then one message per tensor leaf in sorted_leaf_keys() order
-//    with the tags of transfer_tags(). The descriptor (dtype, ndim and dims per leaf, as int64)
-//    travels under the first leaf's tag in a fixed 32-int64 header {magic, words, up to 30 words
-//    inline}, plus a second message when it does not fit (more than a few leaves). The receiver
-//    posts its leaf receives only once it has checked the descriptor, so a receiver whose keys,
-//    dtypes or shapes differ gets an error naming the first key that differs, and the sender's
-//    leaves are drained into scratch buffers (nothing stays queued to spoil the next transfer);
-//    over shm every message also carries its dtype and shape, checked by the transport.
-//    irecv does not block for the descriptor: its works wait for it (see Deferred).
+//    with the tags of transfer_tags(). The descriptor (key hash, dtype and shape per leaf; see
+//    layout_descriptor.h) travels under the first leaf's tag in a fixed 32-int64 header {magic,
+//    words, up to 30 words inline}, plus a second message when it does not fit (more than a few
+//    leaves). The receiver posts its leaf receives only once it has checked two things: that each
+//    of its leaves can take bytes in place (else TypeError or MemmapError naming the key, decided
+//    before any receive is posted), and that the descriptor matches its keys, dtypes and shapes
+//    (else TransportError naming the first key that differs). A refused transfer drains all of
+//    the sender's leaves into scratch buffers before its error is raised, so nothing stays queued
+//    to spoil the next transfer; over shm every message also carries its dtype and shape, checked
+//    by the transport. irecv does not block for the descriptor: its works advance through the
+//    stages (header, long descriptor, leaves) when they are waited or polled (Deferred).
 //  * consolidated: a 3-int64 header {magic, schema fingerprint, storage bytes} then the storage,
-//    both with tag 0. The receiver checks the header before it posts the storage's receive; on a
-//    mismatch it drains the storage into a scratch buffer and throws.
+//    both with tag 0. The receiver checks the header (and that its storage can take bytes in
+//    place) before it posts the storage's receive; on a mismatch it drains the storage into a
+//    scratch buffer and throws.
 //  * init_remote: a 4-int64 header {magic, schema bytes, storage bytes, reference bytes}, the
 //    encoded schema (keys, non-tensor values, tensorclass name), the storage, then (over shm, when
 //    the tree has named MemoryMappedTensor leaves) their file references; tag 0, or broadcasts.
+//    The receiver allocates everything it receives into, so no user-owned tensor is written.
 
 #include <tdshm/distributed.h>
 
 #include "common/format.h"
+#include "distributed/layout_descriptor.h"
+#include "distributed/transfer_errors.h"
 #include "tensordict/impl.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <mutex>
@@ -34,101 +43,121 @@ namespace tdshm {
 
 namespace {
 
-constexpr int64_t kLayoutMagic = 0x7464736d6c617931;        // "tdsmlay1"
+using detail::current_with_context;
+using detail::rethrow_with_context;
+
 constexpr int64_t kConsolidatedMagic = 0x7464736d636f6e31;  // "tdsmcon1"
 constexpr int64_t kRemoteInitMagic = 0x7464736d696e6931;    // "tdsminI1"
 constexpr int kConsolidatedTag = 0;
 constexpr int kRemoteInitTag = 0;
 // Bounds on what a peer's header may announce (a corrupt or hostile peer makes a transfer fail,
-// never an absurd allocation): descriptors and schemas are metadata, never this large.
-constexpr int64_t kMaxDescriptorWords = int64_t{1} << 24;
-// The descriptor header: {magic, words} then up to kInlineWords descriptor words (a tree of a
-// few small leaves needs no second message).
-constexpr int64_t kHeaderWords = 32;
-constexpr int64_t kInlineWords = kHeaderWords - 2;
+// never an absurd allocation): schemas are metadata, never this large.
 constexpr int64_t kMaxSchemaBytes = int64_t{1} << 30;
 constexpr int64_t kMaxStorageBytes = int64_t{1} << 40;
 
 // ---------------------------------------------------------------------------------------------
-// Errors with context
+// Receives that go in stages: what a later receive may be depends on a header from the sender
+// (the layout descriptor, the consolidated header). irecv posts the header's receive and
+// returns; the stages after it run when the header is in, from a wait or from a poll
+// (isCompleted), and each only checks and posts receives, never waits. So irecv never blocks,
+// isCompleted never blocks, and ranks that post receives before sends do not deadlock.
 
-/// Rethrows the exception being handled with `context` in front of its message, keeping its
-/// tdshm type; anything else (c10::Error from gloo, std errors) becomes a TransportError.
-[[noreturn]] void rethrow_with_context(const std::string& context) {
-  try {
-    throw;
-  } catch (const PeerLostError& e) {
-    throw PeerLostError(context + e.what());
-  } catch (const TimeoutError& e) {
-    throw TimeoutError(context + e.what());
-  } catch (const TransportError& e) {
-    throw TransportError(context + e.what());
-  } catch (const SchemaError& e) {
-    throw SchemaError(context + e.what());
-  } catch (const Error& e) {
-    throw Error(context + e.what());
-  } catch (const c10::Error& e) {
-    throw TransportError(context + e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    throw TransportError(context + e.what());
-  }
-}
+/// One stage: the receives it posted and, unless it is the last, what to do once they all
+/// completed.
+struct Stage {
+  std::vector<WorkPtr> pending;
+  /// Checks what `pending` brought and returns the next stage (posting its receives, never
+  /// waiting); null in the last stage.
+  std::function<Stage()> next;
+  /// Last stage only: the transfer's error. A refused transfer's last stage drains the
+  /// sender's messages (`pending`); the Deferred waits for them before it reports the error.
+  std::exception_ptr error;
+};
 
-std::exception_ptr current_with_context(const std::string& context) {
-  try {
-    rethrow_with_context(context);
-  } catch (...) {
-    return std::current_exception();
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// A receive that can only be posted once a header from the sender has been checked (the layout
-// descriptor, the consolidated header). irecv posts the header's receive and returns; the first
-// wait (or isCompleted that finds the header in) runs `rest`, which checks it and posts the real
-// receives. So irecv never blocks, and ranks that post receives before sends do not deadlock.
+// Every backend work is waited exactly once (a gloo receive's wait() waits for one more message
+// each time it is called), so the works of a stage are waited by the Deferred alone, except
+// the last stage's receives of a successful transfer, each of which is handed to one user work.
 
 class Deferred {
  public:
-  Deferred(WorkPtr header, std::function<std::vector<WorkPtr>()> rest)
-      : header_(std::move(header)), rest_(std::move(rest)) {}
+  /// `what` names what the first stage receives, for messages ("layout descriptor").
+  Deferred(std::string what, Stage first) : what_(std::move(what)), stage_(std::move(first)) {}
 
-  /// The works `rest` posted, once the header is in and checked; rethrows the check's error.
-  const std::vector<WorkPtr>& works(std::chrono::milliseconds timeout) {
+  /// Never waits for a message, nor for a thread that waits in wait(): advances through every
+  /// stage whose receives have completed. True once the last stage is posted (and, for a
+  /// refused transfer, its drains have completed).
+  bool poll() {
+    std::unique_lock lk(mu_, std::try_to_lock);
+    if (!lk.owns_lock()) return false;  // a wait() is advancing it
+    return advance(/*block=*/false, ::kNoTimeout);
+  }
+  /// Waits (each backend wait with `timeout`) until poll() would return true.
+  void wait(std::chrono::milliseconds timeout) {
     std::lock_guard lk(mu_);
-    if (!started_) {
-      started_ = true;
-      try {
-        header_->wait(timeout);
-        works_ = rest_();
-      } catch (...) {
-        error_ = std::current_exception();
-      }
-      rest_ = nullptr;
-    }
-    if (error_) std::rethrow_exception(error_);
-    return works_;
+    advance(/*block=*/true, timeout);
   }
-  /// True once works() would not wait for the header.
-  bool header_in() {
-    {
-      std::lock_guard lk(mu_);
-      if (started_) return true;
-    }
-    return header_->isCompleted();
-  }
+  /// The last stage: read it only after poll() returned true or wait() returned (it never
+  /// changes after that).
+  const Stage& last() const { return stage_; }
 
  private:
+  // Requires mu_.
+  bool advance(bool block, std::chrono::milliseconds timeout) {
+    while (stage_.next || (stage_.error && !stage_.pending.empty())) {
+      if (!block && !std::all_of(stage_.pending.begin(), stage_.pending.end(),
+                                 [](const WorkPtr& w) { return w->isCompleted(); })) {
+        return false;
+      }
+      std::exception_ptr failed;
+      for (const auto& w : stage_.pending) {
+        try {
+          w->wait(timeout);  // completed already when polling
+        } catch (...) {
+          if (!failed) failed = current_with_context("receiving the sender's " + what_ + ": ");
+        }
+      }
+      if (!stage_.next) {
+        // A refused transfer's drains: its refusal says what went wrong first, a drain can only
+        // fail after it.
+        stage_.pending.clear();
+        break;
+      }
+      const std::function<Stage()> next = std::move(stage_.next);
+      stage_.next = nullptr;
+      if (failed) {
+        stage_ = Stage{{}, nullptr, failed};
+        break;
+      }
+      try {
+        stage_ = next();
+      } catch (...) {
+        stage_ = Stage{{}, nullptr, current_with_context("")};  // a tdshm error keeps its type
+      }
+    }
+    return true;
+  }
+
   std::mutex mu_;
-  WorkPtr header_;
-  std::function<std::vector<WorkPtr>()> rest_;
-  bool started_ = false;
-  std::vector<WorkPtr> works_;
-  std::exception_ptr error_;
+  const std::string what_;
+  Stage stage_;
 };
 
-// The Work handed to users: backend works (given, or the index-th work of a Deferred) plus what
-// to do once they all succeeded (copy a staged leaf back), with errors that name the key.
+/// Waits for `d`'s last stage and returns its receives; for a refused transfer (once the
+/// drains completed), throws the refusal.
+const std::vector<WorkPtr>& wait_last(Deferred& d) {
+  d.wait(::kNoTimeout);
+  const Stage& last = d.last();
+  if (last.error) std::rethrow_exception(last.error);
+  return last.pending;
+}
+
+// The Work handed to users: backend works (given, or the index-th receive of a Deferred's last
+// stage) plus what to do once they all succeeded (copy a staged leaf back), with errors that
+// name the key.
+//
+// Locking: progress_mu_ is held by whoever advances the work (wait() blocks for it,
+// isCompleted() only tries it); mu_ guards the state that isSuccess(), exception() and abort()
+// read, and is never held across a wait.
 class TransferWork final : public c10d::Work {
  public:
   TransferWork(std::string context, std::vector<WorkPtr> inner, c10d::OpType type,
@@ -142,16 +171,19 @@ class TransferWork final : public c10d::Work {
         index_(index),
         on_success_(std::move(on_success)) {}
 
+  /// Only polls: never waits for a message, nor for a thread that waits in wait().
   bool isCompleted() override {
-    if (deferred_ && !deferred_->header_in()) return false;
     {
       std::lock_guard lk(mu_);
-      take_deferred(kNoTimeout);
-      for (auto& w : inner_) {
-        if (!w->isCompleted()) return false;
-      }
+      if (finished_) return true;
     }
-    finalize(kNoTimeout);
+    std::unique_lock progress(progress_mu_, std::try_to_lock);
+    if (!progress.owns_lock()) return false;  // a wait() is advancing this work
+    if (!resolve(/*block=*/false, ::kNoTimeout)) return false;
+    for (const auto& w : inner_) {
+      if (!w->isCompleted()) return false;
+    }
+    complete(::kNoTimeout);  // every work has completed: nothing in there waits
     return true;
   }
   bool isSuccess() const override {
@@ -163,15 +195,30 @@ class TransferWork final : public c10d::Work {
     return error_;
   }
   std::vector<at::Tensor> result() override { return {}; }
-  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
-    finalize(timeout);
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override {
+    {
+      std::lock_guard progress(progress_mu_);
+      bool finished;
+      {
+        std::lock_guard lk(mu_);
+        finished = finished_;
+      }
+      if (!finished) {
+        resolve(/*block=*/true, timeout);
+        complete(timeout);
+      }
+    }
     std::lock_guard lk(mu_);
     if (error_) std::rethrow_exception(error_);
     return true;
   }
   void abort() override {
-    std::lock_guard lk(mu_);
-    for (auto& w : inner_) w->abort();
+    std::vector<WorkPtr> inner;
+    {
+      std::lock_guard lk(mu_);
+      inner = inner_;
+    }
+    for (auto& w : inner) w->abort();
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     TORCH_CHECK(inner_.size() == 1 && !deferred_ && !on_success_, "this tdshm transfer work has no future; call wait()");
@@ -179,45 +226,59 @@ class TransferWork final : public c10d::Work {
   }
 
  private:
-  // Requires mu_. A deferred work's backend work is the one `rest` posted for it; if the check
-  // failed there is none, and error_ holds the check's error (it names the key itself).
-  void take_deferred(std::chrono::milliseconds timeout) {
-    if (!deferred_ || error_ || !inner_.empty()) return;
-    try {
-      inner_ = {deferred_->works(timeout).at(index_)};
-    } catch (...) {
-      error_ = std::current_exception();
+  // Requires progress_mu_. A deferred work's backend work is the receive the Deferred's last
+  // stage posted for it; for a refused transfer there is none (the Deferred drained the
+  // sender's messages), and the refusal is its error (it names the key itself). False while the
+  // Deferred is not done (only when !block).
+  bool resolve(bool block, std::chrono::milliseconds timeout) {
+    if (!deferred_ || resolved_) return true;
+    if (block) {
+      deferred_->wait(timeout);
+    } else if (!deferred_->poll()) {
+      return false;
     }
+    const Stage& last = deferred_->last();
+    std::lock_guard lk(mu_);
+    if (last.error) {
+      refusal_ = last.error;
+    } else {
+      inner_ = {last.pending.at(index_)};
+    }
+    resolved_ = true;
+    return true;
   }
 
-  // Waits for every inner work (all of them, even after a failure: nothing stays posted into a
-  // leaf the caller may reuse), then runs on_success once.
-  void finalize(std::chrono::milliseconds timeout) {
-    std::lock_guard lk(mu_);
-    if (finished_) return;
-    take_deferred(timeout);
-    for (auto& w : inner_) {
+  // Requires progress_mu_. Waits for every inner work (all of them, even after a failure:
+  // nothing stays posted into a leaf the caller may reuse), then runs on_success, once.
+  void complete(std::chrono::milliseconds timeout) {
+    std::exception_ptr error = refusal_;
+    for (const auto& w : inner_) {
       try {
         w->wait(timeout);
       } catch (...) {
-        if (!error_) error_ = current_with_context(context_);
+        if (!error) error = current_with_context(context_);
       }
     }
-    if (!error_ && on_success_) {
+    if (!error && on_success_) {
       try {
         on_success_();
       } catch (...) {
-        error_ = current_with_context(context_);
+        error = current_with_context(context_);
       }
     }
+    std::lock_guard lk(mu_);
+    error_ = error;
     finished_ = true;
   }
 
-  std::string context_;
-  std::vector<WorkPtr> inner_;
-  std::shared_ptr<Deferred> deferred_;
-  size_t index_ = 0;
-  std::function<void()> on_success_;
+  const std::string context_;
+  std::vector<WorkPtr> inner_;  // written under both locks, read under either
+  const std::shared_ptr<Deferred> deferred_;
+  const size_t index_ = 0;
+  const std::function<void()> on_success_;
+  std::mutex progress_mu_;
+  bool resolved_ = false;       // progress_mu_
+  std::exception_ptr refusal_;  // progress_mu_
   mutable std::mutex mu_;
   bool finished_ = false;
   std::exception_ptr error_;
@@ -313,54 +374,33 @@ at::Tensor int64_tensor(std::vector<int64_t> values) {
 
 at::Tensor bytes_tensor(int64_t n) { return at::empty({n}, at::TensorOptions().dtype(at::kByte)); }
 
-/// A leaf that can be a message: a defined, dense CPU tensor.
-void check_leaf(const at::Tensor& t, const Key& key) {
+/// A leaf that can be a message: a defined, dense CPU tensor. `what()` names it ("key 'c'"),
+/// built only on error. Throws TypeError.
+template <class Name>
+void check_leaf(const at::Tensor& t, const Name& what) {
   if (!t.device().is_cpu()) {
-    throw TypeError("key " + key.str() + ": only CPU tensors can be transferred, this leaf is on " + t.device().str());
+    throw TypeError(what() + ": only CPU tensors can be transferred, this leaf is on " + t.device().str());
   }
-  if (t.layout() != at::kStrided) throw TypeError("key " + key.str() + ": only dense (strided) tensors can be transferred");
+  if (t.layout() != at::kStrided) throw TypeError(what() + ": only dense (strided) tensors can be transferred");
 }
 
-// ---------------------------------------------------------------------------------------------
-// Layout descriptors (per-leaf mode on backends that carry bytes only)
-
-/// dtype, ndim, dims... per leaf.
-std::vector<int64_t> describe_leaves(const std::vector<at::Tensor>& leaves) {
-  std::vector<int64_t> d;
-  for (const auto& t : leaves) {
-    d.push_back(static_cast<int64_t>(t.scalar_type()));
-    d.push_back(t.dim());
-    for (int64_t s : t.sizes()) d.push_back(s);
+/// A tensor a message can land in, in place: a leaf check_leaf accepts whose elements do not
+/// overlap (TypeError: an expanded tensor, stride 0, would receive several elements into one
+/// place) and that is not a read-only MemoryMappedTensor (MemmapError: its writes are private
+/// copy-on-write pages, they would never reach the file). Checked before any receive is posted.
+template <class Name>
+void check_receive_target(const at::Tensor& t, const Name& what) {
+  check_leaf(t, what);
+  if (at::has_internal_overlap(t) == at::MemOverlap::Yes) {
+    throw TypeError(what() + ": its elements overlap in memory (shape " + detail::shape_str(t.sizes()) + ", strides " +
+                    detail::shape_str(t.strides()) + ", an expanded tensor?), so it cannot receive in place; give the "
+                    "receiver a tensor of its own (clone() or contiguous()); nothing was received");
   }
-  return d;
-}
-
-struct LeafLayout {
-  c10::ScalarType dtype;
-  std::vector<int64_t> shape;
-};
-
-/// Parses a peer's descriptor, checking every value (it came from another process).
-std::vector<LeafLayout> parse_descriptor(const int64_t* d, int64_t n) {
-  std::vector<LeafLayout> out;
-  int64_t i = 0;
-  auto bad = [](const std::string& what) { return TransportError("malformed layout descriptor from the sender: " + what); };
-  while (i < n) {
-    if (n - i < 2) throw bad("truncated");
-    const int64_t dtype = d[i], ndim = d[i + 1];
-    if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions)) throw bad("dtype " + std::to_string(dtype));
-    if (ndim < 0 || ndim > n - i - 2) throw bad("ndim " + std::to_string(ndim));
-    LeafLayout l{static_cast<c10::ScalarType>(dtype), {d + i + 2, d + i + 2 + ndim}};
-    const auto item = static_cast<int64_t>(c10::elementSize(l.dtype));
-    int64_t bytes = item;  // bounded: a drain allocates a scratch leaf of this size
-    for (int64_t s : l.shape) {
-      if (s < 0 || (s != 0 && bytes > kMaxStorageBytes / s)) throw bad("dimension " + std::to_string(s));
-      bytes *= s;
-    }
-    out.push_back(std::move(l));
-    i += 2 + ndim;
+  if (const auto info = MemoryMappedTensor::info(t); info && !info->writable) {
+    throw MemmapError(what() + ": it maps '" + info->filename +
+                      "' read-only (MemmapMode::kReadOnly), so received bytes would never reach the file; map it "
+                      "with MemmapMode::kReadWrite or receive into another tensor; nothing was received");
   }
-  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -372,13 +412,12 @@ struct Leaves {
   std::vector<int64_t> tags;
 };
 
+/// The leaves of `td` and their tags; the leaves themselves are checked by the caller (a sender
+/// with check_leaf, a receiver with check_receive_target).
 Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
   Leaves l;
   l.keys = td.sorted_leaf_keys();
-  for (const auto& k : l.keys) {
-    l.tensors.push_back(td.get(k));
-    check_leaf(l.tensors.back(), k);
-  }
+  for (const auto& k : l.keys) l.tensors.push_back(td.get(k));
   l.tags = transfer_tags(init_tag, l.keys.size(), pseudo_rand);
   for (int64_t t : l.tags) c10d_tag(t);
   return l;
@@ -389,57 +428,62 @@ int descriptor_tag(const Leaves& l, int64_t init_tag, bool pseudo_rand) {
   return c10d_tag(l.tags.empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags[0]);
 }
 
-/// The descriptor header for `desc` (see the file comment): built with plain stores, as small
-/// metadata tensors through ATen ops would cost more than the messages themselves.
-at::Tensor descriptor_header(const std::vector<int64_t>& desc) {
-  auto header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
-  auto* h = header.data_ptr<int64_t>();
-  std::fill(h, h + kHeaderWords, 0);
-  h[0] = kLayoutMagic;
-  h[1] = static_cast<int64_t>(desc.size());
-  if (static_cast<int64_t>(desc.size()) <= kInlineWords) std::copy(desc.begin(), desc.end(), h + 2);
-  return header;
-}
-
-/// Checks the sender's descriptor (its `header` is in; a long descriptor is received now); on a
-/// mismatch drains all of the sender's leaves (its tags follow from the same init_tag and
-/// pseudo_rand) and throws an error naming the first key that differs.
-void check_descriptor(const Group& g, int peer, const Leaves& l, int tag, int64_t init_tag, bool pseudo_rand,
-                      const at::Tensor& header) {
-  const int64_t magic = header.data_ptr<int64_t>()[0], words = header.data_ptr<int64_t>()[1];
-  if (magic != kLayoutMagic || words < 0 || words > kMaxDescriptorWords) {
-    throw TransportError("the sender's per-leaf header is not a tdshm layout descriptor (is the sender using the same "
-                         "mode, per-leaf or consolidated, and tdshm?)");
-  }
-  at::Tensor long_desc;
-  if (words > kInlineWords) {
-    long_desc = at::empty({words}, at::TensorOptions().dtype(at::kLong));
-    recv_now(g, long_desc, peer, tag);
-  }
-  const int64_t* desc = words > kInlineWords ? long_desc.data_ptr<int64_t>() : header.data_ptr<int64_t>() + 2;
-  const auto theirs = parse_descriptor(desc, words);
-  std::string problem;
-  for (size_t i = 0; i < std::max(theirs.size(), l.keys.size()) && problem.empty(); ++i) {
-    if (i >= theirs.size()) {
-      problem = "key " + l.keys[i].str() + ": the sender has no leaf for it (it sends " + std::to_string(theirs.size()) +
-                " leaves, this tensordict has " + std::to_string(l.keys.size()) + ")";
-    } else if (i >= l.keys.size()) {
-      problem = "the sender sends " + std::to_string(theirs.size()) + " leaves, this tensordict has " +
-                std::to_string(l.keys.size());
-    } else if (theirs[i].dtype != l.tensors[i].scalar_type() || !l.tensors[i].sizes().equals(theirs[i].shape)) {
-      problem = "key " + l.keys[i].str() + ": the sender's leaf has dtype " + c10::toString(theirs[i].dtype) + " and shape " +
-                detail::shape_str(theirs[i].shape) + ", this one " + c10::toString(l.tensors[i].scalar_type()) + " and " +
-                detail::shape_str(l.tensors[i].sizes());
-    }
-  }
-  if (problem.empty()) return;
-  // Drain what the sender is sending (it cannot know), so that later transfers stay in step.
+/// The last stage of a refused per-leaf transfer: receives of every leaf the sender sends (its
+/// tags follow from the same init_tag and pseudo_rand) into scratch tensors of its dtypes and
+/// shapes (shm checks both), so that later transfers stay in step; then `error`.
+Stage drain_leaves(const Group& g, int peer, const std::vector<detail::LeafLayout>& theirs, int64_t init_tag,
+                   bool pseudo_rand, std::exception_ptr error) {
+  Stage s;
+  s.error = std::move(error);
   const std::vector<int64_t> their_tags = transfer_tags(init_tag, theirs.size(), pseudo_rand);
   for (size_t i = 0; i < theirs.size(); ++i) {
-    // Scratch of the sender's dtype and shape: shm checks both.
-    recv_now(g, at::empty(theirs[i].shape, at::TensorOptions().dtype(theirs[i].dtype)), peer, c10d_tag(their_tags[i]));
+    s.pending.push_back(recv_one(g, at::empty(theirs[i].shape, at::TensorOptions().dtype(theirs[i].dtype)), peer,
+                                 c10d_tag(their_tags[i])));
   }
-  throw TransportError(problem);
+  return s;
+}
+
+/// What the stages of a per-leaf receive share.
+struct PerLeafRecv {
+  Group group;
+  int peer = -1;
+  std::shared_ptr<const Leaves> leaves;
+  int descriptor_tag = 0;
+  int64_t init_tag = 0;
+  bool pseudo_rand = false;
+  at::Tensor header;                 // kHeaderWords int64, the descriptor's header
+  std::vector<at::Tensor> targets;   // where each leaf's message lands
+  std::exception_ptr refusal;        // a leaf that cannot take bytes in place (check_receive_target)
+};
+
+/// The stage after the descriptor is in: a refused transfer drains the sender's leaves; one
+/// whose descriptor differs from this receiver's leaves drains them too, with a TransportError
+/// naming the first key that differs; else the leaf receives are posted.
+Stage per_leaf_check(const PerLeafRecv& r, const int64_t* desc, int64_t words) {
+  const std::vector<detail::LeafLayout> theirs = detail::parse_descriptor(desc, words);
+  std::exception_ptr error = r.refusal;
+  if (!error) {
+    const std::string problem = detail::layout_problem(theirs, r.leaves->keys, r.leaves->tensors);
+    if (problem.empty()) {
+      Stage s;
+      for (size_t i = 0; i < r.targets.size(); ++i) {
+        s.pending.push_back(recv_one(r.group, r.targets[i], r.peer, static_cast<int>(r.leaves->tags[i])));
+      }
+      return s;
+    }
+    error = std::make_exception_ptr(TransportError(problem));
+  }
+  return drain_leaves(r.group, r.peer, theirs, r.init_tag, r.pseudo_rand, std::move(error));
+}
+
+/// The stage after the descriptor's header is in: a long descriptor is one more receive.
+Stage per_leaf_after_header(const std::shared_ptr<const PerLeafRecv>& r) {
+  const int64_t words = detail::descriptor_words(r->header);
+  if (words <= detail::kInlineWords) return per_leaf_check(*r, r->header.data_ptr<int64_t>() + 2, words);
+  const at::Tensor long_desc = at::empty({words}, at::TensorOptions().dtype(at::kLong));
+  return Stage{{recv_one(r->group, long_desc, r->peer, r->descriptor_tag)},
+               [r, long_desc] { return per_leaf_check(*r, long_desc.data_ptr<int64_t>(), long_desc.numel()); },
+               nullptr};
 }
 
 }  // namespace
@@ -470,12 +514,15 @@ Transfer TensorDict::isend(const SendOptions& o) const {
     return out;
   }
   const Leaves l = collect(*this, o.init_tag, o.pseudo_rand);
+  for (size_t i = 0; i < l.keys.size(); ++i) {
+    check_leaf(l.tensors[i], [&] { return "key " + l.keys[i].str(); });
+  }
   std::vector<WorkPtr> descriptor;
   {
     const int tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
-    std::vector<int64_t> desc = describe_leaves(l.tensors);
-    const bool long_desc = static_cast<int64_t>(desc.size()) > kInlineWords;
-    descriptor.push_back(send_one(p.group, descriptor_header(desc), p.rank, tag));
+    std::vector<int64_t> desc = detail::describe_leaves(l.keys, l.tensors);
+    const bool long_desc = static_cast<int64_t>(desc.size()) > detail::kInlineWords;
+    descriptor.push_back(send_one(p.group, detail::descriptor_header(desc), p.rank, tag));
     if (long_desc) descriptor.push_back(send_one(p.group, int64_tensor(std::move(desc)), p.rank, tag));
   }
   std::vector<WorkPtr> sends;
@@ -518,54 +565,73 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
                   "sender's schema)");
     }
     const at::Tensor storage = consolidated_storage();
+    std::exception_ptr refusal;  // a storage that cannot take bytes in place: refused, the sender's drained
+    try {
+      check_receive_target(storage, [] { return std::string("the consolidated storage"); });
+    } catch (...) {
+      refusal = std::current_exception();
+    }
     const uint64_t mine = schema_fingerprint();
     auto header = int64_tensor({0, 0, 0});
     const Group g = p.group;
     const int peer = p.rank;
-    auto rest = [g, peer, header, storage, mine]() -> std::vector<WorkPtr> {
+    auto after_header = [g, peer, header, storage, mine, refusal]() -> Stage {
       const int64_t magic = header.data_ptr<int64_t>()[0], bytes = header.data_ptr<int64_t>()[2];
       const auto fingerprint = static_cast<uint64_t>(header.data_ptr<int64_t>()[1]);
       if (magic != kConsolidatedMagic || bytes < 0 || bytes > kMaxStorageBytes) {
         throw TransportError("the sender's message is not a consolidated tdshm transfer (is it sending per-leaf?)");
       }
-      if (fingerprint != mine || bytes != storage.numel()) {
-        recv_now(g, bytes_tensor(bytes), peer, kConsolidatedTag);  // drained: the stream stays in step
-        throw SchemaError("the sender's schema (fingerprint " + std::to_string(fingerprint) + ", " +
-                          std::to_string(bytes) + " bytes) differs from this tensordict's (fingerprint " +
-                          std::to_string(mine) + ", " + std::to_string(storage.numel()) + " bytes); nothing was written");
+      if (refusal || fingerprint != mine || bytes != storage.numel()) {
+        // Drained: the stream stays in step.
+        Stage drain{{recv_one(g, bytes_tensor(bytes), peer, kConsolidatedTag)}, nullptr, refusal};
+        if (!refusal) {
+          drain.error = std::make_exception_ptr(SchemaError(
+              "the sender's schema (fingerprint " + std::to_string(fingerprint) + ", " + std::to_string(bytes) +
+              " bytes) differs from this tensordict's (fingerprint " + std::to_string(mine) + ", " +
+              std::to_string(storage.numel()) + " bytes): tensorclass names, keys, dtypes, shapes or layout differ; "
+              "nothing was written"));
+        }
+        return drain;
       }
-      return {recv_one(g, storage, peer, kConsolidatedTag)};
+      return Stage{{recv_one(g, storage, peer, kConsolidatedTag)}, nullptr, nullptr};
     };
-    auto deferred = std::make_shared<Deferred>(recv_one(g, header, peer, kConsolidatedTag), std::move(rest));
+    auto deferred = std::make_shared<Deferred>(
+        "consolidated header", Stage{{recv_one(g, header, peer, kConsolidatedTag)}, std::move(after_header), nullptr});
     works.push_back(c10::make_intrusive<TransferWork>("consolidated recv: ", deferred, 0, c10d::OpType::RECV));
   } else {
-    const auto shared = std::make_shared<const Leaves>(collect(*this, o.init_tag, o.pseudo_rand));
+    auto shared = std::make_shared<const Leaves>(collect(*this, o.init_tag, o.pseudo_rand));
     const Leaves& l = *shared;
-    const bool shm = is_shm(p.group);
-    const int dtag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
-    auto header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+    auto r = std::make_shared<PerLeafRecv>();
+    r->group = p.group;
+    r->peer = p.rank;
+    r->leaves = shared;
+    r->descriptor_tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
+    r->init_tag = o.init_tag;
+    r->pseudo_rand = o.pseudo_rand;
+    r->header = at::empty({detail::kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+    // Every leaf is checked before any receive is posted; a refused transfer still consumes the
+    // sender's messages (drain_leaves), so the next transfer on the pair is in step.
+    try {
+      for (size_t i = 0; i < l.keys.size(); ++i) {
+        check_receive_target(l.tensors[i], [&] { return "key " + l.keys[i].str(); });
+      }
+    } catch (...) {
+      r->refusal = std::current_exception();
+    }
     // Over shm a strided leaf is staged by the transport; others receive contiguous bytes,
     // copied into the leaf once they are in.
-    std::vector<at::Tensor> targets;
+    const bool stage_strided = !is_shm(p.group) && !r->refusal;
     for (const auto& leaf : l.tensors) {
-      targets.push_back(!shm && !leaf.is_contiguous() ? at::empty(leaf.sizes(), leaf.options()) : leaf);
+      r->targets.push_back(stage_strided && !leaf.is_contiguous() ? at::empty(leaf.sizes(), leaf.options()) : leaf);
     }
-    const Group g = p.group;
-    const int peer = p.rank;
-    const int64_t init_tag = o.init_tag;
-    const bool pseudo = o.pseudo_rand;
-    auto rest = [g, peer, shared, dtag, init_tag, pseudo, header, targets]() -> std::vector<WorkPtr> {
-      check_descriptor(g, peer, *shared, dtag, init_tag, pseudo, header);
-      std::vector<WorkPtr> posted;
-      for (size_t i = 0; i < targets.size(); ++i) {
-        posted.push_back(recv_one(g, targets[i], peer, static_cast<int>(shared->tags[i])));
-      }
-      return posted;
-    };
-    auto deferred = std::make_shared<Deferred>(recv_one(g, header, peer, dtag), std::move(rest));
+    const std::vector<at::Tensor>& targets = r->targets;
+    std::shared_ptr<const PerLeafRecv> rc = std::move(r);
+    auto deferred = std::make_shared<Deferred>(
+        "layout descriptor", Stage{{recv_one(rc->group, rc->header, rc->peer, rc->descriptor_tag)},
+                                   [rc] { return per_leaf_after_header(rc); }, nullptr});
     if (!o.return_premature) {
       // Waited here: no user-facing Work per leaf.
-      wait_keyed(deferred->works(kNoTimeout), l.keys, "recv of key ");
+      wait_keyed(wait_last(*deferred), l.keys, "recv of key ");
       for (size_t i = 0; i < targets.size(); ++i) {
         if (!targets[i].is_same(l.tensors[i])) l.tensors[i].copy_(targets[i]);
       }
@@ -579,7 +645,7 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
       works.push_back(c10::make_intrusive<TransferWork>("recv of key " + l.keys[i].str() + ": ", deferred, i,
                                                         c10d::OpType::RECV, std::move(copy_back)));
     }
-    if (l.keys.empty()) deferred->works(kNoTimeout);  // the descriptor is consumed (and checked) all the same
+    if (l.keys.empty()) wait_last(*deferred);  // the descriptor is consumed (and checked) all the same
   }
   if (o.return_premature) {
     out.has_works = true;

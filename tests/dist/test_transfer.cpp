@@ -16,9 +16,14 @@
 //   TransferBroadcast   init_remote(use_broadcast) and TensorDict::broadcast, 3 ranks
 //   TransferConsolidated  repeated consolidated sends after update_
 //   TransferTensorClass   a tensorclass through init_remote and consolidated sends
-//   TransferMismatch    receivers of another schema or shape, and the next transfer after them
+//   TransferMismatch    receivers of other keys, shapes, dtypes, schema or tensorclass name, and
+//                       receivers whose leaves cannot take bytes in place (expanded, read-only
+//                       memory maps); the next transfer after each
 //   TransferEarly       isend(return_early) whose works are waited after the receiver received
 //   TransferTwoSenders  two senders with pseudo-random tags to one receiver
+//   TransferPolling     Work::isCompleted of irecv's works never waits for a message
+//   TransferErrors      (no processes) context added to an error keeps its type
+//   TransferLayout      (no processes) the layout descriptor: key hashes, checks, hostile input
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -30,23 +35,32 @@
 #include <tdshm/tensorclass.h>
 #include <tdshm/tensordict.h>
 
+#include <c10/util/Exception.h>
+
 #include <climits>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <optional>
 #include <set>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <typeinfo>
 #include <variant>
 #include <vector>
 
 #include "dist/dist_support.h"
+#include "distributed/layout_descriptor.h"
+#include "distributed/transfer_errors.h"
 
 namespace tdshm::test {
 
 TDSHM_TENSORCLASS(XferTransition, "tdshm.test.xfer.Transition", obs, action, reward);
 TDSHM_TENSORCLASS(XferOther, "tdshm.test.xfer.Other", x);
+TDSHM_TENSORCLASS(XferTwin, "tdshm.test.xfer.Twin", obs, action, reward);  // XferTransition's fields
 
 namespace {
 
@@ -66,6 +80,15 @@ TensorDict seed_tree_with_memmap(float value, const MemoryMappedTensor& memmap) 
   memmap->fill_(value);
   TensorDict td = seed_tree(value);
   td.set({"d", "e"}, memmap);
+  return td;
+}
+
+/// seed_tree with 'c' named 'd' (same shape and dtype, same place in the per-leaf order).
+TensorDict seed_tree_renamed(float value) {
+  TensorDict td = seed_tree(value);
+  const at::Tensor c = td.get("c");
+  td.erase("c");
+  td.set("d", c);
   return td;
 }
 
@@ -138,6 +161,15 @@ void check_exact_error(const char* file, int line, Fn&& fn, const std::string& m
   if (c.what != message) fail_check(file, line, "expected the message \"" + message + "\", got \"" + c.what + "\"");
 }
 #define CHECK_EXACT_ERROR(E, fn, message) check_exact_error<E>(__FILE__, __LINE__, fn, message)
+
+/// Runs fn, which must throw exactly an E (not a subclass) whose message contains every needle.
+template <typename E, typename Fn>
+Caught check_exact_throws(const char* file, int line, Fn&& fn, const std::vector<std::string>& needles) {
+  const Caught c = check_throws<E>(file, line, std::forward<Fn>(fn), needles);
+  if (c.type != demangle(typeid(E).name())) fail_check(file, line, "expected exactly " + demangle(typeid(E).name()) + ", got " + c.describe());
+  return c;
+}
+#define CHECK_EXACT_THROWS(E, fn, ...) check_exact_throws<E>(__FILE__, __LINE__, fn, std::vector<std::string>{__VA_ARGS__})
 
 class TransferTest : public DistTest, public ::testing::WithParamInterface<Method> {
  protected:
@@ -751,17 +783,28 @@ INSTANTIATE_TEST_SUITE_P(Methods, TransferTensorClass, kBothBackends, param_name
 
 /// Receives per-leaf from rank 1 into `receiver` with irecv(return_premature): irecv itself
 /// returns at once (the layout descriptor is checked when the works are waited), and waiting
-/// fails with a TransportError whose message contains every needle.
-void expect_per_leaf_mismatch(TensorDict receiver, const std::vector<std::string>& needles, const std::string& what) {
+/// fails with exactly an E whose message contains every needle.
+template <class E>
+void expect_refused(TensorDict receiver, const std::vector<std::string>& needles, const std::string& what) {
   Transfer t;
   const Caught at_irecv = catch_any([&] { t = receiver.irecv({.src = 1, .return_premature = true}); });
   SHM_CHECK(!at_irecv.threw, what << ": irecv itself threw " << at_irecv.describe());
   SHM_CHECK(t.has_works, what);
   const Caught error = catch_any([&] { t.wait(); });
-  SHM_CHECK(error.is<TransportError>(), what << ": expected a TransportError, got " << error.describe());
+  SHM_CHECK(error.type == demangle(typeid(E).name()),
+            what << ": expected exactly " << demangle(typeid(E).name()) << ", got " << error.describe());
   for (const std::string& n : needles) {
     SHM_CHECK(contains_nocase(error.what, n), what << ": the message does not mention " << n << ": " << error.what);
   }
+  // Every work reports the same failure, and it stays failed.
+  for (const WorkPtr& w : t.works) {
+    SHM_CHECK(w->isCompleted() && !w->isSuccess() && w->exception(), what);
+  }
+}
+
+/// A layout mismatch: exactly a TransportError.
+void expect_per_leaf_mismatch(TensorDict receiver, const std::vector<std::string>& needles, const std::string& what) {
+  expect_refused<TransportError>(std::move(receiver), needles, what);
 }
 
 /// Rank 1's side of a mismatch test: for each case, the seed tree with a "bad" value (the
@@ -783,9 +826,9 @@ void expect_good(int i, const std::string& after) {
 class TransferMismatch : public TransferTest {
  protected:
   /// Rank 1 sends the seed tree twice. Rank 0 receives the first into a seed tree changed by
-  /// `change`: a TransportError that mentions `needle`, within half the group's deadline
+  /// `change`: a TransportError that mentions every one of `needles`, within half the group's deadline
   /// `timeout`; then the second into a correct receiver.
-  void check_key_mismatch(const std::function<void(TensorDict&)>& change, const std::string& needle,
+  void check_key_mismatch(const std::function<void(TensorDict&)>& change, const std::vector<std::string>& needles,
                           const std::string& what, std::chrono::milliseconds timeout = kGroupTimeout) {
     run_world(
         2,
@@ -797,7 +840,7 @@ class TransferMismatch : public TransferTest {
           TensorDict bad = seed_tree(0);
           change(bad);
           const auto start = Clock::now();
-          expect_per_leaf_mismatch(bad, {needle}, what);
+          expect_per_leaf_mismatch(bad, needles, what);
           const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
           SHM_CHECK(elapsed < timeout / 2, what << ": the error came after " << elapsed.count()
                                                 << " ms (group timeout " << timeout.count() << " ms)");
@@ -844,20 +887,21 @@ TEST_P(TransferMismatch, PerLeafShapeAndDtype) {
 // The receiver lacks a key in the middle of the order: the leaves after it meet the sender's
 // messages of other leaves. The error names the receiver's leaf where that shows ('c').
 TEST_P(TransferMismatch, ReceiverLacksAKey) {
-  check_key_mismatch([](TensorDict& td) { td.erase("a"); }, "'c'", "a receiver without ('a', 'b')");
+  check_key_mismatch([](TensorDict& td) { td.erase("a"); }, {"'c'", "does not have"}, "a receiver without ('a', 'b')");
 }
 
 // The receiver lacks the last key of the order: the sender sends one message more than the
 // receiver expects. That must be an error too, and must not stay in the stream.
 TEST_P(TransferMismatch, ReceiverLacksTheLastKey) {
-  check_key_mismatch([](TensorDict& td) { td.erase("c"); }, "3 leaves", "a receiver without 'c'");
+  check_key_mismatch([](TensorDict& td) { td.erase("c"); }, {"3 leaves"}, "a receiver without 'c'");
 }
 
 // The receiver has a key the sender lacks ('b', between ('a', 'b') and 'c'): the sender sends one
 // message fewer than the receiver expects. The error names 'b' and comes at once, not at the
 // group's deadline (4 s here).
 TEST_P(TransferMismatch, ReceiverHasAnExtraKey) {
-  check_key_mismatch([](TensorDict& td) { td.set("b", at::zeros({2})); }, "'b'", "a receiver with an extra 'b'",
+  check_key_mismatch([](TensorDict& td) { td.set("b", at::zeros({2})); }, {"'b'", "sends 'c' in its place"},
+                     "a receiver with an extra 'b'",
                      std::chrono::milliseconds(4000));
 }
 
@@ -910,6 +954,189 @@ TEST_P(TransferMismatch, Consolidated) {
       SHM_CHECK(good.recv({.src = 1, .consolidated = true}) == 0);
       SHM_CHECK(all_equal(good, 300), "after the refused plain receiver:\n" << values(good));
     }
+  });
+}
+
+// Keys that differ where shapes and dtypes agree: without key names in the layout descriptor
+// these would be received silently into the wrong leaves. The descriptor's key hashes make each
+// a TransportError naming the receiver's key; the sender's leaves are drained, the refused
+// receiver is untouched, and the next transfer on the pair arrives whole.
+TEST_P(TransferMismatch, KeysThatDifferWhereShapesAndDtypesAgree) {
+  struct Case {
+    const char* what;
+    std::function<TensorDict()> receiver;
+    std::vector<std::string> needles;
+  };
+  run_world(2, [&](int rank, Flags&) {
+    const std::vector<Case> cases = {
+        {"'c' named 'd'",
+         [] { return TensorDict({{{"a", "b"}, at::zeros({2})}, {"d", at::zeros({2, 3})}, {"_", at::zeros({2, 1, 5})}}, {2}); },
+         {"'d'", "does not have"}},
+        {"('a', 'b') named ('a', 'x')",
+         [] { return TensorDict({{{"a", "x"}, at::zeros({2})}, {"c", at::zeros({2, 3})}, {"_", at::zeros({2, 1, 5})}}, {2}); },
+         {"('a', 'x')"}},
+        {"('a', 'b') as the flat key 'a.b'",
+         [] { return TensorDict({{"a.b", at::zeros({2})}, {"c", at::zeros({2, 3})}, {"_", at::zeros({2, 1, 5})}}, {2}); },
+         {"'a.b'"}},
+        {"'_' named 'A' (first in the order), with recv",
+         [] { return TensorDict({{{"a", "b"}, at::zeros({2})}, {"c", at::zeros({2, 3})}, {"A", at::zeros({2, 1, 5})}}, {2}); },
+         {"'A'"}},
+    };
+    if (rank == 1) {
+      send_bad_then_good(static_cast<int>(cases.size()));
+      return;
+    }
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      TensorDict bad = c.receiver();
+      if (i + 1 < cases.size()) {
+        expect_per_leaf_mismatch(bad, c.needles, c.what);
+      } else {
+        const Caught e = CHECK_EXACT_THROWS(TransportError, [&] { bad.recv({.src = 1}); }, c.needles[0]);
+        SHM_CHECK(!contains_nocase(e.what, "recv of key"), "the check's own message, not a backend error: " << e.what);
+      }
+      SHM_CHECK(all_equal(bad, 0), c.what << ": the refused receiver changed:\n" << values(bad));
+      expect_good(static_cast<int>(i), c.what);
+    }
+  });
+}
+
+// Leaves that cannot take bytes in place are refused before any receive is posted, with a typed
+// error naming the key: an expanded tensor (stride 0: several elements share one place) is a
+// TypeError, a read-only MemoryMappedTensor (its writes are private, they would never reach the
+// file) a MemmapError. The sender's leaves are drained all the same, so the next transfer on the
+// pair arrives whole.
+TEST_P(TransferMismatch, ReceiveTargetsThatCannotTakeBytesInPlace) {
+  const std::string memmap_file = file("read_only_target.mm");
+  struct Case {
+    const char* what;
+    Key key;
+    std::function<at::Tensor()> leaf;
+    bool memmap;  // a MemmapError, else a TypeError
+    bool blocking;
+    std::string needle;
+  };
+  run_world(2, [&](int rank, Flags&) {
+    const auto read_only = [&] {
+      return MemoryMappedTensor::from_filename(memmap_file, at::kFloat, {2, 3}, 0, MemmapMode::kReadOnly).tensor();
+    };
+    const std::vector<Case> cases = {
+        {"'c' expanded from [1, 3]", "c", [] { return at::zeros({1, 3}).expand({2, 3}); }, false, false, "'c'"},
+        {"('a', 'b') expanded from [1]", {"a", "b"}, [] { return at::zeros({1}).expand({2}); }, false, false, "('a', 'b')"},
+        {"'_' expanded in its last dimension, with recv", "_", [] { return at::zeros({2, 1, 1}).expand({2, 1, 5}); }, false,
+         true, "'_'"},
+        {"'c' a read-only MemoryMappedTensor", "c", read_only, true, false, "'c'"},
+        {"'c' a read-only MemoryMappedTensor, with recv", "c", read_only, true, true, "'c'"},
+    };
+    if (rank == 1) {
+      send_bad_then_good(static_cast<int>(cases.size()));
+      return;
+    }
+    MemoryMappedTensor::zeros({2, 3}, at::kFloat, memmap_file);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      TensorDict bad = seed_tree(0);
+      bad.set(c.key, c.leaf());
+      const std::vector<std::string> needles = {c.needle, c.memmap ? "read-only" : "overlap", "nothing was received"};
+      if (c.blocking) {
+        if (c.memmap) {
+          CHECK_EXACT_THROWS(MemmapError, [&] { bad.recv({.src = 1}); }, needles[0], needles[1], needles[2]);
+        } else {
+          CHECK_EXACT_THROWS(TypeError, [&] { bad.recv({.src = 1}); }, needles[0], needles[1], needles[2]);
+        }
+      } else if (c.memmap) {
+        expect_refused<MemmapError>(bad, needles, c.what);
+      } else {
+        expect_refused<TypeError>(bad, needles, c.what);
+      }
+      SHM_CHECK(all_equal(bad, 0), c.what << ": the refused receiver changed:\n" << values(bad));
+      expect_good(static_cast<int>(i), c.what);
+    }
+    const at::Tensor in_file = MemoryMappedTensor::from_filename(memmap_file, at::kFloat, {2, 3}).tensor();
+    SHM_CHECK(at::equal(in_file, at::zeros({2, 3})), "the read-only leaf's file changed");
+  });
+}
+
+// A consolidated receiver whose storage is a read-only mapping of a consolidated file is refused
+// (MemmapError) before its storage's receive is posted; the sender's storage is drained, and the
+// next consolidated transfer arrives whole.
+TEST_P(TransferMismatch, ConsolidatedIntoAReadOnlyStorage) {
+  const std::string td_file = file("read_only.td");
+  run_world(2, [&](int rank, Flags&) {
+    if (rank == 1) {
+      TensorDict c = seed_tree(0).consolidate();
+      for (float v : {100.0f, 200.0f}) {
+        c.update_(seed_tree(v));
+        c.send({.dst = 0, .consolidated = true});
+      }
+      return;
+    }
+    seed_tree(0).consolidate({.filename = td_file});
+    TensorDict read_only = TensorDict::from_consolidated_file(td_file, MemmapMode::kReadOnly);
+    SHM_CHECK(read_only.is_consolidated());
+    CHECK_EXACT_THROWS(MemmapError, [&] { read_only.recv({.src = 1, .consolidated = true}); }, "consolidated storage",
+                       "read-only", "nothing was received");
+    SHM_CHECK(all_equal(read_only, 0), values(read_only));
+    SHM_CHECK(all_equal(TensorDict::from_consolidated_file(td_file), 0), "the consolidated file changed");
+    TensorDict good = seed_tree(0).consolidate();
+    SHM_CHECK(good.recv({.src = 1, .consolidated = true}) == 0);
+    SHM_CHECK(all_equal(good, 200), "after the read-only receiver:\n" << values(good));
+  });
+}
+
+// The schema fingerprint names the tensorclass: a consolidated XferTransition is not received
+// into an XferTwin of the same fields, nor into a plain tensordict of the same leaves (the same
+// bytes, another type): SchemaError, nothing written, the next transfer arrives whole.
+TEST_P(TransferMismatch, ConsolidatedTensorClassOfAnotherName) {
+  run_world(2, [&](int rank, Flags&) {
+    const auto plain = [](float v) {
+      return TensorDict({{"obs", at::full({4, 3}, v)}, {"action", at::full({4}, v)}, {"reward", at::full({4, 1}, v)}}, {4});
+    };
+    if (rank == 1) {
+      XferTransition c = transition(0).consolidate();
+      for (int i = 0; i < 2; ++i) {
+        c.update_(plain(static_cast<float>(100 + i)));
+        c.send({.dst = 0, .consolidated = true});
+        c.update_(plain(static_cast<float>(200 + i)));
+        c.send({.dst = 0, .consolidated = true});
+      }
+      return;
+    }
+    std::vector<std::pair<std::string, TensorDict>> receivers;
+    receivers.emplace_back("an XferTwin", XferTwin(plain(0)).consolidate().tensordict());
+    receivers.emplace_back("a plain tensordict", plain(0).consolidate());
+    XferTransition good = transition(0).consolidate();
+    for (size_t i = 0; i < receivers.size(); ++i) {
+      TensorDict& bad = receivers[i].second;
+      SHM_CHECK(bad.consolidated_storage().numel() == good.tensordict().consolidated_storage().numel(),
+                "the same bytes: only the class name differs");
+      CHECK_EXACT_THROWS(SchemaError, [&] { bad.recv({.src = 1, .consolidated = true}); }, "schema", "tensorclass",
+                         "nothing was written");
+      SHM_CHECK(all_equal(bad, 0), receivers[i].first << ": the refused receiver changed:\n" << values(bad));
+      SHM_CHECK(good.recv({.src = 1, .consolidated = true}) == 0);
+      SHM_CHECK(all_equal(good.tensordict(), static_cast<float>(200 + i)),
+                "after " << receivers[i].first << ":\n" << values(good.tensordict()));
+    }
+  });
+}
+
+// A layout descriptor of version 1 (an older tdshm: no key names) is refused with a message that
+// says so, not misread. Rank 1 plays the old sender with one raw header of no leaves.
+TEST_P(TransferMismatch, LayoutDescriptorOfVersionOne) {
+  run_world(2, [&](int rank, Flags&) {
+    if (rank == 1) {
+      at::Tensor header = at::zeros({detail::kHeaderWords}, at::kLong);
+      header.data_ptr<int64_t>()[0] = detail::kLayoutMagicV1;
+      std::vector<at::Tensor> v{header};
+      SHM_CHECK(default_group().backend().send(v, 0, 0)->wait(kGroupTimeout));
+      send_bad_then_good(1);
+      return;
+    }
+    TensorDict r = seed_tree(0);
+    CHECK_EXACT_THROWS(TransportError, [&] { r.recv({.src = 1}); }, "version 1", "same tdshm version");
+    SHM_CHECK(all_equal(r, 0), values(r));
+    expect_per_leaf_mismatch(TensorDict({{"x", at::zeros({2})}}, {2}), {"'x'"}, "the first tree into another");
+    expect_good(0, "an old descriptor");
   });
 }
 
@@ -1021,6 +1248,289 @@ TEST_P(TransferTwoSenders, PseudoRandTags) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TransferTwoSenders, kBothBackends, param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 12. isCompleted only polls
+
+class TransferPolling : public TransferTest {};
+
+/// Rank 1's raw sends (the default group's backend, as the transfer layer sends them): each
+/// waited.
+void send_raw(const at::Tensor& t, int tag) {
+  std::vector<at::Tensor> v{t};
+  SHM_CHECK(default_group().backend().send(v, 0, tag)->wait(kGroupTimeout), "raw send, tag " << tag);
+}
+
+constexpr int kSyncTag = 7777;
+
+/// Rank 0: once the sender's message on kSyncTag is in, so is everything it sent before it (the
+/// transports deliver one sender's messages in order), here the layout descriptor's header.
+void receive_sync() {
+  std::vector<at::Tensor> v{at::zeros({1}, at::kLong)};
+  SHM_CHECK(default_group().backend().recv(v, 1, kSyncTag)->wait(kGroupTimeout));
+}
+
+/// Rank 0: polls every work many times; none may complete (what they wait for is not sent yet),
+/// and a poll that waited for it would never return (the sender sends it only after this).
+void poll_incomplete(const Transfer& t, const char* what) {
+  for (int round = 0; round < 50; ++round) {
+    for (const WorkPtr& w : t.works) SHM_CHECK(!w->isCompleted(), what << ": a work completed before its message was sent");
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+// The sender (raw sends, the layout descriptor built by the transfer layer's own functions) holds
+// back what the receiver's works need next while the receiver polls isCompleted: phase 0 the long
+// descriptor's second message (the ten leaves' descriptor does not fit the header), phase 1 the
+// leaves a refused receiver must drain. isCompleted must return false without waiting for them;
+// afterwards wait() completes the transfer (phase 0) or fails naming the key (phase 1), and the
+// next transfer on the pair arrives whole. (Over gloo a backend receive only reports completion
+// from wait(), so there the polls cannot even see the header; over shm they do.)
+TEST_P(TransferPolling, IsCompletedNeverWaits) {
+  run_world(2, [&](int rank, Flags& flags) {
+    if (rank == 1) {
+      // Phase 0: ten leaves, tags 0..9.
+      const TensorDict ten = ten_leaves(100);
+      const std::vector<Key> keys = ten.sorted_leaf_keys();
+      std::vector<at::Tensor> leaves;
+      for (const Key& k : keys) leaves.push_back(ten.get(k));
+      const std::vector<int64_t> desc = detail::describe_leaves(keys, leaves);
+      SHM_CHECK(static_cast<int64_t>(desc.size()) > detail::kInlineWords, desc.size() << " words fit the header");
+      send_raw(detail::descriptor_header(desc), 0);
+      send_raw(at::zeros({1}, at::kLong), kSyncTag);
+      wait_until(flags.step[0], 1, "the receiver to poll", &flags.failed);
+      send_raw(at::tensor(desc, at::kLong), 0);
+      for (size_t i = 0; i < leaves.size(); ++i) send_raw(leaves[i], static_cast<int>(i));
+      // Phase 1: the seed tree (an inline descriptor), tags 0..2, to a receiver of other keys.
+      const TensorDict seed = seed_tree(300);
+      const std::vector<Key> seed_keys = seed.sorted_leaf_keys();
+      std::vector<at::Tensor> seed_leaves;
+      for (const Key& k : seed_keys) seed_leaves.push_back(seed.get(k));
+      send_raw(detail::descriptor_header(detail::describe_leaves(seed_keys, seed_leaves)), 0);
+      send_raw(at::zeros({1}, at::kLong), kSyncTag);
+      wait_until(flags.step[1], 1, "the receiver to poll", &flags.failed);
+      for (size_t i = 0; i < seed_leaves.size(); ++i) send_raw(seed_leaves[i], static_cast<int>(i));
+      send_bad_then_good(1);
+      return;
+    }
+    TensorDict ten = ten_leaves(0);
+    const Transfer t = ten.irecv({.src = 1, .return_premature = true});
+    SHM_CHECK(t.works.size() == 10);
+    receive_sync();
+    poll_incomplete(t, "phase 0 (long descriptor held back)");
+    flags.step[0].store(1, std::memory_order_release);
+    wait_works(t, "phase 0");
+    SHM_CHECK(holds_ten_leaves(ten, 100), values(ten));
+
+    TensorDict other = seed_tree_renamed(0);
+    const Transfer refused = other.irecv({.src = 1, .return_premature = true});
+    receive_sync();
+    poll_incomplete(refused, "phase 1 (the leaves to drain held back)");
+    flags.step[1].store(1, std::memory_order_release);
+    CHECK_EXACT_THROWS(TransportError, [&] { refused.wait(); }, "'d'");
+    SHM_CHECK(all_equal(other, 0), values(other));
+    expect_per_leaf_mismatch(other, {"'d'"}, "phase 1, the next bad tree");
+    expect_good(0, "polled transfers");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferPolling, kBothBackends, param_name);
+
+// ---------------------------------------------------------------------------------------------
+// 13. Errors keep their type (no processes)
+
+/// Adds context to an E in flight: the result must be exactly an E with the context in front.
+template <class E>
+void expect_context_keeps_type() {
+  const std::string name = demangle(typeid(E).name());
+  try {
+    try {
+      throw E("inner");
+    } catch (...) {
+      detail::rethrow_with_context("ctx: ");
+    }
+  } catch (const std::exception& e) {
+    EXPECT_EQ(demangle(typeid(e).name()), name);
+    EXPECT_STREQ(e.what(), "ctx: inner") << name;
+    return;
+  }
+  ADD_FAILURE() << name << ": nothing was thrown";
+}
+
+template <class... E>
+void expect_every_type_kept(std::tuple<E...>* /*list*/) {
+  (expect_context_keeps_type<E>(), ...);
+}
+
+template <class... E>
+std::set<std::string> names_of(std::tuple<E...>* /*list*/) {
+  return {demangle(typeid(E).name())...};
+}
+
+TEST(TransferErrors, ContextKeepsTheTypeOfEveryTdshmError) {
+  expect_every_type_kept(static_cast<detail::KnownErrors*>(nullptr));
+  // And through an exception_ptr, as works store them.
+  std::exception_ptr p;
+  try {
+    throw KeyError("no such key");
+  } catch (...) {
+    p = detail::current_with_context("recv of key 'c': ");
+  }
+  EXPECT_THROW(std::rethrow_exception(p), KeyError);
+}
+
+TEST(TransferErrors, OtherExceptionsBecomeTransportErrors) {
+  const auto context_of = [](auto&& throwing) {
+    try {
+      try {
+        throwing();
+      } catch (...) {
+        detail::rethrow_with_context("ctx: ");
+      }
+    } catch (const std::exception& e) {
+      return Caught{true, demangle(typeid(e).name()), e.what(), std::current_exception()};
+    }
+    return Caught{};
+  };
+  const Caught from_c10 = context_of([] { TORCH_CHECK(false, "gloo said no"); });
+  EXPECT_EQ(from_c10.type, demangle(typeid(TransportError).name()));
+  EXPECT_EQ(from_c10.what.rfind("ctx: ", 0), 0u) << from_c10.what;
+  EXPECT_TRUE(contains_nocase(from_c10.what, "gloo said no")) << from_c10.what;
+  const Caught from_std = context_of([] { throw std::out_of_range("index 3"); });
+  EXPECT_EQ(from_std.type, demangle(typeid(TransportError).name()));
+  EXPECT_EQ(from_std.what, "ctx: index 3");
+}
+
+// Should a class be missing from KnownErrors, its exceptions keep their type (and lose the
+// context), never becoming another type.
+TEST(TransferErrors, AClassMissingFromTheListKeepsItsType) {
+  struct Unlisted : KeyError {
+    using KeyError::KeyError;
+  };
+  try {
+    try {
+      throw Unlisted("inner");
+    } catch (...) {
+      detail::rethrow_with_context("ctx: ");
+    }
+  } catch (const std::exception& e) {
+    EXPECT_EQ(typeid(e), typeid(Unlisted));
+    EXPECT_STREQ(e.what(), "inner");
+    return;
+  }
+  ADD_FAILURE() << "nothing was thrown";
+}
+
+// KnownErrors lists exactly the classes of include/tdshm/errors.h: a class added there and
+// forgotten in the list fails here (the header is read from the source tree next to this file).
+TEST(TransferErrors, EveryClassOfErrorsHIsKnown) {
+  const std::filesystem::path header =
+      std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "include" / "tdshm" / "errors.h";
+  std::ifstream in(header);
+  ASSERT_TRUE(in) << "cannot read " << header;
+  std::set<std::string> declared;
+  std::string word, previous;
+  while (in >> word) {
+    if (previous == "class") declared.insert("tdshm::" + word);
+    previous = word;
+  }
+  EXPECT_EQ(declared.size(), 11u) << "errors.h changed: check KnownErrors in src/distributed/transfer_errors.h";
+  EXPECT_EQ(declared, names_of(static_cast<detail::KnownErrors*>(nullptr)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 14. The layout descriptor (no processes)
+
+TEST(TransferLayout, KeyHashIsPinned) {
+  // The same in every process and build: FNV-1a over the part count and length-prefixed parts,
+  // then a 64-bit mixer (layout_descriptor.h).
+  EXPECT_EQ(detail::key_hash("c"), 0xa5d0ebc27ff61e13ull);
+  EXPECT_EQ(detail::key_hash("_"), 0x25d5f86c8159629eull);
+  EXPECT_EQ(detail::key_hash({"a", "b"}), 0x30912bc77258f6beull);
+  EXPECT_EQ(detail::key_hash("ab"), 0xa21e5781667dbbc8ull);
+  EXPECT_EQ(detail::key_hash("a.b"), 0x9b4ef6ecd8c99fb7ull);
+}
+
+/// The descriptor of `td`'s leaves, parsed back as a receiver would.
+std::vector<detail::LeafLayout> layouts_of(const TensorDict& td) {
+  std::vector<at::Tensor> leaves;
+  const std::vector<Key> keys = td.sorted_leaf_keys();
+  for (const Key& k : keys) leaves.push_back(td.get(k));
+  const std::vector<int64_t> desc = detail::describe_leaves(keys, leaves);
+  const at::Tensor header = detail::descriptor_header(desc);
+  const int64_t words = detail::descriptor_words(header);
+  EXPECT_EQ(words, static_cast<int64_t>(desc.size()));
+  return detail::parse_descriptor(words <= detail::kInlineWords ? header.data_ptr<int64_t>() + 2 : desc.data(), words);
+}
+
+/// layout_problem of a sender `theirs` against the receiver `td`.
+std::string problem(const std::vector<detail::LeafLayout>& theirs, const TensorDict& td) {
+  std::vector<at::Tensor> leaves;
+  const std::vector<Key> keys = td.sorted_leaf_keys();
+  for (const Key& k : keys) leaves.push_back(td.get(k));
+  return detail::layout_problem(theirs, keys, leaves);
+}
+
+TEST(TransferLayout, SmallTreesFitTheHeader) {
+  const TensorDict seed = seed_tree(0);
+  std::vector<at::Tensor> leaves;
+  for (const Key& k : seed.sorted_leaf_keys()) leaves.push_back(seed.get(k));
+  EXPECT_EQ(detail::describe_leaves(seed.sorted_leaf_keys(), leaves).size(), 12u);  // (2 + ndim) per leaf
+  const TensorDict tr = transition(0).to_tensordict();
+  leaves.clear();
+  for (const Key& k : tr.sorted_leaf_keys()) leaves.push_back(tr.get(k));
+  EXPECT_LE(static_cast<int64_t>(detail::describe_leaves(tr.sorted_leaf_keys(), leaves).size()), detail::kInlineWords);
+}
+
+TEST(TransferLayout, ChecksKeysThenDtypesAndShapes) {
+  const auto theirs = layouts_of(seed_tree(1));
+  ASSERT_EQ(theirs.size(), 3u);
+  EXPECT_EQ(theirs[1].key_hash, detail::key_hash({"a", "b"}));
+  EXPECT_EQ(theirs[2].dtype, at::kFloat);
+  EXPECT_EQ(theirs[2].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(problem(theirs, seed_tree(0)), "");
+  const TensorDict renamed = seed_tree_renamed(0);
+  EXPECT_TRUE(contains_nocase(problem(theirs, renamed), "key 'd': the sender sends a key this tensordict does not have"))
+      << problem(theirs, renamed);
+  TensorDict extra = seed_tree(0);
+  extra.set("b", at::zeros({2}));
+  EXPECT_TRUE(contains_nocase(problem(theirs, extra), "key 'b': the sender sends 'c' in its place")) << problem(theirs, extra);
+  TensorDict as_int = seed_tree(0);
+  as_int.set("c", at::zeros({2, 3}, at::kInt));
+  EXPECT_TRUE(contains_nocase(problem(theirs, as_int), "key 'c'") && contains_nocase(problem(theirs, as_int), "dtype"));
+  // A key and a dtype differ at the same leaf: the key is named first.
+  TensorDict both = seed_tree(0);
+  both.erase("c");
+  both.set("d", at::zeros({2, 3}, at::kInt));
+  EXPECT_TRUE(contains_nocase(problem(theirs, both), "key 'd'") && !contains_nocase(problem(theirs, both), "dtype"))
+      << problem(theirs, both);
+  // A long descriptor (ten leaves) parses back the same way.
+  EXPECT_EQ(problem(layouts_of(ten_leaves(0)), ten_leaves(1)), "");
+}
+
+TEST(TransferLayout, HostileDescriptorsAreTransportErrors) {
+  at::Tensor header = detail::descriptor_header({});
+  header.data_ptr<int64_t>()[0] = detail::kLayoutMagicV1;
+  EXPECT_THROW(detail::descriptor_words(header), TransportError);
+  header.data_ptr<int64_t>()[0] = 0x1234;
+  EXPECT_THROW(detail::descriptor_words(header), TransportError);
+  header = detail::descriptor_header({});
+  header.data_ptr<int64_t>()[1] = -1;
+  EXPECT_THROW(detail::descriptor_words(header), TransportError);
+  header.data_ptr<int64_t>()[1] = detail::kMaxDescriptorWords + 1;
+  EXPECT_THROW(detail::descriptor_words(header), TransportError);
+  const auto parse = [](std::vector<int64_t> d) { return detail::parse_descriptor(d.data(), static_cast<int64_t>(d.size())); };
+  const int64_t f = static_cast<int64_t>(at::kFloat);
+  EXPECT_EQ(parse({7, f + 256 * 2, 2, 3}).size(), 1u);
+  EXPECT_THROW(parse({7}), TransportError);                                   // truncated
+  EXPECT_THROW(parse({7, -1}), TransportError);                               // negative dtype/ndim word
+  EXPECT_THROW(parse({7, 255}), TransportError);                              // unknown dtype
+  EXPECT_THROW(parse({7, static_cast<int64_t>(c10::ScalarType::Undefined)}), TransportError);
+  EXPECT_THROW(parse({7, f + 256 * 3, 2, 3}), TransportError);                // ndim past the end
+  EXPECT_THROW(parse({7, f + 256 * 1, -2}), TransportError);                  // negative dimension
+  EXPECT_THROW(parse({7, f + 256 * 2, int64_t{1} << 40, int64_t{1} << 40}), TransportError);  // absurd size
+}
+
 
 }  // namespace
 }  // namespace tdshm::test
