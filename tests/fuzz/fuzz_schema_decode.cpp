@@ -100,7 +100,9 @@ std::vector<uint8_t> reframed(std::span<const uint8_t> input) {
   std::vector<uint8_t> out(input.begin(), input.end());
   if (out.size() < kFrame) return out;
   const auto body = static_cast<uint32_t>(out.size() - kFrame);
-  for (size_t i = 0; i < 4; ++i) out[tdshm::detail::kSchemaBodyLengthOffset + i] = static_cast<uint8_t>(body >> (8 * i));
+  for (size_t i = 0; i < 4; ++i) {
+    out[tdshm::detail::kSchemaBodyLengthOffset + i] = static_cast<uint8_t>(body >> (8 * i));
+  }
   const size_t crc_at = out.size() - tdshm::detail::kSchemaTrailerBytes;
   const uint32_t crc = tdshm::detail::crc32c(std::span<const uint8_t>(out).first(crc_at));
   for (size_t i = 0; i < 4; ++i) out[crc_at + i] = static_cast<uint8_t>(crc >> (8 * i));
