@@ -6,6 +6,9 @@
 #   tools/dev.sh bench [args...]         build the tdshm tool and run `tdshm bench args...`
 #                                        (two-process ping-pong; --help lists its options)
 #   tools/dev.sh bench-consolidate [args...]  build and run the consolidate micro-benchmark
+#   tools/dev.sh fuzz  [seconds]         build the libFuzzer targets (clang, build-fuzz/) and run
+#                                        each for `seconds` (default 600) with a corpus kept in
+#                                        build-fuzz/corpus/; prints executions, time, crashes
 #
 # Each subcommand first makes sure the Debian packages tdshm needs are installed: as root it
 # installs the missing ones with apt-get, otherwise it prints the apt-get line and stops. The
@@ -22,14 +25,18 @@ readonly JOBS=2
 
 # What a build and test run needs. libtorch-dev brings the -dev packages its CMake config looks
 # for (libgflags-dev, libgoogle-glog-dev, libprotobuf-dev) as Depends, so
-# --no-install-recommends is enough.
+# --no-install-recommends is enough. The fuzz targets (tests/fuzz, also run by the test
+# fuzz.smoke) need clang-14 and the runtimes of -fsanitize=fuzzer,address,undefined, which are in
+# libclang-rt-14-dev (clang-14 only recommends it; libfuzzer-14-dev holds a standalone
+# libFuzzer.a that -fsanitize=fuzzer does not use); llvm-14 brings llvm-symbolizer for readable
+# crash reports.
 readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libboost-dev libspdlog-dev
-                   libgtest-dev libbenchmark-dev)
+                   libgtest-dev libbenchmark-dev clang-14 libclang-rt-14-dev llvm-14)
 
 log() { printf 'dev.sh: %s\n' "$*" >&2; }
 
 usage() {
-  sed -n '2,9s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+  sed -n '2,12s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
 }
 
 ensure_packages() {
@@ -101,6 +108,13 @@ main() {
       ensure_configured
       build --target tdshm_bench_consolidate
       exec "${BUILD_DIR}/benchmarks/tdshm_bench_consolidate" "$@"
+      ;;
+    fuzz)
+      ensure_packages
+      # Its own clang build folder (the main build uses g++); the corpus grows there from run
+      # to run, next to each target's committed seeds (tests/fuzz/corpus/, never written).
+      exec bash tests/fuzz/run_fuzzers.sh --build-dir build-fuzz --corpus-dir build-fuzz/corpus \
+        --seconds "${1:-600}" --jobs "${JOBS}"
       ;;
     -h | --help | help)
       usage
