@@ -1,5 +1,7 @@
 // Writes the seed corpus of the fuzz targets: tdshm_fuzz_write_seeds <corpus-root>, for
 // instance tests/fuzz/corpus from the repository root. It (re)writes
+// <corpus-root>/fuzz_shm_entry/ (segment headers, entry sequences and memmap references, valid
+// and not, in the format of shm_entry_format.h) and
 // <corpus-root>/fuzz_schema_decode/: a handful of valid encode_schema outputs that together
 // use every part of the format (each entry kind, value type and storable dtype, padding,
 // devices, class names, nesting up to kSchemaMaxDepth, multi-byte LEB128 numbers), and a few
@@ -7,7 +9,11 @@
 // non-minimal LEB128, overlapping leaves), so that fuzzing starts at both sides of each check.
 // The output is deterministic: rerunning it changes no file unless the format changed.
 
+#include "shm_entry_format.h"
+
 #include "schema/schema_internal.h"
+#include "shm/segment_layout.h"
+#include "shm/validate.h"
 
 #include "tdshm/errors.h"
 #include "tdshm/schema.h"
@@ -242,6 +248,149 @@ void write_schema_seeds(const fs::path& dir) {
   write(dir, "bad-overlapping-leaves", overlapping_leaves());
 }
 
+// ---- fuzz_shm_entry (format: shm_entry_format.h) -------------------------------------------
+
+namespace shm = tdshm::shm;
+using tdshm::fuzz::InputWriter;
+using tdshm::fuzz::ShmFuzzMode;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("a seed meant to be accepted is refused: " + what);
+}
+
+// A complete header of this layout for 2 ranks, 64 entries of 4 KiB slots.
+shm::HeaderFields valid_header() {
+  shm::HeaderFields h;
+  h.magic = shm::kSegmentMagic;
+  h.layout_version = shm::kLayoutVersion;
+  h.header_bytes = sizeof(shm::SegmentHeader);
+  h.world_size = 2;
+  h.ring_entries = 64;
+  h.slot_bytes = 4096;
+  const shm::SegmentGeometry g = shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries);
+  h.segment_bytes = g.segment_bytes;
+  h.rank_table_offset = g.rank_table_offset;
+  h.rings_offset = g.rings_offset;
+  h.ring_bytes = g.ring_bytes;
+  h.entry_bytes = g.entry_bytes;
+  h.creator_pid = 4242;
+  h.creator_rank = 1;
+  h.creator_start_time = 123456789;
+  h.incarnation = 7;
+  return h;
+}
+
+std::vector<uint8_t> header_input(const shm::HeaderFields& h, uint64_t file_bytes) {
+  InputWriter w;
+  w.u8(static_cast<uint8_t>(ShmFuzzMode::kHeader));
+  tdshm::fuzz::write_header_fields(w, h);
+  w.u64(file_bytes);
+  return w.data();
+}
+
+shm::EntryFields entry(uint32_t flags, uint64_t total, uint64_t offset, uint32_t chunk, uint8_t ndim = 1) {
+  shm::EntryFields e;
+  e.tag = 17;
+  e.total_bytes = total;
+  e.chunk_offset = offset;
+  e.chunk_bytes = chunk;
+  e.flags = flags;
+  e.dtype = 6;  // float32
+  e.ndim = ndim;
+  return e;
+}
+
+// A MemmapReference to `path` at `offset`: the payload of a reference entry.
+std::vector<uint8_t> reference_payload(uint64_t offset, const std::string& path) {
+  InputWriter w;
+  w.u64(offset);
+  w.u32(static_cast<uint32_t>(path.size()));
+  w.u32(0);
+  w.bytes(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(path.data()), path.size()));
+  return w.data();
+}
+
+struct Record {
+  shm::EntryFields fields;
+  std::vector<uint8_t> payload;
+};
+
+// Entries of one ring; with `all_valid`, checks that the consumer accepts every one of them.
+std::vector<uint8_t> entries_input(uint32_t slot, uint64_t max_message, const std::vector<Record>& records,
+                                   bool all_valid) {
+  InputWriter w;
+  w.u8(static_cast<uint8_t>(ShmFuzzMode::kEntries));
+  w.u32(slot - 1);  // the target reads 1 + slot % kMaxFuzzSlotBytes
+  w.u64(max_message);
+  shm::RxProgress rx;
+  for (const auto& r : records) {
+    tdshm::fuzz::write_entry_fields(w, r.fields);
+    w.u16(static_cast<uint16_t>(r.payload.size()));
+    w.bytes(r.payload);
+    if (!all_valid) continue;
+    const std::string problem = shm::check_entry(r.fields, rx, slot, max_message);
+    check(problem.empty(), problem);
+    const auto& e = r.fields;
+    if (e.flags & shm::kEntryFirst) rx = {true, (e.flags & shm::kEntryControl) != 0, e.total_bytes, 0};
+    rx.received += e.chunk_bytes;
+    if (e.flags & (shm::kEntryLast | shm::kEntryReference)) rx = {};
+  }
+  return w.data();
+}
+
+std::vector<uint8_t> reference_input(uint64_t total_bytes, const std::vector<uint8_t>& payload) {
+  InputWriter w;
+  w.u8(static_cast<uint8_t>(ShmFuzzMode::kReference));
+  w.u64(total_bytes);
+  w.bytes(payload);
+  return w.data();
+}
+
+void write_shm_entry_seeds(const fs::path& dir) {
+  fs::create_directories(dir);
+  const shm::HeaderFields h = valid_header();
+  check(shm::check_header(h, h.segment_bytes).verdict == shm::HeaderVerdict::kValid, "header");
+  write(dir, "header-valid", header_input(h, h.segment_bytes));
+  write(dir, "header-truncated-file", header_input(h, h.segment_bytes - 4096));
+  shm::HeaderFields other = h;
+  other.layout_version = shm::kLayoutVersion - 1;
+  write(dir, "header-other-version", header_input(other, h.segment_bytes));
+  shm::HeaderFields unfinished = h;
+  unfinished.layout_version = 0;
+  write(dir, "header-unfinished", header_input(unfinished, h.segment_bytes));
+
+  constexpr uint32_t F = shm::kEntryFirst, L = shm::kEntryLast, C = shm::kEntryControl, R = shm::kEntryReference;
+  const std::vector<uint8_t> no_payload;
+  write(dir, "entries-one-chunk", entries_input(64, 1 << 20, {{entry(F | L, 48, 0, 48), no_payload}}, true));
+  write(dir, "entries-three-chunks",
+        entries_input(16, 1 << 20,
+                      {{entry(F, 40, 0, 16, 2), no_payload}, {entry(0, 0, 16, 16), no_payload},
+                       {entry(L, 0, 32, 8), no_payload}},
+                      true));
+  write(dir, "entries-control-then-data",
+        entries_input(64, 1 << 20,
+                      {{entry(F | L | C, 0, 0, 0, shm::kShapeNotSent), no_payload},
+                       {entry(F, 100, 0, 64), no_payload}, {entry(L, 0, 64, 36), no_payload}},
+                      true));
+  const auto ref = reference_payload(0, "/dev/shm/tdshm-w.bin");
+  write(dir, "entries-reference",
+        entries_input(64, 1 << 20,
+                      {{entry(F | L | R, 4096, 0, static_cast<uint32_t>(ref.size())), ref},
+                       {entry(F | L, 8, 0, 8), no_payload}},
+                      true));
+  write(dir, "entries-continuation-first",
+        entries_input(64, 1 << 20, {{entry(L, 8, 0, 8), no_payload}}, false));
+  write(dir, "entries-chunk-past-total",
+        entries_input(64, 1 << 20, {{entry(F, 8, 0, 8), no_payload}, {entry(L, 0, 8, 8), no_payload}}, false));
+
+  const auto good = reference_payload(4096, "/tmp/weights.bin");
+  shm::ReferenceFields out;
+  check(shm::check_reference(good.data(), good.size(), 1 << 20, out).empty(), "reference");
+  write(dir, "reference-valid", reference_input(1 << 20, good));
+  write(dir, "reference-dot-dot", reference_input(1 << 20, reference_payload(0, "/tmp/../etc/passwd")));
+  write(dir, "reference-relative", reference_input(8, reference_payload(0, "tmp/x")));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -252,6 +401,7 @@ int main(int argc, char** argv) {
   try {
     const fs::path root(argv[1]);
     write_schema_seeds(root / "fuzz_schema_decode");
+    write_shm_entry_seeds(root / "fuzz_shm_entry");
     // Every valid seed must still decode: a format change makes stale seeds shallow.
     for (const auto& file : fs::directory_iterator(root / "fuzz_schema_decode")) {
       if (file.path().filename().string().rfind("valid-", 0) != 0) continue;
