@@ -43,6 +43,7 @@
 #include <fstream>
 #include <functional>
 #include <optional>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -1283,9 +1284,10 @@ void poll_incomplete(const Transfer& t, const char* what) {
 // back what the receiver's works need next while the receiver polls isCompleted: phase 0 the long
 // descriptor's second message (the ten leaves' descriptor does not fit the header), phase 1 the
 // leaves a refused receiver must drain. isCompleted must return false without waiting for them;
-// afterwards wait() completes the transfer (phase 0) or fails naming the key (phase 1), and the
-// next transfer on the pair arrives whole. (Over gloo a backend receive only reports completion
-// from wait(), so there the polls cannot even see the header; over shm they do.)
+// in phase 0 also while another thread is inside wait() for one of the works. Afterwards wait()
+// completes the transfer (phase 0) or fails naming the key (phase 1), and the next transfer on
+// the pair arrives whole. (Over gloo a backend receive only reports completion from wait(), so
+// there the polls cannot even see the header; over shm they do.)
 TEST_P(TransferPolling, IsCompletedNeverWaits) {
   run_world(2, [&](int rank, Flags& flags) {
     if (rank == 1) {
@@ -1318,7 +1320,13 @@ TEST_P(TransferPolling, IsCompletedNeverWaits) {
     SHM_CHECK(t.works.size() == 10);
     receive_sync();
     poll_incomplete(t, "phase 0 (long descriptor held back)");
+    // A thread waits for the first leaf meanwhile: polls must not wait for that thread either.
+    Caught waiter_result;
+    std::thread waiter([&] { waiter_result = catch_any([&] { t.works[0]->wait(kGroupTimeout); }); });
+    poll_incomplete(t, "phase 0, with a thread in wait()");
     flags.step[0].store(1, std::memory_order_release);
+    waiter.join();
+    SHM_CHECK(!waiter_result.threw, waiter_result.describe());
     wait_works(t, "phase 0");
     SHM_CHECK(holds_ten_leaves(ten, 100), values(ten));
 
@@ -1428,11 +1436,12 @@ TEST(TransferErrors, EveryClassOfErrorsHIsKnown) {
       std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "include" / "tdshm" / "errors.h";
   std::ifstream in(header);
   ASSERT_TRUE(in) << "cannot read " << header;
+  std::string text, line;
+  while (std::getline(in, line)) text += line + "\n";
   std::set<std::string> declared;
-  std::string word, previous;
-  while (in >> word) {
-    if (previous == "class") declared.insert("tdshm::" + word);
-    previous = word;
+  const std::regex class_decl(R"(\bclass\s+(\w+)\s*(final\s*)?:\s*public\b)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), class_decl); it != std::sregex_iterator(); ++it) {
+    declared.insert("tdshm::" + (*it)[1].str());
   }
   EXPECT_EQ(declared.size(), 11u) << "errors.h changed: check KnownErrors in src/distributed/transfer_errors.h";
   EXPECT_EQ(declared, names_of(static_cast<detail::KnownErrors*>(nullptr)));
