@@ -748,7 +748,9 @@ void ShmEngine::fail_all(const std::exception_ptr& error) {
 }
 
 void ShmEngine::check_peers() {
-  if (shut_down_ || check_poisoned()) return;
+  if (shut_down_) return;
+  segment_->check_file();
+  if (check_poisoned()) return;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || peer_error_[static_cast<size_t>(p)]) continue;
     if (segment_->rank_alive(static_cast<uint32_t>(p))) continue;

@@ -133,7 +133,7 @@ SegmentError open_error(const std::string& path, const std::string& what, int er
   const bool exists = ::lstat(path.c_str(), &st) == 0;
   // (With fs.protected_symlinks, opening another user's link in /dev/shm fails with EACCES.)
   if (err == ELOOP || (exists && S_ISLNK(st.st_mode))) {
-    const std::string owner = exists && st.st_uid != ::geteuid() ? ", owned by uid " + uid_str(st.st_uid) + "," : "";
+    const std::string owner = exists && st.st_uid != ::geteuid() ? " owned by uid " + uid_str(st.st_uid) : "";
     return SegmentError("the " + what + " '" + path + "' is a symbolic link" + owner +
                         "; tdshm never follows links there (someone may be redirecting it): remove the link, or use "
                         "another segment name");
@@ -370,10 +370,55 @@ void Segment::map(int fd, uint64_t bytes) {
   base_ = static_cast<uint8_t*>(p);
   mapped_bytes_ = bytes;
   guard_ = BusGuard::add(base_, bytes);
+  fd_ = ::dup(fd);  // kept: the file's size is watched, and a lost mapping is updated through it
+  if (fd_ >= 0) ::fcntl(fd_, F_SETFD, FD_CLOEXEC);
   struct stat st {};
   if (::fstat(fd, &st) == 0) {
     dev_ = st.st_dev;
     ino_ = st.st_ino;
+  }
+}
+
+void Segment::check_file() noexcept {
+  struct stat st {};
+  if (fd_ >= 0 && !truncated_.load(std::memory_order_relaxed) && ::fstat(fd_, &st) == 0 &&
+      static_cast<uint64_t>(st.st_size) < mapped_bytes_) {
+    // A cut that spares the pages this rank touches raises no SIGBUS, but the tail of the page
+    // at the new end reads zeros from now on: the mapping is as lost as after a fault.
+    truncated_.store(true, std::memory_order_release);
+  }
+}
+
+Segment::SlotView Segment::read_slot(uint32_t r) const noexcept {
+  const uint64_t offset = geometry_.rank_table_offset + uint64_t{r} * sizeof(RankSlot);
+  if (!poisoned()) {
+    const RankSlot& slot = rank_slot(r);
+    const uint32_t state = slot.state.load(std::memory_order_acquire);  // pairs with the claim's release
+    if (state == kRankFree) return {};  // pid and start time are being written, or never were
+    return {state, slot.pid, slot.start_time};
+  }
+  // The mapping is gone (private zeros, or a cut file): read what is left of the file itself.
+  uint8_t bytes[16] = {};
+  if (fd_ < 0 || ::pread(fd_, bytes, sizeof bytes, static_cast<off_t>(offset)) != static_cast<ssize_t>(sizeof bytes)) {
+    return {};
+  }
+  SlotView v;
+  std::memcpy(&v.state, bytes + offsetof(RankSlot, state), sizeof v.state);
+  std::memcpy(&v.pid, bytes + offsetof(RankSlot, pid), sizeof v.pid);
+  std::memcpy(&v.start_time, bytes + offsetof(RankSlot, start_time), sizeof v.start_time);
+  return v;
+}
+
+void Segment::store_state(uint32_t state) noexcept {
+  if (!poisoned()) {
+    rank_slot(rank_).state.store(state, std::memory_order_release);
+    return;
+  }
+  // Through the file, only where it still has bytes (a write past its end would grow it).
+  const uint64_t offset = geometry_.rank_table_offset + uint64_t{rank_} * sizeof(RankSlot) + offsetof(RankSlot, state);
+  struct stat st {};
+  if (fd_ >= 0 && ::fstat(fd_, &st) == 0 && offset + sizeof state <= static_cast<uint64_t>(st.st_size)) {
+    (void)!::pwrite(fd_, &state, sizeof state, static_cast<off_t>(offset));
   }
 }
 
@@ -547,19 +592,23 @@ Segment::~Segment() {
     BusGuard::remove(guard_);
     ::munmap(base_, mapped_bytes_);
   }
+  if (fd_ >= 0) ::close(fd_);
 }
 
-bool Segment::poisoned() const noexcept { return BusGuard::poisoned(guard_); }
+bool Segment::poisoned() const noexcept {
+  return truncated_.load(std::memory_order_acquire) || BusGuard::poisoned(guard_);
+}
 
 void Segment::leave(bool abandoned) noexcept {
   if (left_ || base_ == nullptr) return;
   left_ = true;
-  RankSlot& mine = rank_slot(rank_);
+  check_file();
+  const uint32_t state = abandoned ? kRankAbandoned : kRankLeft;
   try {
     LockFile lock(params_.name, std::chrono::steady_clock::now() + std::chrono::seconds(2));
-    mine.state.store(abandoned ? kRankAbandoned : kRankLeft, std::memory_order_release);
+    store_state(state);
     bool anyone = false;
-    for (uint32_t r = 0; r < params_.world_size && !anyone; ++r) anyone = !poisoned() && rank_alive(r);
+    for (uint32_t r = 0; r < params_.world_size && !anyone; ++r) anyone = rank_alive(r);
     if (!anyone) {
       // Remove the name only while it still refers to this incarnation; then the lock file, when
       // no segment is left under the name.
@@ -570,7 +619,7 @@ void Segment::leave(bool abandoned) noexcept {
       detail::log().debug("last rank left segment '{}', incarnation {}", params_.name, hex(incarnation_));
     }
   } catch (const std::exception& e) {
-    mine.state.store(abandoned ? kRankAbandoned : kRankLeft, std::memory_order_release);
+    store_state(state);
     try {
       detail::log().warn("leaving segment '{}': {}", params_.name, e.what());
     } catch (...) {
@@ -578,7 +627,12 @@ void Segment::leave(bool abandoned) noexcept {
   }
 }
 
-bool Segment::rank_alive(uint32_t r) const { return slot_alive(rank_slot(r)); }
+bool Segment::rank_alive(uint32_t r) const {
+  const SlotView v = read_slot(r);
+  if (v.state != kRankLive) return false;
+  if (v.pid == self_process().pid) return true;  // threads-as-ranks of this process
+  return process_alive({v.pid, v.start_time});
+}
 
 bool Segment::all_arrived() const {
   for (uint32_t r = 0; r < params_.world_size; ++r) {
@@ -596,7 +650,7 @@ int Segment::first_abandoned() const {
 }
 
 std::string Segment::describe_rank(uint32_t r) const {
-  return "rank " + std::to_string(r) + " (pid " + std::to_string(rank_slot(r).pid) + ")";
+  return "rank " + std::to_string(r) + " (pid " + std::to_string(read_slot(r).pid) + ")";
 }
 
 bool remove_segment_if_stale(const std::string& name) {

@@ -7,6 +7,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -49,8 +50,12 @@ class Segment {
   /// Marks this rank as left (`abandoned`: before its rendezvous completed); the last live rank
   /// removes the segment, if the name still refers to this incarnation, and the lock file.
   void leave(bool abandoned = false) noexcept;
-  /// Whether the mapping was lost because the file shrank under it (see bus_guard.h).
+  /// Whether the mapping was lost because the file shrank under it (a fault caught by
+  /// bus_guard.h, or check_file() found it shorter).
   bool poisoned() const noexcept;
+  /// Compares the file's size with the mapping (one fstat): a file cut where this rank reads no
+  /// page past the new end raises no fault, but is just as lost.
+  void check_file() noexcept;
   /// The random id of this incarnation (in messages).
   uint64_t incarnation() const noexcept { return incarnation_; }
 
@@ -89,6 +94,15 @@ class Segment {
  private:
   Segment(SegmentParams params, uint32_t rank);
   void map(int fd, uint64_t bytes);
+  /// A rank slot's fields: from the mapping, or from the file when the mapping is lost.
+  struct SlotView {
+    uint32_t state = kRankFree;
+    uint32_t pid = 0;
+    uint64_t start_time = 0;
+  };
+  SlotView read_slot(uint32_t r) const noexcept;
+  /// Stores this rank's state (through the file when the mapping is lost).
+  void store_state(uint32_t state) noexcept;
   uint8_t* ring_base(uint32_t src, uint32_t dst) const noexcept {
     return base_ + geometry_.rings_offset + (uint64_t{src} * params_.world_size + dst) * geometry_.ring_bytes;
   }
@@ -102,6 +116,8 @@ class Segment {
   uint8_t* base_ = nullptr;
   uint64_t mapped_bytes_ = 0;
   int guard_ = -1;                   // BusGuard registration
+  int fd_ = -1;                      // the segment file
+  std::atomic<bool> truncated_{false};
   dev_t dev_ = 0;                    // the file of this incarnation: the name may point elsewhere
   ino_t ino_ = 0;                    //   by the time this rank leaves
   uint64_t incarnation_ = 0;
