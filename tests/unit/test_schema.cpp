@@ -824,7 +824,10 @@ TEST(SchemaDecode, UnknownOrInvalidDeviceThrows) {
 // kSchemaMaxKeyBytes bytes per leaf, so a 1.5 MB schema of long keys nested deep with 100000
 // leaves took 30 s to decode. The 0.9 MB one here (50000 leaves) took 25 s at -O2; it now
 // decodes in 60 ms (under a second with sanitizers).
-TEST(SchemaDecode, LongKeysNestedDeepWithManyLeavesDecodeInLinearTime) {
+// 50000 leaves under 64 levels of 4 KiB keys: the validator once joined each leaf's key path for
+// every leaf (25 s here); it now joins one only for an error message (60 ms). The speed itself is
+// not asserted (no timings in tests): a quadratic decoder shows as this test taking minutes.
+TEST(SchemaDecode, LongKeysNestedDeepWithManyLeavesDecode) {
   SchemaNode current;
   for (int i = 0; i < 50000; ++i) {
     current.entries.push_back(tensor_entry(std::to_string(i), leaf(ScalarType::Byte, {0}, 0, 0, 0)));
@@ -837,11 +840,7 @@ TEST(SchemaDecode, LongKeysNestedDeepWithManyLeavesDecodeInLinearTime) {
   Schema s;
   s.root = std::move(current);
   const Bytes bytes = encode_schema_unchecked(s);
-  const auto start = std::chrono::steady_clock::now();
-  const Schema back = decode_schema(bytes);
-  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-  EXPECT_EQ(back, s);
-  EXPECT_LT(took.count(), 5.0) << "decoding " << bytes.size() << " bytes";
+  EXPECT_EQ(decode_schema(bytes), s);
 }
 
 // ---- encoder -------------------------------------------------------------------------------
