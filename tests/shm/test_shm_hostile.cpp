@@ -238,6 +238,7 @@ struct Sync {
   std::atomic<int> stop{0};         // the parent gives up: children end their loops
   std::atomic<int> completed{0};    // statistics of the racy tests
   std::atomic<int> failed{0};
+  std::atomic<int> corrupted{0};  // failures that were "corrupted entry" (the others: size mismatches)
   std::atomic<int64_t> count{0};
 };
 
@@ -587,6 +588,13 @@ TEST_F(ShmHostile, GarbageEntriesFailThePairAndSpareTheOthers) {
 
 // ---------------------------------------------------------------------------------------------
 // 2. Sizes rewritten after publishing, while the victim consumes
+//
+// Rank 1 publishes a valid 17-entry message that matches the victim's recv, while a second thread
+// of rank 1 keeps rewriting chunk_bytes, total_bytes or chunk_offset of entries it has published
+// and the victim has not consumed yet (each time putting the right value back). A fresh group per
+// round, since a corrupt entry fails the pair for good. Every rewritten value is wrong for any
+// entry it can land in, so a receive that completes read only the producer's values and must hold
+// the right bytes; one that fails must fail with a TransportError; the guards hold either way.
 
 TEST_F(ShmHostile, SizesRewrittenAfterPublishingNeverEscapeTheTensor) {
   set_deadline(600s);
@@ -619,6 +627,7 @@ TEST_F(ShmHostile, SizesRewrittenAfterPublishingNeverEscapeTheTensor) {
             } else {
               expect_error<TransportError>(c, context, {});
               s->failed.fetch_add(1);
+              if (contains_nocase(c.what, "corrupted entry")) s->corrupted.fetch_add(1);
             }
             CHECK_GUARDS(buf, context);
             s->victim_done.store(i + 1);
@@ -714,8 +723,8 @@ TEST_F(ShmHostile, SizesRewrittenAfterPublishingNeverEscapeTheTensor) {
       500s);
   std::fprintf(stderr,
                "[hostile] sizes rewritten while consumed: %d receives completed (right bytes), %d failed "
-               "with a TransportError\n",
-               s->completed.load(), s->failed.load());
+               "with a TransportError (%d corrupted entry, %d size mismatch)\n",
+               s->completed.load(), s->failed.load(), s->corrupted.load(), s->failed.load() - s->corrupted.load());
 }
 
 // ---------------------------------------------------------------------------------------------
