@@ -897,15 +897,12 @@ TEST_F(ShmHostile, TruncatedToHalfPageWhileWaitingFailsTheRecv) {
 // Truncation to a size that is not a multiple of the page size: the page that holds the new end
 // of file stays mapped (zero past the end), so a rank that only touches that page gets no SIGBUS.
 //
-// EXPOSES A LIBRARY BUG (left enabled on purpose; src/shm is not changed by this test): with the
-// small_options geometry of 2 ranks, half of the segment ends inside the page that holds entry 0
-// of the ring 1 -> 0. The truncation zeroes that page past the new end and leaves it mapped, so
-// the victim, which polls only the seq of that entry (and its rank slot, in page 0), never faults:
-// nothing poisons the segment, and the recv ends with a TimeoutError after ShmOptions::timeout
-// instead of a TransportError saying "truncated". The engine detects truncation only through
-// SIGBUS (bus_guard.h); it never compares the file's size with its mapping (for instance an fstat
-// in check_peers), so a cut that spares the pages a rank touches goes unnoticed, while the zeroed
-// tail of the boundary page silently resets the ring words that lie there (seq, head, tail).
+// With the small_options geometry of 2 ranks, half of the segment ends inside the page that holds
+// entry 0 of the ring 1 -> 0: the victim, which polls only that entry's seq (and its rank slot, in
+// page 0), never faults. This test found that the engine relied on SIGBUS alone (the recv ended
+// with a TimeoutError after ShmOptions::timeout, and the truncating rank's later send "succeeded"
+// into the zeroed boundary page); the liveness check now compares the file's size with the
+// mapping (Segment::check_file), and this test keeps it so.
 TEST_F(ShmHostile, TruncatedToExactlyHalfWhileWaitingFailsTheRecv) {
   truncated_while_waiting(unique_name(), Cut::kHalf);
 }
@@ -981,12 +978,12 @@ TEST_F(ShmHostile, TruncatedInTheMiddleOfAChunkedMessageFailsTheRecv) {
 // on; then the other rank, which never touched a page past the new end, leaves too. Nothing named
 // after the segment may be left in /dev/shm.
 //
-// EXPOSES A LIBRARY BUG (left enabled on purpose; src/shm is not changed by this test): the lock
-// file /dev/shm/tdshm.<name>.lock is left behind. Diagnosis (segment.cpp, Segment::leave): the
-// poisoned rank 0 counts nobody alive ("anyone = !poisoned() && ..."), so it unlinks the segment
-// and the lock file, but its own kRankLeft store lands in its private zero pages, so the file
-// still says rank 0 is Live. Rank 1's leave then opens the lock path with O_CREAT, creating a new
-// lock file, sees rank 0 Live with a running process, counts it as alive and removes nothing.
+// This test found that the lock file /dev/shm/tdshm.<name>.lock was left behind: the poisoned
+// rank 0 counted nobody alive and removed the segment and the lock file, but its kRankLeft store
+// landed in its private zero pages, so the file still said rank 0 was Live; rank 1's leave then
+// re-created the lock file (O_CREAT), saw rank 0 Live with a running process and removed nothing.
+// A rank whose mapping is lost now reads and writes rank slots through the file
+// (Segment::read_slot, store_state), and this test keeps it so.
 TEST_F(ShmHostile, TruncatedSegmentLeavesNothingBehindWhenThePoisonedRankLeavesFirst) {
   set_deadline(60s);
   const std::string name = unique_name();
