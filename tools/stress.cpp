@@ -1026,7 +1026,7 @@ struct Trial {
 
 std::string trial_label(const Trial& t) {
   return std::string("[") + t.scenario->letter + " " + t.scenario->name + " " +
-         (t.calibration ? std::string("calibration") : "#" + std::to_string(t.index)) + "]";
+         (t.calibration ? "calibration " + std::to_string(t.index) : "#" + std::to_string(t.index)) + "]";
 }
 
 /// Starts the scenario's ranks, waits until all are ready and starts them; returns t0, the start
@@ -1112,7 +1112,7 @@ Trial run_trial(const Driver& d, const Scenario& s, int index, bool calibration,
   t.scenario = &s;
   t.index = index;
   t.calibration = calibration;
-  t.name = "stress." + std::to_string(::getpid()) + "." + s.letter + "." + (calibration ? "cal" : std::to_string(index));
+  t.name = "stress." + std::to_string(::getpid()) + "." + s.letter + "." + (calibration ? "cal" + std::to_string(index) : std::to_string(index));
   t.seed = rng() >> 24;  // < 2^40: exact in the checks
   if (!calibration) {
     t.victim = s.letter == 'g' ? 0 : static_cast<int>(rng() % static_cast<uint64_t>(s.world));
@@ -1418,6 +1418,7 @@ RecreateResult run_recreate(const Driver& d, int world, int cycles, uint64_t see
 
 struct Options {
   int trials = 210;
+  int calibrations = 3;
   std::optional<uint64_t> seed;
   std::vector<std::string> scenarios;  // names of kScenarios and/or "recreate"
   std::string json;
@@ -1464,6 +1465,8 @@ Options parse_options(int argc, char** argv) {
     };
     if (a == "--trials") {
       o.trials = static_cast<int>(parse_int(a, value(), 0, 1'000'000));
+    } else if (a == "--calibrations") {
+      o.calibrations = static_cast<int>(parse_int(a, value(), 1, 100));
     } else if (a == "--seed") {
       const std::string v = value();
       char* end = nullptr;
@@ -1564,6 +1567,16 @@ int run_driver(const Options& o) {
     return 1;
   }
   d.fork_only = o.fork_only;
+  if (d.fork_only) {
+    // A fork without exec is only as safe as the driver is single-threaded (it never runs ATen ops,
+    // so LibTorch's pools are not started; check rather than trust).
+    size_t threads = 0;
+    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task", ec)) ++threads;
+    if (threads != 1) {
+      std::printf("tdshm stress: the driver runs %zu threads: workers are exec'd after all\n", threads);
+      d.fork_only = false;
+    }
+  }
   d.hang_s = o.hang_s;
   d.verbose = o.verbose;
   std::string dir_template = (std::filesystem::temp_directory_path() / "tdshm-stress-XXXXXX").string();
@@ -1606,12 +1619,21 @@ int run_driver(const Options& o) {
       if (n == 0) continue;
       std::printf("%c %-13s %s\n", s.letter, s.name, s.what);
       std::fflush(stdout);
-      const Trial cal = run_trial(d, s, 0, true, 0, rng);
-      per[k].add(cal);
-      print_trial(cal, true);
-      if (json.is_open()) json << trial_json(cal) << "\n";
-      if (!cal.failed()) remove_logs(d, cal.name);
-      const double window = cal.measured_ms > 0 ? cal.measured_ms : 100.0;
+      // The window: the median of the calibration runs (one run alone is at the mercy of a busy CPU).
+      std::vector<double> measured;
+      for (int c = 0; c < o.calibrations; ++c) {
+        const Trial cal = run_trial(d, s, c, true, 0, rng);
+        per[k].add(cal);
+        print_trial(cal, o.verbose || cal.failed());
+        if (json.is_open()) json << trial_json(cal) << "\n";
+        if (!cal.failed()) remove_logs(d, cal.name);
+        if (cal.measured_ms > 0) measured.push_back(cal.measured_ms);
+      }
+      std::sort(measured.begin(), measured.end());
+      const double window = measured.empty() ? 100.0 : measured[measured.size() / 2];
+      std::printf("  window %.2f ms (median of %zu calibration runs without a kill), %d trials\n", window,
+                  measured.size(), n);
+      std::fflush(stdout);
       for (int i = 0; i < n; ++i) {
         const Trial t = run_trial(d, s, i, false, window, rng);
         per[k].add(t);
@@ -1680,22 +1702,24 @@ int run_driver(const Options& o) {
 
 void print_stress_usage(FILE* out) {
   std::fprintf(out,
-               "usage: tdshm stress [--trials N] [--seed S] [--scenario LIST] [--json FILE]\n"
+               "usage: tdshm stress [--trials N] [--seed S] [--scenario LIST] [--json FILE] [--calibrations N]\n"
                "                    [--ranks LIST] [--cycles N] [--hang-s S] [--spawn exec|fork] [-v]\n"
                "Kill loop: N trials (default 210) split over the scenarios; each starts the ranks as processes\n"
                "with a segment name of their own, SIGKILLs one rank at a uniformly random instant of the\n"
-               "scenario's active window (measured by one run without a kill), and records what the survivors'\n"
-               "waits ended in (PeerLostError, and how soon; completion; anything else), hangs (still running\n"
-               "--hang-s seconds after the kill, default 10), crashes and wrong data; then a fresh group of all\n"
-               "ranks under the same name must rendezvous and do a checked transfer (no cleanup before), and\n"
-               "/dev/shm must be clean after tdshm::remove_stale_segment. Scenarios (LIST: comma-separated\n"
-               "names or letters, \"all\" for a-g, which is the default):\n");
+               "scenario's active window (the median of --calibrations runs without a kill, default 3), and\n"
+               "records what the survivors' waits ended in (PeerLostError, and how soon; completion; anything\n"
+               "else), hangs (still running --hang-s seconds after the kill, default 10), crashes and wrong\n"
+               "data; then a fresh group of all ranks under the same name must rendezvous and do a checked\n"
+               "transfer (no cleanup before), and /dev/shm must be clean after tdshm::remove_stale_segment.\n"
+               "Scenarios (LIST: comma-separated names or letters, \"all\" for a-g, which is the default):\n");
   for (const Scenario& s : kScenarios) std::fprintf(out, "  %c %-13s %s\n", s.letter, s.name, s.what);
   std::fprintf(out,
                "  recreate        --ranks (default 2,4) ranks run --cycles (default 500) cycles of\n"
                "                  init_process_group / checked transfer / barrier every other cycle /\n"
                "                  destroy_process_group under one name, sleeping 0-2 ms between the calls\n"
                "--json FILE writes one JSON object per trial, per scenario summary and per recreate run.\n"
+               "Workers are this tool re-executed (--spawn fork: forked only); their stdout and stderr go to\n"
+               "a log folder that keeps the logs of failed runs (TDSHM_LOG_LEVEL=debug makes them talk).\n"
                "Exits 1 on any hang, crash, wrong data, failed recovery, leak or recreate problem.\n");
 }
 
