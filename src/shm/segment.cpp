@@ -446,8 +446,19 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
 
   LockFile lock(params.name, deadline);
   const std::optional<CreatorRecord> record = lock.record();
-  // A creator that died mid-way left `creating` set (see the recovery model).
-  const bool creator_died = record && record->creating != 0 && !creator_alive(record);
+  // `creating` still set while we hold the lock: that creation was interrupted (see the recovery
+  // model), whatever /proc says. Its creator is normally dead, but the kernel drops a killed
+  // process's flock before /proc shows it as exited, so give it a moment to finish dying; one
+  // that truly lives (it threw mid-way) is not recorded as a dead member.
+  const bool interrupted = record && record->creating != 0;
+  bool creator_died = false;
+  if (interrupted) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+    while (creator_alive(record) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    creator_died = !creator_alive(record);
+  }
   auto corrupt = [&](const std::string& what) {
     return SegmentError("segment '" + params.name + "' is corrupted or not a tdshm segment: " + what +
                         "; the rank that created it still runs, so it is left alone: if no process uses it, remove "
@@ -467,8 +478,8 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
         throw SegmentError("segment '" + params.name + "' has " + existing.check().problem +
                            ": all ranks must run the same tdshm build (if no process uses it, remove it with "
                            "tdshm::remove_stale_segment)");
-      } else if (creator_died) {
-        why_replace = "its creator (pid " + std::to_string(record->pid) + ") died while creating it";
+      } else if (interrupted) {
+        why_replace = "its creator (pid " + std::to_string(record->pid) + ") was interrupted while creating it";
       } else if (existing.table_readable()) {
         const int live = existing.live_rank();
         if (live < 0) {
