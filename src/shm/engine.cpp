@@ -754,6 +754,7 @@ void ShmEngine::check_peers() {
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || peer_error_[static_cast<size_t>(p)]) continue;
     if (segment_->rank_alive(static_cast<uint32_t>(p))) continue;
+    segment_->check_file();
     if (check_poisoned()) return;  // the rank table read zeros because the file was just cut
     while (progress_receives(p)) {
     }  // what it sent before it went is still good: all of it is taken
