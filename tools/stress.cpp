@@ -792,7 +792,8 @@ class Driver {
         }
         ::_exit(run_worker(w));
       }
-      ::execv(exe.c_str(), argv.data());
+      // The driver's own binary, even if a rebuild has replaced the file since it started.
+      ::execv("/proc/self/exe", argv.data());
       ::_exit(127);
     }
     ::close(rep[1]);
