@@ -155,6 +155,10 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
         give_up(PeerLostError(where + segment_->describe_rank(r) + " died before the group formed"));
       }
     }
+    if (auto dead = segment_->dead_joiner()) {
+      give_up(PeerLostError(where + "rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) +
+                            ") died while joining the group"));
+    }
   };
   for (;;) {
     if (const int r = segment_->first_abandoned(); r >= 0) {

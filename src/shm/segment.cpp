@@ -54,10 +54,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 namespace tdshm {
@@ -91,20 +91,36 @@ const char* const kShmDir = "/dev/shm";
 std::string segment_path(const std::string& name) { return std::string(kShmDir) + "/tdshm." + name; }
 std::string lock_path(const std::string& name) { return segment_path(name) + ".lock"; }
 
+// Plain open/read and hand parsing, no iostreams: they take the locale's locks, which a child
+// forked from a multi-threaded program (a data loader's worker) may find held forever.
 uint64_t read_start_time(uint32_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat;
-  if (!std::getline(in, stat)) return 0;
+  char path[32];
+  std::snprintf(path, sizeof path, "/proc/%u/stat", pid);
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  char buf[1024];
+  size_t len = 0;
+  for (ssize_t n; len < sizeof buf - 1 && (n = ::read(fd, buf + len, sizeof buf - 1 - len)) != 0;) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    len += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  buf[len] = '\0';
   // Field 2 (comm) may hold spaces and parentheses: fields resume after the last ')'.
-  const auto close = stat.rfind(')');
-  if (close == std::string::npos) return 0;
-  std::istringstream rest(stat.substr(close + 2));
-  std::string field;
-  for (int i = 3; i <= 22 && (rest >> field); ++i) {
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return 0;
+  ++p;
+  for (int field = 3; field <= 22; ++field) {
+    while (*p == ' ') ++p;
+    if (*p == '\0') return 0;
     // Field 3 is the state: a zombie (Z) or dead (X) process has exited, though its parent has
     // not reaped it yet; it counts as gone.
-    if (i == 3 && (field == "Z" || field == "X")) return 0;
-    if (i == 22) return std::stoull(field);
+    if (field == 3 && (*p == 'Z' || *p == 'X')) return 0;
+    if (field == 22) return std::strtoull(p, nullptr, 10);
+    while (*p != ' ' && *p != '\0') ++p;
   }
   return 0;
 }
@@ -173,10 +189,15 @@ void check_owned(int fd, const std::string& path, const std::string& what, struc
   if (out != nullptr) *out = st;
 }
 
+off_t join_record_offset(uint32_t rank) { return static_cast<off_t>(kJoinRecordsOffset + uint64_t{rank} * sizeof(JoinRecord)); }
+
 // The exclusive lock that serialises attach and leave for one name.
 class LockFile {
  public:
-  LockFile(const std::string& name, std::chrono::steady_clock::time_point deadline) : path_(lock_path(name)) {
+  /// `joining`: the rank this process joins as; its JoinRecord is written before it waits.
+  LockFile(const std::string& name, std::chrono::steady_clock::time_point deadline,
+           std::optional<uint32_t> joining = std::nullopt)
+      : path_(lock_path(name)) {
     for (;;) {
       fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
       if (fd_ < 0) throw open_error(path_, "lock file", errno);
@@ -186,13 +207,20 @@ class LockFile {
         ::close(fd_);
         throw;
       }
+      if (joining) {
+        const ProcessId me = self_process();
+        const JoinRecord rec{JoinRecord::kMagic, me.pid, *joining, me.start_time, 0};
+        (void)!::pwrite(fd_, &rec, sizeof rec, join_record_offset(*joining));
+      }
       while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
         if (errno != EWOULDBLOCK && errno != EINTR) {
           const int err = errno;
+          if (joining) clear_join(*joining);
           ::close(fd_);
           throw SegmentError("cannot lock '" + path_ + "': " + std::strerror(err));
         }
         if (std::chrono::steady_clock::now() > deadline) {
+          if (joining) clear_join(*joining);
           ::close(fd_);
           throw SegmentError("timed out waiting for the lock '" + path_ + "' held by another process");
         }
@@ -223,6 +251,15 @@ class LockFile {
   void write_record(const CreatorRecord& r) const {
     if (::pwrite(fd_, &r, sizeof r, 0) != static_cast<ssize_t>(sizeof r)) {
       throw SegmentError("cannot write the lock file '" + path_ + "': " + std::strerror(errno));
+    }
+  }
+  /// Clears this process's JoinRecord for `rank` (it claimed its slot, or gave up).
+  void clear_join(uint32_t rank) const noexcept {
+    JoinRecord rec;
+    if (::pread(fd_, &rec, sizeof rec, join_record_offset(rank)) == static_cast<ssize_t>(sizeof rec) &&
+        rec.magic == JoinRecord::kMagic && rec.pid == self_process().pid) {
+      const JoinRecord zero{};
+      (void)!::pwrite(fd_, &zero, sizeof zero, join_record_offset(rank));
     }
   }
 
@@ -444,7 +481,13 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
   const std::string path = segment_path(params.name);
   const ProcessId me = self_process();
 
-  LockFile lock(params.name, deadline);
+  LockFile lock(params.name, deadline, rank);
+  // This rank's JoinRecord goes once it has claimed its slot, or when attach throws.
+  const struct ClearJoin {
+    const LockFile& lock;
+    uint32_t rank;
+    ~ClearJoin() { lock.clear_join(rank); }
+  } clear_join{lock, rank};
   const std::optional<CreatorRecord> record = lock.record();
   // `creating` still set while we hold the lock: that creation was interrupted (see the recovery
   // model), whatever /proc says. Its creator is normally dead, but the kernel drops a killed
@@ -651,6 +694,24 @@ bool Segment::all_arrived() const {
     if (state != kRankLive && state != kRankLeft) return false;
   }
   return true;
+}
+
+std::optional<Segment::DeadJoiner> Segment::dead_joiner() const {
+  const std::string path = lock_path(params_.name);
+  Fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+  struct stat st {};
+  if (!fd || ::fstat(fd.get(), &st) != 0 || st.st_uid != ::geteuid()) return std::nullopt;
+  const uint32_t me = self_process().pid;
+  for (uint32_t r = 0; r < params_.world_size; ++r) {
+    if (rank_slot(r).state.load(std::memory_order_acquire) != kRankFree) continue;
+    JoinRecord rec;
+    if (::pread(fd.get(), &rec, sizeof rec, join_record_offset(r)) != static_cast<ssize_t>(sizeof rec) ||
+        rec.magic != JoinRecord::kMagic || rec.rank != r || rec.pid == me) {
+      continue;
+    }
+    if (!process_alive({rec.pid, rec.start_time})) return DeadJoiner{r, rec.pid};
+  }
+  return std::nullopt;
 }
 
 int Segment::first_abandoned() const {

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,13 @@ class Segment {
   /// The first rank that abandoned this incarnation's rendezvous (left before it completed), or
   /// -1.
   int first_abandoned() const;
+  /// A rank whose slot is still free while the process that announced itself as joining it
+  /// (JoinRecord in the lock file) is dead: it will never arrive.
+  struct DeadJoiner {
+    uint32_t rank;
+    uint32_t pid;
+  };
+  std::optional<DeadJoiner> dead_joiner() const;
   /// "rank 1 (pid 1234)" for messages.
   std::string describe_rank(uint32_t r) const;
 

@@ -176,6 +176,21 @@ struct CreatorRecord {
 };
 static_assert(sizeof(CreatorRecord) == 32);
 
+/// At offset kJoinRecordsOffset + rank * sizeof(JoinRecord) of the lock file: a process that is
+/// joining as `rank`. Written before the process waits for the lock, cleared (zeros) once it has
+/// claimed its slot or given up; so a record whose process is dead names a rank that died while
+/// joining, and the ranks waiting for it in their rendezvous fail at once (PeerLostError).
+struct JoinRecord {
+  static constexpr uint64_t kMagic = 0x314e4a4d53445454ull;  // "TTDSMJN1"
+  uint64_t magic = 0;       // 0
+  uint32_t pid = 0;         // 8
+  uint32_t rank = 0;        // 12
+  uint64_t start_time = 0;  // 16
+  uint64_t reserved = 0;    // 24
+};
+static_assert(sizeof(JoinRecord) == 32);
+inline constexpr uint64_t kJoinRecordsOffset = 64;
+
 /// Byte sizes and offsets of a segment with the given parameters (the one place they are computed).
 struct SegmentGeometry {
   uint64_t shape_offset;  // of the EntryShape within an entry

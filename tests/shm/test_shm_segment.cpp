@@ -769,6 +769,43 @@ TEST_F(ShmSegmentProcs, CreatorKilledMidCreationIsAPeerLostAndTheNameRecovers) {
   }
 }
 
+// A process that announced itself as joining rank 1 (its JoinRecord in the lock file) and died
+// before it could claim the slot (killed while it waited for the lock): rank 0's rendezvous
+// fails at once naming rank 1, and the name then works for a complete group.
+TEST_F(ShmSegmentProcs, ARankThatDiedWhileJoiningEndsTheRendezvousAtOnce) {
+  const std::string name = unique_name();
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ASSERT_GT(dead, 0);
+  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+  const int lock = ::open((segment_path(name) + ".lock").c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  ASSERT_GE(lock, 0) << std::strerror(errno);
+  shm::JoinRecord rec;
+  rec.magic = shm::JoinRecord::kMagic;
+  rec.pid = static_cast<uint32_t>(dead);
+  rec.rank = 1;
+  rec.start_time = 12345;
+  ASSERT_EQ(::pwrite(lock, &rec, sizeof rec, static_cast<off_t>(shm::kJoinRecordsOffset + sizeof rec)),
+            static_cast<ssize_t>(sizeof rec));
+  ::close(lock);
+  ShmOptions opts = small_options();
+  opts.timeout = 20s;
+  Child rank0([&] {
+    const auto start = Clock::now();
+    const Caught c = catch_any([&] { ProcessGroupShm pg(name, 0, 2, opts); });
+    SHM_CHECK(c.is<PeerLostError>(), "rank 0's rendezvous threw " << c.describe());
+    SHM_CHECK(contains_nocase(c.what, "rank 1") && contains_nocase(c.what, "joining"), "unclear: " << c.what);
+    SHM_CHECK(Clock::now() - start < 10s, "the dead joiner was noticed only at the timeout");
+  });
+  rank0.wait(30s);
+  EXPECT_TRUE(rank0.ok()) << rank0.describe();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) {
+    ProcessGroupShm pg(name, r, 2, opts);
+    exchange(pg);
+  }));
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
+}
+
 // A rank whose rendezvous timed out marks its slot abandoned: a peer still waiting in that
 // rendezvous fails at once instead of completing it with a member that is gone.
 TEST_F(ShmSegmentThreads, APeerThatGaveUpEndsTheRendezvousAtOnce) {
