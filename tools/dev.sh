@@ -9,6 +9,8 @@
 #   tools/dev.sh fuzz  [seconds]         build the libFuzzer targets (clang, build-fuzz/) and run
 #                                        each for `seconds` (default 600) with a corpus kept in
 #                                        build-fuzz/corpus/; prints executions, time, crashes
+#   tools/dev.sh sanitize                build and run the whole suite under ASan+UBSan (preset
+#                                        asan) and the thread tests under TSan (preset tsan)
 #
 # Each subcommand first makes sure the Debian packages tdshm needs are installed: as root it
 # installs the missing ones with apt-get, otherwise it prints the apt-get line and stops. The
@@ -36,7 +38,7 @@ readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libboost-dev l
 log() { printf 'dev.sh: %s\n' "$*" >&2; }
 
 usage() {
-  sed -n '2,12s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+  sed -n '2,14s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
 }
 
 ensure_packages() {
@@ -115,6 +117,18 @@ main() {
       # to run, next to each target's committed seeds (tests/fuzz/corpus/, never written).
       exec bash tests/fuzz/run_fuzzers.sh --build-dir build-fuzz --corpus-dir build-fuzz/corpus \
         --seconds "${1:-600}" --jobs "${JOBS}"
+      ;;
+    sanitize)
+      # Not part of `test` (CI): the two sanitizer builds take longer than the rest of CI
+      # together on a 2-core machine (see the README's figures).
+      ensure_packages
+      cmake --preset asan
+      cmake --build build-asan --parallel "${JOBS}"
+      ctest --preset asan
+      cmake --preset tsan
+      cmake --build build-tsan --parallel "${JOBS}" --target tdshm_shm_tests
+      TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" OMP_NUM_THREADS=1 \
+        build-tsan/tests/tdshm_shm_tests --gtest_filter='*Threads*'
       ;;
     -h | --help | help)
       usage
