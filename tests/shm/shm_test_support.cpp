@@ -327,6 +327,12 @@ bool wait_segment_ready(const std::string& name, const std::vector<int>& live_ra
 // Child
 
 Child::Child(std::function<void()> body) {
+  // One intra-op thread, set here in the parent: children inherit it. Setting it in the child
+  // created LibTorch's thread pool there, and a new thread in a child forked from this
+  // multi-threaded process (the watchdog) can block forever on an allocator lock another thread
+  // held at fork time (seen under ASan: ranks that never reached their rendezvous).
+  static const bool single_threaded = (at::set_num_threads(1), true);
+  (void)single_threaded;
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
   const pid_t pid = ::fork();
@@ -337,7 +343,6 @@ Child::Child(std::function<void()> body) {
   }
   if (pid == 0) {
     ::close(fds[0]);
-    at::set_num_threads(1);
     int code = 0;
     std::string message;
     try {
