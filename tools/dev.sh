@@ -119,8 +119,8 @@ main() {
         --seconds "${1:-600}" --jobs "${JOBS}"
       ;;
     sanitize)
-      # Not part of `test` (CI): the two sanitizer builds take longer than the rest of CI
-      # together on a 2-core machine (see the README's figures).
+      # Apart from `test` because the two sanitizer builds cost more than the main one; CI runs
+      # both commands (.ci/run).
       ensure_packages
       cmake --preset asan
       cmake --build build-asan --parallel "${JOBS}"
