@@ -521,7 +521,8 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
         throw SegmentError("segment '" + params.name + "' has " + existing.check().problem +
                            ": all ranks must run the same tdshm build (if no process uses it, remove it with "
                            "tdshm::remove_stale_segment)");
-      } else if (interrupted) {
+      } else if (interrupted && !(verdict == HeaderVerdict::kValid && existing.live_rank() >= 0)) {
+        // (A valid incarnation in use was published: only its record's clearing failed.)
         why_replace = "its creator (pid " + std::to_string(record->pid) + ") was interrupted while creating it";
       } else if (existing.table_readable()) {
         const int live = existing.live_rank();
@@ -634,7 +635,11 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
   slot.start_time = me.start_time;
   slot.state.store(kRankLive, std::memory_order_release);  // pairs with the acquire loads of state
   if (auto r = lock.record(); r && r->creating != 0) {
-    lock.write_record({CreatorRecord::kMagic, r->pid, r->rank, r->start_time, 0, 0});  // creation complete
+    try {
+      lock.write_record({CreatorRecord::kMagic, r->pid, r->rank, r->start_time, 0, 0});  // creation complete
+    } catch (const SegmentError& e) {
+      detail::log().warn("{}", e.what());  // the next attacher still sees a live, valid incarnation
+    }
   }
   detail::log().debug("rank {} attached to segment '{}', incarnation {}", rank, params.name, hex(seg->incarnation_));
   return seg;
