@@ -317,7 +317,7 @@ class Inspection {
            (check_.verdict == HeaderVerdict::kTruncated &&
             header_.rank_table_offset + uint64_t{header_.world_size} * sizeof(RankSlot) <= bytes_);
   }
-  /// The state of rank r's slot and whether its process lives (requires table_readable()).
+  /// Rank r's slot (requires table_readable()).
   const RankSlot& slot(uint32_t r) const noexcept {
     return *reinterpret_cast<const RankSlot*>(base_ + header_.rank_table_offset + uint64_t{r} * sizeof(RankSlot));
   }
