@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "common/format.h"
+#include "common/hash.h"
 
 namespace tdshm::detail {
 
@@ -56,25 +57,10 @@ inline constexpr int64_t kMaxLeafBytes = int64_t{1} << 40;
 /// ("a", "b") differs from ("ab") and from "a.b"), followed by a 64-bit mixing step. Pinned by
 /// TransferLayout.KeyHashIsPinned.
 inline uint64_t key_hash(const Key& key) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  const auto byte = [&h](uint8_t b) {
-    h ^= b;
-    h *= 0x100000001b3ull;
-  };
-  const auto u64 = [&byte](uint64_t v) {
-    for (int i = 0; i < 8; ++i) byte(static_cast<uint8_t>(v >> (8 * i)));
-  };
-  u64(key.size());
-  for (const std::string& part : key.parts()) {
-    u64(part.size());
-    for (char c : part) byte(static_cast<uint8_t>(c));
-  }
-  h ^= h >> 33;
-  h *= 0xff51afd7ed558ccdull;
-  h ^= h >> 33;
-  h *= 0xc4ceb9fe1a85ec53ull;
-  h ^= h >> 33;
-  return h;
+  detail::StableHasher h;
+  h.u64(key.size());
+  for (const std::string& part : key.parts()) h.str(part);
+  return h.finish();
 }
 
 /// The descriptor of leaves `tensors` with keys `keys` (same length, sorted_leaf_keys() order).

@@ -43,6 +43,7 @@
 // the same validator encode_schema runs: dtypes, shapes, offsets, padding, ordering, keys.
 
 #include "common/format.h"
+#include "common/hash.h"
 #include "schema/schema_internal.h"
 #include "schema/wire.h"
 
@@ -480,34 +481,7 @@ class Parser {
 // Fingerprint
 // ------------------------------------------------------------------------------------------
 
-// FNV-1a 64 over a canonical byte stream, finished with the MurmurHash3 fmix64 mixer so that
-// a change in the last bytes still reaches every output bit.
-class LayoutHasher {
- public:
-  void byte(uint8_t b) {
-    h_ ^= b;
-    h_ *= 0x100000001b3ull;
-  }
-  void u64(uint64_t v) {
-    for (int i = 0; i < 8; ++i) byte(static_cast<uint8_t>(v >> (8 * i)));
-  }
-  void str(std::string_view s) {
-    u64(s.size());
-    for (char c : s) byte(static_cast<uint8_t>(c));
-  }
-  uint64_t finish() const {
-    uint64_t k = h_;
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdull;
-    k ^= k >> 33;
-    k *= 0xc4ceb9fe1a85ec53ull;
-    k ^= k >> 33;
-    return k;
-  }
-
- private:
-  uint64_t h_ = 0xcbf29ce484222325ull;
-};
+using LayoutHasher = detail::StableHasher;  // (common/hash.h)
 
 void hash_node(LayoutHasher& h, const SchemaNode& n, size_t depth) {
   if (depth > kSchemaMaxDepth) fail("cannot fingerprint nesting deeper than kSchemaMaxDepth = ", kSchemaMaxDepth);
