@@ -66,9 +66,11 @@ import pickle
 import sys
 import traceback
 
-import numpy as np
-import torch
-import torch.distributed as dist
+sys.dont_write_bytecode = True  # td_peer_types is imported from the source tree
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 # ------------------------------------------------------------------------------------------
 # The model: a nested tree of tensors, child trees and non-tensor values
@@ -664,10 +666,13 @@ TREES = {
     ]),
     # The tensorclass td_peer_types.InteropRecord (fields obs, action, reward).
     "record": ([3], [T(["obs"], "float32", [3, 4]), T(["action"], "int64", [3]), T(["reward"], "float32", [3, 1])]),
-    # Mismatches of "seed" in 'c': another shape; another dtype and size; another dtype, same bytes.
-    "seed_bad_shape": ([2], [T(["a", "b"], "float32", [2]), T(["c"], "float32", [2, 4]), T(["_"], "float32", [2, 1, 5])]),
-    "seed_bad_dtype": ([2], [T(["a", "b"], "float32", [2]), T(["c"], "float64", [2, 3]), T(["_"], "float32", [2, 1, 5])]),
-    "seed_same_bytes": ([2], [T(["a", "b"], "float32", [2]), T(["c"], "int32", [2, 3]), T(["_"], "float32", [2, 1, 5])]),
+    # For mismatches: "probe", and variants whose ("nest", "victim_key") has another shape; another
+    # dtype and byte size; another dtype of the same byte size (only the last reaches a gloo
+    # receiver without breaking it).
+    "probe": ([2], [T(["alpha"], "float32", [2]), T(["nest", "victim_key"], "float32", [2, 3]), T(["omega"], "float32", [2])]),
+    "probe_bad_shape": ([2], [T(["alpha"], "float32", [2]), T(["nest", "victim_key"], "float32", [2, 4]), T(["omega"], "float32", [2])]),
+    "probe_bad_dtype": ([2], [T(["alpha"], "float32", [2]), T(["nest", "victim_key"], "float64", [2, 3]), T(["omega"], "float32", [2])]),
+    "probe_same_bytes": ([2], [T(["alpha"], "float32", [2]), T(["nest", "victim_key"], "int32", [2, 3]), T(["omega"], "float32", [2])]),
 }
 
 
@@ -844,6 +849,9 @@ def run_scenario(args, result):
                 works = isend(_tree_of(td), init_tag=args.init_tag, pseudo_rand=args.pseudo_rand, return_early=True, **peer)
                 result["works"] = len(works)
                 _wait_all(works)
+            if args.then_tree:  # a second transfer (after a refused one, say)
+                send(_tree_of(build_tree(args.then_tree, args.salt + 1)), init_tag=args.init_tag,
+                     pseudo_rand=args.pseudo_rand, **peer)
         else:
             td = _tree_of(build_tree(args.tree, blank=True))
             if args.api == "sync":
@@ -876,6 +884,8 @@ def run_scenario(args, result):
                     for path, leaf in td_c.leaves_in_order():
                         leaf.copy_(pattern(path, leaf.dtype, list(leaf.shape), args.salt + r))
                 send(td_c, consolidated=True, **peer)
+            if args.then_tree:  # a second, other storage (after a refused one, say)
+                send(consolidate(_tree_of(build_tree(args.then_tree, args.salt + 1))), consolidated=True, **peer)
         else:
             td_c = consolidate(_tree_of(build_tree(args.tree, blank=True)))
             for r in range(args.rounds):
@@ -979,6 +989,7 @@ def main(argv=None):
     p.add_argument("--src", type=int, default=0, help="the root of a broadcast")
     p.add_argument("--tree", default="seed", choices=sorted(TREES))
     p.add_argument("--salt", type=int, default=0)
+    p.add_argument("--then-tree", choices=sorted(TREES), help="send: then send this tree too (values at salt + 1)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--init-tag", type=int, default=0)
     p.add_argument("--pseudo-rand", action="store_true")
