@@ -91,21 +91,19 @@ struct PyValue {
   using Variant = std::variant<PyNone, bool, int64_t, double, std::string, PyBytes, PyList, PyTuple, PyDict, PyClassRef>;
   Variant v;
 
-  PyValue() = default;  ///< None
-  explicit PyValue(Variant value) : v(std::move(value)) {}
+  PyValue();  ///< None
+  explicit PyValue(Variant value);
 
-  static PyValue none() { return PyValue(); }
-  static PyValue boolean(bool b) { return PyValue(Variant(std::in_place_type<bool>, b)); }
-  static PyValue integer(int64_t i) { return PyValue(Variant(std::in_place_type<int64_t>, i)); }
-  static PyValue floating(double d) { return PyValue(Variant(std::in_place_type<double>, d)); }
-  static PyValue str(std::string s) { return PyValue(Variant(std::in_place_type<std::string>, std::move(s))); }
-  static PyValue bytes(std::string data) { return PyValue(Variant(PyBytes{std::move(data)})); }
-  static PyValue list(std::vector<PyValue> items = {});
-  static PyValue tuple(std::vector<PyValue> items = {});
+  static PyValue none();
+  static PyValue boolean(bool b);
+  static PyValue integer(int64_t i);
+  static PyValue floating(double d);
+  static PyValue str(std::string s);
+  static PyValue bytes(std::string data);
+  static PyValue list(std::vector<PyValue> items);
+  static PyValue tuple(std::vector<PyValue> items);
   static PyValue dict();
-  static PyValue class_ref(std::string module, std::string name) {
-    return PyValue(Variant(PyClassRef{std::move(module), std::move(name)}));
-  }
+  static PyValue class_ref(std::string module, std::string name);
 
   PyKind kind() const noexcept { return static_cast<PyKind>(v.index()); }
   bool is_none() const noexcept { return kind() == PyKind::kNone; }
@@ -137,6 +135,18 @@ struct PyDictEntry {
   friend bool operator==(const PyDictEntry& a, const PyDictEntry& b) { return a.key == b.key && a.value == b.value; }
 };
 
+// Defined here, where PyDictEntry (held by the variant through PyDict) is complete.
+inline PyValue::PyValue() = default;
+inline PyValue::PyValue(Variant value) : v(std::move(value)) {}
+inline PyValue PyValue::none() { return PyValue(); }
+inline PyValue PyValue::boolean(bool b) { return PyValue(Variant(std::in_place_type<bool>, b)); }
+inline PyValue PyValue::integer(int64_t i) { return PyValue(Variant(std::in_place_type<int64_t>, i)); }
+inline PyValue PyValue::floating(double d) { return PyValue(Variant(std::in_place_type<double>, d)); }
+inline PyValue PyValue::str(std::string s) { return PyValue(Variant(std::in_place_type<std::string>, std::move(s))); }
+inline PyValue PyValue::bytes(std::string data) { return PyValue(Variant(PyBytes{std::move(data)})); }
+inline PyValue PyValue::class_ref(std::string module, std::string name) {
+  return PyValue(Variant(PyClassRef{std::move(module), std::move(name)}));
+}
 inline PyValue PyValue::list(std::vector<PyValue> items) { return PyValue(Variant(PyList{std::move(items)})); }
 inline PyValue PyValue::tuple(std::vector<PyValue> items) { return PyValue(Variant(PyTuple{std::move(items)})); }
 inline PyValue PyValue::dict() { return PyValue(Variant(PyDict{})); }
