@@ -137,4 +137,14 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   std::shared_ptr<detail::ShmEngine> engine_;
 };
 
+/// A shm group that meets through a c10d store, as torch.distributed's backends do (what the
+/// Python "shm" backend and init_process_group("shm", tcp:// / file:// / env://) use): rank 0
+/// makes a fresh random segment name and sets it under "tdshm_shm_segment" in `store` (which
+/// must be the group's own, prefixed store: one group per prefix), the other ranks wait for it
+/// (at most options.timeout, then TimeoutError), then all construct ProcessGroupShm. Throws
+/// Error for a null store or a rank outside [0, size), SegmentError for a malformed name read
+/// from the store, and whatever the constructor throws.
+c10::intrusive_ptr<ProcessGroupShm> make_shm_group_from_store(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                              int size, ShmOptions options);
+
 }  // namespace tdshm

@@ -7,10 +7,32 @@
 // takes what it needs under the lock, builds unlocked, then records the subgroup (if the world
 // was destroyed meanwhile, the caller still gets its group, it is just not recorded).
 //
-// Subgroups are numbered by the order of new_group calls (k = 0, 1, ...), which every rank of
-// the default group makes in the same order (as torch requires), members or not; so k names the
-// same group on every rank without any communication: the gloo rendezvous keys live under
-// "tdshm_group_<k>/" in the default group's store, the shm segment is "<name>.g<k>".
+// Store layout: exactly torch 1.13's (torch/distributed/distributed_c10d.py and rendezvous.py),
+// so that tdshm ranks and Python ranks (torch.distributed.init_process_group / new_group) form
+// one world over tcp://, file:// and env://:
+//  - tcp:// and env://: TCPStore(host, port, world_size, is_server = rank 0, timeout,
+//    wait_for_workers = true, multi_tenant = true): each rank adds 1 to "init/" and the server
+//    waits for world_size of them; file://: FileStore(path, world_size). Then
+//    store.set_timeout(timeout).
+//  - default_store = PrefixStore("default_pg", store).
+//  - Every group has a name: torch's _group_count in decimal, "0" for the default group, then
+//    "1", "2", ... in the order of new_group calls, which every rank makes, members or not. The
+//    backend gets PrefixStore(<name>, default_store) ("default_pg/<name>/...").
+//  - After the backend is made, the store-based barrier in default_store: key
+//    "store_based_barrier_key:<count>" (count: _group_count after the group took its name, so 1
+//    for the default group, 2 for the first new_group, ...), add(1), then add(0) polled every
+//    10 ms until it equals the default group's size; every rank takes part, non-members of a
+//    new_group too (a tdshm non-member adds its 1 and returns without waiting: the members'
+//    count is the same, and its call still returns at once).
+//  - gloo members then call setSequenceNumberForGroup (torch's _set_sequence_number_for_group:
+//    group rank 0 writes the sequence number that the others wait for).
+//  - tdshm's own key, which Python ranks never write: a gloo rank with InitOptions::checked_wire
+//    sets "tdshm_checked_wire/<group rank>" = "1" in the group's store before the barrier; after
+//    the barrier each member reads (store.check, no waiting) which group ranks set it.
+//  - shm over a store (make_shm_group_from_store, also what the Python backend uses): group rank
+//    0 writes a fresh random segment name in the group's store, the others read it.
+// "shm://NAME" keeps its own scheme without any store: subgroup k (0 for the first valid
+// new_group call, then 1, ...) meets on the segment "<NAME>.g<k>".
 
 #include <tdshm/distributed.h>
 
@@ -24,6 +46,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <exception>
+#include <thread>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -39,21 +62,27 @@ using StorePtr = c10::intrusive_ptr<c10d::Store>;
 using GlooDevice = std::shared_ptr<::gloo::transport::Device>;
 
 constexpr std::string_view kAcceptedForms =
-    "\"shm://NAME\" for the shm backend; \"tcp://HOST:PORT\", \"file://PATH\" or \"env://\" for gloo";
+    "\"tcp://HOST:PORT\", \"file://PATH\" or \"env://\" for both backends, or \"shm://NAME\" for shm";
 
 /// Everything init_process_group made: the default group and what new_group needs to make more.
 struct World {
   std::string backend;  // "shm" or "gloo"
   Group group;
   std::chrono::milliseconds timeout{};
-  // shm: the default group's segment name and options (subgroups use the same geometry).
+  bool checked_wire = false;  // InitOptions::checked_wire (gloo only), inherited by new_group
+  // shm: the options of every group; with "shm://NAME" also the default group's segment name
+  // (subgroups use "<NAME>.g<k>").
   std::string shm_name;
   ShmOptions shm_options;
-  // gloo: the rendezvous store and the transport device, shared by every subgroup.
-  StorePtr store;
+  // tcp://, file://, env:// (both backends): torch's default_store, PrefixStore("default_pg",
+  // store), and torch's _group_count (the number of group names handed out: the next group is
+  // named after it). gloo: the transport device, shared by every subgroup.
+  StorePtr default_store;
+  int group_count = 0;
   GlooDevice device;
-  // Subgroups made by new_group, released with the world.
+  // "shm://NAME": subgroups made so far (their number k names the segment).
   int next_group = 0;
+  // Subgroups made by new_group, released with the world.
   std::vector<Group> subgroups;
 };
 
@@ -118,27 +147,28 @@ uint16_t parse_port(std::string_view text, const std::string& where) {
               "); accepted forms: " + std::string(kAcceptedForms));
 }
 
-/// Where a gloo rendezvous goes: a TCPStore at host:port, or a FileStore at path.
+/// Where a store rendezvous goes (tcp://, env://, file://): a TCPStore at host:port, or a FileStore at path.
 struct GlooRendezvous {
   std::string host;  // empty for file://
   uint16_t port = 0;
   std::string path;  // empty for tcp:// and env://
 };
 
-GlooRendezvous parse_gloo_method(const std::string& init_method) {
+GlooRendezvous parse_store_method(const std::string& backend, const std::string& init_method) {
   const auto starts = [&](std::string_view prefix) { return init_method.rfind(prefix, 0) == 0; };
   GlooRendezvous r;
   if (starts("file://")) {
     r.path = init_method.substr(7);
-    if (r.path.empty()) malformed("gloo", init_method, "the path is empty");
+    if (r.path.empty()) malformed(backend, init_method, "the path is empty");
     return r;
   }
   if (init_method == "env://") {
     const char* addr = std::getenv("MASTER_ADDR");
     const char* port = std::getenv("MASTER_PORT");
     if (addr == nullptr || *addr == '\0' || port == nullptr) {
-      throw Error("init_process_group(\"gloo\", \"env://\"): MASTER_ADDR and MASTER_PORT must be set (the "
-                  "address and port of the TCPStore that rank 0 serves)");
+      throw Error("init_process_group(\"" + backend +
+                  "\", \"env://\"): MASTER_ADDR and MASTER_PORT must be set (the address and port of the "
+                  "TCPStore that rank 0 serves); accepted forms: " + std::string(kAcceptedForms));
     }
     r.host = addr;
     r.port = parse_port(port, "MASTER_PORT");
@@ -151,21 +181,21 @@ GlooRendezvous parse_gloo_method(const std::string& init_method) {
     if (!rest.empty() && rest.front() == '[') {
       const size_t close = rest.find(']');
       if (close == std::string::npos || close + 1 >= rest.size() || rest[close + 1] != ':') {
-        malformed("gloo", init_method, "expected [IPV6]:PORT");
+        malformed(backend, init_method, "expected [IPV6]:PORT");
       }
       r.host = rest.substr(1, close - 1);
       colon = close + 1;
     } else {
       colon = rest.rfind(':');
-      if (colon == std::string::npos) malformed("gloo", init_method, "no port");
+      if (colon == std::string::npos) malformed(backend, init_method, "no port");
       r.host = rest.substr(0, colon);
-      if (r.host.find(':') != std::string::npos) malformed("gloo", init_method, "write an IPv6 host as [ADDRESS]");
+      if (r.host.find(':') != std::string::npos) malformed(backend, init_method, "write an IPv6 host as [ADDRESS]");
     }
-    if (r.host.empty()) malformed("gloo", init_method, "the host is empty");
+    if (r.host.empty()) malformed(backend, init_method, "the host is empty");
     r.port = parse_port(std::string_view(rest).substr(colon + 1), init_method);
     return r;
   }
-  malformed("gloo", init_method, "unknown scheme");
+  malformed(backend, init_method, "unknown scheme");
 }
 
 std::string parse_shm_method(const std::string& init_method) {
@@ -258,47 +288,127 @@ std::vector<int> iota_ranks(int size) {
   return ranks;
 }
 
+// ---------------------------------------------------------------------------------------------
+// torch's store layout (see the top of this file)
+
+constexpr const char* kDefaultPrefix = "default_pg";
+constexpr const char* kBarrierPrefix = "store_based_barrier_key";
+constexpr const char* kCheckedWirePrefix = "tdshm_checked_wire/";
+
+/// The store that torch's rendezvous handler makes for `r` (rendezvous.py), with its timeout set.
+StorePtr make_rendezvous_store(const GlooRendezvous& r, int rank, int size, std::chrono::milliseconds timeout) {
+  StorePtr store;
+  if (!r.path.empty()) {
+    store = c10::make_intrusive<c10d::FileStore>(r.path, size);
+  } else {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = r.port;
+    store_options.isServer = rank == 0;
+    store_options.numWorkers = static_cast<size_t>(size);
+    // As torch: every rank checks in under "init/" and the server waits for all of them (a
+    // Python rank 0 waits for our check-in too).
+    store_options.waitWorkers = true;
+    store_options.timeout = timeout;
+    store_options.multiTenant = true;
+    store = c10::make_intrusive<c10d::TCPStore>(r.host, store_options);
+  }
+  store->setTimeout(timeout);
+  return store;
+}
+
+/// torch's _store_based_barrier: add 1 to "store_based_barrier_key:<count>" in `default_store`,
+/// then (when `wait`) poll it with add(0) every 10 ms until `world_size` ranks added theirs.
+void store_based_barrier(c10d::Store& default_store, int count, int world_size, std::chrono::milliseconds timeout,
+                         bool wait, const std::string& what) {
+  const std::string key = std::string(kBarrierPrefix) + ":" + std::to_string(count);
+  default_store.add(key, 1);
+  if (!wait) return;
+  const auto start = std::chrono::steady_clock::now();
+  int64_t arrived = default_store.add(key, 0);
+  while (arrived < world_size) {
+    if (std::chrono::steady_clock::now() - start > timeout) {
+      throw TimeoutError(what + ": the peers did not all arrive within " + std::to_string(timeout.count()) +
+                         " ms (store-based barrier \"" + key + "\": " + std::to_string(arrived) + " of " +
+                         std::to_string(world_size) + " ranks)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    arrived = default_store.add(key, 0);
+  }
+}
+
+std::string checked_wire_key(int group_rank) { return kCheckedWirePrefix + std::to_string(group_rank); }
+
+/// Which group ranks advertised tdshm's checked wire in `group_store` (no waiting: run after the
+/// store-based barrier, which every member passes only after writing its key).
+std::vector<bool> read_checked_wire(c10d::Store& group_store, int size) {
+  std::vector<bool> advertised(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) advertised[static_cast<size_t>(r)] = group_store.check({checked_wire_key(r)});
+  return advertised;
+}
+
+/// One group of a store-based world (the default group, or a new_group on a member), as torch's
+/// _new_process_group_helper and the store-based barrier after it: `name` is the group's name
+/// (torch's _group_count before it was taken), `count` the barrier's number (after).
+Group form_store_group(const World& world, const std::string& name, int count, std::vector<int> global_ranks,
+                       int group_rank, const std::string& what) {
+  const int size = static_cast<int>(global_ranks.size());
+  const StorePtr group_store = c10::make_intrusive<c10d::PrefixStore>(name, world.default_store);
+  return translate_timeout(what, world.timeout, [&] {
+    ProcessGroupPtr backend;
+    const bool gloo = world.backend == "gloo";
+    if (gloo) {
+      if (world.checked_wire) group_store->set(checked_wire_key(group_rank), std::vector<uint8_t>{'1'});
+      backend = make_gloo(group_store, group_rank, size, world.timeout, world.device);
+    } else {
+      backend = make_shm_group_from_store(group_store, group_rank, size, world.shm_options);
+    }
+    store_based_barrier(*world.default_store, count, world.group.defined() ? world.group.size() : size,
+                        world.timeout, true, what);
+    Group group(std::move(backend), std::move(global_ranks));
+    if (gloo) {
+      group.set_checked_wire(read_checked_wire(*group_store, size));
+      // torch's _set_sequence_number_for_group: a Python rank > 0 waits for rank 0's number.
+      group.backend().setSequenceNumberForGroup();
+    } else {
+      group.set_checked_wire(std::vector<bool>(static_cast<size_t>(size), false));
+    }
+    return group;
+  });
+}
+
 std::shared_ptr<World> make_world(const std::string& backend, const InitOptions& options) {
+  if (backend != "gloo" && backend != "shm") {
+    throw Error("init_process_group: unknown backend \"" + backend + "\"; use \"shm\" (one host) or \"gloo\"");
+  }
   auto world = std::make_shared<World>();
   world->backend = backend;
   world->timeout = options.timeout;
-  if (backend == "shm") {
+  world->shm_options = options.shm;
+  world->shm_options.timeout = options.timeout;
+  world->checked_wire = backend == "gloo" && options.checked_wire;
+  const bool shm_name = backend == "shm" && options.init_method.rfind("shm://", 0) == 0;
+  if (backend == "shm" && (shm_name || options.init_method.find("://") == std::string::npos)) {
     world->shm_name = parse_shm_method(options.init_method);
-    const int size = rank_or_env(options.world_size, "world_size", "WORLD_SIZE");
-    const int rank = rank_or_env(options.rank, "rank", "RANK");
-    check_rank(rank, size, "init_process_group");
-    world->shm_options = options.shm;
-    world->shm_options.timeout = options.timeout;
+  }
+  const GlooRendezvous r = world->shm_name.empty() ? parse_store_method(backend, options.init_method) : GlooRendezvous{};
+  const int size = rank_or_env(options.world_size, "world_size", "WORLD_SIZE");
+  const int rank = rank_or_env(options.rank, "rank", "RANK");
+  check_rank(rank, size, "init_process_group");
+  if (!world->shm_name.empty()) {
     world->group = Group(c10::make_intrusive<ProcessGroupShm>(world->shm_name, rank, size, world->shm_options),
                          iota_ranks(size));
     return world;
   }
-  if (backend != "gloo") {
-    throw Error("init_process_group: unknown backend \"" + backend + "\"; use \"shm\" (one host) or \"gloo\"");
-  }
-  const GlooRendezvous r = parse_gloo_method(options.init_method);
-  const int size = rank_or_env(options.world_size, "world_size", "WORLD_SIZE");
-  const int rank = rank_or_env(options.rank, "rank", "RANK");
-  check_rank(rank, size, "init_process_group");
-  const std::string what = "init_process_group(\"gloo\", \"" + options.init_method + "\")";
+  const std::string what = "init_process_group(\"" + backend + "\", \"" + options.init_method + "\")";
   translate_timeout(what, options.timeout, [&] {
-    if (!r.path.empty()) {
-      world->store = c10::make_intrusive<c10d::FileStore>(r.path, size);
-      world->store->setTimeout(options.timeout);
-    } else {
-      c10d::TCPStoreOptions store_options;
-      store_options.port = r.port;
-      store_options.isServer = rank == 0;
-      store_options.numWorkers = static_cast<size_t>(size);
-      // Not waiting for the workers here: the gloo rendezvous right after waits for every rank
-      // anyway, within `timeout`; TCPStore's own wait would cost up to twice the timeout first.
-      store_options.waitWorkers = false;
-      store_options.timeout = options.timeout;
-      world->store = c10::make_intrusive<c10d::TCPStore>(r.host, store_options);
+    world->default_store =
+        c10::make_intrusive<c10d::PrefixStore>(kDefaultPrefix, make_rendezvous_store(r, rank, size, options.timeout));
+    if (backend == "gloo") {
+      world->device = make_gloo_device(r.path.empty() ? std::optional<std::string>(r.host) : std::nullopt);
     }
-    world->device = make_gloo_device(r.path.empty() ? std::optional<std::string>(r.host) : std::nullopt);
-    world->group = Group(make_gloo(world->store, rank, size, options.timeout, world->device), iota_ranks(size));
   });
+  const std::string name = std::to_string(world->group_count++);
+  world->group = form_store_group(*world, name, world->group_count, iota_ranks(size), rank, what);
   return world;
 }
 
@@ -407,7 +517,9 @@ int get_world_size() { return current_world("get_world_size")->group.size(); }
 Group new_group(const std::vector<int>& ranks) {
   State& s = state();
   std::shared_ptr<World> world;
-  int k = 0;
+  int k = 0;          // "shm://NAME": the subgroup's number
+  std::string name;   // store-based worlds: torch's group name and barrier number
+  int count = 0;
   {
     std::lock_guard lock(s.mutex);
     if (!s.world) {
@@ -428,27 +540,37 @@ Group new_group(const std::vector<int>& ranks) {
       throw Error("new_group: rank " + std::to_string(*dup) + " is listed twice");
     }
     // Only a valid call takes a number, so that the numbering stays the same on every rank.
-    k = world->next_group++;
+    if (world->default_store) {
+      name = std::to_string(world->group_count++);
+      count = world->group_count;
+    } else {
+      k = world->next_group++;
+    }
   }
 
   const int me = world->group.rank();
   const auto it = std::find(ranks.begin(), ranks.end(), me);
-  if (it == ranks.end()) return Group::not_a_member();  // nothing to join, nothing to wait for
-  const int group_rank = static_cast<int>(it - ranks.begin());
-  const int size = static_cast<int>(ranks.size());
+  const bool member = it != ranks.end();
 
-  ProcessGroupPtr backend;
-  if (world->backend == "shm") {
-    backend = c10::make_intrusive<ProcessGroupShm>(world->shm_name + ".g" + std::to_string(k), group_rank, size,
-                                                   world->shm_options);
+  Group group;
+  if (!world->default_store) {
+    // "shm://NAME": no store; a non-member has nothing to join, nothing to wait for.
+    if (!member) return Group::not_a_member();
+    const int group_rank = static_cast<int>(it - ranks.begin());
+    group = Group(c10::make_intrusive<ProcessGroupShm>(world->shm_name + ".g" + std::to_string(k), group_rank,
+                                                       static_cast<int>(ranks.size()), world->shm_options),
+                  ranks);
   } else {
-    const std::string prefix = "tdshm_group_" + std::to_string(k) + "/";
-    backend = translate_timeout("new_group (gloo group " + std::to_string(k) + ")", world->timeout, [&] {
-      return make_gloo(c10::make_intrusive<c10d::PrefixStore>(prefix, world->store), group_rank, size,
-                       world->timeout, world->device);
-    });
+    const std::string what = "new_group (" + world->backend + " group \"" + name + "\")";
+    if (!member) {
+      // torch's non-members take part in the store-based barrier; ours only check in.
+      translate_timeout(what, world->timeout, [&] {
+        store_based_barrier(*world->default_store, count, world->group.size(), world->timeout, false, what);
+      });
+      return Group::not_a_member();
+    }
+    group = form_store_group(*world, name, count, ranks, static_cast<int>(it - ranks.begin()), what);
   }
-  Group group(std::move(backend), ranks);
   std::lock_guard lock(s.mutex);
   if (s.world == world) world->subgroups.push_back(group);
   return group;
