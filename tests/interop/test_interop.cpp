@@ -207,6 +207,17 @@ TensorDict build_tree(const std::string& name, int64_t salt, bool blank = false)
   return td;
 }
 
+/// The tensor leaves of tree `name` at `salt`, without its non-tensor values: what update_
+/// writes into a consolidated copy (update_ takes tensors only).
+TensorDict tensors_of(const std::string& name, int64_t salt) {
+  const TreeSpec& spec = tree_spec(name);
+  TensorDict td(spec.batch);
+  for (const Entry& e : spec.entries) {
+    if (e.dtype) td.set(Key(e.path), pattern(e.path, *e.dtype, e.shape, salt));
+  }
+  return td;
+}
+
 std::string describe(const NonTensorData& v) {
   return std::visit(
       [](const auto& x) {
@@ -355,8 +366,10 @@ class InteropTest : public DistTest {
   /// Runs the world; every rank must succeed. A rank that fails gets the others killed after
   /// a grace of 3 s (they would otherwise wait for it until their own deadline).
   void run(const World& w) {
-    const std::string init = w.backend == "shm" ? "shm://" + unique_name()
-                                                : "file://" + dir_.path() + "/store" + std::to_string(++files_);
+    // One file:// store for both backends: torch.distributed (Python) only rendezvouses through
+    // a store, and tdshm's shm backend, registered with torch by the tdshm package, takes its
+    // segment's name from it; C++ ranks join the same store.
+    const std::string init = "file://" + dir_.path() + "/store" + std::to_string(++files_);
     std::map<int, std::unique_ptr<PyProcess>> py;
     for (const auto& [rank, scenario] : w.py) {
       std::vector<std::string> args = {"--rank", std::to_string(rank), "--world", std::to_string(w.size),
@@ -525,7 +538,7 @@ std::function<void(const Group&)> cpp_consolidated_send(int dst, const std::stri
     SendOptions o = to(dst, g);
     o.consolidated = true;
     td_c.send(o);
-    td_c.update_(build_tree(tree, salt + 1));
+    td_c.update_(tensors_of(tree, salt + 1));
     const Transfer t = td_c.isend(o);
     SHM_CHECK(!t.has_works && !t.last_tag, "isend(consolidated) returned something");
   };
@@ -551,15 +564,17 @@ std::vector<std::string> py_consolidated(const std::string& role, int peer, cons
 /// init_remote, then a consolidated send of the sender's consolidated copy refreshed in place.
 std::function<void(const Group&)> cpp_remote_send(int dst, const std::string& tree, int64_t salt) {
   return [=](const Group&) {
-    TensorDict td = build_tree(tree, salt);
+    const TensorDict td = build_tree(tree, salt);
+    TensorDict td_c;
     if (tree == "record") {
       const InteropRecord rec(td);
       rec.init_remote({.dst = dst});
+      td_c = rec.consolidate().tensordict();  // keeps the type name (a C++ receiver checks it)
     } else {
       td.init_remote({.dst = dst});
+      td_c = td.consolidate();
     }
-    TensorDict td_c = td.consolidate();
-    td_c.update_(build_tree(tree, salt + 1));
+    td_c.update_(tensors_of(tree, salt + 1));
     td_c.send({.dst = dst, .consolidated = true});
   };
 }
@@ -682,13 +697,41 @@ std::string hex(const at::Tensor& storage) {
 
 class InteropLayout : public InteropTest, public ::testing::WithParamInterface<std::string> {};
 
+const std::vector<std::string> kLayoutTrees = {"seed", "u8only", "mixed", "record", "probe"};
+
+/// td_peer.py --dump-consolidated of every tree of kLayoutTrees, run once (python3 takes ~2 s to
+/// start): the lines of each tree, or an error.
+const std::map<std::string, std::string>& python_layouts() {
+  static const std::map<std::string, std::string> layouts = [] {
+    std::map<std::string, std::string> out;
+    static TempDir dir;
+    std::string trees;
+    for (const std::string& t : kLayoutTrees) trees += (trees.empty() ? "" : ",") + t;
+    PyProcess p({"--dump-consolidated", trees}, dir.path() + "/dump.txt");
+    if (!p.child().wait(30s) || !p.child().ok()) {
+      out["error"] = p.child().describe() + "\n" + tail(p.output());
+      return out;
+    }
+    std::istringstream in(p.output());
+    std::string line, current;
+    while (std::getline(in, line)) {
+      if (line.rfind("tree ", 0) == 0) {
+        current = line.substr(5);
+      } else if (!current.empty()) {
+        out[current] += line + "\n";
+      }
+    }
+    return out;
+  }();
+  return layouts;
+}
+
 TEST_P(InteropLayout, ConsolidateIsTensordictsByteForByte) {
   const std::string tree = GetParam();
-  const std::string log = dir_.path() + "/dump.txt";
-  PyProcess p({"--dump-consolidated", tree}, log);
-  ASSERT_TRUE(p.child().wait(30s)) << "td_peer.py --dump-consolidated overstayed";
-  ASSERT_TRUE(p.child().ok()) << p.child().describe() << "\n" << tail(p.output());
-  std::istringstream in(p.output());
+  const auto& layouts = python_layouts();
+  ASSERT_EQ(layouts.count("error"), 0u) << "td_peer.py --dump-consolidated failed: " << layouts.at("error");
+  ASSERT_EQ(layouts.count(tree), 1u) << "td_peer.py printed no layout for " << tree;
+  std::istringstream in(layouts.at(tree));
   std::string line;
   uint64_t total = 0;
   std::string storage_hex;
@@ -707,7 +750,7 @@ TEST_P(InteropLayout, ConsolidateIsTensordictsByteForByte) {
       want.push_back(l);
     }
   }
-  ASSERT_FALSE(want.empty()) << p.output();
+  ASSERT_FALSE(want.empty()) << layouts.at(tree);
 
   TensorDict td = build_tree(tree, 0);
   if (tree == "record") td = InteropRecord(td).consolidate().tensordict();
@@ -730,7 +773,7 @@ TEST_P(InteropLayout, ConsolidateIsTensordictsByteForByte) {
   EXPECT_EQ(hex(c.consolidated_storage()), storage_hex);
 }
 
-INSTANTIATE_TEST_SUITE_P(Trees, InteropLayout, ::testing::Values("seed", "u8only", "mixed", "record", "probe"),
+INSTANTIATE_TEST_SUITE_P(Trees, InteropLayout, ::testing::ValuesIn(kLayoutTrees),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 // The C++ patterns are td_peer.py's (values printed by td_peer.pattern): the layout tests
@@ -829,6 +872,8 @@ struct Exchanges : InteropTest {
       const bool py = (r == root) == py_root;
       if (py) {
         w.py[r] = py_broadcast(r == root ? "root" : "member", root, tree, 5, via_init_remote);
+        // One Python member takes the metadata with torch's own broadcast_object_list.
+        if (r == 2) w.py[r].push_back("--torch-object-list");
       } else {
         w.cpp[r] = r == root ? cpp_broadcast_root(root, tree, 5, via_init_remote)
                              : cpp_broadcast_member(root, tree, 5, via_init_remote);
@@ -839,6 +884,7 @@ struct Exchanges : InteropTest {
 };
 
 struct InteropGloo : Exchanges {};
+struct InteropCppHalves : Exchanges {};
 struct InteropShm : Exchanges {
   InteropShm() { backend = "shm"; }
 };
@@ -890,6 +936,44 @@ TEST_F(InteropGloo, SameBytesOtherDtypeIsNotDetected) {
     SHM_CHECK(got.scalar_type() == at::kFloat, "the leaf changed dtype");
     SHM_CHECK(at::equal(got.view(at::kInt), want), "the leaf does not hold the sender's int32 bytes");
     SHM_CHECK(at::equal(td.get("alpha"), pattern({"alpha"}, at::kFloat, {2}, 0)), "alpha");
+  };
+  run(w);
+}
+
+// ---- the C++ halves against each other (no Python): checks the scenario code itself, as
+// run_peer_selftest.py checks td_peer.py's ----
+TEST_F(InteropCppHalves, PerLeaf) {
+  World w;
+  w.cpp[0] = cpp_send(1, {.api = Api::kEarly, .init_tag = 1, .pseudo = true});
+  w.cpp[1] = cpp_recv(0, {.api = Api::kSync, .init_tag = 1, .pseudo = true});
+  run(w);
+}
+TEST_F(InteropCppHalves, Consolidated) {
+  World w;
+  w.cpp[0] = cpp_consolidated_send(1, "mixed", 2);
+  w.cpp[1] = cpp_consolidated_recv(0, "mixed", 2);
+  run(w);
+}
+TEST_F(InteropCppHalves, RemoteTensorClass) {
+  World w;
+  w.cpp[0] = cpp_remote_send(1, "record", 3);
+  w.cpp[1] = cpp_remote_recv(0, "record", 3);
+  run(w);
+}
+TEST_F(InteropCppHalves, RemoteAndBroadcast) {
+  World w{.size = 3, .group_ranks = {0, 2}};
+  w.cpp[0] = [](const Group& g) {
+    cpp_remote_recv(1, "mixed", 3)(Group{});
+    cpp_broadcast_member(1, "mixed", 5, false)(g);
+    cpp_recv(1, {.tree = "seed", .api = Api::kAsync})(g);  // group_src 1: global rank 2
+  };
+  w.cpp[1] = [](const Group&) {
+    cpp_remote_send(0, "mixed", 3)(Group{});
+    cpp_broadcast_root(1, "mixed", 5, false)(Group{});
+  };
+  w.cpp[2] = [](const Group& g) {
+    cpp_broadcast_member(1, "mixed", 5, false)(Group{});
+    cpp_send(0, {.tree = "seed", .api = Api::kSync})(g);
   };
   run(w);
 }

@@ -51,7 +51,7 @@ identically by the C++ side, so each side checks what it received without a seco
 Usage (one rank):
   td_peer.py --rank R --world W --init-method file://PATH --backend gloo|shm \
              --scenario perleaf|consolidated|remote|broadcast|idle --role send|recv|root|member ...
-  td_peer.py --dump-consolidated TREE     (storage bytes and leaf offsets, for layout tests)
+  td_peer.py --dump-consolidated TREE[,TREE...]   (storage bytes and leaf offsets, for layout tests)
 Prints one JSON line {"ok": ...}; exits 0 on success, 1 on any mismatch or error, 3 when the
 environment lacks something (e.g. the tdshm package for --backend shm).
 """
@@ -978,7 +978,7 @@ def dump_consolidated(name):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dump-consolidated", metavar="TREE")
+    p.add_argument("--dump-consolidated", metavar="TREE[,TREE...]")
     p.add_argument("--rank", type=int)
     p.add_argument("--world", type=int)
     p.add_argument("--init-method")
@@ -1004,7 +1004,9 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     if args.dump_consolidated:
-        dump_consolidated(args.dump_consolidated)
+        for name in args.dump_consolidated.split(","):
+            print(f"tree {name}")
+            dump_consolidated(name)
         return 0
 
     torch.set_num_threads(1)
