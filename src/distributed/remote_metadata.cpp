@@ -220,7 +220,7 @@ class Reader {
     }
 
     SchemaNode out;
-    out.class_name = class_name(*cls, root);
+    out.class_name = class_name(*cls);
     read_cls_metadata(*cls_metadata, out);
 
     // Non-tensors first, in dict order (as tensordict's reader rebuilds them).
@@ -285,7 +285,7 @@ class Reader {
     return s;
   }
 
-  std::string class_name(const PyValue& cls, bool root) const {
+  std::string class_name(const PyValue& cls) const {
     if (cls.kind() == PyKind::kClassRef) {
       const auto& ref = std::get<pickle::PyClassRef>(cls.v);
       std::string name = ref.module + "." + ref.name;
@@ -293,7 +293,6 @@ class Reader {
       return name;
     }
     if (cls.kind() == PyKind::kStr && std::get<std::string>(cls.v) == kTensorDictCls) return {};
-    (void)root;
     fail("node ", quoted(path_), " has \"cls\" ", pickle::repr(cls),
          ": tdshm reads TensorDict and tensorclasses (a class reference), not other tensordict types");
   }
