@@ -1,0 +1,260 @@
+"""The Python package tdshm: the "shm" backend through torch.distributed.
+
+Each test runs a world of Python rank processes (this file re-run as a worker:
+``test_shm_backend.py --worker SCENARIO RANK WORLD INIT_METHOD OUTDIR``), waits for all of them
+with one deadline (killing what is left), and checks their exit codes. Every group has a
+timeout, every Work.wait too. Each world records the segment names it used (OUTDIR/segments.<rank>);
+afterwards none of them, and no new tdshm.pg-* segment, may be left in /dev/shm.
+
+Run by ctest (python.shm_backend) with PYTHONPATH=<build>/python.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from datetime import timedelta
+
+TIMEOUT = timedelta(seconds=20)
+WORLD_DEADLINE = 90  # seconds for a whole world, then its processes are killed
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side (a rank)
+
+
+def _worker(scenario, rank, world, init_method, outdir):
+    import torch
+    import torch.distributed as dist
+
+    import tdshm
+
+    def record(pg):
+        with open(os.path.join(outdir, f"segments.{rank}"), "a") as f:
+            f.write(pg.segment_name + "\n")
+
+    def expect_equal(what, got, want):
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            raise AssertionError(f"rank {rank}: {what}: got {got}, expected {want}")
+
+    def wait(work):
+        if not work.wait(TIMEOUT):
+            raise AssertionError("a work did not complete in time")
+
+    dist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+    default_pg = dist.distributed_c10d._get_default_group()
+    if not isinstance(default_pg, tdshm.ProcessGroupShm):
+        raise AssertionError(f"the default group is a {type(default_pg)}")
+    if dist.get_backend() != "shm" or dist.get_rank() != rank or dist.get_world_size() != world:
+        raise AssertionError("backend, rank or world size differ")
+    record(default_pg)
+
+    if scenario == "p2p":
+        # Several dtypes and shapes, contiguous and not, both ways between ranks 0 and 1.
+        cases = []
+        for i, dtype in enumerate([torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int8, torch.uint8, torch.bool, torch.complex64]):
+            for shape in [(), (0,), (7,), (3, 4, 5), (1000, 33)]:
+                n = 1
+                for d in shape:
+                    n *= d
+                base = torch.arange(n, dtype=torch.float64).reshape(shape) * (i + 1) % 97
+                cases.append(base.to(dtype) if dtype != torch.bool else (base.to(torch.int64) % 2).bool())
+        big = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
+        cases.append(big.t())          # a transposed view
+        cases.append(big[::2, 1::3])   # a strided view
+        for direction in (0, 1):
+            sender = direction
+            for k, ref in enumerate(cases):
+                if rank == sender:
+                    dist.send(ref, dst=1 - sender, tag=k)
+                else:
+                    # Into a contiguous tensor, and for 2-d cases into a non-contiguous view too.
+                    target = torch.zeros_like(ref, memory_format=torch.contiguous_format)
+                    dist.recv(target, src=sender, tag=k)
+                    expect_equal(f"message {k} from {sender}", target, ref)
+            # isend / irecv, posted all at once, received into transposed views.
+            refs = [torch.full((4, 5), float(k + 10 * direction)) + torch.arange(5.0) for k in range(8)]
+            if rank == sender:
+                works = [dist.isend(r, dst=1 - sender, tag=1000 + k) for k, r in enumerate(refs)]
+            else:
+                holders = [torch.zeros(5, 4) for _ in refs]
+                targets = [h.t() for h in holders]  # non-contiguous (4, 5) views
+                works = [dist.irecv(t, src=sender, tag=1000 + k) for k, t in enumerate(targets)]
+            for w in works:
+                wait(w)
+            if rank != sender:
+                for k, (t, r) in enumerate(zip(targets, refs)):
+                    expect_equal(f"irecv {k}", t, r)
+        dist.barrier()
+
+    elif scenario == "collectives":
+        for root in range(world):
+            for dtype in (torch.float32, torch.int64, torch.uint8):
+                ref = (torch.arange(12) + root).reshape(3, 4).to(dtype)
+                t = ref.clone() if rank == root else torch.zeros(3, 4, dtype=dtype)
+                dist.broadcast(t, src=root)
+                expect_equal(f"broadcast from {root}", t, ref)
+        wait(dist.broadcast(torch.ones(2) if rank == 0 else torch.zeros(2), src=0, async_op=True))
+        dist.barrier()
+        # An unsupported collective is a RuntimeError that names it, not a crash; the group works on.
+        try:
+            dist.all_reduce(torch.ones(3))
+        except RuntimeError as e:
+            if "allreduce" not in str(e):
+                raise AssertionError(f"unclear error for all_reduce: {e}")
+        else:
+            raise AssertionError("all_reduce did not raise")
+        dist.barrier()
+
+    elif scenario == "groups":
+        # Two subgroups in one run: different segments. Rank 1 is not in the first one.
+        first = dist.new_group([0, 2], backend="shm")
+        second = dist.new_group([0, 1, 2], backend="shm")
+        if rank == 1:
+            if first != dist.GroupMember.NON_GROUP_MEMBER:
+                raise AssertionError("a non-member got a group")
+        else:
+            record(first)
+            t = torch.tensor([5.0, 6.0]) if rank == 2 else torch.zeros(2)
+            dist.broadcast(t, src=2, group=first)
+            expect_equal("first subgroup broadcast", t, torch.tensor([5.0, 6.0]))
+            if rank == 0:
+                dist.send(torch.arange(3), dst=2, group=first)
+            else:
+                r = torch.zeros(3, dtype=torch.int64)
+                dist.recv(r, src=0, group=first)
+                expect_equal("first subgroup recv", r, torch.arange(3))
+        record(second)
+        if not (first == dist.GroupMember.NON_GROUP_MEMBER or first.segment_name != second.segment_name):
+            raise AssertionError("two groups share a segment")
+        dist.barrier(group=second)
+        t = torch.tensor([rank])
+        if rank == 1:
+            dist.send(t, dst=0, group=second)
+        elif rank == 0:
+            dist.recv(t, src=1, group=second)
+            expect_equal("second subgroup recv", t, torch.tensor([1]))
+        dist.barrier()
+
+    else:
+        raise AssertionError(f"unknown scenario {scenario}")
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Test side
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _store_segments():
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("tdshm.pg-")}
+    except FileNotFoundError:
+        return set()
+
+
+class ShmBackendTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory(prefix="tdshm_py_")
+        self.addCleanup(self.dir.cleanup)
+        self.before = _store_segments()
+
+    def run_world(self, scenario, world, method):
+        outdir = tempfile.mkdtemp(dir=self.dir.name)
+        if method == "file":
+            init_method = "file://" + os.path.join(outdir, "store")
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        procs = [
+            subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", scenario, str(r), str(world),
+                              init_method, outdir], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for r in range(world)
+        ]
+        deadline = time.monotonic() + WORLD_DEADLINE
+        outputs = []
+        try:
+            for p in procs:
+                try:
+                    out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    out, _ = p.communicate()
+                    out += b"\n[killed: the world overstayed its deadline]"
+                outputs.append(out.decode(errors="replace"))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        failed = [(r, p.returncode, outputs[r]) for r, p in enumerate(procs) if p.returncode != 0]
+        self.assertFalse(failed, "\n".join(f"rank {r} exited with {code}:\n{out}" for r, code, out in failed))
+        segments = set()
+        for r in range(world):
+            path = os.path.join(outdir, f"segments.{r}")
+            if os.path.exists(path):
+                with open(path) as f:
+                    segments.update(line.strip() for line in f if line.strip())
+        # Nothing left in /dev/shm: the segments of this world, their lock files, any new one.
+        for name in segments:
+            for leftover in (f"/dev/shm/tdshm.{name}", f"/dev/shm/tdshm.{name}.lock"):
+                self.assertFalse(os.path.exists(leftover), f"{leftover} was left behind")
+        self.assertEqual(_store_segments() - self.before, set(), "new tdshm.pg-* segments were left behind")
+        return segments
+
+    def test_p2p_file(self):
+        self.run_world("p2p", 2, "file")
+
+    def test_p2p_tcp(self):
+        self.run_world("p2p", 2, "tcp")
+
+    def test_collectives_and_unsupported_op(self):
+        self.run_world("collectives", 3, "file")
+
+    def test_groups_file(self):
+        segments = self.run_world("groups", 3, "file")
+        # The default group and two subgroups: three different segments.
+        self.assertEqual(len(segments), 3, segments)
+
+    def test_groups_tcp(self):
+        segments = self.run_world("groups", 3, "tcp")
+        self.assertEqual(len(segments), 3, segments)
+
+    def test_two_runs_get_different_segments(self):
+        first = self.run_world("collectives", 2, "file")
+        second = self.run_world("collectives", 2, "file")
+        self.assertFalse(first & second, (first, second))
+
+    def test_module(self):
+        import torch.distributed as dist
+
+        import tdshm
+
+        self.assertIsInstance(tdshm.__version__, str)
+        self.assertIn("SHM", dist.Backend._plugins)
+        self.assertTrue(issubclass(tdshm.ProcessGroupShm, dist.ProcessGroup))
+        # A group made directly on a named segment (a world of one).
+        name = f"pytest-{os.getpid()}-direct"
+        pg = tdshm.ProcessGroupShm(name, 0, 1, timeout=timedelta(seconds=5))
+        self.assertEqual((pg.rank(), pg.size(), pg.segment_name), (0, 1, name))
+        self.assertTrue(os.path.exists(f"/dev/shm/tdshm.{name}"))
+        del pg
+        self.assertFalse(os.path.exists(f"/dev/shm/tdshm.{name}"))
+        with self.assertRaises(RuntimeError):
+            tdshm.ProcessGroupShm("a b", 0, 1)  # invalid segment name
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
+        sys.exit(0)
+    unittest.main()
