@@ -92,8 +92,10 @@ struct InitOptions {
   /// environment (as torch's env:// does; here with any init_method).
   int rank = -1;
   int world_size = -1;
-  /// "shm://NAME" for the shm backend (NAME: a segment name, see validate_segment_name);
-  /// "tcp://HOST:PORT", "file://PATH" or "env://" (MASTER_ADDR, MASTER_PORT) for gloo.
+  /// "tcp://HOST:PORT", "file://PATH" or "env://" (MASTER_ADDR, MASTER_PORT) for both backends,
+  /// with torch 1.13's store layout, so that Python ranks (torch.distributed, and for "shm" the
+  /// tdshm Python package) join the same world; "shm://NAME" for shm without a store (NAME: a
+  /// segment name, see validate_segment_name).
   std::string init_method = "env://";
   /// Deadline of the rendezvous and of every later wait of the group.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
@@ -118,10 +120,14 @@ int get_world_size();
 /// A subgroup of the default group with the given global ranks (any order; group rank i is
 /// ranks[i]). Like torch, every rank of the default group must call new_group with the same
 /// ranks in the same order of calls; on a rank outside `ranks` the result is not defined()
-/// (Group{}) and the call returns at once, without communicating. Throws Error for an empty
-/// list, duplicate or out-of-range ranks (such a call counts for nothing in that order).
-/// gloo: the members meet in the default group's store under "tdshm_group_<k>/"; shm: on the
-/// segment "<name>.g<k>" (k: 0 for the first valid call, then 1, ...).
+/// (Group{}) and the call returns at once (over a store it only checks in to the store-based
+/// barrier, without waiting). Throws Error for an empty list, duplicate or out-of-range ranks
+/// (such a call counts for nothing in that order).
+/// tcp://, file://, env://: torch 1.13's layout: group k (the k-th valid call) is named
+/// str(k + 1) and meets under "default_pg/<name>/" of the store, followed by the store-based
+/// barrier "default_pg/store_based_barrier_key:<k + 2>" of every rank, so Python ranks calling
+/// torch.distributed.new_group in the same order join it (torch sorts the ranks: with Python
+/// ranks, pass them sorted). "shm://NAME": on the segment "<NAME>.g<k>", k from 0.
 Group new_group(const std::vector<int>& ranks);
 /// Releases the default group and every group made by new_group: a group the caller still holds
 /// (a Group copy) stays usable; the pending works of the others fail. With gloo over tcp:// or

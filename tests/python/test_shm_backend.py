@@ -72,7 +72,7 @@ def _worker(scenario, rank, world, init_method, outdir):
                 if rank == sender:
                     dist.send(ref, dst=1 - sender, tag=k)
                 else:
-                    # Into a contiguous tensor, and for 2-d cases into a non-contiguous view too.
+                    # Into a contiguous tensor (the isend / irecv below receive into views).
                     target = torch.zeros_like(ref, memory_format=torch.contiguous_format)
                     dist.recv(target, src=sender, tag=k)
                     expect_equal(f"message {k} from {sender}", target, ref)
