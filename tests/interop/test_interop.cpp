@@ -426,6 +426,16 @@ class InteropTest : public DistTest {
     for (auto& [rank, c] : cpp) {
       if (!c->ok()) ADD_FAILURE() << "C++ rank " << rank << ": " << c->describe();
     }
+    // A shm group made over a store lives on the segment "pg-<pid of its creator>-<random>":
+    // nothing of one may be left in /dev/shm once every rank has left (removed either way).
+    for (Child* c : all) {
+      const std::vector<std::string> left = remove_shm_entries_of("pg-" + std::to_string(c->pid()) + "-");
+      if (!left.empty() && !HasFailure()) {
+        std::string list;
+        for (const std::string& l : left) list += " /dev/shm/" + l;
+        ADD_FAILURE() << "left behind in /dev/shm (now removed):" << list;
+      }
+    }
     for (auto& [rank, p] : py) {
       const std::string out = p->output();
       if (!p->child().ok()) {
