@@ -31,9 +31,12 @@ readonly JOBS=2
 # fuzz.smoke) need clang-14 and the runtimes of -fsanitize=fuzzer,address,undefined, which are in
 # libclang-rt-14-dev (clang-14 only recommends it; libfuzzer-14-dev holds a standalone
 # libFuzzer.a that -fsanitize=fuzzer does not use); llvm-14 brings llvm-symbolizer for readable
-# crash reports.
+# crash reports. The Python package (python/, built by the default preset, which requires it)
+# and the tests with Python ranks need Debian's python3 with torch (python3-torch, whose
+# libtorch_python the module links), its headers (python3-dev), pybind11-dev, and python3-numpy.
 readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libboost-dev libspdlog-dev
-                   libgtest-dev libbenchmark-dev clang-14 libclang-rt-14-dev llvm-14)
+                   libgtest-dev libbenchmark-dev clang-14 libclang-rt-14-dev llvm-14
+                   python3-torch python3-numpy python3-dev pybind11-dev)
 
 log() { printf 'dev.sh: %s\n' "$*" >&2; }
 
