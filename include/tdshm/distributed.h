@@ -25,7 +25,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <memory>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -80,10 +82,31 @@ class Group {
   /// group returns `group_rank` itself.
   int global_rank(int group_rank) const;
 
+  /// Whether this rank and group rank `peer` both run tdshm's transfer layer and agreed, when the
+  /// group was formed, to use its checked gloo protocol (see "Wire protocol" in the README): a
+  /// per-leaf layout descriptor and a consolidated header that let the receiver name the key
+  /// that differs. False for every Python (tensordict) peer, for standalone groups and over shm
+  /// (where the checks ride inside the transport's own message metadata): then the wire is
+  /// exactly tensordict's.
+  bool checked_wire_with(int peer) const noexcept {
+    return checked_ && peer >= 0 && static_cast<size_t>(peer) < checked_->size() && (*checked_)[peer] &&
+           (*checked_)[static_cast<size_t>(rank())];
+  }
+  /// Whether every member agreed to the checked protocol (collective exchanges: broadcast).
+  bool checked_wire_all() const noexcept {
+    return checked_ && std::all_of(checked_->begin(), checked_->end(), [](bool b) { return b; });
+  }
+  /// Internal (set by init_process_group / new_group): which group ranks advertised the checked
+  /// protocol.
+  void set_checked_wire(std::vector<bool> advertised) {
+    checked_ = std::make_shared<const std::vector<bool>>(std::move(advertised));
+  }
+
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> backend_;
   std::vector<int> global_ranks_;
   bool non_member_ = false;
+  std::shared_ptr<const std::vector<bool>> checked_;
 };
 
 /// Options of init_process_group (torch.distributed.init_process_group's parameters).
@@ -101,6 +124,11 @@ struct InitOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   /// Options of the shm backend (its timeout is replaced by `timeout`).
   ShmOptions shm{};
+  /// gloo: advertise tdshm's checked protocol in the store when the group is formed, and use it
+  /// with every peer that advertised it too (tdshm ranks with this option on). Python ranks never
+  /// advertise, so they always get tensordict's exact wire. false: this rank speaks tensordict's
+  /// wire to everyone. No effect on shm (its checks travel inside the transport's entries).
+  bool checked_wire = true;
 };
 
 /// Creates the default (world) group with `backend` "shm" or "gloo" and returns it. Throws

@@ -103,6 +103,22 @@ void validate_segment_name(const std::string& name);
 /// if something was removed. Throws SegmentError if live ranks still use it.
 bool remove_stale_segment(const std::string& name);
 
+/// What tdshm's transfer layer tells the shm transport about one message, so that the receiver
+/// can check it although tensordict's wire has no room for it: it rides in the ring entry's own
+/// header (no extra message). A receive with a check of the same kind as the message's compares
+/// the values before any byte is written: a key check that differs fails the receive with a
+/// TransportError, a schema check with a SchemaError (the message is dropped, as on any mismatch).
+/// A message or receive without a check (kNone: plain c10d calls, Python ranks) is not compared.
+/// A key check may also carry the number of leaves of the transfer (0: unknown); when both
+/// sides give one and they differ, the receive fails with a TransportError whose message says
+/// "the sender's tree has N leaves".
+struct MessageCheck {
+  enum class Kind : uint8_t { kNone, kKey, kSchema };
+  Kind kind = Kind::kNone;
+  uint32_t value = 0;
+  uint16_t leaves = 0;
+};
+
 class ProcessGroupShm : public c10d::ProcessGroup {
  public:
   /// Attaches rank `rank` of `size` to the segment `name`, creating it if needed (any rank may),
@@ -115,12 +131,17 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   ~ProcessGroupShm() override;
 
   const std::string getBackendName() const override { return "shm"; }
+  // Works of this backend support abort(): a pending receive (or a send not yet started) is
+  // withdrawn and fails with a TransportError; one that completed is left as it is.
 
   /// Sends tensors[0] (exactly one dense CPU tensor) to dstRank with `tag`.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   /// Receives into tensors[0]; the message must have its byte size (TransportError otherwise;
   /// dtype and shape are checked too when the sender's are known).
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  /// send / recv with a MessageCheck (tdshm's transfer layer uses them; the wire is the same).
+  c10::intrusive_ptr<c10d::Work> send_checked(std::vector<at::Tensor>& tensors, int dstRank, int tag, MessageCheck check);
+  c10::intrusive_ptr<c10d::Work> recv_checked(std::vector<at::Tensor>& tensors, int srcRank, int tag, MessageCheck check);
   /// Receives the first matching message from any rank; Work::sourceRank() tells which.
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   /// Broadcasts tensors[0] from opts.rootRank to every rank.

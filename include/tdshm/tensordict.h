@@ -207,7 +207,9 @@ class TensorDict {
 
   // ---- consolidation ----
   /// One flat uint8 storage holding every tensor leaf: insertion order, depth first, each leaf
-  /// contiguous and zero-padded to a multiple of 8 bytes. The result's leaves are views into the
+  /// contiguous and zero-padded to a multiple of 8 bytes — byte for byte tensordict's
+  /// consolidate(), which pads every leaf whatever the dtypes (it calls
+  /// _reduce_vals_and_metadata with dtype=None, so need_padding is always true). The result's leaves are views into the
   /// storage and it is locked, so update_ and set_ write into the storage. A tensordict that is
   /// already consolidated is returned as is (no copy) unless a filename is given.
   TensorDict consolidate(const ConsolidateOptions& options = {}) const;

@@ -64,7 +64,9 @@ class ShmWork : public c10d::Work {
     return true;
   }
 
-  void abort() override { TORCH_CHECK(false, "ProcessGroupShm works cannot be aborted"); }
+  void abort() override {
+    engine_->cancel(ops_, std::make_exception_ptr(TransportError("the operation was aborted (Work::abort) before it completed")));
+  }
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::lock_guard lk(future_mu_);
@@ -136,15 +138,25 @@ const std::string& ProcessGroupShm::segment_name() const noexcept { return engin
 const ShmOptions& ProcessGroupShm::options() const noexcept { return engine_->options(); }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  const at::Tensor& t = single_tensor(tensors, "send");
-  auto op = engine_->post_send(t, dstRank, tag, /*control=*/false);
-  return make_work(engine_, op ? OpList{op} : OpList{}, c10d::OpType::SEND);
+  return send_checked(tensors, dstRank, tag, {});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  return recv_checked(tensors, srcRank, tag, {});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_checked(std::vector<at::Tensor>& tensors, int dstRank, int tag,
+                                                             MessageCheck check) {
+  const at::Tensor& t = single_tensor(tensors, "send");
+  auto op = engine_->post_send(t, dstRank, tag, /*control=*/false, check);
+  return make_work(engine_, op ? OpList{op} : OpList{}, c10d::OpType::SEND);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_checked(std::vector<at::Tensor>& tensors, int srcRank, int tag,
+                                                             MessageCheck check) {
   const at::Tensor& t = single_tensor(tensors, "recv");
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv: source rank must be >= 0 (use recvAnysource)");
-  auto op = engine_->post_recv(t, srcRank, tag, /*control=*/false);
+  auto op = engine_->post_recv(t, srcRank, tag, /*control=*/false, check);
   return make_work(engine_, {op}, c10d::OpType::RECV, t);
 }
 

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 
@@ -36,6 +37,7 @@ struct Incoming {
   int src = -1;
   int64_t tag = 0;
   bool control = false;
+  MessageCheck check;  // what the sender's transfer layer said of it (kNone: nothing)
   uint64_t total = 0;
   uint8_t dtype = 0;
   uint8_t ndim = shm::kShapeNotSent;
@@ -85,6 +87,28 @@ std::string memmap_reference(const at::Tensor& t, uint64_t slot_bytes) {
 
 Clock::rep ticks(Clock::time_point t) { return t.time_since_epoch().count(); }
 Clock::time_point from_ticks(Clock::rep r) { return Clock::time_point(Clock::duration(r)); }
+
+// The entry flag that says what kind of check `check` carries (0: none).
+uint32_t check_flag(const MessageCheck& check) noexcept {
+  switch (check.kind) {
+    case MessageCheck::Kind::kKey: return shm::kEntryKeyCheck;
+    case MessageCheck::Kind::kSchema: return shm::kEntrySchemaCheck;
+    case MessageCheck::Kind::kNone: break;
+  }
+  return 0;
+}
+
+MessageCheck entry_check(const shm::EntryFields& e) noexcept {
+  if (e.flags & shm::kEntryKeyCheck) return {MessageCheck::Kind::kKey, e.check, e.leaves};
+  if (e.flags & shm::kEntrySchemaCheck) return {MessageCheck::Kind::kSchema, e.check};
+  return {};
+}
+
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", v);
+  return buf;
+}
 
 // A null op is a send that completed when it was posted.
 bool is_done(const std::shared_ptr<ShmOp>& op) noexcept {
@@ -233,7 +257,8 @@ int64_t ShmEngine::next_collective_tag(int kind) {
 // ---------------------------------------------------------------------------------------------
 // Posting
 
-std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control) {
+std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control,
+                                            MessageCheck check) {
   if (dst < 0 || dst >= size_ || dst == rank_) {
     throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                      "shm send: destination rank " + std::to_string(dst) + " is invalid for rank " +
@@ -250,10 +275,10 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
           reference.empty() ? static_cast<uint64_t>(tensor.numel()) * tensor.element_size() : reference.size();
       if (bytes <= options_.slot_bytes && ring_has_room(dst)) {
         const uint32_t flags = shm::kEntryFirst | shm::kEntryLast | (control ? uint32_t{shm::kEntryControl} : 0u) |
-                               (reference.empty() ? 0u : uint32_t{shm::kEntryReference});
+                               (reference.empty() ? 0u : uint32_t{shm::kEntryReference}) | check_flag(check);
         const auto* data = reference.empty() ? static_cast<const uint8_t*>(tensor.data_ptr())
                                              : reinterpret_cast<const uint8_t*>(reference.data());
-        write_entry(dst, tx_pos_[peer]++, flags, tag, tensor, data, 0, bytes);
+        write_entry(dst, tx_pos_[peer]++, flags, tag, tensor, data, 0, bytes, check);
         notify(dst);
         if (!check_poisoned()) return nullptr;  // else: the op below fails with the poison error
       }
@@ -263,6 +288,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
   auto op = make_op(ShmOp::Kind::kSend, dst, tag, control, tensor,
                     tensor.is_contiguous() ? tensor : tensor.contiguous());
   op->reference = reference;
+  op->check = check;
   std::lock_guard lk(mu_);
   if (shut_down_ || poisoned_ || peer_error_[peer]) {
     finish(op, shut_down_ ? shut_down_ : poisoned_ ? poisoned_ : peer_error_[peer]);
@@ -273,7 +299,8 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
   return op;
 }
 
-std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control) {
+std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control,
+                                            MessageCheck check) {
   if (src < -1 || src >= size_ || src == rank_) {
     throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                      "shm recv: source rank " + std::to_string(src) + " is invalid for rank " + std::to_string(rank_) +
@@ -293,6 +320,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
   // A strided destination receives into a contiguous staging tensor, copied over at the end.
   auto op = make_op(ShmOp::Kind::kRecv, src, tag, control, tensor,
                     tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options()));
+  op->check = check;
   std::lock_guard lk(mu_);
   if (shut_down_ || poisoned_) {
     finish(op, shut_down_ ? shut_down_ : poisoned_);
@@ -343,6 +371,29 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
   op->source = msg->src;
   std::string problem;
   const auto dtype = static_cast<c10::ScalarType>(msg->dtype);
+  // Checks first: they say why the rest differs (another key, another schema).
+  const bool checked = op->check.kind != MessageCheck::Kind::kNone && msg->check.kind == op->check.kind;
+  const std::string from = op->peer < 0 ? " (from rank " + std::to_string(msg->src) + ")" : "";
+  if (checked && msg->check.leaves != 0 && op->check.leaves != 0 && msg->check.leaves != op->check.leaves) {
+    finish(op, make_error<TransportError>(op->what() + from + ": the sender's tree has " +
+                                          std::to_string(msg->check.leaves) + " leaves but this receiving tree has " +
+                                          std::to_string(op->check.leaves) + "; nothing was written"));
+    return false;
+  }
+  if (checked && msg->check.value != op->check.value) {
+    if (op->check.kind == MessageCheck::Kind::kSchema) {
+      finish(op, make_error<SchemaError>(op->what() + from + ": the sender's consolidated schema (hash " +
+                                         hex32(msg->check.value) + ") differs from this tensordict's (hash " +
+                                         hex32(op->check.value) + "): tensorclass names, keys, dtypes, shapes or "
+                                         "layout differ; nothing was written"));
+    } else {
+      finish(op, make_error<TransportError>(op->what() + from + ": the sender's leaf at this position has another key "
+                                            "(key hash " + hex32(msg->check.value) + ", this leaf's is " +
+                                            hex32(op->check.value) + "): the two trees' keys differ; nothing was "
+                                            "written"));
+    }
+    return false;
+  }
   if (msg->total != op->bytes) {
     problem = "the message has " + std::to_string(msg->total) + " bytes but the tensor has " + std::to_string(op->bytes);
   } else if (msg->dtype != static_cast<uint8_t>(op->buffer.scalar_type())) {
@@ -358,7 +409,6 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
               shape_str(op->buffer.sizes());
   }
   if (problem.empty()) return true;
-  const std::string from = op->peer < 0 ? " (from rank " + std::to_string(msg->src) + ")" : "";
   finish(op, make_error<TransportError>(op->what() + from + ": " + problem));
   return false;
 }
@@ -407,14 +457,14 @@ bool ShmEngine::progress_sends(int dst) {
     uint64_t chunk;
     if (!op.reference.empty()) {  // the whole message in one entry, whatever the tensor's size
       chunk = op.bytes;
-      flags |= shm::kEntryFirst | shm::kEntryLast | shm::kEntryReference;
+      flags |= shm::kEntryFirst | shm::kEntryLast | shm::kEntryReference | check_flag(op.check);
       write_entry(dst, pos, flags, op.tag, op.buffer, reinterpret_cast<const uint8_t*>(op.reference.data()), 0,
-                  op.reference.size());
+                  op.reference.size(), op.check);
     } else {
       chunk = std::min(slot, op.bytes - op.posted);
-      if (!op.started) flags |= shm::kEntryFirst;
+      if (!op.started) flags |= shm::kEntryFirst | check_flag(op.check);
       if (op.posted + chunk == op.bytes) flags |= shm::kEntryLast;
-      write_entry(dst, pos, flags, op.tag, op.buffer, op.data + op.posted, op.posted, chunk);
+      write_entry(dst, pos, flags, op.tag, op.buffer, op.data + op.posted, op.posted, chunk, op.check);
     }
     ++pos;
     op.posted += chunk;
@@ -432,7 +482,7 @@ bool ShmEngine::progress_sends(int dst) {
 
 // Fills the entry at ring position `pos` towards `dst` and publishes it (seq stored last).
 void ShmEngine::write_entry(int dst, uint64_t pos, uint32_t flags, int64_t tag, const at::Tensor& whole,
-                            const uint8_t* chunk_data, uint64_t offset, uint64_t chunk) {
+                            const uint8_t* chunk_data, uint64_t offset, uint64_t chunk, MessageCheck check) {
   const auto me = static_cast<uint32_t>(rank_), to = static_cast<uint32_t>(dst);
   EntryHeader& e = segment_->entry(me, to, pos);
   if (flags & shm::kEntryFirst) {
@@ -443,6 +493,8 @@ void ShmEngine::write_entry(int dst, uint64_t pos, uint32_t flags, int64_t tag, 
     e.ndim = sizes.size() <= shm::kMaxDims ? static_cast<uint8_t>(sizes.size()) : shm::kShapeNotSent;
     if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(sizes.begin(), sizes.end(), segment_->shape(me, to, pos).dims);
   }
+  e.check = (flags & shm::kEntryFirst) ? check.value : 0;
+  e.leaves = (flags & shm::kEntryFirst) && check.kind == MessageCheck::Kind::kKey ? check.leaves : 0;
   e.flags = flags;
   e.chunk_offset = offset;
   e.chunk_bytes = static_cast<uint32_t>(chunk);  // slot_bytes <= 2^30
@@ -622,6 +674,7 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   msg->tag = e.tag;
   msg->control = control;
   msg->reference = reference;
+  msg->check = entry_check(e);
   msg->total = e.total_bytes;
   msg->dtype = e.dtype;
   msg->ndim = e.ndim;
@@ -674,6 +727,11 @@ void ShmEngine::finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr erro
 // Takes `op` back from the engine (its wait gave up): it fails with `error` and never matches a
 // later message. A send whose first entry is already in the ring cannot be taken back (its
 // receiver expects the rest) and goes on.
+void ShmEngine::cancel(std::span<const std::shared_ptr<ShmOp>> ops, const std::exception_ptr& error) {
+  std::lock_guard lk(mu_);
+  for (const auto& op : ops) withdraw(op, error);
+}
+
 void ShmEngine::withdraw(const std::shared_ptr<ShmOp>& op, const std::exception_ptr& error) {
   if (!op || op->done.load(std::memory_order_relaxed)) return;
   if (op->kind == ShmOp::Kind::kRecv) {

@@ -55,6 +55,7 @@ struct ShmOp {
   int peer = -1;  // destination of a send; source of a recv, -1 for any source
   int64_t tag = 0;
   bool control = false;  // a collective's message: matched apart from user tags
+  MessageCheck check;    // what the transfer layer knows of the message (first entry's `check`)
   at::Tensor user;       // the caller's tensor
   at::Tensor buffer;     // contiguous bytes: `user` itself or a staging copy
   uint8_t* data = nullptr;
@@ -83,15 +84,20 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
 
   /// Posts a send of `tensor` and moves as much of it as fits now. Returns null when the send
   /// is already complete (the whole message is in the ring): there is nothing left to wait for.
-  std::shared_ptr<ShmOp> post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control);
+  std::shared_ptr<ShmOp> post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control,
+                                   MessageCheck check = {});
   /// Posts a receive into `tensor` (src -1: any source) and takes a message that already arrived.
-  std::shared_ptr<ShmOp> post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control);
+  std::shared_ptr<ShmOp> post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control,
+                                   MessageCheck check = {});
   /// Moves everything pending until every op in `ops` (null ones count as done) is done (or failed), spinning then
   /// sleeping; throws TimeoutError at `deadline`, after withdrawing the ops that are not done
   /// (they fail with that error). Does not rethrow the ops' errors.
   void wait(std::span<const std::shared_ptr<ShmOp>> ops, std::chrono::steady_clock::time_point deadline);
   /// One non-blocking progress pass.
   void poll();
+  /// Withdraws every op of `ops` that is not done (a send that started is left to finish); they
+  /// fail with `error`.
+  void cancel(std::span<const std::shared_ptr<ShmOp>> ops, const std::exception_ptr& error);
   /// Calls `on_done` (from a helper thread, or at once) when every op in `ops` is done; the
   /// helper thread moves progress meanwhile. Nothing escapes the helper thread: an exception from
   /// `on_done` or from progress is logged. The engine must be owned by a shared_ptr.
@@ -114,7 +120,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   bool progress_sends(int dst);
   bool ring_has_room(int dst);
   void write_entry(int dst, uint64_t pos, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
-                   uint64_t offset, uint64_t chunk);
+                   uint64_t offset, uint64_t chunk, MessageCheck check = {});
   bool progress_receives(int src);
   enum class Taken { kYes, kHeld };  // kHeld: the entry stays in the ring (over the unexpected budget)
   Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape);

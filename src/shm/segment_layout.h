@@ -36,7 +36,7 @@ namespace tdshm::shm {
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
 inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
-inline constexpr uint32_t kLayoutVersion = 3;  // 2: kEntryReference; 3: incarnations
+inline constexpr uint32_t kLayoutVersion = 4;  // 2: kEntryReference; 3: incarnations; 4: entry checks
 inline constexpr size_t kMaxDims = 8;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words and states must be lock-free");
@@ -110,6 +110,12 @@ enum EntryFlags : uint32_t {
   kEntryLast = 2,     // last chunk of a message
   kEntryControl = 4,  // a collective's message (barrier, broadcast), matched apart from user tags
   kEntryReference = 8,  // the message's bytes are in a file: the payload is a MemmapReference
+  // First entry only, at most one of the two: `check` holds what tdshm's transfer layer knows of
+  // the message (tensordict's wire has no room for it, so it rides here): a 32-bit hash of the
+  // sender's leaf key, or of its consolidated schema. A receiver with a check of the same kind
+  // compares them; one without (a Python tensordict rank) ignores them.
+  kEntryKeyCheck = 16,
+  kEntrySchemaCheck = 32,
 };
 
 /// Payload of a kEntryReference entry (always a whole message: kEntryFirst | kEntryLast): the
@@ -137,8 +143,8 @@ struct EntryHeader {
   uint32_t flags;             // 36  EntryFlags
   uint8_t dtype;              // 40  c10::ScalarType of the sender's tensor
   uint8_t ndim;               // 41  <= kMaxDims, or kShapeNotSent
-  uint16_t reserved0;         // 42
-  uint32_t reserved1;         // 44
+  uint16_t leaves;            // 42  with kEntryKeyCheck: leaves of the sender's transfer (0: unknown)
+  uint32_t check;             // 44  with kEntryKeyCheck / kEntrySchemaCheck, else 0
 };
 static_assert(sizeof(EntryHeader) == 48);
 static_assert(offsetof(EntryHeader, chunk_bytes) == 32);

@@ -84,13 +84,19 @@ EntryFields read_entry(const EntryHeader& shared) noexcept {
   e.flags = load_field<uint32_t>(b, offsetof(EntryHeader, flags));
   e.dtype = load_field<uint8_t>(b, offsetof(EntryHeader, dtype));
   e.ndim = load_field<uint8_t>(b, offsetof(EntryHeader, ndim));
+  e.check = load_field<uint32_t>(b, offsetof(EntryHeader, check));
+  e.leaves = load_field<uint16_t>(b, offsetof(EntryHeader, leaves));
   return e;
 }
 
 std::string check_entry(const EntryFields& e, const RxProgress& rx, uint64_t slot_bytes, uint64_t max_message_bytes) {
-  constexpr uint32_t kKnown = kEntryFirst | kEntryLast | kEntryControl | kEntryReference;
+  constexpr uint32_t kChecks = kEntryKeyCheck | kEntrySchemaCheck;
+  constexpr uint32_t kKnown = kEntryFirst | kEntryLast | kEntryControl | kEntryReference | kChecks;
   if (e.flags & ~kKnown) return "unknown flags " + std::to_string(e.flags);
   const bool first = (e.flags & kEntryFirst) != 0, last = (e.flags & kEntryLast) != 0;
+  if ((e.flags & kChecks) == kChecks) return "both a key check and a schema check";
+  if ((e.flags & kChecks) != 0 && !first) return "a check on a continuation entry";
+  if (e.leaves != 0 && (e.flags & kEntryKeyCheck) == 0) return "a leaf count without a key check";
   const bool control = (e.flags & kEntryControl) != 0;
   if (e.chunk_bytes > slot_bytes) return "chunk of " + std::to_string(e.chunk_bytes) + " bytes in a slot of " + std::to_string(slot_bytes);
   if (first) {

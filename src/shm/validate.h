@@ -64,6 +64,8 @@ struct EntryFields {
   uint32_t flags = 0;
   uint8_t dtype = 0;
   uint8_t ndim = 0;
+  uint32_t check = 0;
+  uint16_t leaves = 0;
 };
 
 /// Copies the fields of `shared` (call after the acquire load of its seq).

@@ -230,7 +230,9 @@ TEST_F(DistErrorsArgs, BadArguments) {
     };
     const std::string shm = "shm://" + name;
     refused("nccl", {.rank = 0, .world_size = 1, .init_method = shm}, {"unknown backend", "nccl"});
-    refused("shm", {.rank = 0, .world_size = 1, .init_method = "env://"}, {"malformed", "shm://NAME"});
+    // shm accepts torch's store rendezvous too (tcp://, file://, env://): env:// needs its variables.
+    refused("shm", {.rank = 0, .world_size = 1, .init_method = "env://"}, {"MASTER_ADDR", "MASTER_PORT"});
+    refused("shm", {.rank = 0, .world_size = 1, .init_method = "ftp://x"}, {"malformed", "unknown scheme"});
     refused("shm", {.rank = 0, .world_size = 1, .init_method = "shm://"}, {"empty"});
     SHM_CHECK_THROWS(SegmentError,
                      [] { init_process_group("shm", {.rank = 0, .world_size = 1, .init_method = "shm://a b"}); });

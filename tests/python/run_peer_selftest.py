@@ -58,7 +58,8 @@ def check_pure():
     order = [".".join(p) for p, _ in mixed.leaves_sorted()]
     assert order == ["Z", "_", "a.b", "a.i32", "a.x.y", "bf", "d", "i8", "mask", "obs", "u8"], order
 
-    # Consolidated layouts: one dtype packs, mixed dtypes pad each leaf to 8 bytes.
+    # Consolidated layouts: every leaf is padded to 8 bytes, one dtype or several (tensordict's
+    # consolidate passes dtype=None to _reduce_vals_and_metadata, so need_padding is always true).
     def layout(name):
         c = td_peer.consolidate(td_peer._tree_of(td_peer.build_tree(name)))
         return c.consolidated["storage"].numel(), c.consolidated["metadata"]
@@ -68,7 +69,7 @@ def check_pure():
     assert meta["leaves"]["_"] == ("torch.float32", [2, 1, 5], 32, 72, 0), meta
     assert meta["cls_metadata"] == {"device": None, "names": [None], "batch_size": [2], "is_locked": False}
     total, meta = layout("u8only")
-    assert total == 9 and meta["n"]["leaves"]["y"] == ("torch.uint8", [5], 3, 8, 0), meta
+    assert total == 24 and meta["n"]["leaves"]["y"] == ("torch.uint8", [5], 8, 16, 3), meta
     total, meta = layout("mixed")
     assert total == 168, total
     assert meta["leaves"]["_"] == ("torch.float16", [2, 1, 5], 56, 80, 4), meta

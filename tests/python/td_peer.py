@@ -17,9 +17,10 @@ function of tensordict's source:
   ``dist.isend / irecv / send / recv(t, dst|src, tag=tag, group=group)``. Peer arguments are
   checked as ``_check_p2p_peer`` does.
 * ``consolidate(metadata=True)`` (``TensorDictBase.consolidate`` and
-  ``_reduce_vals_and_metadata``): leaves in insertion order, depth first; ``need_padding`` is
-  ``self.dtype is None`` (the leaves' dtypes are not all one); then each leaf is zero-padded to a
-  multiple of 8 bytes (``pad = 8 - n % 8`` when non-zero), else packed (``pad = 0``). The leaf
+  ``_reduce_vals_and_metadata``): leaves in insertion order, depth first; ``consolidate`` calls
+  ``_reduce_vals_and_metadata(..., dtype=None)``, so ``need_padding`` is always true (the packed
+  branch, ``pad = 0``, is only taken by pickling a single-dtype tree): each leaf is zero-padded
+  to a multiple of 8 bytes (``pad = 8 - n % 8`` when non-zero). The leaf
   metadata is the tuple ``(str(dtype), list(shape), start, stop, pad)`` where ``stop - start``
   is the leaf's bytes *plus* its pad. A node's metadata is ``{"cls": "TensorDict",
   "non_tensors": {key: (data, list(batch_size), device str or None)}, "leaves": {...},
@@ -329,7 +330,7 @@ def consolidate(td):
     """consolidate(metadata=True): a new, locked TD whose leaves view one uint8 storage."""
     if td.consolidated is not None:
         return td
-    need_padding = td.dtype() is None
+    need_padding = True  # consolidate passes dtype=None: every leaf is padded, whatever the dtypes
     metadata = _node_metadata(td)
     flat = []  # (path, tensor, n, pad)
     start = 0
@@ -639,9 +640,9 @@ def N(path, value):
 
 # Insertion order matters: it is the consolidated layout's order. Per-leaf order is sorted.
 TREES = {
-    # The isend example; one dtype: no padding.
+    # The isend example; one dtype, padded all the same (consolidate passes dtype=None).
     "seed": ([2], [T(["a", "b"], "float32", [2]), T(["c"], "float32", [2, 3]), T(["_"], "float32", [2, 1, 5])]),
-    # One dtype of odd sizes: packed without padding (total 9 bytes).
+    # One dtype of odd sizes: each leaf padded to 8 bytes (total 24 bytes).
     "u8only": ([], [T(["x"], "uint8", [3]), T(["n", "y"], "uint8", [5]), T(["z"], "uint8", [1])]),
     # Mixed dtypes, three levels, keys that sort "Z" < "_" < "a", odd byte sizes (padding), and
     # non-tensor values of every kind at two levels.

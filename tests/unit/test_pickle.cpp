@@ -759,7 +759,7 @@ TEST(RemoteMetadata, Refusals) {
   EXPECT_SCHEMA_ERROR(from_metadata(missing, 8), "node '<root>' lacks \"leaves\"");
   // Overlapping leaves: refused by validate_schema, naming both.
   PyValue overlap = minimal_meta();
-  const_cast<PyValue*>(overlap.find("leaves"))->set("y", T({S("torch.float32"), L({I(1)}), I(0), I(4), I(0)}));
+  const_cast<PyValue*>(overlap.find("leaves"))->set("y", T({S("torch.float32"), L({I(2)}), I(0), I(8), I(0)}));
   EXPECT_SCHEMA_ERROR(from_metadata(overlap, 8), "leaf 'y' starts at byte 0");
   // A child nested past kSchemaMaxDepth.
   PyValue deep = minimal_meta();

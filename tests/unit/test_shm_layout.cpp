@@ -12,7 +12,7 @@ namespace {
 using namespace tdshm::shm;
 
 TEST(ShmLayout, VersionAndMagicArePinned) {
-  EXPECT_EQ(kLayoutVersion, 3u);
+  EXPECT_EQ(kLayoutVersion, 4u);
   char magic[8];
   std::memcpy(magic, &kSegmentMagic, 8);
   EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");

@@ -1,0 +1,314 @@
+// Per-leaf transfers (SEMANTICS.md, "Per-leaf mode"): one message per tensor leaf.
+//
+// Wire, by default exactly tensordict's: one message per leaf in sorted_leaf_keys() order with the
+// tags of transfer_tags(), and nothing else. Over shm each message also carries its leaf's key hash
+// inside the transport's entry (MessageCheck), and the transport checks byte size, dtype and shape
+// against the receiving leaf: a mismatch fails that leaf's receive with an error naming its key,
+// the message is dropped and the transfer stays in step. Over gloo the wire carries nothing but
+// the bytes: a message of another size is gloo's business (it aborts on a larger one, as it does
+// under tensordict), so between two tdshm ranks the checked protocol is used instead.
+//
+// Checked protocol (gloo, Group::checked_wire_with: both ranks are tdshm and advertised it): a
+// layout descriptor first (key hash, dtype and shape per leaf; see layout_descriptor.h) under the
+// first leaf's tag, in a fixed 32-int64 header {magic, words, up to 30 words inline}, plus a
+// second message when it does not fit. The receiver posts its leaf receives only once it has
+// checked that the descriptor matches its keys, dtypes and shapes (else TransportError naming the
+// first key that differs); irecv does not block for the descriptor: its works advance through
+// the stages (header, long descriptor, leaves) when they are waited or polled (Deferred).
+//
+// Either way every receiving leaf is checked before any receive is posted (check_receive_target:
+// TypeError or MemmapError naming the key); a refused transfer still takes all of the sender's
+// leaves, into scratch tensors, before its error is raised, so the next transfer is in step.
+
+#include "distributed/layout_descriptor.h"
+#include "distributed/transfer_common.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <string_view>
+
+namespace tdshm::detail {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Per-leaf transfers
+
+struct Leaves {
+  std::vector<Key> keys;
+  std::vector<at::Tensor> tensors;
+  std::vector<int64_t> tags;
+};
+
+/// The leaves of `td` and their tags; the leaves themselves are checked by the caller (a sender
+/// with check_leaf, a receiver with check_receive_target).
+Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
+  Leaves l;
+  l.keys = td.sorted_leaf_keys();
+  for (const auto& k : l.keys) l.tensors.push_back(td.get(k));
+  l.tags = transfer_tags(init_tag, l.keys.size(), pseudo_rand);
+  for (int64_t t : l.tags) c10d_tag(t);
+  return l;
+}
+
+/// The tag the descriptor travels with: the first leaf's (or the one it would have).
+int descriptor_tag(const Leaves& l, int64_t init_tag, bool pseudo_rand) {
+  return c10d_tag(l.tags.empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags[0]);
+}
+
+/// The last stage of a refused per-leaf transfer: receives of every leaf the sender sends (its
+/// tags follow from the same init_tag and pseudo_rand) into scratch tensors of its dtypes and
+/// shapes (shm checks both), so that later transfers stay in step; then `error`.
+Stage drain_leaves(const Group& g, int peer, const std::vector<detail::LeafLayout>& theirs, int64_t init_tag,
+                   bool pseudo_rand, std::exception_ptr error) {
+  Stage s;
+  s.error = std::move(error);
+  const std::vector<int64_t> their_tags = transfer_tags(init_tag, theirs.size(), pseudo_rand);
+  for (size_t i = 0; i < theirs.size(); ++i) {
+    s.pending.push_back(recv_one(g, at::empty(theirs[i].shape, at::TensorOptions().dtype(theirs[i].dtype)), peer,
+                                 c10d_tag(their_tags[i])));
+  }
+  return s;
+}
+
+/// tensordict's wire does not say how many leaves a transfer has; over shm each message carries
+/// the sender's count (MessageCheck::leaves), and a receiver whose count differs fails its leaves
+/// with "the sender's tree has N leaves". This makes such a transfer end in step, once, from the
+/// first leaf that fails so: with N > M it takes the sender's extra messages (receives of no
+/// bytes: the transport fails them and drops the messages), with N < M it aborts the receives no
+/// message will come for (they fail at once instead of at the deadline).
+struct LeafCountRepair {
+  Group group;
+  int peer = -1;
+  int64_t init_tag = 0;
+  bool pseudo_rand = false;
+  std::vector<WorkPtr> recvs;  // this receiver's, one per leaf
+  std::once_flag once;
+
+  void run(const std::exception_ptr& error) {
+    static constexpr std::string_view kMarker = "the sender's tree has ";
+    std::string what;
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+      return;
+    }
+    const size_t at = what.find(kMarker);
+    if (at == std::string::npos) return;
+    const uint64_t theirs = std::strtoull(what.c_str() + at + kMarker.size(), nullptr, 10);
+    const size_t mine = recvs.size();
+    std::call_once(once, [&] {
+      if (theirs > mine) {
+        const std::vector<int64_t> tags = transfer_tags(init_tag, theirs, pseudo_rand);
+        std::vector<WorkPtr> drains;
+        for (size_t i = mine; i < theirs; ++i) {
+          drains.push_back(recv_one(group, bytes_tensor(0), peer, c10d_tag(tags[i])));
+        }
+        for (const WorkPtr& d : drains) {
+          try {
+            d->wait();
+          } catch (...) {  // expected: a message of another size, dropped
+          }
+        }
+      } else {
+        for (size_t i = theirs; i < mine; ++i) {
+          try {
+            recvs[i]->abort();
+          } catch (...) {  // completed meanwhile
+          }
+        }
+      }
+    });
+  }
+};
+
+/// What the stages of a per-leaf receive share.
+struct PerLeafRecv {
+  Group group;
+  int peer = -1;
+  std::shared_ptr<const Leaves> leaves;
+  int descriptor_tag = 0;
+  int64_t init_tag = 0;
+  bool pseudo_rand = false;
+  at::Tensor header;                 // kHeaderWords int64, the descriptor's header
+  std::vector<at::Tensor> targets;   // where each leaf's message lands
+  std::exception_ptr refusal;        // a leaf that cannot take bytes in place (check_receive_target)
+};
+
+/// The stage after the descriptor is in: a refused transfer drains the sender's leaves; one
+/// whose descriptor differs from this receiver's leaves drains them too, with a TransportError
+/// naming the first key that differs; else the leaf receives are posted.
+Stage per_leaf_check(const PerLeafRecv& r, const int64_t* desc, int64_t words) {
+  const std::vector<detail::LeafLayout> theirs = detail::parse_descriptor(desc, words);
+  std::exception_ptr error = r.refusal;
+  if (!error) {
+    const std::string problem = detail::layout_problem(theirs, r.leaves->keys, r.leaves->tensors);
+    if (problem.empty()) {
+      Stage s;
+      for (size_t i = 0; i < r.targets.size(); ++i) {
+        s.pending.push_back(recv_one(r.group, r.targets[i], r.peer, static_cast<int>(r.leaves->tags[i])));
+      }
+      return s;
+    }
+    error = std::make_exception_ptr(TransportError(problem));
+  }
+  return drain_leaves(r.group, r.peer, theirs, r.init_tag, r.pseudo_rand, std::move(error));
+}
+
+/// The stage after the descriptor's header is in: a long descriptor is one more receive.
+Stage per_leaf_after_header(const std::shared_ptr<const PerLeafRecv>& r) {
+  const int64_t words = detail::descriptor_words(r->header);
+  if (words <= detail::kInlineWords) return per_leaf_check(*r, r->header.data_ptr<int64_t>() + 2, words);
+  const at::Tensor long_desc = at::empty({words}, at::TensorOptions().dtype(at::kLong));
+  return Stage{{recv_one(r->group, long_desc, r->peer, r->descriptor_tag)},
+               [r, long_desc] { return per_leaf_check(*r, long_desc.data_ptr<int64_t>(), long_desc.numel()); },
+               nullptr};
+}
+
+
+}  // namespace
+
+Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o) {
+  Transfer out;
+  const Leaves l = collect(td, o.init_tag, o.pseudo_rand);
+  for (size_t i = 0; i < l.keys.size(); ++i) {
+    check_leaf(l.tensors[i], [&] { return "key " + l.keys[i].str(); });
+  }
+  std::vector<WorkPtr> descriptor;
+  if (p.group.checked_wire_with(p.rank)) {
+    const int tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
+    std::vector<int64_t> desc = describe_leaves(l.keys, l.tensors);
+    const bool long_desc = static_cast<int64_t>(desc.size()) > kInlineWords;
+    descriptor.push_back(send_one(p.group, descriptor_header(desc), p.rank, tag));
+    if (long_desc) descriptor.push_back(send_one(p.group, int64_tensor(std::move(desc)), p.rank, tag));
+  }
+  const bool shm = is_shm(p.group);
+  std::vector<WorkPtr> sends;
+  for (size_t i = 0; i < l.keys.size(); ++i) {
+    // Over shm a strided leaf is packed by the transport; other backends want contiguous bytes.
+    at::Tensor t = shm || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
+    sends.push_back(send_one(p.group, t, p.rank, static_cast<int>(l.tags[i]),
+                             shm ? key_check(l.keys[i], l.keys.size()) : MessageCheck{}));
+  }
+  if (o.return_early) {
+    if (l.keys.empty()) wait_all(descriptor);
+    out.has_works = true;
+    for (size_t i = 0; i < l.keys.size(); ++i) {
+      std::vector<WorkPtr> inner = i == 0 ? std::move(descriptor) : std::vector<WorkPtr>{};
+      inner.push_back(std::move(sends[i]));
+      out.works.push_back(c10::make_intrusive<TransferWork>("send of key " + l.keys[i].str() + ": ", std::move(inner),
+                                                            c10d::OpType::SEND));
+    }
+    return out;
+  }
+  // Waited here: no user-facing Work per leaf.
+  wait_all(descriptor);
+  wait_keyed(sends, l.keys, "send of key ");
+  out.last_tag = l.tags.empty() ? o.init_tag - 1 : l.tags.back();
+  return out;
+}
+
+Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o) {
+  auto shared = std::make_shared<const Leaves>(collect(td, o.init_tag, o.pseudo_rand));
+  const Leaves& l = *shared;
+  // Every leaf is checked before any receive is posted; a refused transfer still consumes the
+  // sender's messages, so the next transfer on the pair is in step.
+  std::exception_ptr refusal;
+  try {
+    for (size_t i = 0; i < l.keys.size(); ++i) {
+      check_receive_target(l.tensors[i], [&] { return "key " + l.keys[i].str(); });
+    }
+  } catch (...) {
+    refusal = std::current_exception();
+  }
+  const bool shm = is_shm(p.group);
+  // Over shm a strided leaf is staged by the transport; others receive contiguous bytes, copied
+  // into the leaf once they are in.
+  std::vector<at::Tensor> targets;
+  for (const auto& leaf : l.tensors) {
+    targets.push_back(!shm && !refusal && !leaf.is_contiguous() ? at::empty(leaf.sizes(), leaf.options()) : leaf);
+  }
+
+  // The receives whose completion completes each leaf: posted now (the plain wire), or by the
+  // last stage of a Deferred (the checked protocol, or a refusal's drains).
+  std::vector<WorkPtr> recvs;
+  std::shared_ptr<Deferred> deferred;
+  if (p.group.checked_wire_with(p.rank)) {
+    auto r = std::make_shared<PerLeafRecv>();
+    r->group = p.group;
+    r->peer = p.rank;
+    r->leaves = shared;
+    r->descriptor_tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
+    r->init_tag = o.init_tag;
+    r->pseudo_rand = o.pseudo_rand;
+    r->header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+    r->targets = targets;
+    r->refusal = refusal;
+    std::shared_ptr<const PerLeafRecv> rc = std::move(r);
+    deferred = std::make_shared<Deferred>("layout descriptor",
+                                          Stage{{recv_one(rc->group, rc->header, rc->peer, rc->descriptor_tag)},
+                                                [rc] { return per_leaf_after_header(rc); }, nullptr});
+  } else if (refusal) {
+    // tensordict's wire says nothing of the sender's leaves: they are taken into scratch tensors
+    // shaped like this receiver's own (over shm a message of another size is dropped all the same).
+    Stage drain;
+    drain.error = refusal;
+    for (size_t i = 0; i < l.keys.size(); ++i) {
+      drain.pending.push_back(recv_one(p.group, at::empty(l.tensors[i].sizes(), at::TensorOptions().dtype(l.tensors[i].scalar_type())),
+                                       p.rank, static_cast<int>(l.tags[i])));
+    }
+    deferred = std::make_shared<Deferred>("leaves", std::move(drain));
+  } else {
+    for (size_t i = 0; i < l.keys.size(); ++i) {
+      recvs.push_back(recv_one(p.group, targets[i], p.rank, static_cast<int>(l.tags[i]),
+                               shm ? key_check(l.keys[i], l.keys.size()) : MessageCheck{}));
+    }
+  }
+  std::function<void(const std::exception_ptr&)> on_failure;
+  if (shm && !deferred) {
+    auto repair = std::make_shared<LeafCountRepair>();
+    repair->group = p.group;
+    repair->peer = p.rank;
+    repair->init_tag = o.init_tag;
+    repair->pseudo_rand = o.pseudo_rand;
+    repair->recvs = recvs;
+    on_failure = [repair](const std::exception_ptr& e) { repair->run(e); };
+  }
+
+  Transfer out;
+  if (!o.return_premature) {
+    // Waited here: no user-facing Work per leaf (the TransferWorks carry the repair).
+    std::vector<WorkPtr> leaf_works;
+    if (deferred) {
+      leaf_works = wait_last(*deferred);
+    } else {
+      for (const WorkPtr& r : recvs) {
+        leaf_works.push_back(c10::make_intrusive<TransferWork>("", std::vector<WorkPtr>{r}, c10d::OpType::RECV,
+                                                               std::function<void()>{}, on_failure));
+      }
+    }
+    wait_keyed(leaf_works, l.keys, "recv of key ");
+    for (size_t i = 0; i < targets.size(); ++i) {
+      if (!targets[i].is_same(l.tensors[i])) l.tensors[i].copy_(targets[i]);
+    }
+    return out;
+  }
+  out.has_works = true;
+  for (size_t i = 0; i < l.keys.size(); ++i) {
+    std::function<void()> copy_back;
+    if (!targets[i].is_same(l.tensors[i])) {
+      copy_back = [leaf = l.tensors[i], target = targets[i]]() mutable { leaf.copy_(target); };
+    }
+    std::string context = "recv of key " + l.keys[i].str() + ": ";
+    out.works.push_back(deferred ? c10::make_intrusive<TransferWork>(std::move(context), deferred, i, c10d::OpType::RECV,
+                                                                     std::move(copy_back))
+                                 : c10::make_intrusive<TransferWork>(std::move(context), std::vector<WorkPtr>{recvs[i]},
+                                                                     c10d::OpType::RECV, std::move(copy_back), on_failure));
+  }
+  if (l.keys.empty() && deferred) wait_last(*deferred);  // the descriptor is consumed (and checked) all the same
+  return out;
+}
+
+}  // namespace tdshm::detail

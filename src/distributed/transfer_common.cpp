@@ -1,0 +1,119 @@
+// The helpers the transfer protocols share (transfer_common.h).
+
+#include "distributed/transfer_common.h"
+
+#include "distributed/layout_descriptor.h"
+
+#include <climits>
+#include <cstring>
+
+namespace tdshm::detail {
+
+/// Waits for every work (all of them) and rethrows the first error, its message prefixed with
+/// `verb` and the key of its leaf (works[i] moves keys[i]; the strings are built only on error).
+void wait_keyed(const std::vector<WorkPtr>& works, const std::vector<Key>& keys, const char* verb) {
+  std::exception_ptr first;
+  for (size_t i = 0; i < works.size(); ++i) {
+    try {
+      works[i]->wait();
+    } catch (...) {
+      if (!first) first = current_with_context(std::string(verb) + keys[i].str() + ": ");
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+/// Waits for every work (all of them) and rethrows the first error.
+void wait_all(const std::vector<WorkPtr>& works) {
+  std::exception_ptr first;
+  for (const auto& w : works) {
+    try {
+      w->wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+/// Resolves exactly one of `global` / `in_group` (SEMANTICS.md, Peers), before any message.
+Peer resolve_peer(const char* global_name, const char* group_name, std::optional<int> global,
+                  std::optional<int> in_group, const Group& given) {
+  const std::string g = global_name, gg = group_name;
+  if (given.is_non_member()) throw Error("this rank is not a member of `group` (new_group did not include it)");
+  if (in_group && !given.defined()) throw Error("`" + gg + "` requires `group` to be passed.");
+  if (global && in_group) throw Error("`" + g + "` and `" + gg + "` are mutually exclusive.");
+  if (!global && !in_group) throw Error("Exactly one of `" + g + "` and `" + gg + "` must be provided.");
+  Peer p;
+  p.group = given.defined() ? given : default_group();
+  p.rank = in_group ? *in_group : p.group.group_rank(*global);
+  if (p.rank < 0 || p.rank >= p.group.size()) {
+    throw Error("`" + (in_group ? gg : g) + "` = " + std::to_string(in_group ? *in_group : *global) +
+                " is not a rank of the group (size " + std::to_string(p.group.size()) + ")");
+  }
+  if (p.rank == p.group.rank()) {
+    throw Error("`" + (in_group ? gg : g) + "` = " + std::to_string(in_group ? *in_group : *global) +
+                " is this process's own rank: a tensordict cannot be sent to itself");
+  }
+  return p;
+}
+
+bool is_shm(const Group& g) { return g.backend_name() == "shm"; }
+
+int c10d_tag(int64_t tag) {
+  if (tag < 0 || tag > INT_MAX) {
+    throw Error("tag " + std::to_string(tag) + " is outside [0, " + std::to_string(INT_MAX) + "] (init_tag too large?)");
+  }
+  return static_cast<int>(tag);
+}
+
+// The shm backend takes the check with the message (it rides in the entry's header); another
+// backend has no room for it on tensordict's wire.
+WorkPtr send_one(const Group& g, at::Tensor t, int peer, int tag, MessageCheck check) {
+  std::vector<at::Tensor> v{std::move(t)};
+  if (check.kind != MessageCheck::Kind::kNone) {
+    if (auto* shm = dynamic_cast<ProcessGroupShm*>(&g.backend())) return shm->send_checked(v, peer, tag, check);
+  }
+  return g.backend().send(v, peer, tag);
+}
+WorkPtr recv_one(const Group& g, at::Tensor t, int peer, int tag, MessageCheck check) {
+  std::vector<at::Tensor> v{std::move(t)};
+  if (check.kind != MessageCheck::Kind::kNone) {
+    if (auto* shm = dynamic_cast<ProcessGroupShm*>(&g.backend())) return shm->recv_checked(v, peer, tag, check);
+  }
+  return g.backend().recv(v, peer, tag);
+}
+void recv_now(const Group& g, const at::Tensor& t, int peer, int tag) { recv_one(g, t, peer, tag)->wait(); }
+void broadcast_now(const Group& g, const at::Tensor& t, int root) {
+  std::vector<at::Tensor> v{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  g.backend().broadcast(v, o)->wait();
+}
+
+at::Tensor int64_tensor(std::vector<int64_t> values) {
+  auto t = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kLong));
+  if (!values.empty()) std::memcpy(t.data_ptr(), values.data(), values.size() * sizeof(int64_t));
+  return t;
+}
+
+at::Tensor bytes_tensor(int64_t n) { return at::empty({n}, at::TensorOptions().dtype(at::kByte)); }
+
+
+Group group_or_default(const Group& g) {
+  if (g.is_non_member()) throw Error("this rank is not a member of `group` (new_group did not include it)");
+  return g.defined() ? g : default_group();
+}
+
+int root_in_group(const Group& g, int src) {
+  const int root = g.group_rank(src);
+  if (root < 0 || root >= g.size()) throw Error("`src` = " + std::to_string(src) + " is not a rank of the group");
+  return root;
+}
+
+
+MessageCheck key_check(const Key& k, size_t leaves) {
+  return {MessageCheck::Kind::kKey, fold32(key_hash(k)), leaves <= 0xFFFF ? static_cast<uint16_t>(leaves) : uint16_t{0}};
+}
+
+}  // namespace tdshm::detail
