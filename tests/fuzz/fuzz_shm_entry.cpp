@@ -115,8 +115,12 @@ void fuzz_entries(InputReader& r) {
     const bool last = (e.flags & shm::kEntryLast) != 0;
     const bool control = (e.flags & shm::kEntryControl) != 0;
     const bool reference = (e.flags & shm::kEntryReference) != 0;
-    constexpr uint32_t kKnown = shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl | shm::kEntryReference;
+    constexpr uint32_t kChecks = shm::kEntryKeyCheck | shm::kEntrySchemaCheck;
+    constexpr uint32_t kKnown = shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl | shm::kEntryReference | kChecks;
     expect((e.flags & ~kKnown) == 0, "check_entry accepted unknown flags", std::to_string(e.flags));
+    expect((e.flags & kChecks) != kChecks, "check_entry accepted a key check and a schema check at once");
+    expect((e.flags & kChecks) == 0 || first, "check_entry accepted a check on a continuation entry");
+    expect(e.leaves == 0 || (e.flags & shm::kEntryKeyCheck) != 0, "check_entry accepted a leaf count without a key check");
     expect(e.chunk_bytes <= slot_bytes, "check_entry accepted a chunk larger than a slot");
     if (first) {
       expect(!rx.in_message, "check_entry accepted a first entry in the middle of a message");

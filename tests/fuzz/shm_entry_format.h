@@ -111,6 +111,8 @@ inline shm::EntryFields read_entry_fields(InputReader& r) {
   e.flags = r.u32();
   e.dtype = r.u8();
   e.ndim = r.u8();
+  e.check = r.u32();
+  e.leaves = r.u16();
   return e;
 }
 
@@ -122,6 +124,8 @@ inline void write_entry_fields(InputWriter& w, const shm::EntryFields& e) {
   w.u32(e.flags);
   w.u8(e.dtype);
   w.u8(e.ndim);
+  w.u32(e.check);
+  w.u16(e.leaves);
 }
 
 }  // namespace tdshm::fuzz

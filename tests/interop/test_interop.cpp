@@ -999,6 +999,17 @@ TEST_F(InteropShm, RemoteCppToPy) { remote(true, "mixed"); }
 TEST_F(InteropShm, RemoteTensorClassPyToCpp) { remote(false, "record"); }
 TEST_F(InteropShm, BroadcastFromPy) { broadcast(true, "mixed", false); }
 TEST_F(InteropShm, UseBroadcastFromCpp) { broadcast(false, "record", true); }
+// The rest of the mode x direction matrix over shm (the same scenarios as over gloo).
+TEST_F(InteropShm, PerLeafPyIsendCppIrecv) { perleaf_py_to_cpp({.salt = 2, .api = Api::kAsync}, Api::kAsync); }
+TEST_F(InteropShm, InitTagCppToPy) { perleaf_cpp_to_py({.tree = "seed", .api = Api::kEarly, .init_tag = 17}, Api::kSync); }
+TEST_F(InteropShm, InitTagPyToCpp) { perleaf_py_to_cpp({.tree = "seed", .api = Api::kSync, .init_tag = 17}, Api::kAsync); }
+TEST_F(InteropShm, PseudoRandCppToPy) { perleaf_cpp_to_py({.api = Api::kAsync, .init_tag = 1, .pseudo = true}, Api::kSync); }
+TEST_F(InteropShm, GroupDstPyToCpp) { group_dst(false); }
+TEST_F(InteropShm, ConsolidatedOneDtypePyToCpp) { consolidated(false, "u8only"); }
+TEST_F(InteropShm, RemotePyToCpp) { remote(false, "mixed"); }
+TEST_F(InteropShm, RemoteTensorClassCppToPy) { remote(true, "record"); }
+TEST_F(InteropShm, BroadcastFromCpp) { broadcast(false, "mixed", false); }
+TEST_F(InteropShm, UseBroadcastFromPy) { broadcast(true, "mixed", true); }
 
 // A Python (tensordict) sender whose ("nest", "victim_key") differs from the C++ receiver's:
 // over shm the receiver gets a TransportError or SchemaError naming the key, never an abort,
