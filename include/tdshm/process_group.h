@@ -119,6 +119,11 @@ struct MessageCheck {
   uint16_t leaves = 0;
 };
 
+/// For a receive of ProcessGroupShm::recv_checked that failed because its message's leaf count
+/// differed from its own: the sender's count. 0 otherwise, while the work is pending, and for the
+/// works of other backends.
+uint16_t shm_sender_leaf_count(const c10d::Work& work);
+
 class ProcessGroupShm : public c10d::ProcessGroup {
  public:
   /// Attaches rank `rank` of `size` to the segment `name`, creating it if needed (any rank may),

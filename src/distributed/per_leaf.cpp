@@ -23,9 +23,7 @@
 #include "distributed/layout_descriptor.h"
 #include "distributed/transfer_common.h"
 
-#include <cstdlib>
 #include <mutex>
-#include <string_view>
 
 namespace tdshm::detail {
 
@@ -73,8 +71,8 @@ Stage drain_leaves(const Group& g, int peer, const std::vector<detail::LeafLayou
 
 /// tensordict's wire does not say how many leaves a transfer has; over shm each message carries
 /// the sender's count (MessageCheck::leaves), and a receiver whose count differs fails its leaves
-/// with "the sender's tree has N leaves". This makes such a transfer end in step, once, from the
-/// first leaf that fails so: with N > M it takes the sender's extra messages (receives of no
+/// with "the sender's tree has N leaves" (shm_sender_leaf_count tells N). This makes such a
+/// transfer end in step, once, from the first leaf that fails so: with N > M it takes the sender's extra messages (receives of no
 /// bytes: the transport fails them and drops the messages), with N < M it aborts the receives no
 /// message will come for (they fail at once instead of at the deadline).
 struct LeafCountRepair {
@@ -85,19 +83,10 @@ struct LeafCountRepair {
   std::vector<WorkPtr> recvs;  // this receiver's, one per leaf
   std::once_flag once;
 
-  void run(const std::exception_ptr& error) {
-    static constexpr std::string_view kMarker = "the sender's tree has ";
-    std::string what;
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-      return;
-    }
-    const size_t at = what.find(kMarker);
-    if (at == std::string::npos) return;
-    const uint64_t theirs = std::strtoull(what.c_str() + at + kMarker.size(), nullptr, 10);
+  /// Called once the receive of leaf `failed` failed.
+  void run(size_t failed) {
+    const size_t theirs = shm_sender_leaf_count(*recvs[failed]);
+    if (theirs == 0) return;  // another failure
     const size_t mine = recvs.size();
     std::call_once(once, [&] {
       if (theirs > mine) {
@@ -266,16 +255,19 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
                                shm ? key_check(l.keys[i], l.keys.size()) : MessageCheck{}));
     }
   }
-  std::function<void(const std::exception_ptr&)> on_failure;
+  std::shared_ptr<LeafCountRepair> repair;
   if (shm && !deferred) {
-    auto repair = std::make_shared<LeafCountRepair>();
+    repair = std::make_shared<LeafCountRepair>();
     repair->group = p.group;
     repair->peer = p.rank;
     repair->init_tag = o.init_tag;
     repair->pseudo_rand = o.pseudo_rand;
     repair->recvs = recvs;
-    on_failure = [repair](const std::exception_ptr& e) { repair->run(e); };
   }
+  const auto on_failure = [&repair](size_t i) -> std::function<void()> {
+    if (!repair) return {};
+    return [r = repair, i] { r->run(i); };
+  };
 
   Transfer out;
   if (!o.return_premature) {
@@ -284,9 +276,9 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
     if (deferred) {
       leaf_works = wait_last(*deferred);
     } else {
-      for (const WorkPtr& r : recvs) {
-        leaf_works.push_back(c10::make_intrusive<TransferWork>("", std::vector<WorkPtr>{r}, c10d::OpType::RECV,
-                                                               std::function<void()>{}, on_failure));
+      for (size_t i = 0; i < recvs.size(); ++i) {
+        leaf_works.push_back(c10::make_intrusive<TransferWork>("", std::vector<WorkPtr>{recvs[i]}, c10d::OpType::RECV,
+                                                               std::function<void()>{}, on_failure(i)));
       }
     }
     wait_keyed(leaf_works, l.keys, "recv of key ");
@@ -305,7 +297,7 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
     out.works.push_back(deferred ? c10::make_intrusive<TransferWork>(std::move(context), deferred, i, c10d::OpType::RECV,
                                                                      std::move(copy_back))
                                  : c10::make_intrusive<TransferWork>(std::move(context), std::vector<WorkPtr>{recvs[i]},
-                                                                     c10d::OpType::RECV, std::move(copy_back), on_failure));
+                                                                     c10d::OpType::RECV, std::move(copy_back), on_failure(i)));
   }
   if (l.keys.empty() && deferred) wait_last(*deferred);  // the descriptor is consumed (and checked) all the same
   return out;

@@ -134,7 +134,7 @@ class TransferWork final : public c10d::Work {
  public:
   /// `on_failure` runs once if the work fails (it may not throw; what it throws is dropped).
   TransferWork(std::string context, std::vector<WorkPtr> inner, c10d::OpType type,
-               std::function<void()> on_success = {}, std::function<void(const std::exception_ptr&)> on_failure = {})
+               std::function<void()> on_success = {}, std::function<void()> on_failure = {})
       : c10d::Work(-1, type),
         context_(std::move(context)),
         inner_(std::move(inner)),
@@ -245,7 +245,7 @@ class TransferWork final : public c10d::Work {
     }
     if (error && on_failure_) {
       try {
-        on_failure_(error);
+        on_failure_();
       } catch (...) {  // a repair that failed leaves the error as it is
       }
     }
@@ -259,7 +259,7 @@ class TransferWork final : public c10d::Work {
   const std::shared_ptr<Deferred> deferred_;
   const size_t index_ = 0;
   const std::function<void()> on_success_;
-  const std::function<void(const std::exception_ptr&)> on_failure_;
+  const std::function<void()> on_failure_;
   std::mutex progress_mu_;
   bool resolved_ = false;       // progress_mu_
   std::exception_ptr refusal_;  // progress_mu_

@@ -91,6 +91,14 @@ class ShmWork : public c10d::Work {
     return future_;
   }
 
+  /// What shm_sender_leaf_count returns.
+  uint16_t sender_leaves() const {
+    for (const auto& op : ops_) {
+      if (op->done.load(std::memory_order_acquire) && op->sender_leaves != 0) return op->sender_leaves;
+    }
+    return 0;
+  }
+
  private:
   bool all_done() const {
     for (const auto& op : ops_) {
@@ -136,6 +144,11 @@ ProcessGroupShm::~ProcessGroupShm() {
 
 const std::string& ProcessGroupShm::segment_name() const noexcept { return engine_->name(); }
 const ShmOptions& ProcessGroupShm::options() const noexcept { return engine_->options(); }
+
+uint16_t shm_sender_leaf_count(const c10d::Work& work) {
+  const auto* shm = dynamic_cast<const ShmWork*>(&work);
+  return shm ? shm->sender_leaves() : 0;
+}
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   return send_checked(tensors, dstRank, tag, {});

@@ -375,6 +375,7 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
   const bool checked = op->check.kind != MessageCheck::Kind::kNone && msg->check.kind == op->check.kind;
   const std::string from = op->peer < 0 ? " (from rank " + std::to_string(msg->src) + ")" : "";
   if (checked && msg->check.leaves != 0 && op->check.leaves != 0 && msg->check.leaves != op->check.leaves) {
+    op->sender_leaves = msg->check.leaves;  // published by finish's release of done
     finish(op, make_error<TransportError>(op->what() + from + ": the sender's tree has " +
                                           std::to_string(msg->check.leaves) + " leaves but this receiving tree has " +
                                           std::to_string(op->check.leaves) + "; nothing was written"));

@@ -56,6 +56,7 @@ struct ShmOp {
   int64_t tag = 0;
   bool control = false;  // a collective's message: matched apart from user tags
   MessageCheck check;    // what the transfer layer knows of the message (first entry's `check`)
+  uint16_t sender_leaves = 0;  // recv failed on a leaf count: the message's (else 0)
   at::Tensor user;       // the caller's tensor
   at::Tensor buffer;     // contiguous bytes: `user` itself or a staging copy
   uint8_t* data = nullptr;
