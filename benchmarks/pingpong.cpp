@@ -4,6 +4,7 @@
 #include "pingpong.h"
 
 #include "pingpong_internal.h"
+#include "scenarios.h"
 
 #include <ATen/Parallel.h>
 
@@ -20,6 +21,7 @@
 #include <charconv>
 #include <cinttypes>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <new>
@@ -139,6 +141,19 @@ int parse_count(const std::string& flag, const std::string& text, int min) {
     throw std::invalid_argument(flag + " needs an integer >= " + std::to_string(min) + ", got '" + text + "'");
   }
   return value;
+}
+
+// "1,2,4,8": positive integers in [min, max], in the given order, no duplicates.
+std::vector<int> parse_int_list(const std::string& flag, const std::string& text, int min, int max) {
+  std::vector<int> out;
+  for (const auto& item : split(text)) {
+    const int v = parse_count(flag, item, min);
+    if (v > max) throw std::invalid_argument(flag + " values must be at most " + std::to_string(max) + ", got " + item);
+    if (std::find(out.begin(), out.end(), v) != out.end()) throw std::invalid_argument(flag + " lists " + item + " twice");
+    out.push_back(v);
+  }
+  if (out.empty()) throw std::invalid_argument(flag + " needs at least one number");
+  return out;
 }
 
 std::string size_label(size_t bytes) {
@@ -539,17 +554,21 @@ std::string json_number(double v) {
   return buf;
 }
 
+// One measurement as one JSON object (no newline). Transport, mode and workload names are
+// plain ASCII identifiers: no escaping needed.
+std::string json_line(const Measurement& m) {
+  return "{\"transport\":\"" + m.transport + "\",\"mode\":\"" + m.mode + "\",\"workload\":\"" + m.workload +
+         "\",\"leaves\":" + std::to_string(m.leaves) + ",\"bytes\":" + std::to_string(m.bytes) +
+         ",\"iters\":" + std::to_string(m.iters) + ",\"warmup\":" + std::to_string(m.warmup) +
+         ",\"rounds\":" + std::to_string(m.rounds) + ",\"p50_us\":" + json_number(m.p50_us) +
+         ",\"p99_us\":" + json_number(m.p99_us) + ",\"min_us\":" + json_number(m.min_us) +
+         ",\"mean_us\":" + json_number(m.mean_us) + ",\"gbps\":" + json_number(m.gbps) + "}";
+}
+
 void write_json(const std::string& path, const std::vector<Measurement>& results) {
   std::ofstream out(path, std::ios::trunc);
   if (!out) throw std::runtime_error("cannot open '" + path + "' for writing the JSON results");
-  // Transport, mode and workload names are plain ASCII identifiers: no escaping needed.
-  for (const auto& m : results) {
-    out << "{\"transport\":\"" << m.transport << "\",\"mode\":\"" << m.mode << "\",\"workload\":\"" << m.workload
-        << "\",\"leaves\":" << m.leaves << ",\"bytes\":" << m.bytes
-        << ",\"iters\":" << m.iters << ",\"warmup\":" << m.warmup << ",\"rounds\":" << m.rounds << ",\"p50_us\":" << json_number(m.p50_us)
-        << ",\"p99_us\":" << json_number(m.p99_us) << ",\"min_us\":" << json_number(m.min_us)
-        << ",\"mean_us\":" << json_number(m.mean_us) << ",\"gbps\":" << json_number(m.gbps) << "}\n";
-  }
+  for (const auto& m : results) out << json_line(m) << "\n";
   if (!out.flush()) throw std::runtime_error("cannot write the JSON results to '" + path + "'");
 }
 
@@ -667,6 +686,8 @@ void print_bench_usage(FILE* out) {
   std::fprintf(out,
                "usage: tdshm bench [options]\n"
                "       tdshm bench --td [--workloads LIST] [options]\n"
+               "       tdshm bench --scenario loader|actor-learner|all [options]\n"
+               "       tdshm bench --world LIST | --from FILES [--compare OLD] [--plot FILE]\n"
                "Two-process ping-pong: rank 0 sends a message, rank 1 sends it back; one-way latency is half\n"
                "the round trip. Ranks are pinned to the first two allowed CPUs. Prints a table per size (or\n"
                "per TensorDict workload with --td) and the goal ratios. Exit code 0 unless a measurement\n"
@@ -709,6 +730,54 @@ void print_bench_usage(FILE* out) {
                "  --no-pin           do not pin the ranks to CPUs\n"
                "  -h, --help         this text\n"
                "\n"
+               "workload scenarios (real forked processes, the public TensorDict API over ProcessGroupShm\n"
+               "and gloo on 127.0.0.1 in the same run; with any of --scenario, --world, --from the size\n"
+               "sweep does not run):\n"
+               "  --scenario LIST    loader, actor-learner or all:\n"
+               "                       loader         N workers -> 1 main; each worker sends --batches\n"
+               "                                      batches {image uint8 [32,3,64,64], label int64 [32],\n"
+               "                                      meta {idx, worker} int64 [32]}, batch [32]; main\n"
+               "                                      receives them in three patterns: blocking (per-leaf\n"
+               "                                      recv round-robin over workers), irecv-ahead (irecv\n"
+               "                                      from every worker, then wait), consolidated (workers\n"
+               "                                      consolidate() each batch, main receives into a\n"
+               "                                      consolidated tensordict); main checks every batch\n"
+               "                       actor-learner  1 learner, --actors actors; per step the learner\n"
+               "                                      sends 4 MiB of weights (consolidated, 4 float leaves\n"
+               "                                      of 1 MiB) to every actor, each actor replies with a\n"
+               "                                      trajectory {obs float [64,16], action int64 [64],\n"
+               "                                      reward float [64]} (per-leaf)\n"
+               "  --workers LIST     loader: worker counts, one process layout each (default 1,2,4,8)\n"
+               "  --actors N         actor-learner: actors (default 2)\n"
+               "  --batches N        loader: batches per worker per measurement (default 300; quick 30)\n"
+               "  --steps N          actor-learner: steps per measurement (default 200; quick 20)\n"
+               "  --repeat R         measurements of each row; the table shows the median and min-max\n"
+               "                     (default 3; quick 1)\n"
+               "  --progress         progress line on stderr (default: only when stderr is a terminal)\n"
+               "  --world LIST       print the shm segment size of each world size with default\n"
+               "                     ShmOptions (tdshm::shm_segment_bytes), e.g. 2,5,9,17,65\n"
+               "\n"
+               "reports (on this run's rows: the sweep's or the scenarios', plus those of --from):\n"
+               "  --json FILE        scenario rows too: scenario, pattern, transport, workers (loader) or\n"
+               "                     actors (actor-learner), batches or steps (per measurement), repeats,\n"
+               "                     batches_per_s or steps_per_s (median) with _min and _max, gbps,\n"
+               "                     seconds (median); --world rows: scenario \"segment\", world,\n"
+               "                     segment_bytes\n"
+               "  --from LIST        read rows from these JSON Lines files (--plot-from is the same);\n"
+               "                     without --scenario nothing is measured\n"
+               "  --plot FILE        draw with gnuplot into FILE (.png or .svg): p50 latency and GB/s\n"
+               "                     against size of every transport (size-sweep rows), and the\n"
+               "                     scenarios' throughput, shm next to gloo, min-max as error bars\n"
+               "  --compare OLD      compare this run's rows with OLD's (JSON Lines; matched on scenario,\n"
+               "                     pattern, transport, workers/actors, or transport and size/workload):\n"
+               "                     prints old, new and %% change; exit 3 when a throughput dropped or a\n"
+               "                     p50 latency rose by more than --threshold; rows on one side only are\n"
+               "                     listed, not failures\n"
+               "  --threshold PCT    --compare's limit in percent (default 25)\n"
+               "\n"
+               "exit codes: 0 ok; 1 a measurement, check or plot failed; 2 bad arguments; 3 --compare found\n"
+               "a regression\n"
+               "\n"
                "transports:\n");
   for (const auto& t : kTransports) {
     std::fprintf(out, "  %-13s %-15s %s%s\n", t.name, t.mode, t.what, t.sizes ? "" : " (--td)");
@@ -718,8 +787,11 @@ void print_bench_usage(FILE* out) {
 BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
   BenchOptions o;
   help = false;
-  std::optional<int> iters, warmup, rounds;
+  std::optional<int> iters, warmup, rounds, batches, steps, repeat;
   bool sizes_given = false;
+  // Options of the size sweep, which does not run with a scenario, --world or --from.
+  std::vector<std::string> sweep_flags;
+  bool workers_given = false, actors_given = false, threshold_given = false;
   for (int i = 0; i < argc; ++i) {
     std::string arg = argv[i];
     std::optional<std::string> inline_value;
@@ -735,13 +807,16 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
     if (arg == "-h" || arg == "--help") {
       help = true;
     } else if (arg == "--sizes") {
+      sweep_flags.push_back(arg);
       o.sizes.clear();
       for (const auto& item : split(value())) o.sizes.push_back(parse_size(item));
       if (o.sizes.empty()) throw std::invalid_argument("--sizes needs at least one size");
       sizes_given = true;
     } else if (arg == "--td") {
+      sweep_flags.push_back(arg);
       o.td = true;
     } else if (arg == "--workloads") {
+      sweep_flags.push_back(arg);
       const auto wanted = split(value());
       if (wanted.empty()) throw std::invalid_argument("--workloads needs at least one workload");
       for (const auto& name : wanted) {
@@ -752,12 +827,16 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
       o.workloads = wanted;
       o.td = true;
     } else if (arg == "--iters") {
+      sweep_flags.push_back(arg);
       iters = parse_count(arg, value(), 1);
     } else if (arg == "--warmup") {
+      sweep_flags.push_back(arg);
       warmup = parse_count(arg, value(), 0);
     } else if (arg == "--rounds") {
+      sweep_flags.push_back(arg);
       rounds = parse_count(arg, value(), 1);
     } else if (arg == "--transports") {
+      sweep_flags.push_back(arg);
       const auto wanted = split(value());
       if (wanted.empty()) throw std::invalid_argument("--transports needs at least one transport");
       o.transports = wanted;
@@ -766,7 +845,64 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
     } else if (arg == "--quick") {
       o.quick = true;
     } else if (arg == "--no-pin") {
+      sweep_flags.push_back(arg);
       o.pin = false;
+    } else if (arg == "--scenario") {
+      const auto wanted = split(value());
+      if (wanted.empty()) throw std::invalid_argument("--scenario needs at least one scenario");
+      for (const auto& name : wanted) {
+        const auto& known = all_scenarios();
+        if (name == "all") {
+          for (const auto& k : known) {
+            if (std::find(o.scenarios.begin(), o.scenarios.end(), k) == o.scenarios.end()) o.scenarios.push_back(k);
+          }
+        } else if (std::find(known.begin(), known.end(), name) == known.end()) {
+          throw std::invalid_argument("unknown scenario '" + name + "' (use " + join(known) + " or all)");
+        } else if (std::find(o.scenarios.begin(), o.scenarios.end(), name) == o.scenarios.end()) {
+          o.scenarios.push_back(name);
+        }
+      }
+    } else if (arg == "--workers") {
+      o.workers = parse_int_list(arg, value(), 1, 64);
+      workers_given = true;
+    } else if (arg == "--actors") {
+      o.actors = parse_count(arg, value(), 1);
+      if (o.actors > 64) throw std::invalid_argument("--actors must be at most 64");
+      actors_given = true;
+    } else if (arg == "--batches") {
+      batches = parse_count(arg, value(), 1);
+    } else if (arg == "--steps") {
+      steps = parse_count(arg, value(), 1);
+    } else if (arg == "--repeat") {
+      repeat = parse_count(arg, value(), 1);
+    } else if (arg == "--progress") {
+      o.progress = true;
+    } else if (arg == "--world") {
+      o.worlds = parse_int_list(arg, value(), 1, 4096);
+    } else if (arg == "--plot") {
+      o.plot_path = value();
+      const auto dot = o.plot_path.rfind('.');
+      std::string ext = dot == std::string::npos ? "" : o.plot_path.substr(dot);
+      std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+      if (ext != ".png" && ext != ".svg") {
+        throw std::invalid_argument("--plot needs a file name ending in .png or .svg, got '" + o.plot_path + "'");
+      }
+    } else if (arg == "--from" || arg == "--plot-from") {
+      const auto files = split(value());
+      if (files.empty()) throw std::invalid_argument(arg + " needs at least one file");
+      o.from_paths.insert(o.from_paths.end(), files.begin(), files.end());
+    } else if (arg == "--compare") {
+      o.compare_path = value();
+      if (o.compare_path.empty()) throw std::invalid_argument("--compare needs a file");
+    } else if (arg == "--threshold") {
+      const std::string text = value();
+      char* end = nullptr;
+      const double pct = std::strtod(text.c_str(), &end);
+      if (text.empty() || end != text.c_str() + text.size() || !(pct > 0) || pct >= 1000) {
+        throw std::invalid_argument("--threshold needs a percentage above 0 and below 1000, got '" + text + "'");
+      }
+      o.threshold = pct;
+      threshold_given = true;
     } else {
       throw std::invalid_argument("unknown option '" + arg + "'");
     }
@@ -779,13 +915,37 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
                                   join(known) + ")");
     }
   }
+  const bool scenario = !o.scenarios.empty();
+  const auto wants = [&](const char* name) {
+    return std::find(o.scenarios.begin(), o.scenarios.end(), name) != o.scenarios.end();
+  };
+  if (!o.sweep() && !sweep_flags.empty()) {
+    throw std::invalid_argument(sweep_flags.front() +
+                                " is an option of the size sweep, which does not run with --scenario, --world "
+                                "or --from");
+  }
+  if ((workers_given || batches) && !wants("loader")) {
+    throw std::invalid_argument(std::string(workers_given ? "--workers" : "--batches") +
+                                " is an option of --scenario loader");
+  }
+  if ((actors_given || steps) && !wants("actor-learner")) {
+    throw std::invalid_argument(std::string(actors_given ? "--actors" : "--steps") +
+                                " is an option of --scenario actor-learner");
+  }
+  if ((repeat || o.progress) && !scenario) {
+    throw std::invalid_argument(std::string(repeat ? "--repeat" : "--progress") + " is an option of --scenario");
+  }
+  if (threshold_given && o.compare_path.empty()) throw std::invalid_argument("--threshold is an option of --compare");
+  o.batches = batches.value_or(o.quick ? 30 : o.batches);
+  o.steps = steps.value_or(o.quick ? 20 : o.steps);
+  o.repeat = repeat.value_or(o.quick ? 1 : o.repeat);
   o.iters = iters.value_or(o.quick ? 200 : o.iters);
   o.warmup = warmup.value_or(o.quick ? 20 : o.warmup);
   o.rounds = rounds.value_or(o.quick ? 2 : o.rounds);
   return o;
 }
 
-int run_pingpong_bench(const BenchOptions& options) {
+int run_pingpong_bench(const BenchOptions& options, std::vector<std::string>* json_lines) {
   std::vector<std::string> transports;
   for (const auto& name : options.td ? all_td_transports() : all_transports()) {
     if (options.transports.empty() ||
@@ -881,6 +1041,9 @@ int run_pingpong_bench(const BenchOptions& options) {
   for (const char* which : {"spin", "blocking", "td"}) remove_shm_segment(s.segment(which));
 
   print_goals(s.results, options.td);
+  if (json_lines != nullptr) {
+    for (const auto& m : s.results) json_lines->push_back(json_line(m));
+  }
   if (!options.json_path.empty()) {
     write_json(options.json_path, s.results);
     std::printf("\nwrote %zu measurements to %s (JSON Lines)\n", s.results.size(), options.json_path.c_str());

@@ -81,6 +81,40 @@ struct BenchOptions {
   bool quick = false;
   /// Pin rank 0 and rank 1 to the first two CPUs this process may run on.
   bool pin = true;
+
+  // ---- workload scenarios (scenarios.h); when any is given, the size sweep does not run ----
+  /// Scenarios to run, in this order: "loader", "actor-learner".
+  std::vector<std::string> scenarios;
+  /// loader: the numbers of worker processes, one process layout each.
+  std::vector<int> workers{1, 2, 4, 8};
+  /// actor-learner: the number of actor processes.
+  int actors = 2;
+  /// loader: batches each worker sends per measurement (parse_bench_options: 300, quick 30).
+  int batches = 300;
+  /// actor-learner: steps per measurement (parse_bench_options: 200, quick 20).
+  int steps = 200;
+  /// Measurements of each (pattern, transport, N); the report gives median and min-max
+  /// (parse_bench_options: 3, quick 1).
+  int repeat = 3;
+  /// A progress line on stderr during scenarios even when stderr is not a terminal.
+  bool progress = false;
+  /// World sizes whose shm segment size (default ShmOptions) is printed.
+  std::vector<int> worlds;
+
+  // ---- reports (bench_report.h) ----
+  /// If not empty, draw the size sweep and the scenarios' throughput into this .png or .svg.
+  std::string plot_path;
+  /// JSON Lines files whose rows join this run's rows (for --plot and --compare); given alone
+  /// (no scenario), nothing is measured.
+  std::vector<std::string> from_paths;
+  /// If not empty, compare this run's rows with the rows of this earlier JSON Lines file.
+  std::string compare_path;
+  /// --compare fails (exit 3) when a matched throughput dropped, or a latency rose, by more
+  /// than this percentage.
+  double threshold = 25.0;
+
+  /// Whether the two-process size sweep (or --td) runs: no scenario, --world or --from given.
+  bool sweep() const { return scenarios.empty() && worlds.empty() && from_paths.empty(); }
 };
 
 /// Every transport name of the size sweep, in the default table order.
@@ -105,6 +139,8 @@ int warmup_for(const BenchOptions& options, size_t bytes, const std::string& tra
 /// Runs the benchmark: forks the peer, measures, prints the table and the goal ratios, writes
 /// the JSON file. Returns 0 if every requested measurement ran (a missed goal is not a
 /// failure), 1 otherwise. Must be called before this process has started LibTorch threads.
-int run_pingpong_bench(const BenchOptions& options);
+/// If `json_lines` is not null, the JSON object of every measurement (one line each, without
+/// the newline, as --json writes them) is appended to it, with or without --json.
+int run_pingpong_bench(const BenchOptions& options, std::vector<std::string>* json_lines = nullptr);
 
 }  // namespace tdshm::bench

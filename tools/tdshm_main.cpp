@@ -5,7 +5,9 @@
 //   tdshm tour     build, consolidate and inspect a TensorDict in one process; rebuild it from
 //                  its schema and from a consolidated file; exit non-zero if any check fails
 //   tdshm bench    two-process ping-pong of the transports, their floors and baselines
-//                  (benchmarks/pingpong.h); `tdshm bench --help` lists its options
+//                  (benchmarks/pingpong.h), workload scenarios (--scenario, benchmarks/scenarios.h),
+//                  --compare and --plot (benchmarks/bench_report.h); `tdshm bench --help` lists
+//                  its options
 //   tdshm stress   SIGKILL at random instants of real lifecycles, and destroy/init loops under one
 //                  name (tools/stress.cpp); `tdshm stress --help` lists its options
 //   tdshm help     this text
@@ -14,8 +16,10 @@
 #include <tdshm/tensorclass.h>
 #include <tdshm/tensordict.h>
 
+#include "bench_report.h"
 #include "demo.h"
 #include "pingpong.h"
+#include "scenarios.h"
 #include "stress.h"
 
 #include <ATen/core/Tensor.h>
@@ -32,6 +36,7 @@
 #include <filesystem>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -130,24 +135,77 @@ void usage(FILE* out) {
                "  help   this text\n");
 }
 
+// The label of a --from file in the plot's legends: its name without folder and extension.
+std::string file_label(const std::string& path) { return std::filesystem::path(path).stem().string(); }
+
 }  // namespace
 
 int bench(int argc, char** argv) {
+  namespace b = tdshm::bench;
   bool help = false;
-  tdshm::bench::BenchOptions options;
+  b::BenchOptions options;
   try {
-    options = tdshm::bench::parse_bench_options(argc, argv, help);
+    options = b::parse_bench_options(argc, argv, help);
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "tdshm bench: %s\n", e.what());
-    tdshm::bench::print_bench_usage(stderr);
+    b::print_bench_usage(stderr);
     return 2;
   }
   if (help) {
-    tdshm::bench::print_bench_usage(stdout);
+    b::print_bench_usage(stdout);
     return 0;
   }
-  // First thing that touches LibTorch's threads: the bench forks its peer before any start.
-  return tdshm::bench::run_pingpong_bench(options);
+  int rc = 0;
+  std::vector<b::Row> rows;  // measured in this run
+  // A table only: shm_segment_bytes starts no thread.
+  if (!options.worlds.empty()) {
+    const auto sizes = b::print_segment_sizes(options.worlds);
+    rows.insert(rows.end(), sizes.begin(), sizes.end());
+  }
+  // The first things that touch LibTorch's threads: both fork their ranks before any start.
+  if (!options.scenarios.empty()) {
+    const b::ScenarioRun run = b::run_scenarios(options);
+    rows.insert(rows.end(), run.rows.begin(), run.rows.end());
+    if (!run.failures.empty()) {
+      std::printf("\n%zu problem(s):\n", run.failures.size());
+      for (const auto& f : run.failures) std::printf("  %s\n", f.c_str());
+      rc = 1;
+    }
+  }
+  if (options.sweep()) {
+    std::vector<std::string> lines;
+    rc = b::run_pingpong_bench(options, &lines);  // writes --json itself
+    for (const auto& line : lines) rows.push_back(b::Row::parse(line));
+  } else if (!options.json_path.empty()) {
+    b::write_rows(options.json_path, rows);
+    std::printf("\nwrote %zu rows to %s (JSON Lines)\n", rows.size(), options.json_path.c_str());
+  }
+
+  std::vector<b::PlotSource> sources;
+  if (!rows.empty()) sources.push_back({"this run", rows});
+  std::vector<b::Row> all = rows;
+  for (const auto& path : options.from_paths) {
+    auto file_rows = b::read_rows(path);
+    all.insert(all.end(), file_rows.begin(), file_rows.end());
+    sources.push_back({file_label(path), std::move(file_rows)});
+  }
+  if (!options.compare_path.empty()) {
+    const auto old_rows = b::read_rows(options.compare_path);
+    const b::Comparison c = b::compare_rows(old_rows, all, options.threshold, options.compare_path, stdout);
+    if (c.regressions > 0 && rc == 0) rc = 3;
+  }
+  if (!options.plot_path.empty()) {
+    try {
+      const std::string what = b::plot_rows(options.plot_path, sources);
+      std::printf("\nplotted %s into %s\n", what.c_str(), options.plot_path.c_str());
+    } catch (const std::exception& e) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "tdshm bench: --plot: %s\n", e.what());
+      if (rc == 0) rc = 1;
+    }
+  }
+  std::fflush(stdout);
+  return rc;
 }
 
 int main(int argc, char** argv) {

@@ -1,0 +1,809 @@
+// The workload scenarios of `tdshm bench --scenario` (scenarios.h): the coordinator that forks
+// and reaps the ranks of each process layout, the ranks' schedule, the loader and
+// actor-learner ranks, and the tables.
+
+#include "scenarios.h"
+
+#include <tdshm/distributed.h>
+#include <tdshm/process_group.h>
+#include <tdshm/tensordict.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <new>
+#include <optional>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
+
+namespace tdshm::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Deadline of every rendezvous and every wait of a rank (shm, gloo, the TCPStore).
+constexpr std::chrono::milliseconds kGroupTimeout{std::chrono::seconds(60)};
+// How long the other ranks of a layout get to end on their own once one has failed.
+constexpr std::chrono::milliseconds kFailureGrace{std::chrono::seconds(2)};
+
+const char* const kTransports[] = {"shm", "gloo"};
+
+// ---- the loader's batch ----
+
+constexpr int64_t kBatch = 32;
+constexpr int64_t kImageBytes = kBatch * 3 * 64 * 64;
+constexpr size_t kBatchBytes = static_cast<size_t>(kImageBytes) + 3 * kBatch * sizeof(int64_t);
+
+TensorDict make_batch() {
+  return TensorDict({{"image", at::zeros({kBatch, 3, 64, 64}, at::kByte)},
+                     {"label", at::zeros({kBatch}, at::kLong)},
+                     {{"meta", "idx"}, at::zeros({kBatch}, at::kLong)},
+                     {{"meta", "worker"}, at::zeros({kBatch}, at::kLong)}},
+                    {kBatch});
+}
+
+struct BatchView {
+  uint8_t* image;
+  int64_t* label;
+  int64_t* idx;
+  int64_t* worker;
+};
+
+BatchView view(const TensorDict& td) {
+  return {td.get("image").data_ptr<uint8_t>(), td.get("label").data_ptr<int64_t>(),
+          td.get({"meta", "idx"}).data_ptr<int64_t>(), td.get({"meta", "worker"}).data_ptr<int64_t>()};
+}
+
+// The bytes a worker's image holds everywhere but at the three places that change per batch.
+uint8_t image_byte(int worker) { return static_cast<uint8_t>(worker * 37 + 1); }
+uint8_t first_byte(int64_t seq) { return static_cast<uint8_t>(seq); }
+uint8_t last_byte(int64_t seq, int worker) { return static_cast<uint8_t>(seq * 7 + worker); }
+int64_t label_of(int64_t seq, int64_t i, int worker) { return (seq * kBatch + i + worker) % 1000; }
+
+// Batch `seq` of worker `w` (seq keeps growing across measurements).
+void fill_batch(const TensorDict& td, int w, int64_t seq) {
+  const BatchView v = view(td);
+  v.image[0] = first_byte(seq);
+  v.image[kImageBytes - 1] = last_byte(seq, w);
+  for (int64_t i = 0; i < kBatch; ++i) {
+    v.label[i] = label_of(seq, i, w);
+    v.idx[i] = seq * kBatch + i;
+    v.worker[i] = w;
+  }
+}
+
+void check_batch(const TensorDict& td, int w, int64_t seq, const std::string& where) {
+  const BatchView v = view(td);
+  auto fail = [&](const std::string& what, int64_t got, int64_t expected) {
+    throw std::runtime_error(where + ": batch " + std::to_string(seq) + " of worker " + std::to_string(w) + ": " +
+                             what + " is " + std::to_string(got) + ", expected " + std::to_string(expected));
+  };
+  for (int64_t i = 0; i < kBatch; ++i) {
+    if (v.worker[i] != w) fail("meta.worker[" + std::to_string(i) + "]", v.worker[i], w);
+    if (v.idx[i] != seq * kBatch + i) fail("meta.idx[" + std::to_string(i) + "]", v.idx[i], seq * kBatch + i);
+    if (v.label[i] != label_of(seq, i, w)) fail("label[" + std::to_string(i) + "]", v.label[i], label_of(seq, i, w));
+  }
+  if (v.image[0] != first_byte(seq)) fail("image byte 0", v.image[0], first_byte(seq));
+  if (v.image[kImageBytes / 2] != image_byte(w)) fail("image middle byte", v.image[kImageBytes / 2], image_byte(w));
+  if (v.image[kImageBytes - 1] != last_byte(seq, w)) fail("image last byte", v.image[kImageBytes - 1], last_byte(seq, w));
+}
+
+// ---- the actor-learner's tensordicts ----
+
+constexpr int64_t kWeightLeaves = 4;
+constexpr int64_t kWeightFloats = (int64_t{1} << 20) / static_cast<int64_t>(sizeof(float));
+constexpr int64_t kSteps = 64;  // trajectory length
+constexpr size_t kWeightBytes = static_cast<size_t>(kWeightLeaves * kWeightFloats) * sizeof(float);
+constexpr size_t kTrajectoryBytes = static_cast<size_t>(kSteps) * (16 * sizeof(float) + sizeof(int64_t) + sizeof(float));
+
+TensorDict make_weights() {
+  TensorDict td;
+  for (int64_t i = 0; i < kWeightLeaves; ++i) td.set("w" + std::to_string(i), at::zeros({kWeightFloats}));
+  return td.consolidate();
+}
+
+TensorDict make_trajectory() {
+  return TensorDict({{"obs", at::zeros({kSteps, 16})}, {"action", at::zeros({kSteps}, at::kLong)},
+                     {"reward", at::zeros({kSteps})}},
+                    {kSteps});
+}
+
+// ---- schedule ----
+
+struct Step {
+  std::string pattern;
+  std::string transport;
+  int repeat;  // -1: warm-up
+  int count;   // batches per worker, or steps
+};
+
+struct Layout {
+  std::string scenario;  // "loader" or "actor-learner"
+  int peers = 1;         // workers or actors
+  int world() const { return peers + 1; }
+  std::string segment;
+  std::vector<Step> schedule;
+  int repeat = 1;
+  // Progress line (rank 0): measurements before this layout's, and in the whole scenario.
+  bool progress = false;
+  bool tty = false;
+  int progress_done = 0;
+  int progress_total = 0;
+};
+
+std::vector<std::string> patterns_of(const std::string& scenario) {
+  if (scenario == "loader") return {"blocking", "irecv-ahead", "consolidated"};
+  return {"weights-trajectory"};
+}
+
+std::vector<Step> make_schedule(const std::string& scenario, int repeat, int count) {
+  std::vector<Step> s;
+  const int warm = std::max(2, count / 10);
+  for (const auto& p : patterns_of(scenario)) {
+    for (const char* t : kTransports) s.push_back({p, t, -1, warm});
+  }
+  for (int r = 0; r < repeat; ++r) {
+    for (const auto& p : patterns_of(scenario)) {
+      // The order alternates, so that neither transport always runs right after the other.
+      if (r % 2 == 0) {
+        s.push_back({p, "shm", r, count});
+        s.push_back({p, "gloo", r, count});
+      } else {
+        s.push_back({p, "gloo", r, count});
+        s.push_back({p, "shm", r, count});
+      }
+    }
+  }
+  return s;
+}
+
+int measured_steps(const std::vector<Step>& schedule) {
+  return static_cast<int>(std::count_if(schedule.begin(), schedule.end(), [](const Step& s) { return s.repeat >= 0; }));
+}
+
+// ---- a rank ----
+
+// Shared by the coordinator and the ranks of one layout (MAP_SHARED | MAP_ANONYMOUS, made
+// before fork, zero at first).
+struct Control {
+  std::atomic<uint32_t> gloo_port;  // rank 0's TCPStore port; 0 until it listens
+  std::atomic<uint32_t> gave_up;    // 1 once a rank failed before the gloo rendezvous
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "Control lives in a mapping several processes use");
+
+// A rank's end of the pipe to the coordinator: one line per message, each written with one
+// write() of at most PIPE_BUF bytes, so lines of different ranks never mix.
+class Reporter {
+ public:
+  explicit Reporter(int fd) : fd_(fd) {}
+  void line(std::string text) const {
+    std::replace(text.begin(), text.end(), '\n', ' ');
+    if (text.size() > 3000) text.resize(3000);
+    text += '\n';
+    size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t n = ::write(fd_, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return;  // the coordinator is gone: nothing to tell
+      done += static_cast<size_t>(n);
+    }
+  }
+
+ private:
+  int fd_;
+};
+
+struct Groups {
+  Group shm;
+  Group gloo;
+  const Group& operator[](const std::string& transport) const { return transport == "shm" ? shm : gloo; }
+};
+
+Groups make_groups(const Layout& layout, int rank, Control& control) {
+  Groups g;
+  ShmOptions shm_options;
+  shm_options.timeout = kGroupTimeout;
+  g.shm = Group(c10::make_intrusive<ProcessGroupShm>(layout.segment, rank, layout.world(), shm_options));
+
+  c10d::TCPStoreOptions store_options;
+  store_options.numWorkers = layout.world();
+  store_options.waitWorkers = false;
+  store_options.timeout = kGroupTimeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  if (rank == 0) {
+    store_options.port = 0;
+    store_options.isServer = true;
+    auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_options);
+    control.gloo_port.store(server->getPort(), std::memory_order_release);
+    store = server;
+  } else {
+    const auto deadline = Clock::now() + kGroupTimeout;
+    uint32_t port = 0;
+    while ((port = control.gloo_port.load(std::memory_order_acquire)) == 0) {
+      if (control.gave_up.load(std::memory_order_acquire) != 0) throw std::runtime_error("another rank gave up");
+      if (Clock::now() > deadline) throw std::runtime_error("rank 0's TCPStore did not start within 60 s");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    store_options.port = static_cast<uint16_t>(port);
+    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_options);
+  }
+  g.gloo = gloo_group_from_store(store, rank, layout.world(), kGroupTimeout);
+  return g;
+}
+
+void barrier(const Group& g) { g.backend().barrier()->wait(); }
+
+std::string step_label(const Layout& layout, const Step& s) {
+  std::string label = s.pattern + " " + s.transport + (layout.scenario == "loader" ? " N=" : " actors=") +
+                      std::to_string(layout.peers);
+  if (s.repeat < 0) return "warm-up " + label;
+  if (layout.repeat > 1) label += " repeat " + std::to_string(s.repeat + 1) + "/" + std::to_string(layout.repeat);
+  return label;
+}
+
+void show_progress(const Layout& layout, int done, const Step& s) {
+  if (!layout.progress) return;
+  const int index = std::min(layout.progress_total, done + 1);
+  std::fprintf(stderr, "%s[scenario %s %d/%d] %s ...%s", layout.tty ? "\r\033[K" : "", layout.scenario.c_str(),
+               index, layout.progress_total, step_label(layout, s).c_str(), layout.tty ? "" : "\n");
+  std::fflush(stderr);
+}
+
+// Rank 0 of the loader: receives `s.count` batches of every worker; returns the loop's seconds.
+double loader_main(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0,
+                   std::vector<TensorDict>& plain, std::vector<TensorDict>& consolidated) {
+  const Group& g = groups[s.transport];
+  const std::string where = "loader " + s.pattern + " " + s.transport + " N=" + std::to_string(layout.peers);
+  std::vector<Transfer> pending(static_cast<size_t>(layout.peers) + 1);
+  const auto start = Clock::now();
+  for (int b = 0; b < s.count; ++b) {
+    const int64_t seq = seq0 + b;
+    if (s.pattern == "blocking") {
+      for (int w = 1; w <= layout.peers; ++w) {
+        plain[w].recv({.group = g, .group_src = w});
+        check_batch(plain[w], w, seq, where);
+      }
+    } else if (s.pattern == "irecv-ahead") {
+      for (int w = 1; w <= layout.peers; ++w) {
+        pending[w] = plain[w].irecv({.group = g, .group_src = w, .return_premature = true});
+      }
+      for (int w = 1; w <= layout.peers; ++w) {
+        pending[w].wait();
+        check_batch(plain[w], w, seq, where);
+      }
+    } else {
+      for (int w = 1; w <= layout.peers; ++w) {
+        consolidated[w].recv({.group = g, .group_src = w, .consolidated = true});
+        check_batch(consolidated[w], w, seq, where);
+      }
+    }
+  }
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void loader_worker(const Groups& groups, const Step& s, int64_t seq0, int w, const TensorDict& batch) {
+  const Group& g = groups[s.transport];
+  for (int b = 0; b < s.count; ++b) {
+    fill_batch(batch, w, seq0 + b);
+    if (s.pattern == "consolidated") {
+      batch.consolidate().send({.group = g, .group_dst = 0, .consolidated = true});
+    } else {
+      batch.send({.group = g, .group_dst = 0});
+    }
+  }
+}
+
+double learner(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, const TensorDict& weights,
+               std::vector<TensorDict>& trajectories) {
+  const Group& g = groups[s.transport];
+  const std::string where = "actor-learner " + s.transport + " actors=" + std::to_string(layout.peers);
+  float* first = weights.get("w0").data_ptr<float>();
+  float* last = weights.get("w" + std::to_string(kWeightLeaves - 1)).data_ptr<float>() + (kWeightFloats - 1);
+  std::vector<Transfer> sends, recvs;
+  const auto start = Clock::now();
+  for (int i = 0; i < s.count; ++i) {
+    const int64_t seq = seq0 + i;
+    *first = static_cast<float>(seq);
+    *last = static_cast<float>(2 * seq);
+    sends.clear();
+    recvs.clear();
+    for (int a = 1; a <= layout.peers; ++a) {
+      sends.push_back(weights.isend({.group = g, .group_dst = a, .return_early = true, .consolidated = true}));
+    }
+    for (int a = 1; a <= layout.peers; ++a) {
+      recvs.push_back(trajectories[a].irecv({.group = g, .group_src = a, .return_premature = true}));
+    }
+    for (const auto& t : sends) t.wait();
+    for (int a = 1; a <= layout.peers; ++a) {
+      recvs[static_cast<size_t>(a - 1)].wait();
+      const TensorDict& tr = trajectories[a];
+      const float obs = tr.get("obs").data_ptr<float>()[0];
+      const float reward = tr.get("reward").data_ptr<float>()[kSteps - 1];
+      const int64_t* action = tr.get("action").data_ptr<int64_t>();
+      if (obs != static_cast<float>(seq) || reward != static_cast<float>(seq + a) || action[0] != a ||
+          action[kSteps - 1] != a) {
+        throw std::runtime_error(where + ": step " + std::to_string(seq) + ": actor " + std::to_string(a) +
+                                 "'s trajectory holds obs[0] " + std::to_string(obs) + ", reward[-1] " +
+                                 std::to_string(reward) + ", action[0] " + std::to_string(action[0]));
+      }
+    }
+  }
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void actor(const Groups& groups, const Step& s, int64_t seq0, int a, TensorDict& weights, const TensorDict& traj) {
+  const Group& g = groups[s.transport];
+  for (int i = 0; i < s.count; ++i) {
+    const int64_t seq = seq0 + i;
+    weights.recv({.group = g, .group_src = 0, .consolidated = true});
+    const float first = weights.get("w0").data_ptr<float>()[0];
+    const float last = weights.get("w" + std::to_string(kWeightLeaves - 1)).data_ptr<float>()[kWeightFloats - 1];
+    if (first != static_cast<float>(seq) || last != static_cast<float>(2 * seq)) {
+      throw std::runtime_error("actor " + std::to_string(a) + " " + s.transport + ": step " + std::to_string(seq) +
+                               ": the weights hold " + std::to_string(first) + " and " + std::to_string(last));
+    }
+    traj.get("obs").data_ptr<float>()[0] = static_cast<float>(seq);
+    traj.get("reward").data_ptr<float>()[kSteps - 1] = static_cast<float>(seq + a);
+    int64_t* action = traj.get("action").data_ptr<int64_t>();
+    for (int64_t k = 0; k < kSteps; ++k) action[k] = a;
+    traj.send({.group = g, .group_dst = 0});
+  }
+}
+
+// Everything a rank does after fork; returns its exit code.
+int run_rank(const Layout& layout, int rank, Control& control, const Reporter& report) {
+  at::set_num_threads(1);
+  try {
+    Groups groups;
+    try {
+      groups = make_groups(layout, rank, control);
+    } catch (...) {
+      control.gave_up.store(1, std::memory_order_release);
+      throw;
+    }
+    const bool loader = layout.scenario == "loader";
+    // Rank 0's receive buffers; a worker's batch (its image filled once); the actor-learner's.
+    std::vector<TensorDict> plain, consolidated, trajectories;
+    TensorDict batch, weights, traj;
+    if (loader && rank == 0) {
+      for (int w = 0; w <= layout.peers; ++w) {
+        plain.push_back(make_batch());
+        consolidated.push_back(make_batch().consolidate());
+      }
+    } else if (loader) {
+      batch = make_batch();
+      std::memset(view(batch).image, image_byte(rank), static_cast<size_t>(kImageBytes));
+    } else {
+      weights = make_weights();
+      if (rank == 0) {
+        for (int a = 0; a <= layout.peers; ++a) trajectories.push_back(make_trajectory());
+      } else {
+        traj = make_trajectory();
+      }
+    }
+
+    int64_t seq = 0;
+    int done = layout.progress_done;
+    for (const Step& s : layout.schedule) {
+      if (rank == 0) show_progress(layout, done, s);
+      barrier(groups[s.transport]);
+      double seconds = 0;
+      if (loader) {
+        if (rank == 0) {
+          seconds = loader_main(layout, groups, s, seq, plain, consolidated);
+        } else {
+          loader_worker(groups, s, seq, rank, batch);
+        }
+      } else if (rank == 0) {
+        seconds = learner(layout, groups, s, seq, weights, trajectories);
+      } else {
+        actor(groups, s, seq, rank, weights, traj);
+      }
+      seq += s.count;
+      if (rank == 0 && s.repeat >= 0) {
+        ++done;
+        char line[256];
+        std::snprintf(line, sizeof line, "M %s %s %d %d %.9g", s.pattern.c_str(), s.transport.c_str(), s.repeat,
+                      s.count, seconds);
+        report.line(line);
+      }
+    }
+    // Nobody tears a group down while a peer still waits in it.
+    barrier(groups.gloo);
+    barrier(groups.shm);
+    if (rank == 0 && layout.progress && layout.tty) std::fprintf(stderr, "\r\033[K");
+    return 0;
+  } catch (const std::exception& e) {
+    report.line("E " + std::to_string(rank) + " " + e.what());
+    return 1;
+  }
+}
+
+// ---- the coordinator ----
+
+struct Measured {
+  std::string pattern, transport;
+  int repeat = 0;
+  int count = 0;
+  double seconds = 0;
+};
+
+struct LayoutResult {
+  std::vector<Measured> measured;
+  std::vector<std::string> failures;
+};
+
+std::string rank_name(const Layout& layout, int rank) {
+  if (rank == 0) return layout.scenario == "loader" ? "main (rank 0)" : "learner (rank 0)";
+  return std::string(layout.scenario == "loader" ? "worker " : "actor ") + std::to_string(rank);
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("killed by signal ") + std::to_string(WTERMSIG(status));
+  return "wait status " + std::to_string(status);
+}
+
+class SharedControl {
+ public:
+  SharedControl() {
+    void* p = ::mmap(nullptr, sizeof(Control), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::system_error(errno, std::generic_category(), "mmap of the scenario's control block");
+    control_ = new (p) Control{};
+  }
+  ~SharedControl() { ::munmap(control_, sizeof(Control)); }
+  SharedControl(const SharedControl&) = delete;
+  SharedControl& operator=(const SharedControl&) = delete;
+  Control& get() const { return *control_; }
+
+ private:
+  Control* control_;
+};
+
+void handle_line(const std::string& line, const Layout& layout, LayoutResult& result, std::vector<bool>& reported) {
+  if (line.rfind("M ", 0) == 0) {
+    char pattern[64], transport[16];
+    Measured m;
+    if (std::sscanf(line.c_str(), "M %63s %15s %d %d %lf", pattern, transport, &m.repeat, &m.count, &m.seconds) == 5) {
+      m.pattern = pattern;
+      m.transport = transport;
+      result.measured.push_back(m);
+      return;
+    }
+  } else if (line.rfind("E ", 0) == 0) {
+    int rank = -1;
+    int consumed = 0;
+    if (std::sscanf(line.c_str(), "E %d %n", &rank, &consumed) >= 1 && rank >= 0 && rank < layout.world()) {
+      reported[static_cast<size_t>(rank)] = true;
+      result.failures.push_back(rank_name(layout, rank) + ": " + line.substr(static_cast<size_t>(consumed)));
+      return;
+    }
+  }
+  result.failures.push_back("unreadable report from a rank: " + line);
+}
+
+// Forks every rank of `layout`, collects rank 0's measurements, reaps every rank.
+LayoutResult run_layout(const Layout& layout, std::chrono::seconds deadline_after) {
+  LayoutResult result;
+  SharedControl control;
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) throw std::system_error(errno, std::generic_category(), "pipe for the scenario");
+  const pid_t coordinator = ::getpid();
+  std::vector<pid_t> pids;
+  std::fflush(nullptr);
+  for (int rank = 0; rank < layout.world(); ++rank) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != coordinator) ::_exit(1);
+      ::close(fds[0]);
+      const int rc = run_rank(layout, rank, control.get(), Reporter(fds[1]));
+      std::fflush(nullptr);
+      // No atexit handlers or static destructors in a forked copy.
+      ::_exit(rc);
+    }
+    if (pid < 0) {
+      result.failures.push_back(std::string("fork of ") + rank_name(layout, rank) + ": " + std::strerror(errno));
+      break;
+    }
+    pids.push_back(pid);
+  }
+  ::close(fds[1]);
+  ::fcntl(fds[0], F_SETFL, ::fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+
+  std::vector<int> status(pids.size(), -1);
+  std::vector<bool> reaped(pids.size(), false), reported(static_cast<size_t>(layout.world()), false);
+  std::string buffer;
+  const auto deadline = Clock::now() + deadline_after;
+  std::optional<Clock::time_point> kill_at;
+  if (pids.size() != static_cast<size_t>(layout.world())) kill_at = Clock::now();
+  bool killed = false, timed_out = false;
+  auto drain = [&] {
+    char chunk[4096];
+    for (;;) {
+      const ssize_t n = ::read(fds[0], chunk, sizeof chunk);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      buffer.append(chunk, static_cast<size_t>(n));
+    }
+    for (size_t nl; (nl = buffer.find('\n')) != std::string::npos;) {
+      handle_line(buffer.substr(0, nl), layout, result, reported);
+      buffer.erase(0, nl + 1);
+    }
+  };
+  for (;;) {
+    pollfd pfd{fds[0], POLLIN, 0};
+    ::poll(&pfd, 1, 50);
+    drain();
+    size_t alive = 0;
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (reaped[i]) continue;
+      int st = 0;
+      const pid_t r = ::waitpid(pids[i], &st, WNOHANG);
+      if (r == pids[i]) {
+        reaped[i] = true;
+        status[i] = st;
+        if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0) && !kill_at) kill_at = Clock::now() + kFailureGrace;
+      } else {
+        ++alive;
+      }
+    }
+    if (alive == 0) break;
+    const auto now = Clock::now();
+    if (!killed && (now > deadline || (kill_at && now > *kill_at))) {
+      timed_out = now > deadline;
+      for (size_t i = 0; i < pids.size(); ++i) {
+        if (!reaped[i]) ::kill(pids[i], SIGKILL);
+      }
+      killed = true;
+    }
+  }
+  drain();
+  ::close(fds[0]);
+  if (timed_out) {
+    result.failures.push_back("the layout ran past its deadline of " + std::to_string(deadline_after.count()) +
+                              " s: every rank was killed");
+  }
+  for (size_t i = 0; i < pids.size(); ++i) {
+    const int st = status[i];
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 0) continue;
+    if (reported[i]) continue;  // its own message says why
+    const bool ours = killed && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL;
+    result.failures.push_back(rank_name(layout, static_cast<int>(i)) + " " + describe_status(st) +
+                              (ours ? " (killed after the failure above)" : ""));
+  }
+  // A layout whose ranks died leaves its segment behind; a clean one removed it already.
+  try {
+    remove_stale_segment(layout.segment);
+  } catch (const std::exception& e) {
+    result.failures.push_back("segment " + layout.segment + " left behind: " + e.what());
+  }
+  return result;
+}
+
+// ---- statistics and tables ----
+
+struct Stats {
+  int n = 0;
+  double median = 0, min = 0, max = 0;
+  double median_seconds = 0;
+};
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2.0;
+}
+
+// Rates (items per second) of the measurements of (pattern, transport).
+Stats stats_of(const LayoutResult& r, const std::string& pattern, const std::string& transport, int items_per_count) {
+  std::vector<double> rates, seconds;
+  for (const auto& m : r.measured) {
+    if (m.pattern != pattern || m.transport != transport || m.seconds <= 0) continue;
+    rates.push_back(static_cast<double>(m.count) * items_per_count / m.seconds);
+    seconds.push_back(m.seconds);
+  }
+  Stats s;
+  s.n = static_cast<int>(rates.size());
+  if (s.n == 0) return s;
+  s.median = median_of(rates);
+  s.min = *std::min_element(rates.begin(), rates.end());
+  s.max = *std::max_element(rates.begin(), rates.end());
+  s.median_seconds = median_of(seconds);
+  return s;
+}
+
+std::string mib_label(uint64_t bytes) {
+  char buf[64];
+  if (bytes >= (uint64_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / double(uint64_t{1} << 30));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / double(uint64_t{1} << 20));
+  }
+  return buf;
+}
+
+int allowed_cpu_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return static_cast<int>(std::thread::hardware_concurrency());
+  return CPU_COUNT(&set);
+}
+
+void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
+  if (scenario == "loader") {
+    std::printf("\nscenario loader: N worker processes -> 1 main process, over shm and gloo in the same processes\n"
+                "  batch: {\"image\": uint8 [32,3,64,64], \"label\": int64 [32], \"meta\": {\"idx\", \"worker\": int64 [32]}},\n"
+                "         batch size [32], %zu bytes of leaves; %d batches per worker per measurement, main checks every batch\n"
+                "  blocking      main: per-leaf recv round-robin over the workers (worker 1's batch, worker 2's, ...)\n"
+                "  irecv-ahead   main: irecv from every worker, then waits for each\n"
+                "  consolidated  workers consolidate() each batch and send it as one message; main receives into\n"
+                "                a consolidated tensordict per worker, round-robin\n"
+                "  batches/s = batches main received / seconds of its receive loop; GB/s = batches/s x %zu B;\n"
+                "  median of %d measurement(s), min-max beside it; shm/gloo = ratio of the medians\n",
+                kBatchBytes, o.batches, kBatchBytes, o.repeat);
+    std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s\n", "workers", "pattern", "transport", "batches/s", "  min - max",
+                "GB/s", "shm/gloo");
+  } else {
+    std::printf("\nscenario actor-learner: 1 learner, %d actor process(es), over shm and gloo in the same processes\n"
+                "  per step: the learner isends 4 MiB of weights (consolidated: 4 float leaves of 1 MiB) to every\n"
+                "  actor and irecvs each actor's trajectory {\"obs\": float [64,16], \"action\": int64 [64],\n"
+                "  \"reward\": float [64]} (per-leaf, %zu B); %d steps per measurement, both sides check every step\n"
+                "  steps/s = steps / seconds of the learner's loop; GB/s counts both directions;\n"
+                "  median of %d measurement(s), min-max beside it; shm/gloo = ratio of the medians\n",
+                o.actors, kTrajectoryBytes, o.steps, o.repeat);
+    std::printf("\n%7s  %-19s %-9s %11s  %-23s %8s %9s\n", "actors", "pattern", "transport", "steps/s", "  min - max",
+                "GB/s", "shm/gloo");
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+const std::vector<std::string>& all_scenarios() {
+  static const std::vector<std::string> names{"loader", "actor-learner"};
+  return names;
+}
+
+std::vector<Row> print_segment_sizes(const std::vector<int>& worlds) {
+  const ShmOptions defaults{};
+  std::printf("\nshm segment size per world size, default ShmOptions (slot %zu KiB, %u ring entries), from\n"
+              "tdshm::shm_segment_bytes:\n",
+              defaults.slot_bytes >> 10, defaults.ring_entries);
+  struct statvfs fs {};
+  const bool have_fs = ::statvfs("/dev/shm", &fs) == 0;
+  const uint64_t free_bytes = have_fs ? static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize : 0;
+  std::printf("%7s %16s %12s  %s\n", "world", "segment bytes", "size",
+              have_fs ? ("fits /dev/shm (" + mib_label(free_bytes) + " free now)").c_str() : "");
+  std::vector<Row> rows;
+  for (const int world : worlds) {
+    const size_t bytes = shm_segment_bytes(world, defaults);
+    std::printf("%7d %16zu %12s  %s\n", world, bytes, mib_label(bytes).c_str(),
+                have_fs ? (bytes <= free_bytes ? "yes" : "no") : "");
+    Row r;
+    r.set("scenario", "segment").set_int("world", world).set_int("segment_bytes", static_cast<int64_t>(bytes));
+    rows.push_back(std::move(r));
+  }
+  std::fflush(stdout);
+  return rows;
+}
+
+ScenarioRun run_scenarios(const BenchOptions& options) {
+  ScenarioRun run;
+  const bool tty = ::isatty(STDERR_FILENO) == 1;
+  const bool progress = options.progress || tty;
+  const int cpus = allowed_cpu_count();
+  for (const auto& scenario : options.scenarios) {
+    const bool loader = scenario == "loader";
+    std::vector<int> counts = loader ? options.workers : std::vector<int>{options.actors};
+    const int count = loader ? options.batches : options.steps;
+    const auto schedule = make_schedule(scenario, options.repeat, count);
+    const int total = measured_steps(schedule) * static_cast<int>(counts.size());
+    print_scenario_header(options, scenario);
+    int done = 0;
+    for (const int peers : counts) {
+      Layout layout;
+      layout.scenario = scenario;
+      layout.peers = peers;
+      layout.segment = "tdshm-bench-" + std::to_string(::getpid()) + "-" + scenario + "-" + std::to_string(peers);
+      layout.schedule = schedule;
+      layout.repeat = options.repeat;
+      layout.progress = progress;
+      layout.tty = tty;
+      layout.progress_done = done;
+      layout.progress_total = total;
+      done += measured_steps(schedule);
+      if (layout.world() > cpus) {
+        std::printf("  note: %s=%d runs %d processes on %d CPU(s): oversubscribed, so these figures measure time\n"
+                    "        sharing of the CPUs as much as the transports\n",
+                    loader ? "N" : "actors", peers, layout.world(), cpus);
+        std::fflush(stdout);
+      }
+      // A safety net only: every wait of the ranks has its own 60 s deadline.
+      const auto deadline = std::chrono::seconds(120 + 30 * static_cast<int64_t>(schedule.size()));
+      LayoutResult result;
+      try {
+        result = run_layout(layout, deadline);
+      } catch (const std::exception& e) {
+        result.failures.push_back(e.what());
+      }
+      if (progress && tty) std::fprintf(stderr, "\r\033[K");
+      const std::string where = scenario + (loader ? " N=" : " actors=") + std::to_string(peers) + ": ";
+      for (const auto& f : result.failures) {
+        run.failures.push_back(where + f);
+        std::fprintf(stderr, "tdshm bench: %s\n", run.failures.back().c_str());
+      }
+
+      const int items = loader ? peers : 1;  // per count: main gets one batch of every worker
+      const size_t item_bytes = loader ? kBatchBytes : static_cast<size_t>(peers) * (kWeightBytes + kTrajectoryBytes);
+      bool first = true;
+      for (const auto& pattern : patterns_of(scenario)) {
+        const Stats shm = stats_of(result, pattern, "shm", items);
+        const Stats gloo = stats_of(result, pattern, "gloo", items);
+        for (const char* transport : kTransports) {
+          const Stats& st = std::string(transport) == "shm" ? shm : gloo;
+          const std::string peers_text = first ? std::to_string(peers) : "";
+          first = false;
+          if (st.n < options.repeat) {
+            if (result.failures.empty()) {
+              run.failures.push_back(where + pattern + " " + transport + ": " + std::to_string(st.n) + " of " +
+                                     std::to_string(options.repeat) + " measurements came back");
+            }
+            std::printf("%7s  %-*s %-9s %11s\n", peers_text.c_str(), loader ? 13 : 19, pattern.c_str(), transport,
+                        "not measured");
+            continue;
+          }
+          const double gbps = st.median * static_cast<double>(item_bytes) / 1e9;
+          char spread[64], ratio[32] = "";
+          std::snprintf(spread, sizeof spread, "%9.1f - %-9.1f", st.min, st.max);
+          if (std::string(transport) == "shm" && gloo.n > 0 && gloo.median > 0) {
+            std::snprintf(ratio, sizeof ratio, "%8.2fx", shm.median / gloo.median);
+          }
+          std::printf("%7s  %-*s %-9s %11.1f  %-23s %8.3f %9s\n", peers_text.c_str(), loader ? 13 : 19,
+                      pattern.c_str(), transport, st.median, spread, gbps, ratio);
+          Row r;
+          r.set("scenario", scenario).set("pattern", pattern).set("transport", transport);
+          const std::string rate = loader ? "batches_per_s" : "steps_per_s";
+          if (loader) {
+            r.set_int("workers", peers).set_int("batches", static_cast<int64_t>(count) * peers);
+            r.set_int("batch_bytes", static_cast<int64_t>(kBatchBytes));
+          } else {
+            r.set_int("actors", peers).set_int("steps", count);
+            r.set_int("step_bytes", static_cast<int64_t>(item_bytes));
+          }
+          r.set_int("repeats", st.n);
+          r.set_number(rate, st.median).set_number(rate + "_min", st.min).set_number(rate + "_max", st.max);
+          r.set_number("gbps", gbps).set_number("seconds", st.median_seconds);
+          run.rows.push_back(std::move(r));
+        }
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  return run;
+}
+
+}  // namespace tdshm::bench
