@@ -80,10 +80,15 @@ struct ShmOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   /// How long a waiter spins before it sleeps on a futex. 0: blocking only (never spins).
   std::chrono::microseconds spin{std::chrono::microseconds(50)};
-  /// Payload bytes of one ring entry; larger messages are cut into chunks of this size.
-  size_t slot_bytes = size_t{256} << 10;
-  /// Entries of the ring of each ordered pair of ranks (memory: world² × entries × slot).
-  uint32_t ring_entries = 16;
+  /// Payload bytes of one arena slot; larger messages are cut into chunks of this size (a chunk
+  /// of up to 72 bytes travels inline in its ring entry and takes no slot).
+  size_t slot_bytes = size_t{64} << 10;
+  /// Arena slots of each rank: what one rank may have in flight towards all of its peers
+  /// together (memory: world × slots_per_rank × slot_bytes; 4 MiB per rank by default).
+  uint32_t slots_per_rank = 64;
+  /// Entries of the metadata ring of each ordered pair of ranks: messages (or chunks) one rank
+  /// may have in flight towards one peer (memory: world² × ring_entries × 192 bytes).
+  uint32_t ring_entries = 64;
   /// How often a waiter checks that its peers are alive: a dead peer's transfers fail within
   /// about this long.
   std::chrono::milliseconds peer_check_interval{std::chrono::milliseconds(100)};

@@ -146,14 +146,24 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   if (options.timeout.count() <= 0) throw SegmentError("ShmOptions::timeout must be positive");
   if (options.peer_check_interval.count() <= 0) throw SegmentError("ShmOptions::peer_check_interval must be positive");
   const auto deadline = Clock::now() + options.timeout;
-  shm::SegmentParams params{name, static_cast<uint32_t>(size), options.slot_bytes, options.ring_entries};
+  shm::SegmentParams params{name, static_cast<uint32_t>(size), options.slot_bytes, options.ring_entries,
+                            options.slots_per_rank};
   segment_ = shm::Segment::attach(params, static_cast<uint32_t>(rank), deadline);
 
   const auto n = static_cast<size_t>(size);
   send_queues_.resize(n);
-  tx_pos_.assign(n, 0);
-  tx_tail_.assign(n, 0);
-  rx_pos_.assign(n, 0);
+  const auto& g = segment_->geometry();
+  const auto me = static_cast<uint32_t>(rank);
+  tx_.resize(n);
+  rx_.resize(n);
+  regions_.resize(n);
+  for (uint32_t p = 0; p < static_cast<uint32_t>(size); ++p) {
+    regions_[p] = shm::RegionView(segment_->region_memory(p), options.slots_per_rank, g.slot_table_bytes, g.slot_stride);
+    if (p == me) continue;
+    tx_[p] = shm::RingProducer(shm::RingView(segment_->ring_memory(me, p), options.ring_entries));
+    rx_[p] = shm::RingConsumer(shm::RingView(segment_->ring_memory(p, me), options.ring_entries));
+  }
+  slots_ = shm::SlotAllocator(regions_[me]);
   current_.resize(n);
   spare_.resize(n);
   peer_error_.resize(n);
@@ -273,14 +283,15 @@ std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, i
     if (!shut_down_ && !poisoned_ && !peer_error_[peer] && send_queues_[peer].empty() && tensor.is_contiguous()) {
       const uint64_t bytes =
           reference.empty() ? static_cast<uint64_t>(tensor.numel()) * tensor.element_size() : reference.size();
-      if (bytes <= options_.slot_bytes && ring_has_room(dst)) {
+      if (bytes <= options_.slot_bytes && tx_[peer].has_room()) {
         const uint32_t flags = shm::kEntryFirst | shm::kEntryLast | (control ? uint32_t{shm::kEntryControl} : 0u) |
                                (reference.empty() ? 0u : uint32_t{shm::kEntryReference}) | check_flag(check);
         const auto* data = reference.empty() ? static_cast<const uint8_t*>(tensor.data_ptr())
                                              : reinterpret_cast<const uint8_t*>(reference.data());
-        write_entry(dst, tx_pos_[peer]++, flags, tag, tensor, data, 0, bytes, check);
-        notify(dst);
-        if (!check_poisoned()) return nullptr;  // else: the op below fails with the poison error
+        if (write_entry(dst, flags, tag, tensor, data, 0, bytes, check)) {
+          notify(dst);
+          if (!check_poisoned()) return nullptr;  // else: the op below fails with the poison error
+        }
       }
     }
   }
@@ -433,41 +444,29 @@ void ShmEngine::poll() {
   progress_locked();
 }
 
-// True if the ring towards `dst` has a free entry at tx_pos_[dst]. The consumer's tail is re-read
-// only when the cached one says the ring is full: in the common case the producer never touches
-// the consumer's cache line.
-bool ShmEngine::ring_has_room(int dst) {
-  const uint64_t pos = tx_pos_[static_cast<size_t>(dst)];
-  uint64_t& tail = tx_tail_[static_cast<size_t>(dst)];
-  if (pos - tail < options_.ring_entries) return true;
-  // Pairs with the consumer's release store of tail.
-  tail = segment_->ring(static_cast<uint32_t>(rank_), static_cast<uint32_t>(dst)).tail.load(std::memory_order_acquire);
-  return pos - tail < options_.ring_entries;
-}
-
 bool ShmEngine::progress_sends(int dst) {
   auto& queue = send_queues_[static_cast<size_t>(dst)];
   if (queue.empty()) return false;
   const uint64_t slot = options_.slot_bytes;
-  uint64_t& pos = tx_pos_[static_cast<size_t>(dst)];
   bool moved = false;
   while (!queue.empty()) {
     ShmOp& op = *queue.front();
-    if (!ring_has_room(dst)) break;
+    if (!tx_[static_cast<size_t>(dst)].has_room()) break;
     uint32_t flags = op.control ? uint32_t{shm::kEntryControl} : 0u;
     uint64_t chunk;
+    bool written;
     if (!op.reference.empty()) {  // the whole message in one entry, whatever the tensor's size
       chunk = op.bytes;
       flags |= shm::kEntryFirst | shm::kEntryLast | shm::kEntryReference | check_flag(op.check);
-      write_entry(dst, pos, flags, op.tag, op.buffer, reinterpret_cast<const uint8_t*>(op.reference.data()), 0,
-                  op.reference.size(), op.check);
+      written = write_entry(dst, flags, op.tag, op.buffer, reinterpret_cast<const uint8_t*>(op.reference.data()), 0,
+                            op.reference.size(), op.check);
     } else {
       chunk = std::min(slot, op.bytes - op.posted);
       if (!op.started) flags |= shm::kEntryFirst | check_flag(op.check);
       if (op.posted + chunk == op.bytes) flags |= shm::kEntryLast;
-      write_entry(dst, pos, flags, op.tag, op.buffer, op.data + op.posted, op.posted, chunk, op.check);
+      written = write_entry(dst, flags, op.tag, op.buffer, op.data + op.posted, op.posted, chunk, op.check);
     }
-    ++pos;
+    if (!written) break;  // every arena slot of this rank is in flight: a receiver frees one
     op.posted += chunk;
     op.started = true;
     moved = true;
@@ -481,27 +480,42 @@ bool ShmEngine::progress_sends(int dst) {
   return moved;
 }
 
-// Fills the entry at ring position `pos` towards `dst` and publishes it (seq stored last).
-void ShmEngine::write_entry(int dst, uint64_t pos, uint32_t flags, int64_t tag, const at::Tensor& whole,
-                            const uint8_t* chunk_data, uint64_t offset, uint64_t chunk, MessageCheck check) {
-  const auto me = static_cast<uint32_t>(rank_), to = static_cast<uint32_t>(dst);
-  EntryHeader& e = segment_->entry(me, to, pos);
+// Fills the next entry of the ring towards `dst` (which has room) and publishes it (seq stored
+// last): the chunk inline when it fits, else in an arena slot. False, changing nothing, when the
+// chunk needs a slot and none is free.
+bool ShmEngine::write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
+                            uint64_t offset, uint64_t chunk, MessageCheck check) {
+  const auto to = static_cast<uint32_t>(dst);
+  shm::RingProducer& ring = tx_[to];
+  uint8_t* payload;
+  uint32_t slot = 0;
+  if (chunk <= shm::kInlineBytes) {
+    flags |= shm::kEntryInline;
+    payload = ring.inline_bytes();
+  } else {
+    const auto taken = slots_.take(to);
+    if (!taken) return false;
+    slot = *taken;
+    payload = slots_.data(slot);
+  }
+  EntryHeader& e = ring.entry();
   if (flags & shm::kEntryFirst) {
     e.tag = tag;
     e.total_bytes = static_cast<uint64_t>(whole.numel()) * whole.element_size();
     e.dtype = static_cast<uint8_t>(whole.scalar_type());
     const auto sizes = whole.sizes();
     e.ndim = sizes.size() <= shm::kMaxDims ? static_cast<uint8_t>(sizes.size()) : shm::kShapeNotSent;
-    if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(sizes.begin(), sizes.end(), segment_->shape(me, to, pos).dims);
+    if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(sizes.begin(), sizes.end(), ring.shape().dims);
   }
   e.check = (flags & shm::kEntryFirst) ? check.value : 0;
   e.leaves = (flags & shm::kEntryFirst) && check.kind == MessageCheck::Kind::kKey ? check.leaves : 0;
   e.flags = flags;
   e.chunk_offset = offset;
   e.chunk_bytes = static_cast<uint32_t>(chunk);  // slot_bytes <= 2^30
-  if (chunk != 0) std::memcpy(segment_->payload(me, to, pos), chunk_data, chunk);
-  e.seq.store(pos + 1, std::memory_order_release);  // pairs with the consumer's acquire load of seq
-  segment_->ring(me, to).head.store(pos + 1, std::memory_order_release);
+  e.slot = slot;
+  if (chunk != 0) std::memcpy(payload, chunk_data, chunk);
+  ring.publish();
+  return true;
 }
 
 bool ShmEngine::progress_receives(int src) {
@@ -512,16 +526,25 @@ bool ShmEngine::progress_receives(int src) {
     return false;
   }
   const auto from = static_cast<uint32_t>(src), me = static_cast<uint32_t>(rank_);
-  shm::RingControl& ring = segment_->ring(from, me);
-  uint64_t& pos = rx_pos_[s];
+  shm::RingConsumer& ring = rx_[s];
+  const shm::RegionView& region = regions_[s];
   bool moved = false;
   for (;;) {
-    const EntryHeader& e = segment_->entry(from, me, pos);
-    if (e.seq.load(std::memory_order_acquire) != pos + 1) break;  // pairs with the producer's release
-    const shm::EntryFields fields = shm::read_entry(e);  // read once: only this copy is used below
+    shm::EntryFields fields;
+    if (!ring.peek(fields)) break;  // read once: only this copy is used below
+    // The chunk: in the entry, or in the sender's slot if that slot was handed to this rank (else
+    // null, and handle_entry refuses the entry as corrupt).
+    const bool in_slot = (fields.flags & shm::kEntryInline) == 0;
+    const uint8_t* payload = in_slot ? shm::claimed_chunk(region, fields.slot, me) : ring.inline_bytes();
     Taken taken;
     try {
-      taken = handle_entry(src, fields, segment_->payload(from, me, pos), segment_->shape(from, me, pos));
+      taken = handle_entry(src, fields, payload, ring.shape());
+      // The sender's region is written only by the sender, and only in free slots: a slot that is
+      // no longer handed to this rank after the copy was rewritten while it was read.
+      if (taken == Taken::kYes && in_slot && !shm::claimed_chunk(region, fields.slot, me)) {
+        throw TransportError("corrupted entry from " + segment_->describe_rank(from) + ": arena slot " +
+                             std::to_string(fields.slot) + " was taken back while this rank read it");
+      }
     } catch (const Error&) {
       fail_peer(src, std::current_exception());
       return true;
@@ -532,8 +555,8 @@ bool ShmEngine::progress_receives(int src) {
       return true;
     }
     if (taken == Taken::kHeld) break;  // over the unexpected budget: it waits in the ring
-    ++pos;
-    ring.tail.store(pos, std::memory_order_release);  // the entry may be reused now
+    if (in_slot) shm::release_slot(region, fields.slot);
+    ring.consume();
     moved = true;
     // A posted receive just completed: return, so that a waiter that now has what it waited
     // for stops here instead of draining later messages into process memory ("unexpected", a
@@ -553,8 +576,12 @@ ShmEngine::Taken ShmEngine::handle_entry(int src, const shm::EntryFields& e, con
   auto& cur = current_[static_cast<size_t>(src)];
   shm::RxProgress rx;
   if (cur) rx = {true, cur->control, cur->total, cur->received};
-  if (std::string problem = shm::check_entry(e, rx, options_.slot_bytes, kMaxMessageBytes); !problem.empty()) {
+  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank};
+  if (std::string problem = shm::check_entry(e, rx, arena, kMaxMessageBytes); !problem.empty()) {
     throw corrupt(problem);
+  }
+  if (payload == nullptr) {
+    throw corrupt("arena slot " + std::to_string(e.slot) + " of the sender is not handed to this rank");
   }
   const bool reference = (e.flags & shm::kEntryReference) != 0;
   shm::ReferenceFields ref;
@@ -824,8 +851,10 @@ void ShmEngine::check_peers() {
     if (peer_error_[static_cast<size_t>(p)]) continue;
     fail_peer(p, make_error<PeerLostError>(segment_->describe_rank(static_cast<uint32_t>(p)) +
                                            " of segment '" + name_ + "' is gone (it exited or died)"));
-    log().warn("segment '{}': {} is gone; its pending transfers failed", name_,
-               segment_->describe_rank(static_cast<uint32_t>(p)));
+    // A gone rank reads nothing more: the slots this rank handed to it are free again.
+    const uint32_t reclaimed = slots_.reclaim(static_cast<uint32_t>(p));
+    log().warn("segment '{}': {} is gone; its pending transfers failed ({} arena slots taken back)", name_,
+               segment_->describe_rank(static_cast<uint32_t>(p)), reclaimed);
   }
 }
 

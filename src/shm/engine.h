@@ -30,6 +30,8 @@
 
 #include <tdshm/process_group.h>
 
+#include "shm/arena.h"
+#include "shm/ring.h"
 #include "shm/segment.h"
 #include "shm/validate.h"
 
@@ -119,8 +121,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
 
   bool progress_locked();  // requires mu_; true if anything moved
   bool progress_sends(int dst);
-  bool ring_has_room(int dst);
-  void write_entry(int dst, uint64_t pos, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
+  bool write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
                    uint64_t offset, uint64_t chunk, MessageCheck check = {});
   bool progress_receives(int src);
   enum class Taken { kYes, kHeld };  // kHeld: the entry stays in the ring (over the unexpected budget)
@@ -150,9 +151,10 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
 
   std::mutex mu_;  // everything below
   std::vector<std::deque<std::shared_ptr<ShmOp>>> send_queues_;  // per destination, FIFO
-  std::vector<uint64_t> tx_pos_;                                 // per destination: next ring position
-  std::vector<uint64_t> tx_tail_;                                // per destination: last tail read
-  std::vector<uint64_t> rx_pos_;                                 // per source: next ring position
+  std::vector<shm::RingProducer> tx_;                            // per destination: its ring's producer end
+  std::vector<shm::RingConsumer> rx_;                            // per source: its ring's consumer end
+  std::vector<shm::RegionView> regions_;                         // per rank: its arena region
+  shm::SlotAllocator slots_;                                     // this rank's own region
   std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
   std::vector<std::shared_ptr<Incoming>> spare_;                 // per source: a finished one, for reuse
   std::deque<std::shared_ptr<ShmOp>> posted_;                    // unmatched receives, posting order

@@ -76,7 +76,8 @@ void validate_segment_name(const std::string& name) {
 }
 
 size_t shm_segment_bytes(int world_size, const ShmOptions& options) {
-  return shm::segment_geometry(static_cast<uint32_t>(world_size), options.slot_bytes, options.ring_entries)
+  return shm::segment_geometry(static_cast<uint32_t>(world_size), options.slot_bytes, options.ring_entries,
+                               options.slots_per_rank)
       .segment_bytes;
 }
 
@@ -358,7 +359,7 @@ void check_capacity(uint64_t bytes, const std::string& name) {
                        std::to_string(bytes >> 20) + " MiB) but " + kShmDir + " has " + std::to_string(avail) +
                        " bytes free: enlarge it (docker run --shm-size=" + std::to_string((bytes >> 20) + 64) +
                        "m, or mount -o remount,size=... " + kShmDir +
-                       ") or make ShmOptions::slot_bytes / ring_entries smaller");
+                       ") or make ShmOptions::slot_bytes / slots_per_rank / ring_entries smaller");
   }
 }
 
@@ -475,9 +476,12 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
   if (params.ring_entries < 1 || params.ring_entries > kMaxRingEntries) {
     throw SegmentError("ring_entries " + std::to_string(params.ring_entries) + " must be in [1, 2^20]");
   }
+  if (params.slots_per_rank < 1 || params.slots_per_rank > kMaxSlotsPerRank) {
+    throw SegmentError("slots_per_rank " + std::to_string(params.slots_per_rank) + " must be in [1, 2^16]");
+  }
 
   std::unique_ptr<Segment> seg(new Segment(params, rank));
-  seg->geometry_ = segment_geometry(params.world_size, params.slot_bytes, params.ring_entries);
+  seg->geometry_ = segment_geometry(params.world_size, params.slot_bytes, params.ring_entries, params.slots_per_rank);
   const std::string path = segment_path(params.name);
   const ProcessId me = self_process();
 
@@ -532,12 +536,13 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
           throw SegmentError("segment '" + params.name + "' was truncated: " + existing.check().problem +
                              "; rank " + std::to_string(live) + " still uses it, so it is left alone");
         } else if (h.world_size != params.world_size || h.slot_bytes != params.slot_bytes ||
-                   h.ring_entries != params.ring_entries) {
+                   h.ring_entries != params.ring_entries || h.slots_per_rank != params.slots_per_rank) {
           throw SegmentError("segment '" + params.name + "' is in use with world size " + std::to_string(h.world_size) +
                              ", slot_bytes " + std::to_string(h.slot_bytes) + ", ring_entries " +
-                             std::to_string(h.ring_entries) + "; this rank asked for world size " +
-                             std::to_string(params.world_size) + ", slot_bytes " + std::to_string(params.slot_bytes) +
-                             ", ring_entries " + std::to_string(params.ring_entries));
+                             std::to_string(h.ring_entries) + ", slots_per_rank " + std::to_string(h.slots_per_rank) +
+                             "; this rank asked for world size " + std::to_string(params.world_size) + ", slot_bytes " +
+                             std::to_string(params.slot_bytes) + ", ring_entries " + std::to_string(params.ring_entries) +
+                             ", slots_per_rank " + std::to_string(params.slots_per_rank));
         } else {
           const RankSlot& mine = existing.slot(rank);
           const uint32_t state = mine.state.load(std::memory_order_acquire);
@@ -593,7 +598,7 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
       undo();
       throw SegmentError("cannot reserve " + std::to_string(bytes) + " bytes for segment '" + params.name + "' in " +
                          kShmDir + ": " + std::strerror(err) +
-                         "; enlarge /dev/shm or make ShmOptions::slot_bytes / ring_entries smaller");
+                         "; enlarge /dev/shm or make ShmOptions::slot_bytes / slots_per_rank / ring_entries smaller");
     }
     try {
       seg->map(raw, bytes);
@@ -612,6 +617,9 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
     hdr->rings_offset = seg->geometry_.rings_offset;
     hdr->ring_bytes = seg->geometry_.ring_bytes;
     hdr->entry_bytes = seg->geometry_.entry_bytes;
+    hdr->arena_offset = seg->geometry_.arena_offset;
+    hdr->region_bytes = seg->geometry_.region_bytes;
+    hdr->slots_per_rank = params.slots_per_rank;
     hdr->creator_pid = me.pid;
     hdr->creator_rank = rank;
     hdr->creator_start_time = me.start_time;

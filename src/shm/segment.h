@@ -34,6 +34,7 @@ struct SegmentParams {
   uint32_t world_size = 0;
   uint64_t slot_bytes = 0;
   uint32_t ring_entries = 0;
+  uint32_t slots_per_rank = 0;
 };
 
 class Segment {
@@ -71,14 +72,11 @@ class Segment {
   RingControl& ring(uint32_t src, uint32_t dst) const noexcept {
     return *reinterpret_cast<RingControl*>(ring_base(src, dst));
   }
-  EntryHeader& entry(uint32_t src, uint32_t dst, uint64_t position) const noexcept {
-    return *reinterpret_cast<EntryHeader*>(entry_base(src, dst, position));
-  }
-  uint8_t* payload(uint32_t src, uint32_t dst, uint64_t position) const noexcept {
-    return entry_base(src, dst, position) + sizeof(EntryHeader);
-  }
-  EntryShape& shape(uint32_t src, uint32_t dst, uint64_t position) const noexcept {
-    return *reinterpret_cast<EntryShape*>(entry_base(src, dst, position) + geometry_.shape_offset);
+  /// The base of the ring src -> dst: its RingControl, then ring_entries entries (ring.h).
+  uint8_t* ring_memory(uint32_t src, uint32_t dst) const noexcept { return ring_base(src, dst); }
+  /// The arena region of `owner`: its ArenaSlot table, then its slots (arena.h).
+  uint8_t* region_memory(uint32_t owner) const noexcept {
+    return base_ + geometry_.arena_offset + uint64_t{owner} * geometry_.region_bytes;
   }
 
   /// Whether rank `r` is attached and its process alive (left or dead ranks are not).
@@ -113,9 +111,6 @@ class Segment {
   void store_state(uint32_t state) noexcept;
   uint8_t* ring_base(uint32_t src, uint32_t dst) const noexcept {
     return base_ + geometry_.rings_offset + (uint64_t{src} * params_.world_size + dst) * geometry_.ring_bytes;
-  }
-  uint8_t* entry_base(uint32_t src, uint32_t dst, uint64_t position) const noexcept {
-    return ring_base(src, dst) + sizeof(RingControl) + (position % params_.ring_entries) * geometry_.entry_bytes;
   }
 
   SegmentParams params_;

@@ -1,15 +1,23 @@
 #pragma once
 // The bytes of a tdshm segment (/dev/shm/tdshm.<name>). Everything here lives in shared memory,
 // is read by other processes, and is pinned by static_asserts: a change to any struct must bump
-// kLayoutVersion (tests/shm/test_layout.cpp hard-codes the sizes and offsets).
+// kLayoutVersion (tests/unit/test_shm_layout.cpp hard-codes the sizes and offsets).
 //
-//   offset 0                      256                 256 + world*128
-//   +-----------------------------+-------------------+-----------------------------------+
-//   | SegmentHeader (256 B)       | RankSlot[world]   | Ring[src*world + dst] ...          |
-//   | magic, version (last), sizes| pid, start time,  |  RingControl (128 B: head | tail) |
-//   | world size, offsets, creator| state, futex word |  Entry[ring_entries]:             |
-//   +-----------------------------+-------------------+    EntryHeader (48 B), slot, shape|
-//                                                     +-----------------------------------+
+//   0                 256                 rings_offset                      arena_offset
+//   +-----------------+-------------------+---------------------------------+--------------------------+
+//   | SegmentHeader   | RankSlot[world]   | Ring[src*world + dst] ...       | Region[owner] ...        |
+//   | magic, version, | pid, start time,  |  RingControl (128 B)            |  ArenaSlot[slots] (state)|
+//   | sizes, creator  | state, futex word |  Entry[ring_entries] (192 B):   |  slot 0 | slot 1 | ...   |
+//   +-----------------+-------------------+   header, inline bytes, shape   +--------------------------+
+//
+// Memory grows with the world, not its square: the per-pair rings hold only small metadata
+// entries (tag, sizes, dtype, shape, check; a payload of up to kInlineBytes travels inline), and
+// payload bytes go through an arena of fixed-size slots, one region of `slots_per_rank` slots
+// per rank. A rank writes only into its own region (it is the one allocator of its slots, so
+// allocation needs no atomic read-modify-write and one sender can never starve another); each
+// slot carries its state, the rank it was handed to, which the receiver resets once it has
+// copied the chunk out. With the defaults (64 entries of 192 B per ordered pair, 64 slots of
+// 64 KiB per rank) world 9 takes 38 MiB and world 64 takes 305 MiB (world 64 before: 16.9 GiB).
 //
 // Offsets, never pointers: each process maps the segment at its own address. Atomics are
 // lock-free std::atomic of 32 and 64 bits (asserted), which are address-free and so work
@@ -24,7 +32,8 @@
 //
 // Trust. The bytes of a segment are written by the ranks of one user. segment.cpp refuses a file
 // that another uid owns or that group/other may open. A member may still be buggy: the engine
-// reads every field once into a local copy and validates it (validate.h) before use.
+// reads every field once into a local copy and validates it (validate.h) before use; a slot is
+// read only from the sending rank's own region and only while its state names the reader.
 
 #include <atomic>
 #include <cstddef>
@@ -36,7 +45,8 @@ namespace tdshm::shm {
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
 inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
-inline constexpr uint32_t kLayoutVersion = 4;  // 2: kEntryReference; 3: incarnations; 4: entry checks
+inline constexpr uint32_t kLayoutVersion = 5;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
+                                               // 5: metadata rings + slot arena
 inline constexpr size_t kMaxDims = 8;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words and states must be lock-free");
@@ -53,16 +63,20 @@ struct SegmentHeader {
   uint64_t segment_bytes;                // 16  whole segment
   uint32_t world_size;                   // 24
   uint32_t ring_entries;                 // 28  entries per ring
-  uint64_t slot_bytes;                   // 32  payload bytes per entry
+  uint64_t slot_bytes;                   // 32  payload bytes per arena slot
   uint64_t rank_table_offset;            // 40
   uint64_t rings_offset;                 // 48
   uint64_t ring_bytes;                   // 56  RingControl + entries
-  uint64_t entry_bytes;                  // 64  EntryHeader + slot, a multiple of kCacheLine
+  uint64_t entry_bytes;                  // 64  one ring entry (kEntryBytes)
   uint32_t creator_pid;                  // 72
   uint32_t creator_rank;                 // 76
   uint64_t creator_start_time;           // 80  clock ticks since boot (/proc/<pid>/stat field 22)
   uint64_t incarnation;                  // 88  random, fixed at creation: names this incarnation
-  uint8_t reserved[160];                 // 96  zero
+  uint64_t arena_offset;                 // 96  region of rank r at arena_offset + r * region_bytes
+  uint64_t region_bytes;                 // 104 ArenaSlot table + slots of one rank
+  uint32_t slots_per_rank;               // 112
+  uint32_t reserved0;                    // 116 zero
+  uint8_t reserved[136];                 // 120 zero
 };
 static_assert(sizeof(SegmentHeader) == 256);
 static_assert(offsetof(SegmentHeader, layout_version) == 8);
@@ -70,6 +84,8 @@ static_assert(offsetof(SegmentHeader, world_size) == 24);
 static_assert(offsetof(SegmentHeader, slot_bytes) == 32);
 static_assert(offsetof(SegmentHeader, creator_start_time) == 80);
 static_assert(offsetof(SegmentHeader, incarnation) == 88);
+static_assert(offsetof(SegmentHeader, arena_offset) == 96);
+static_assert(offsetof(SegmentHeader, slots_per_rank) == 112);
 
 /// A slot's life in one incarnation: Free -> Live -> Left or Abandoned, each step once.
 enum RankState : uint32_t {
@@ -116,6 +132,9 @@ enum EntryFlags : uint32_t {
   // compares them; one without (a Python tensordict rank) ignores them.
   kEntryKeyCheck = 16,
   kEntrySchemaCheck = 32,
+  // The chunk's bytes (at most kInlineBytes) follow the header in the entry itself; without it
+  // they are in the sender's arena slot `slot`.
+  kEntryInline = 64,
 };
 
 /// Payload of a kEntryReference entry (always a whole message: kEntryFirst | kEntryLast): the
@@ -128,27 +147,33 @@ struct MemmapReference {
 };
 static_assert(sizeof(MemmapReference) == 16);
 
-/// The header of one ring entry. The payload follows it directly, so a message of up to 16
-/// bytes travels in the same cache line as its header (the consumer polls `seq` in that line);
-/// the shape of a tensor of 2 or more dimensions sits after the slot (EntryShape), read only
-/// then. `seq` is stored last (release): position + 1 once the entry is complete.
+/// The header of one ring entry; `seq` is stored last (release): position + 1 once the entry is
+/// complete. A chunk of up to kInlineBytes follows the header in the same two cache lines (the
+/// consumer polls `seq` in the first), so a small leaf costs no slot; a larger one is in the
+/// sending rank's arena slot `slot`. The shape of a tensor of 2 or more dimensions sits after the
+/// inline bytes (EntryShape), read only then.
 ///
-///   entry:  | EntryHeader (48 B) | payload (slot_bytes) | pad to 8 | EntryShape (64 B) | pad to 64 |
+///   entry (kEntryBytes):  | EntryHeader (56 B) | inline payload (72 B) | EntryShape (64 B) |
 struct EntryHeader {
   std::atomic<uint64_t> seq;  // 0
   int64_t tag;                // 8
   uint64_t total_bytes;       // 16  of the whole message
   uint64_t chunk_offset;      // 24  of this chunk in the message
-  uint32_t chunk_bytes;       // 32  <= slot_bytes
+  uint32_t chunk_bytes;       // 32  <= slot_bytes, or <= kInlineBytes with kEntryInline
   uint32_t flags;             // 36  EntryFlags
   uint8_t dtype;              // 40  c10::ScalarType of the sender's tensor
   uint8_t ndim;               // 41  <= kMaxDims, or kShapeNotSent
   uint16_t leaves;            // 42  with kEntryKeyCheck: leaves of the sender's transfer (0: unknown)
   uint32_t check;             // 44  with kEntryKeyCheck / kEntrySchemaCheck, else 0
+  uint32_t slot;              // 48  without kEntryInline: index of the sender's arena slot
+  uint32_t reserved;          // 52  zero (keeps the inline bytes 8-aligned)
 };
-static_assert(sizeof(EntryHeader) == 48);
+static_assert(sizeof(EntryHeader) == 56);
 static_assert(offsetof(EntryHeader, chunk_bytes) == 32);
 static_assert(offsetof(EntryHeader, dtype) == 40);
+static_assert(offsetof(EntryHeader, slot) == 48);
+
+inline constexpr uint64_t kInlineBytes = 72;
 
 /// The sizes of a tensor of 2 to kMaxDims dimensions, written with a message's first entry (a
 /// 0- or 1-dimensional shape follows from the byte size and dtype).
@@ -157,11 +182,27 @@ struct EntryShape {
 };
 static_assert(sizeof(EntryShape) == 64);
 
+inline constexpr uint64_t kEntryShapeOffset = sizeof(EntryHeader) + kInlineBytes;
+inline constexpr uint64_t kEntryBytes = kEntryShapeOffset + sizeof(EntryShape);
+static_assert(kEntryShapeOffset == 128 && kEntryBytes == 192, "an entry is three cache lines");
+
 inline constexpr uint8_t kShapeNotSent = 255;
+
+/// The state of one arena slot, at the start of its owner's region (ArenaSlot[slots_per_rank],
+/// padded to a cache line). Only the owner moves a slot from free to taken (before it writes
+/// the chunk and publishes the entry that names the slot, release); only the rank it was handed
+/// to moves it back to free (after it copied the chunk out, release), except that the owner takes
+/// back the slots of a rank that is gone.
+struct ArenaSlot {
+  std::atomic<uint32_t> state;  // 0   kSlotFree, or 1 + the rank the chunk was handed to
+  uint32_t reserved;            // 4   zero
+};
+static_assert(sizeof(ArenaSlot) == 8);
+inline constexpr uint32_t kSlotFree = 0;
 
 static_assert(std::is_standard_layout_v<SegmentHeader> && std::is_standard_layout_v<RankSlot> &&
                   std::is_standard_layout_v<RingControl> && std::is_standard_layout_v<EntryHeader> &&
-                  std::is_standard_layout_v<EntryShape>,
+                  std::is_standard_layout_v<EntryShape> && std::is_standard_layout_v<ArenaSlot>,
               "shared structs must be standard-layout");
 static_assert(std::is_trivially_destructible_v<SegmentHeader> && std::is_trivially_destructible_v<RankSlot> &&
                   std::is_trivially_destructible_v<RingControl> && std::is_trivially_destructible_v<EntryHeader>,
@@ -199,24 +240,31 @@ inline constexpr uint64_t kJoinRecordsOffset = 64;
 
 /// Byte sizes and offsets of a segment with the given parameters (the one place they are computed).
 struct SegmentGeometry {
-  uint64_t shape_offset;  // of the EntryShape within an entry
   uint64_t entry_bytes;
   uint64_t ring_bytes;
   uint64_t rank_table_offset;
   uint64_t rings_offset;
+  uint64_t slot_table_bytes;  // ArenaSlot[slots_per_rank], padded to a cache line
+  uint64_t slot_stride;       // slot_bytes, padded to a cache line
+  uint64_t region_bytes;
+  uint64_t arena_offset;
   uint64_t segment_bytes;
 };
 
 constexpr uint64_t round_up(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
 
-constexpr SegmentGeometry segment_geometry(uint32_t world_size, uint64_t slot_bytes, uint32_t ring_entries) {
+constexpr SegmentGeometry segment_geometry(uint32_t world_size, uint64_t slot_bytes, uint32_t ring_entries,
+                                           uint32_t slots_per_rank) {
   SegmentGeometry g{};
-  g.shape_offset = round_up(sizeof(EntryHeader) + slot_bytes, alignof(EntryShape));
-  g.entry_bytes = round_up(g.shape_offset + sizeof(EntryShape), kCacheLine);
+  g.entry_bytes = kEntryBytes;
   g.ring_bytes = sizeof(RingControl) + g.entry_bytes * ring_entries;
   g.rank_table_offset = sizeof(SegmentHeader);
   g.rings_offset = round_up(g.rank_table_offset + sizeof(RankSlot) * world_size, kCacheLine);
-  g.segment_bytes = g.rings_offset + g.ring_bytes * world_size * world_size;
+  g.slot_table_bytes = round_up(sizeof(ArenaSlot) * uint64_t{slots_per_rank}, kCacheLine);
+  g.slot_stride = round_up(slot_bytes, kCacheLine);
+  g.region_bytes = g.slot_table_bytes + g.slot_stride * slots_per_rank;
+  g.arena_offset = g.rings_offset + g.ring_bytes * world_size * world_size;
+  g.segment_bytes = g.arena_offset + g.region_bytes * world_size;
   return g;
 }
 

@@ -35,6 +35,9 @@ HeaderFields read_header(const SegmentHeader& shared) noexcept {
   h.creator_rank = load_field<uint32_t>(b, offsetof(SegmentHeader, creator_rank));
   h.creator_start_time = load_field<uint64_t>(b, offsetof(SegmentHeader, creator_start_time));
   h.incarnation = load_field<uint64_t>(b, offsetof(SegmentHeader, incarnation));
+  h.arena_offset = load_field<uint64_t>(b, offsetof(SegmentHeader, arena_offset));
+  h.region_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, region_bytes));
+  h.slots_per_rank = load_field<uint32_t>(b, offsetof(SegmentHeader, slots_per_rank));
   return h;
 }
 
@@ -58,14 +61,20 @@ HeaderCheck check_header(const HeaderFields& h, uint64_t file_bytes) {
   if (h.slot_bytes < 1 || h.slot_bytes > kMaxSlotBytes) {
     return fail(HeaderVerdict::kCorrupt, "slot bytes " + std::to_string(h.slot_bytes));
   }
+  if (h.slots_per_rank < 1 || h.slots_per_rank > kMaxSlotsPerRank) {
+    return fail(HeaderVerdict::kCorrupt, "slots per rank " + std::to_string(h.slots_per_rank));
+  }
   if (h.creator_rank >= h.world_size) {
     return fail(HeaderVerdict::kCorrupt, "creator rank " + std::to_string(h.creator_rank));
   }
-  // With the bounds above the geometry cannot overflow 64 bits (2^12 * 2^12 * 2^20 * 2^31).
-  const SegmentGeometry g = segment_geometry(h.world_size, h.slot_bytes, h.ring_entries);
+  // With the bounds above the geometry cannot overflow 64 bits: rings 2^12 * 2^12 * 2^28, arena
+  // 2^12 * 2^16 * 2^30.
+  const SegmentGeometry g = segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank);
   if (h.entry_bytes != g.entry_bytes || h.ring_bytes != g.ring_bytes || h.rank_table_offset != g.rank_table_offset ||
-      h.rings_offset != g.rings_offset || h.segment_bytes != g.segment_bytes) {
-    return fail(HeaderVerdict::kCorrupt, "offsets and sizes do not agree with world size, slot bytes and ring entries");
+      h.rings_offset != g.rings_offset || h.arena_offset != g.arena_offset || h.region_bytes != g.region_bytes ||
+      h.segment_bytes != g.segment_bytes) {
+    return fail(HeaderVerdict::kCorrupt,
+                "offsets and sizes do not agree with world size, slot bytes, ring entries and slots per rank");
   }
   if (h.segment_bytes != file_bytes) {
     return fail(HeaderVerdict::kTruncated, "the header says " + std::to_string(h.segment_bytes) +
@@ -86,19 +95,29 @@ EntryFields read_entry(const EntryHeader& shared) noexcept {
   e.ndim = load_field<uint8_t>(b, offsetof(EntryHeader, ndim));
   e.check = load_field<uint32_t>(b, offsetof(EntryHeader, check));
   e.leaves = load_field<uint16_t>(b, offsetof(EntryHeader, leaves));
+  e.slot = load_field<uint32_t>(b, offsetof(EntryHeader, slot));
   return e;
 }
 
-std::string check_entry(const EntryFields& e, const RxProgress& rx, uint64_t slot_bytes, uint64_t max_message_bytes) {
+std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaShape& arena, uint64_t max_message_bytes) {
   constexpr uint32_t kChecks = kEntryKeyCheck | kEntrySchemaCheck;
-  constexpr uint32_t kKnown = kEntryFirst | kEntryLast | kEntryControl | kEntryReference | kChecks;
+  constexpr uint32_t kKnown = kEntryFirst | kEntryLast | kEntryControl | kEntryReference | kChecks | kEntryInline;
   if (e.flags & ~kKnown) return "unknown flags " + std::to_string(e.flags);
   const bool first = (e.flags & kEntryFirst) != 0, last = (e.flags & kEntryLast) != 0;
   if ((e.flags & kChecks) == kChecks) return "both a key check and a schema check";
   if ((e.flags & kChecks) != 0 && !first) return "a check on a continuation entry";
   if (e.leaves != 0 && (e.flags & kEntryKeyCheck) == 0) return "a leaf count without a key check";
   const bool control = (e.flags & kEntryControl) != 0;
-  if (e.chunk_bytes > slot_bytes) return "chunk of " + std::to_string(e.chunk_bytes) + " bytes in a slot of " + std::to_string(slot_bytes);
+  if (e.flags & kEntryInline) {
+    if (e.chunk_bytes > kInlineBytes) return "inline chunk of " + std::to_string(e.chunk_bytes) + " bytes";
+  } else {
+    if (e.slot >= arena.slots_per_rank) {
+      return "arena slot " + std::to_string(e.slot) + " of " + std::to_string(arena.slots_per_rank);
+    }
+    if (e.chunk_bytes > arena.slot_bytes) {
+      return "chunk of " + std::to_string(e.chunk_bytes) + " bytes in a slot of " + std::to_string(arena.slot_bytes);
+    }
+  }
   if (first) {
     if (rx.in_message) return "a new message starts before the previous one ended";
     if (e.total_bytes > max_message_bytes) return "message size " + std::to_string(e.total_bytes);

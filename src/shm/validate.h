@@ -15,6 +15,7 @@ namespace tdshm::shm {
 inline constexpr uint32_t kMaxWorld = 4096;
 inline constexpr uint32_t kMaxRingEntries = 1u << 20;
 inline constexpr uint64_t kMaxSlotBytes = uint64_t{1} << 30;
+inline constexpr uint32_t kMaxSlotsPerRank = 1u << 16;
 
 /// The header's fields, copied out of shared memory.
 struct HeaderFields {
@@ -33,6 +34,9 @@ struct HeaderFields {
   uint32_t creator_rank = 0;
   uint64_t creator_start_time = 0;
   uint64_t incarnation = 0;
+  uint64_t arena_offset = 0;
+  uint64_t region_bytes = 0;
+  uint32_t slots_per_rank = 0;
 };
 
 /// Copies the header at `shared` (layout_version with acquire order first, so that a published
@@ -66,6 +70,7 @@ struct EntryFields {
   uint8_t ndim = 0;
   uint32_t check = 0;
   uint16_t leaves = 0;
+  uint32_t slot = 0;
 };
 
 /// Copies the fields of `shared` (call after the acquire load of its seq).
@@ -79,9 +84,16 @@ struct RxProgress {
   uint64_t received = 0;
 };
 
-/// Checks one entry against the ring's state, the slot size of the segment and the largest
-/// message the receiver accepts. Returns "" when the entry is well formed, else what is wrong.
-std::string check_entry(const EntryFields& e, const RxProgress& rx, uint64_t slot_bytes, uint64_t max_message_bytes);
+/// The arena's shape, as the receiver knows it from its own parameters.
+struct ArenaShape {
+  uint64_t slot_bytes = 0;
+  uint32_t slots_per_rank = 0;
+};
+
+/// Checks one entry against the ring's state, the arena's shape and the largest message the
+/// receiver accepts. Returns "" when the entry is well formed, else what is wrong. (Whether the
+/// slot it names was handed to the receiver is the arena's state, checked by the caller.)
+std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaShape& arena, uint64_t max_message_bytes);
 
 /// A MemmapReference payload, decoded and checked.
 struct ReferenceFields {
@@ -90,7 +102,7 @@ struct ReferenceFields {
 };
 
 /// Decodes the payload of a kEntryReference entry (`bytes` = its chunk_bytes, already checked to
-/// be at most a slot). Returns "" when it is well formed (an absolute path of 1 to 4095 bytes
+/// fit where it is). Returns "" when it is well formed (an absolute path of 1 to 4095 bytes
 /// without NUL and without "/../" or "/./" parts, and offset + total_bytes without overflow),
 /// else what is wrong.
 std::string check_reference(const uint8_t* payload, uint64_t bytes, uint64_t total_bytes, ReferenceFields& out);

@@ -13,7 +13,7 @@
 //   - entries: a consumer that starts idle and follows every accepted entry as the engine does
 //     (a first entry opens a message of total_bytes, a chunk adds its bytes, a last entry or a
 //     reference closes it; the first refused entry ends the ring) only ever accepts known flags,
-//     chunks of at most a slot, a first entry only when idle with total_bytes within the
+//     chunks of at most kInlineBytes inline or at most a slot in an arena slot of the region, a first entry only when idle with total_bytes within the
 //     receiver's limit and ndim <= kMaxDims or kShapeNotSent, a continuation only mid-message
 //     with the same control flag, a chunk at exactly the bytes received so far and within the
 //     message, the last flag exactly when the message is then complete, and a reference only as
@@ -66,9 +66,12 @@ void fuzz_header(InputReader& r) {
              h.ring_entries <= shm::kMaxRingEntries && h.slot_bytes >= 1 && h.slot_bytes <= shm::kMaxSlotBytes,
          "check_header accepted a world size, ring length or slot size out of range");
   expect(h.creator_rank < h.world_size, "check_header accepted a creator rank outside the world");
-  const shm::SegmentGeometry g = shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries);
+  expect(h.slots_per_rank >= 1 && h.slots_per_rank <= shm::kMaxSlotsPerRank,
+         "check_header accepted a number of arena slots out of range");
+  const shm::SegmentGeometry g = shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank);
   expect(h.entry_bytes == g.entry_bytes && h.ring_bytes == g.ring_bytes && h.rank_table_offset == g.rank_table_offset &&
-             h.rings_offset == g.rings_offset && h.segment_bytes == g.segment_bytes,
+             h.rings_offset == g.rings_offset && h.arena_offset == g.arena_offset &&
+             h.region_bytes == g.region_bytes && h.segment_bytes == g.segment_bytes,
          "check_header accepted offsets or sizes other than segment_geometry's");
   expect(h.segment_bytes == file_bytes, "check_header accepted a header whose size is not the file's");
 }
@@ -98,17 +101,20 @@ void fuzz_reference(std::span<const uint8_t> payload, uint64_t total_bytes) {
 
 void fuzz_entries(InputReader& r) {
   const uint64_t slot_bytes = 1 + r.u32() % tdshm::fuzz::kMaxFuzzSlotBytes;
+  const uint32_t slots = 1u + r.u16();
   const uint64_t max_message_bytes = r.u64();
   shm::RxProgress rx;  // the consumer of the ring, idle at first
   while (!r.done()) {
     const shm::EntryFields e = tdshm::fuzz::read_entry_fields(r);
     const uint16_t given = r.u16();
-    std::vector<uint8_t> payload(e.chunk_bytes <= slot_bytes ? e.chunk_bytes : 0);
+    const bool in_line = (e.flags & shm::kEntryInline) != 0;
+    const uint64_t room = in_line ? shm::kInlineBytes : slot_bytes;
+    std::vector<uint8_t> payload(e.chunk_bytes <= room ? e.chunk_bytes : 0);
     for (size_t i = 0; i < given && !r.done(); ++i) {
       const uint8_t b = r.u8();
       if (i < payload.size()) payload[i] = b;
     }
-    const std::string problem = shm::check_entry(e, rx, slot_bytes, max_message_bytes);
+    const std::string problem = shm::check_entry(e, rx, {slot_bytes, slots}, max_message_bytes);
     if (!problem.empty()) return;  // the engine throws: the ring is not read any further
 
     const bool first = (e.flags & shm::kEntryFirst) != 0;
@@ -116,12 +122,14 @@ void fuzz_entries(InputReader& r) {
     const bool control = (e.flags & shm::kEntryControl) != 0;
     const bool reference = (e.flags & shm::kEntryReference) != 0;
     constexpr uint32_t kChecks = shm::kEntryKeyCheck | shm::kEntrySchemaCheck;
-    constexpr uint32_t kKnown = shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl | shm::kEntryReference | kChecks;
+    constexpr uint32_t kKnown =
+        shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl | shm::kEntryReference | kChecks | shm::kEntryInline;
     expect((e.flags & ~kKnown) == 0, "check_entry accepted unknown flags", std::to_string(e.flags));
     expect((e.flags & kChecks) != kChecks, "check_entry accepted a key check and a schema check at once");
     expect((e.flags & kChecks) == 0 || first, "check_entry accepted a check on a continuation entry");
     expect(e.leaves == 0 || (e.flags & shm::kEntryKeyCheck) != 0, "check_entry accepted a leaf count without a key check");
-    expect(e.chunk_bytes <= slot_bytes, "check_entry accepted a chunk larger than a slot");
+    expect(e.chunk_bytes <= room, "check_entry accepted a chunk larger than where it is (inline or a slot)");
+    expect(in_line || e.slot < slots, "check_entry accepted an arena slot outside the region");
     if (first) {
       expect(!rx.in_message, "check_entry accepted a first entry in the middle of a message");
       expect(e.total_bytes <= max_message_bytes, "check_entry accepted a message larger than the limit");

@@ -5,9 +5,10 @@
 //
 //   input   := mode:u8  rest
 //   mode % 3 == 0 (header):    HeaderFields (the fields in declaration order)  file_bytes:u64
-//   mode % 3 == 1 (entries):   slot:u32  max_message_bytes:u64  record*
+//   mode % 3 == 1 (entries):   slot:u32  slots:u16  max_message_bytes:u64  record*
 //                              record := EntryFields (in declaration order)  n:u16  payload[n]
-//                              (the slot is 1 + slot % kMaxFuzzSlotBytes bytes)
+//                              (the slot is 1 + slot % kMaxFuzzSlotBytes bytes, a rank has
+//                              1 + slots arena slots)
 //   mode % 3 == 2 (reference): total_bytes:u64  payload (the rest of the input)
 
 #include "shm/validate.h"
@@ -81,6 +82,9 @@ inline shm::HeaderFields read_header_fields(InputReader& r) {
   h.creator_rank = r.u32();
   h.creator_start_time = r.u64();
   h.incarnation = r.u64();
+  h.arena_offset = r.u64();
+  h.region_bytes = r.u64();
+  h.slots_per_rank = r.u32();
   return h;
 }
 
@@ -100,6 +104,9 @@ inline void write_header_fields(InputWriter& w, const shm::HeaderFields& h) {
   w.u32(h.creator_rank);
   w.u64(h.creator_start_time);
   w.u64(h.incarnation);
+  w.u64(h.arena_offset);
+  w.u64(h.region_bytes);
+  w.u32(h.slots_per_rank);
 }
 
 inline shm::EntryFields read_entry_fields(InputReader& r) {
@@ -113,6 +120,7 @@ inline shm::EntryFields read_entry_fields(InputReader& r) {
   e.ndim = r.u8();
   e.check = r.u32();
   e.leaves = r.u16();
+  e.slot = r.u32();
   return e;
 }
 
@@ -126,6 +134,7 @@ inline void write_entry_fields(InputWriter& w, const shm::EntryFields& e) {
   w.u8(e.ndim);
   w.u32(e.check);
   w.u16(e.leaves);
+  w.u32(e.slot);
 }
 
 }  // namespace tdshm::fuzz

@@ -258,7 +258,7 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("a seed meant to be accepted is refused: " + what);
 }
 
-// A complete header of this layout for 2 ranks, 64 entries of 4 KiB slots.
+// A complete header of this layout for 2 ranks, rings of 64 entries, 16 arena slots of 4 KiB per rank.
 shm::HeaderFields valid_header() {
   shm::HeaderFields h;
   h.magic = shm::kSegmentMagic;
@@ -267,7 +267,10 @@ shm::HeaderFields valid_header() {
   h.world_size = 2;
   h.ring_entries = 64;
   h.slot_bytes = 4096;
-  const shm::SegmentGeometry g = shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries);
+  h.slots_per_rank = 16;
+  const shm::SegmentGeometry g = shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank);
+  h.arena_offset = g.arena_offset;
+  h.region_bytes = g.region_bytes;
   h.segment_bytes = g.segment_bytes;
   h.rank_table_offset = g.rank_table_offset;
   h.rings_offset = g.rings_offset;
@@ -288,8 +291,13 @@ std::vector<uint8_t> header_input(const shm::HeaderFields& h, uint64_t file_byte
   return w.data();
 }
 
-shm::EntryFields entry(uint32_t flags, uint64_t total, uint64_t offset, uint32_t chunk, uint8_t ndim = 1) {
+// An entry as the engine writes it: a chunk of up to kInlineBytes inline, a larger one in arena
+// slot `slot`.
+shm::EntryFields entry(uint32_t flags, uint64_t total, uint64_t offset, uint32_t chunk, uint8_t ndim = 1,
+                       uint32_t slot = 0) {
   shm::EntryFields e;
+  if (chunk <= shm::kInlineBytes) flags |= shm::kEntryInline;
+  e.slot = chunk <= shm::kInlineBytes ? 0 : slot;
   e.tag = 17;
   e.total_bytes = total;
   e.chunk_offset = offset;
@@ -320,7 +328,9 @@ std::vector<uint8_t> entries_input(uint32_t slot, uint64_t max_message, const st
                                    bool all_valid) {
   InputWriter w;
   w.u8(static_cast<uint8_t>(ShmFuzzMode::kEntries));
-  w.u32(slot - 1);  // the target reads 1 + slot % kMaxFuzzSlotBytes
+  constexpr uint32_t kSlots = 16;
+  w.u32(slot - 1);       // the target reads 1 + slot % kMaxFuzzSlotBytes
+  w.u16(kSlots - 1);     // and 1 + slots
   w.u64(max_message);
   shm::RxProgress rx;
   for (const auto& r : records) {
@@ -328,7 +338,7 @@ std::vector<uint8_t> entries_input(uint32_t slot, uint64_t max_message, const st
     w.u16(static_cast<uint16_t>(r.payload.size()));
     w.bytes(r.payload);
     if (!all_valid) continue;
-    const std::string problem = shm::check_entry(r.fields, rx, slot, max_message);
+    const std::string problem = shm::check_entry(r.fields, rx, {slot, kSlots}, max_message);
     check(problem.empty(), problem);
     const auto& e = r.fields;
     if (e.flags & shm::kEntryFirst) rx = {true, (e.flags & shm::kEntryControl) != 0, e.total_bytes, 0};
@@ -378,6 +388,13 @@ void write_shm_entry_seeds(const fs::path& dir) {
                       {{entry(F | L | R, 4096, 0, static_cast<uint32_t>(ref.size())), ref},
                        {entry(F | L, 8, 0, 8), no_payload}},
                       true));
+  write(dir, "entries-arena-slots",
+        entries_input(256, 1 << 20,
+                      {{entry(F, 600, 0, 256, 2, 3), no_payload}, {entry(0, 0, 256, 256, 1, 15), no_payload},
+                       {entry(L, 0, 512, 88, 1, 0), no_payload}},
+                      true));
+  write(dir, "entries-slot-out-of-range",
+        entries_input(256, 1 << 20, {{entry(F | L, 200, 0, 200, 1, 16), no_payload}}, false));
   write(dir, "entries-continuation-first",
         entries_input(64, 1 << 20, {{entry(L, 8, 0, 8), no_payload}}, false));
   write(dir, "entries-chunk-past-total",

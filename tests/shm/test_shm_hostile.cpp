@@ -129,16 +129,18 @@ void store_relaxed(T& field, T value) {
 class RingWriter {
  public:
   /// Maps the segment `name` and finds the ring src -> dst from its header and segment_geometry.
-  RingWriter(const std::string& name, int src, int dst) : seg_(name), dst_(dst) {
+  RingWriter(const std::string& name, int src, int dst) : seg_(name), src_(src), dst_(dst) {
     const shm::SegmentHeader& h = seg_.header();
     SHM_CHECK(h.layout_version.load(std::memory_order_acquire) == shm::kLayoutVersion,
               "the segment's layout version is " << h.layout_version.load());
     world_ = h.world_size;
     entries_ = h.ring_entries;
     slot_ = h.slot_bytes;
-    geo_ = shm::segment_geometry(world_, slot_, entries_);
+    slots_ = h.slots_per_rank;
+    geo_ = shm::segment_geometry(world_, slot_, entries_, slots_);
     SHM_CHECK(h.rank_table_offset == geo_.rank_table_offset && h.rings_offset == geo_.rings_offset &&
                   h.ring_bytes == geo_.ring_bytes && h.entry_bytes == geo_.entry_bytes &&
+                  h.arena_offset == geo_.arena_offset && h.region_bytes == geo_.region_bytes &&
                   h.segment_bytes == geo_.segment_bytes && geo_.segment_bytes == seg_.size(),
               "the header's geometry disagrees with segment_geometry");
     SHM_CHECK(src >= 0 && dst >= 0 && static_cast<uint32_t>(src) < world_ && static_cast<uint32_t>(dst) < world_);
@@ -154,9 +156,19 @@ class RingWriter {
     return ring_ + sizeof(shm::RingControl) + (pos % entries_) * geo_.entry_bytes;
   }
   EntryHeader& header(uint64_t pos) const { return *reinterpret_cast<EntryHeader*>(entry_base(pos)); }
-  uint8_t* payload(uint64_t pos) const { return reinterpret_cast<uint8_t*>(entry_base(pos) + sizeof(EntryHeader)); }
+  /// The arena slot the entry at `pos` uses when its chunk does not fit inline: one per position
+  /// (slots_per_rank >= ring_entries in these tests, so the consumer freed it with the entry).
+  uint32_t slot_of(uint64_t pos) const { return static_cast<uint32_t>(pos % slots_); }
+  std::atomic<uint32_t>& slot_state(uint32_t slot) const {
+    return reinterpret_cast<shm::ArenaSlot*>(region())[slot].state;
+  }
+  /// The payload bytes of the entry at `pos` when it is not inline: its arena slot.
+  uint8_t* payload(uint64_t pos) const {
+    return reinterpret_cast<uint8_t*>(region() + geo_.slot_table_bytes + uint64_t{slot_of(pos)} * geo_.slot_stride);
+  }
+  uint8_t* inline_bytes(uint64_t pos) const { return reinterpret_cast<uint8_t*>(entry_base(pos) + sizeof(EntryHeader)); }
   shm::EntryShape& shape(uint64_t pos) const {
-    return *reinterpret_cast<shm::EntryShape*>(entry_base(pos) + geo_.shape_offset);
+    return *reinterpret_cast<shm::EntryShape*>(entry_base(pos) + shm::kEntryShapeOffset);
   }
   uint64_t tail() const { return control().tail.load(std::memory_order_acquire); }
 
@@ -171,17 +183,25 @@ class RingWriter {
     return true;
   }
 
-  /// Fills the fields of the entry at `pos` and up to a slot of payload (not published).
+  /// Fills the fields of the entry at `pos` and up to a slot of payload (not published), as an
+  /// honest sender would place it: a chunk of up to kInlineBytes inline (kEntryInline added to the
+  /// flags), a larger one in the arena slot slot_of(pos), handed to the receiver.
   void write(uint64_t pos, const Fields& f, const void* data = nullptr, size_t bytes = 0) const {
     EntryHeader& e = header(pos);
+    const bool in_line = f.chunk <= shm::kInlineBytes;
     store_relaxed(e.tag, f.tag);
     store_relaxed(e.total_bytes, f.total);
     store_relaxed(e.chunk_offset, f.offset);
     store_relaxed(e.chunk_bytes, f.chunk);
-    store_relaxed(e.flags, f.flags);
+    store_relaxed(e.flags, f.flags | (in_line ? uint32_t{shm::kEntryInline} : 0u));
     store_relaxed(e.dtype, f.dtype);
     store_relaxed(e.ndim, f.ndim);
-    if (data != nullptr && bytes != 0) std::memcpy(payload(pos), data, std::min<size_t>(bytes, slot_));
+    store_relaxed(e.slot, in_line ? 0u : slot_of(pos));
+    if (!in_line) slot_state(slot_of(pos)).store(static_cast<uint32_t>(dst_) + 1, std::memory_order_relaxed);
+    if (data != nullptr && bytes != 0) {
+      std::memcpy(in_line ? inline_bytes(pos) : payload(pos), data,
+                  std::min<size_t>(bytes, in_line ? shm::kInlineBytes : slot_));
+    }
   }
 
   /// Publishes the entry at `pos`: seq (release), head, then wakes the consumer.
@@ -205,11 +225,15 @@ class RingWriter {
   }
 
  private:
+  std::byte* region() const { return seg_.data() + geo_.arena_offset + uint64_t{static_cast<uint32_t>(src_)} * geo_.region_bytes; }
+
   RawSegment seg_;
+  int src_;
   int dst_;
   uint32_t world_ = 0;
   uint32_t entries_ = 0;
   uint64_t slot_ = 0;
+  uint32_t slots_ = 0;
   shm::SegmentGeometry geo_{};
   std::byte* ring_ = nullptr;
 };
@@ -467,6 +491,28 @@ std::vector<Garbage> garbage_cases(uint64_t slot) {
                           .chunk = chunk,
                           .flags = kLast | shm::kEntryControl},
                          data, chunk);
+                 }});
+  out.push_back({"an arena slot that was not handed to the receiver", "is not handed to this rank", 256,
+                 [=](const RingWriter& r, int64_t tag) {
+                   r.write(0, {.tag = tag, .total = 256, .chunk = 256, .flags = kFirst | kLast}, data, 256);
+                   r.slot_state(r.slot_of(0)).store(shm::kSlotFree, std::memory_order_relaxed);
+                   r.publish(0);
+                 }});
+  out.push_back({"an arena slot handed to another rank", "is not handed to this rank", 256,
+                 [=](const RingWriter& r, int64_t tag) {
+                   r.write(0, {.tag = tag, .total = 256, .chunk = 256, .flags = kFirst | kLast}, data, 256);
+                   r.slot_state(r.slot_of(0)).store(3 + 1, std::memory_order_relaxed);  // rank 3 (none here)
+                   r.publish(0);
+                 }});
+  out.push_back({"arena slot index 2^31", "arena slot 2147483648", 256, [=](const RingWriter& r, int64_t tag) {
+                   r.write(0, {.tag = tag, .total = 256, .chunk = 256, .flags = kFirst | kLast}, data, 256);
+                   store_relaxed(r.header(0).slot, 0x80000000u);
+                   r.publish(0);
+                 }});
+  out.push_back({"an inline chunk of 73 bytes", "inline chunk of 73 bytes", 73, [=](const RingWriter& r, int64_t tag) {
+                   r.write(0, {.tag = tag, .total = 73, .chunk = 73, .flags = kFirst | kLast}, data, 73);
+                   store_relaxed(r.header(0).flags, uint32_t{kFirst | kLast | shm::kEntryInline});
+                   r.publish(0);
                  }});
   out.push_back(
       {"a memmap reference of 3 bytes", "memmap reference of 3 bytes", 64, [=](const RingWriter& r, int64_t tag) {

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "shm/segment_layout.h"
+#include "shm/validate.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {
@@ -319,9 +320,9 @@ TEST_F(ShmSegmentProcs, SegmentLargerThanDevShmIsRefused) {
   // memory: the kernel refuses a fallocate larger than the file system at once).
   ShmOptions opts = small_options();
   opts.timeout = 3s;
-  opts.slot_bytes = size_t{1} << 20;
-  const uint64_t per_entry = 4 * (opts.slot_bytes + sizeof(shm::EntryHeader));  // 4 rings for 2 ranks
-  opts.ring_entries = static_cast<uint32_t>(2 * total / per_entry + 1);
+  opts.slot_bytes = size_t{1} << 30;
+  const uint64_t per_slot = 2 * opts.slot_bytes;  // one slot in each of the 2 ranks' arena regions
+  opts.slots_per_rank = static_cast<uint32_t>(std::min<uint64_t>(2 * total / per_slot + 1, shm::kMaxSlotsPerRank));
   const uint64_t needed = shm_segment_bytes(2, opts);
   ASSERT_GT(needed, 2 * total);
   ASSERT_GT(needed, free_bytes);

@@ -167,7 +167,7 @@ uint64_t proc_start_time(pid_t pid) {
 std::string plausible_segment(int world, const ShmOptions& opts, bool published, int live_rank, uint32_t pid,
                               uint64_t start_time) {
   const shm::SegmentGeometry g =
-      shm::segment_geometry(static_cast<uint32_t>(world), opts.slot_bytes, opts.ring_entries);
+      shm::segment_geometry(static_cast<uint32_t>(world), opts.slot_bytes, opts.ring_entries, opts.slots_per_rank);
   std::string bytes(g.segment_bytes, '\0');
   auto* h = new (bytes.data()) shm::SegmentHeader{};
   h->magic = shm::kSegmentMagic;
@@ -180,6 +180,9 @@ std::string plausible_segment(int world, const ShmOptions& opts, bool published,
   h->rings_offset = g.rings_offset;
   h->ring_bytes = g.ring_bytes;
   h->entry_bytes = g.entry_bytes;
+  h->arena_offset = g.arena_offset;
+  h->region_bytes = g.region_bytes;
+  h->slots_per_rank = opts.slots_per_rank;
   h->creator_pid = pid;
   h->creator_start_time = start_time;
   if (live_rank >= 0) {

@@ -1,5 +1,5 @@
 // Binary compatibility of the structs that live in a segment. These numbers are the layout that
-// kLayoutVersion 3 promises to every process attached to a segment: changing a struct without
+// kLayoutVersion 5 promises to every process attached to a segment: changing a struct without
 // bumping the version makes one of these fail.
 
 #include "shm/segment_layout.h"
@@ -12,7 +12,7 @@ namespace {
 using namespace tdshm::shm;
 
 TEST(ShmLayout, VersionAndMagicArePinned) {
-  EXPECT_EQ(kLayoutVersion, 4u);
+  EXPECT_EQ(kLayoutVersion, 5u);
   char magic[8];
   std::memcpy(magic, &kSegmentMagic, 8);
   EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");
@@ -38,6 +38,9 @@ TEST(ShmLayout, SegmentHeaderV3) {
   EXPECT_EQ(offsetof(SegmentHeader, creator_rank), 76u);
   EXPECT_EQ(offsetof(SegmentHeader, creator_start_time), 80u);
   EXPECT_EQ(offsetof(SegmentHeader, incarnation), 88u);
+  EXPECT_EQ(offsetof(SegmentHeader, arena_offset), 96u);
+  EXPECT_EQ(offsetof(SegmentHeader, region_bytes), 104u);
+  EXPECT_EQ(offsetof(SegmentHeader, slots_per_rank), 112u);
   EXPECT_TRUE(std::is_standard_layout_v<SegmentHeader>);
 }
 
@@ -61,8 +64,8 @@ TEST(ShmLayout, RingControlV1) {
   EXPECT_EQ(offsetof(RingControl, tail), 64u);
 }
 
-TEST(ShmLayout, EntryHeaderV1) {
-  EXPECT_EQ(sizeof(EntryHeader), 48u);
+TEST(ShmLayout, EntryHeaderV5) {
+  EXPECT_EQ(sizeof(EntryHeader), 56u);
   EXPECT_EQ(offsetof(EntryHeader, seq), 0u);
   EXPECT_EQ(offsetof(EntryHeader, tag), 8u);
   EXPECT_EQ(offsetof(EntryHeader, total_bytes), 16u);
@@ -71,12 +74,27 @@ TEST(ShmLayout, EntryHeaderV1) {
   EXPECT_EQ(offsetof(EntryHeader, flags), 36u);
   EXPECT_EQ(offsetof(EntryHeader, dtype), 40u);
   EXPECT_EQ(offsetof(EntryHeader, ndim), 41u);
+  EXPECT_EQ(offsetof(EntryHeader, leaves), 42u);
+  EXPECT_EQ(offsetof(EntryHeader, check), 44u);
+  EXPECT_EQ(offsetof(EntryHeader, slot), 48u);
+  EXPECT_EQ(kInlineBytes, 72u);
+  EXPECT_EQ(kEntryShapeOffset, 128u);
+  EXPECT_EQ(kEntryBytes, 192u);
   EXPECT_EQ(sizeof(EntryShape), 64u);
   EXPECT_EQ(kEntryFirst, 1u);
   EXPECT_EQ(kEntryLast, 2u);
   EXPECT_EQ(kEntryControl, 4u);
   EXPECT_EQ(kEntryReference, 8u);
+  EXPECT_EQ(kEntryKeyCheck, 16u);
+  EXPECT_EQ(kEntrySchemaCheck, 32u);
+  EXPECT_EQ(kEntryInline, 64u);
   EXPECT_EQ(kShapeNotSent, 255u);
+}
+
+TEST(ShmLayout, ArenaSlotV5) {
+  EXPECT_EQ(sizeof(ArenaSlot), 8u);
+  EXPECT_EQ(offsetof(ArenaSlot, state), 0u);
+  EXPECT_EQ(kSlotFree, 0u);
 }
 
 TEST(ShmLayout, MemmapReference) {
@@ -86,20 +104,32 @@ TEST(ShmLayout, MemmapReference) {
 }
 
 TEST(ShmLayout, GeometryOfAKnownSegment) {
-  // 2 ranks, 4 KiB slots, 4 entries: header 48 + slot 4096, shape at 4144, 64 more, rounded to 64.
-  const SegmentGeometry g = segment_geometry(2, 4096, 4);
-  EXPECT_EQ(g.shape_offset, 4144u);
-  EXPECT_EQ(g.entry_bytes, 4224u);
-  EXPECT_EQ(g.ring_bytes, 128u + 4u * 4224u);
+  // 2 ranks, 4 KiB slots, rings of 4 entries, 8 slots per rank.
+  const SegmentGeometry g = segment_geometry(2, 4096, 4, 8);
+  EXPECT_EQ(g.entry_bytes, 192u);
+  EXPECT_EQ(g.ring_bytes, 128u + 4u * 192u);
   EXPECT_EQ(g.rank_table_offset, 256u);
   EXPECT_EQ(g.rings_offset, 512u);
-  EXPECT_EQ(g.segment_bytes, 512u + 4u * g.ring_bytes);
-  // A slot size that is not a multiple of 8 puts the shape at the next multiple of 8.
-  EXPECT_EQ(segment_geometry(3, 100, 2).shape_offset, 152u);
-  EXPECT_EQ(segment_geometry(3, 100, 2).entry_bytes, 256u);
-  EXPECT_EQ(segment_geometry(3, 100, 2).rings_offset, 640u);
-  // The first 16 payload bytes share the header's cache line.
-  EXPECT_EQ(sizeof(EntryHeader) + 16, kCacheLine);
+  EXPECT_EQ(g.arena_offset, 512u + 4u * g.ring_bytes);
+  EXPECT_EQ(g.slot_table_bytes, 64u);
+  EXPECT_EQ(g.slot_stride, 4096u);
+  EXPECT_EQ(g.region_bytes, 64u + 8u * 4096u);
+  EXPECT_EQ(g.segment_bytes, g.arena_offset + 2u * g.region_bytes);
+  // A slot size that is not a multiple of a cache line is padded to one; 9 slots take 2 lines of states.
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9).slot_stride, 128u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9).slot_table_bytes, 128u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9).rings_offset, 640u);
+  // The first 8 inline payload bytes share the header's cache line.
+  EXPECT_EQ(sizeof(EntryHeader) + 8, kCacheLine);
+}
+
+TEST(ShmLayout, MemoryGrowsWithTheWorldNotItsSquare) {
+  // Defaults: 64 KiB slots, 64 slots per rank, rings of 64 entries.
+  auto mib = [](uint32_t world) { return double(segment_geometry(world, 64 << 10, 64, 64).segment_bytes) / (1 << 20); };
+  EXPECT_LT(mib(9), 40.0);    // an 8-worker loader fits Docker's 64 MiB /dev/shm
+  EXPECT_LT(mib(64), 512.0);  // was 16.9 GiB in layout 4
+  // The arena is linear in the world; the rings (12 KiB per ordered pair) are the square term.
+  EXPECT_NEAR(mib(64) - 64 * 4.0, 64.0 * 64 * (128 + 64 * 192) / (1 << 20), 1.0);
 }
 
 TEST(ShmLayout, StructsWorkOnAPlainByteBuffer) {

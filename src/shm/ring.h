@@ -1,0 +1,106 @@
+#pragma once
+// One metadata ring: a single-producer single-consumer queue of fixed-size entries in shared
+// memory (segment_layout.h: RingControl, then `entries` entries of kEntryBytes), as its two ends
+// see it. Works on any memory (unit tests use a plain buffer). Positions grow forever; the entry
+// of position p is p % entries.
+//
+//  * The producer fills the entry at its position, then publishes it: seq = position + 1
+//    (release), then head. It reads the consumer's tail only when its cached copy says the ring
+//    is full, so in the common case it never touches the consumer's cache line.
+//  * The consumer polls seq of the entry at its position (acquire), copies the fields out once
+//    (validate.h: only the copy is used), and consumes it by storing tail (release), which hands
+//    the entry back to the producer.
+// Nothing here trusts the other end: a seq that is not exactly position + 1 is "not yet", and the
+// copy is validated by the caller before use.
+
+#include "shm/segment_layout.h"
+#include "shm/validate.h"
+
+#include <cstdint>
+
+namespace tdshm::shm {
+
+/// The shared memory of one ring.
+class RingView {
+ public:
+  RingView() = default;
+  RingView(uint8_t* base, uint32_t entries) noexcept : base_(base), entries_(entries) {}
+
+  RingControl& control() const noexcept { return *reinterpret_cast<RingControl*>(base_); }
+  uint8_t* entry_base(uint64_t position) const noexcept {
+    return base_ + sizeof(RingControl) + (position % entries_) * kEntryBytes;
+  }
+  EntryHeader& header(uint64_t position) const noexcept { return *reinterpret_cast<EntryHeader*>(entry_base(position)); }
+  uint8_t* inline_bytes(uint64_t position) const noexcept { return entry_base(position) + sizeof(EntryHeader); }
+  EntryShape& shape(uint64_t position) const noexcept {
+    return *reinterpret_cast<EntryShape*>(entry_base(position) + kEntryShapeOffset);
+  }
+  uint32_t entries() const noexcept { return entries_; }
+
+ private:
+  uint8_t* base_ = nullptr;
+  uint32_t entries_ = 1;
+};
+
+/// The producer's end (process-local state: its position and the last tail it read).
+class RingProducer {
+ public:
+  RingProducer() = default;
+  explicit RingProducer(RingView ring) noexcept : ring_(ring) {}
+
+  /// Whether the entry at the current position is free.
+  bool has_room() noexcept {
+    if (pos_ - tail_ < ring_.entries()) return true;
+    tail_ = ring_.control().tail.load(std::memory_order_acquire);  // pairs with the consumer's release
+    return pos_ - tail_ < ring_.entries();
+  }
+  /// The entry to fill (call after has_room()).
+  EntryHeader& entry() const noexcept { return ring_.header(pos_); }
+  uint8_t* inline_bytes() const noexcept { return ring_.inline_bytes(pos_); }
+  EntryShape& shape() const noexcept { return ring_.shape(pos_); }
+  /// Publishes the filled entry and moves on.
+  void publish() noexcept {
+    ring_.header(pos_).seq.store(pos_ + 1, std::memory_order_release);  // pairs with the consumer's acquire
+    ++pos_;
+    ring_.control().head.store(pos_, std::memory_order_release);
+  }
+  uint64_t position() const noexcept { return pos_; }
+
+ private:
+  RingView ring_;
+  uint64_t pos_ = 0;
+  uint64_t tail_ = 0;
+};
+
+/// The consumer's end (process-local state: its position).
+class RingConsumer {
+ public:
+  RingConsumer() = default;
+  explicit RingConsumer(RingView ring) noexcept : ring_(ring) {}
+
+  /// Copies the fields of the entry at the current position into `out` if it was published;
+  /// false if not (yet). Validating the copy is the caller's job.
+  bool peek(EntryFields& out) const noexcept {
+    const EntryHeader& e = ring_.header(pos_);
+    if (e.seq.load(std::memory_order_acquire) != pos_ + 1) return false;  // pairs with the producer's release
+    out = read_entry(e);
+    return true;
+  }
+  /// The current entry's inline bytes and shape (valid after peek() returned true).
+  const uint8_t* inline_bytes() const noexcept { return ring_.inline_bytes(pos_); }
+  const EntryShape& shape() const noexcept { return ring_.shape(pos_); }
+  /// Hands the current entry back to the producer and moves on.
+  void consume() noexcept {
+    ++pos_;
+    ring_.control().tail.store(pos_, std::memory_order_release);  // the entry may be reused now
+  }
+  uint64_t position() const noexcept { return pos_; }
+  /// Entries published and not yet consumed (the producer's head, read once).
+  uint64_t depth() const noexcept { return ring_.control().head.load(std::memory_order_acquire) - pos_; }
+
+ private:
+  RingView ring_;
+  uint64_t pos_ = 0;
+};
+
+}  // namespace tdshm::shm
