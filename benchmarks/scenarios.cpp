@@ -29,6 +29,7 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <new>
@@ -149,6 +150,9 @@ struct Layout {
   // Progress line (rank 0): measurements before this layout's, and in the whole scenario.
   bool progress = false;
   bool tty = false;
+  // TDSHM_BENCH_FAULT (tests only): "loader-data": worker 1 sends a wrong meta.worker in batch 5;
+  // "worker-exit": worker 1 (actor 1) exits with 7 before its batch (step) 3.
+  std::string fault;
   int progress_done = 0;
   int progress_total = 0;
 };
@@ -303,10 +307,19 @@ double loader_main(const Layout& layout, const Groups& groups, const Step& s, in
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-void loader_worker(const Groups& groups, const Step& s, int64_t seq0, int w, const TensorDict& batch) {
+// The test hook of TDSHM_BENCH_FAULT (see Layout::fault), called before batch or step `seq`.
+void inject_fault(const std::string& fault, int rank, int64_t seq, const TensorDict* batch) {
+  if (rank != 1 || fault.empty()) return;
+  if (fault == "worker-exit" && seq == 3) ::_exit(7);
+  if (fault == "loader-data" && seq == 5 && batch != nullptr) view(*batch).worker[0] = 99;
+}
+
+void loader_worker(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, int w,
+                   const TensorDict& batch) {
   const Group& g = groups[s.transport];
   for (int b = 0; b < s.count; ++b) {
     fill_batch(batch, w, seq0 + b);
+    inject_fault(layout.fault, w, seq0 + b, &batch);
     if (s.pattern == "consolidated") {
       batch.consolidate().send({.group = g, .group_dst = 0, .consolidated = true});
     } else {
@@ -353,10 +366,12 @@ double learner(const Layout& layout, const Groups& groups, const Step& s, int64_
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-void actor(const Groups& groups, const Step& s, int64_t seq0, int a, TensorDict& weights, const TensorDict& traj) {
+void actor(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, int a, TensorDict& weights,
+           const TensorDict& traj) {
   const Group& g = groups[s.transport];
   for (int i = 0; i < s.count; ++i) {
     const int64_t seq = seq0 + i;
+    inject_fault(layout.fault, a, seq, nullptr);
     weights.recv({.group = g, .group_src = 0, .consolidated = true});
     const float first = weights.get("w0").data_ptr<float>()[0];
     const float last = weights.get("w" + std::to_string(kWeightLeaves - 1)).data_ptr<float>()[kWeightFloats - 1];
@@ -414,12 +429,12 @@ int run_rank(const Layout& layout, int rank, Control& control, const Reporter& r
         if (rank == 0) {
           seconds = loader_main(layout, groups, s, seq, plain, consolidated);
         } else {
-          loader_worker(groups, s, seq, rank, batch);
+          loader_worker(layout, groups, s, seq, rank, batch);
         }
       } else if (rank == 0) {
         seconds = learner(layout, groups, s, seq, weights, trajectories);
       } else {
-        actor(groups, s, seq, rank, weights, traj);
+        actor(layout, groups, s, seq, rank, weights, traj);
       }
       seq += s.count;
       if (rank == 0 && s.repeat >= 0) {
@@ -518,6 +533,9 @@ LayoutResult run_layout(const Layout& layout, std::chrono::seconds deadline_afte
     if (pid == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != coordinator) ::_exit(1);
+      // A peer that died closes its gloo sockets: the next write must fail as an error the rank
+      // reports, not end it with SIGPIPE.
+      ::signal(SIGPIPE, SIG_IGN);
       ::close(fds[0]);
       const int rc = run_rank(layout, rank, control.get(), Reporter(fds[1]));
       std::fflush(nullptr);
@@ -586,14 +604,21 @@ LayoutResult run_layout(const Layout& layout, std::chrono::seconds deadline_afte
     result.failures.push_back("the layout ran past its deadline of " + std::to_string(deadline_after.count()) +
                               " s: every rank was killed");
   }
+  // Ranks that ended without a word of their own come first: they are the likely cause of the
+  // errors the others reported (a peer gone), unless the coordinator killed them.
+  std::vector<std::string> silent, killed_by_us;
   for (size_t i = 0; i < pids.size(); ++i) {
     const int st = status[i];
     if (WIFEXITED(st) && WEXITSTATUS(st) == 0) continue;
     if (reported[i]) continue;  // its own message says why
-    const bool ours = killed && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL;
-    result.failures.push_back(rank_name(layout, static_cast<int>(i)) + " " + describe_status(st) +
-                              (ours ? " (killed after the failure above)" : ""));
+    if (killed && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) {
+      killed_by_us.push_back(rank_name(layout, static_cast<int>(i)) + " was killed by the bench after the failure");
+    } else {
+      silent.push_back(rank_name(layout, static_cast<int>(i)) + " " + describe_status(st));
+    }
   }
+  result.failures.insert(result.failures.begin(), silent.begin(), silent.end());
+  result.failures.insert(result.failures.end(), killed_by_us.begin(), killed_by_us.end());
   // A layout whose ranks died leaves its segment behind; a clean one removed it already.
   try {
     remove_stale_segment(layout.segment);
@@ -734,6 +759,7 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
       layout.tty = tty;
       layout.progress_done = done;
       layout.progress_total = total;
+      if (const char* fault = std::getenv("TDSHM_BENCH_FAULT")) layout.fault = fault;
       done += measured_steps(schedule);
       if (layout.world() > cpus) {
         std::printf("  note: %s=%d runs %d processes on %d CPU(s): oversubscribed, so these figures measure time\n"

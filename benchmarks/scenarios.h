@@ -38,6 +38,11 @@
 /// "reward": float [64]} (per-leaf) and waits for all; an actor recv(consolidated)s the
 /// weights, checks the step number in them, writes it into its trajectory and sends that.
 /// steps/s = steps / seconds; GB/s counts both directions.
+///
+/// Test hook: the environment variable TDSHM_BENCH_FAULT makes rank 1 misbehave, so that tests
+/// can see a failure reported and every process reaped: "loader-data" (worker 1 sends a wrong
+/// meta.worker in batch 5: main's check fails) or "worker-exit" (worker or actor 1 exits with 7
+/// before its batch or step 3).
 
 #include "bench_report.h"
 #include "pingpong.h"

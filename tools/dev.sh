@@ -34,9 +34,10 @@ readonly JOBS=2
 # crash reports. The Python package (python/, built by the default preset, which requires it)
 # and the tests with Python ranks need Debian's python3 with torch (python3-torch, whose
 # libtorch_python the module links), its headers (python3-dev), pybind11-dev, and python3-numpy.
+# gnuplot-nox draws `tdshm bench --plot` (and its test tdshm_bench_scenarios) without X11.
 readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libboost-dev libspdlog-dev
                    libgtest-dev libbenchmark-dev clang-14 libclang-rt-14-dev llvm-14
-                   python3-torch python3-numpy python3-dev pybind11-dev)
+                   python3-torch python3-numpy python3-dev pybind11-dev gnuplot-nox)
 
 log() { printf 'dev.sh: %s\n' "$*" >&2; }
 
