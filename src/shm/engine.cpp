@@ -44,8 +44,8 @@ struct Incoming {
   int64_t dims[shm::kMaxDims] = {};
   uint64_t received = 0;
   std::shared_ptr<ShmOp> op;  // the receive it lands in; null while unexpected
-  std::unique_ptr<uint8_t[]> heap;  // its bytes while unexpected (not zero-filled: all are written)
-  uint64_t heap_bytes = 0;          // counted in ShmEngine::unexpected_bytes_ while heap is held
+  shm::BufferPool::Buffer heap;  // its bytes while unexpected (from unexpected_pool_; all are written)
+  uint64_t heap_bytes = 0;       // counted in ShmEngine::unexpected_bytes_ while heap is held
   bool complete = false;
   bool discard = false;  // it failed the receive it matched: drained and dropped, never copied
   bool reference = false;  // a MemmapReference: `heap` holds it while unexpected
@@ -138,7 +138,13 @@ std::string ShmOp::what() const {
 }
 
 ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptions& options)
-    : name_(name), rank_(rank), size_(size), options_(options) {
+    : name_(name),
+      rank_(rank),
+      size_(size),
+      options_(options),
+      // Up to 64 MiB of early-message buffers stay resident between messages.
+      unexpected_pool_(std::min<uint64_t>(options.max_unexpected_bytes, uint64_t{64} << 20)),
+      spin_budget_ns_(std::chrono::duration_cast<std::chrono::nanoseconds>(options.spin).count()) {
   if (size < 1) throw SegmentError("world size " + std::to_string(size) + " must be at least 1");
   if (rank < 0 || rank >= size) {
     throw SegmentError("rank " + std::to_string(rank) + " is outside [0, " + std::to_string(size) + ")");
@@ -719,7 +725,7 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
     }
     return true;
   }
-  msg->heap = std::make_unique_for_overwrite<uint8_t[]>(need);
+  msg->heap = unexpected_pool_.take(need);
   msg->heap_bytes = need;
   unexpected_bytes_ += need;
   current_[s] = msg;
@@ -729,7 +735,8 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
 
 void ShmEngine::release_unexpected(Incoming& msg) {
   unexpected_bytes_ -= std::min(unexpected_bytes_, msg.heap_bytes);
-  msg.heap.reset();
+  unexpected_pool_.give_back(std::move(msg.heap));
+  msg.heap = {};
   msg.heap_bytes = 0;
 }
 
@@ -904,26 +911,35 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
   // and the core is offered to others (sched_yield) every 1024 (~30-50 us), so a peer that
   // shares this core with us (more ranks than cores) still runs.
   // The spin budget starts at the first clock read (after kClockEvery checks, ~1 us): a wait
-  // that ends sooner never reads the clock. Blocking-only waits (spin 0) never spin.
+  // that ends sooner never reads the clock. Blocking-only waits (spin 0) never spin. The budget
+  // adapts (note_wait): spinning only pays while waits are short.
   constexpr unsigned kClockEvery = 32, kYieldEvery = 1024;
   const bool spinning = options_.spin.count() > 0;
-  Clock::time_point now{}, spin_end{};
+  Clock::time_point now{}, start{}, spin_end{};
+  auto done = [&] {
+    if (!all_done()) return false;
+    if (spinning) note_wait(start == Clock::time_point{} ? Clock::duration::zero() : Clock::now() - start);
+    return true;
+  };
   for (unsigned spins = 1;; ++spins) {
     bool moved;
     {
       std::lock_guard lk(mu_);
       moved = progress_locked();
     }
-    if (all_done()) return;
+    if (done()) return;
     if (moved) continue;
     if (spinning && spins % kClockEvery != 0 && (spin_end == Clock::time_point{} || now < spin_end)) {
       cpu_relax();
       continue;
     }
     now = Clock::now();
-    if (spin_end == Clock::time_point{}) spin_end = now + options_.spin;
+    if (spin_end == Clock::time_point{}) {
+      start = now;
+      spin_end = now + std::chrono::nanoseconds(spin_budget_ns_.load(std::memory_order_relaxed));
+    }
     maybe_check_peers(now);
-    if (all_done()) return;
+    if (done()) return;
     if (now >= deadline) {
       std::string pending;
       for (const auto& op : ops) {
@@ -950,6 +966,19 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     const auto next_check = from_ticks(next_peer_check_.load(std::memory_order_relaxed));
     sleep_until_event(std::min({deadline, std::max(next_check, now), now + std::chrono::milliseconds(100)}));
   }
+}
+
+// Adapts the spin budget to how long waits take: a wait that ended within ShmOptions::spin would
+// have been served by spinning, so the budget doubles (up to ShmOptions::spin); a longer one
+// means spinning burnt a core that a peer may have needed (more ranks than cores: a data
+// loader's workers), so it halves, down to 1 us. Ping-pong keeps the full budget; a receiver
+// that waits milliseconds for its producers sleeps almost at once.
+void ShmEngine::note_wait(Clock::duration elapsed) noexcept {
+  constexpr int64_t kMinSpinNs = 1000;
+  const int64_t max = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.spin).count();
+  int64_t b = spin_budget_ns_.load(std::memory_order_relaxed);
+  b = elapsed <= options_.spin ? std::min(max, std::max(b * 2, kMinSpinNs)) : std::max(kMinSpinNs, b / 2);
+  spin_budget_ns_.store(std::min(b, max), std::memory_order_relaxed);
 }
 
 void ShmEngine::watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done) {

@@ -31,6 +31,7 @@
 #include <tdshm/process_group.h>
 
 #include "shm/arena.h"
+#include "shm/buffer_pool.h"
 #include "shm/ring.h"
 #include "shm/segment.h"
 #include "shm/validate.h"
@@ -139,6 +140,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   void maybe_check_peers(std::chrono::steady_clock::time_point now);
   void notify(int r);
   void sleep_until_event(std::chrono::steady_clock::time_point until);
+  void note_wait(std::chrono::steady_clock::duration elapsed) noexcept;
   bool background_step();
   static void background_loop(std::weak_ptr<ShmEngine> weak);
   void rendezvous(std::chrono::steady_clock::time_point deadline);
@@ -162,12 +164,15 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
   std::vector<uint64_t> held_bytes_;  // per source: size of a first entry left in the ring (budget), else 0
   uint64_t unexpected_bytes_ = 0;     // process memory held by unexpected messages
+  shm::BufferPool unexpected_pool_;   // their buffers, kept for reuse (buffer_pool.h)
   uint64_t arrivals_ = 0;
   bool completed_posted_ = false;  // progress_receives: a posted receive completed (stop draining)
   std::vector<int64_t> collective_seq_;
   std::exception_ptr shut_down_;  // set by shutdown(): the error of later posts
   std::exception_ptr poisoned_;   // set once the segment's mapping was lost (bus_guard.h)
 
+  // How long a waiter spins before it sleeps, in ns (adapted by note_wait); any thread, relaxed.
+  std::atomic<int64_t> spin_budget_ns_;
   // Next liveness check, in steady_clock ticks; read by waiters without mu_.
   std::atomic<std::chrono::steady_clock::rep> next_peer_check_{0};
 

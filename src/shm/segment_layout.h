@@ -17,7 +17,7 @@
 // allocation needs no atomic read-modify-write and one sender can never starve another); each
 // slot carries its state, the rank it was handed to, which the receiver resets once it has
 // copied the chunk out. With the defaults (64 entries of 192 B per ordered pair, 64 slots of
-// 64 KiB per rank) world 9 takes 38 MiB and world 64 takes 305 MiB (world 64 before: 16.9 GiB).
+// 64 KiB per rank) world 9 takes 37 MiB and world 64 takes 305 MiB (world 64 before: 16.9 GiB).
 //
 // Offsets, never pointers: each process maps the segment at its own address. Atomics are
 // lock-free std::atomic of 32 and 64 bits (asserted), which are address-free and so work
