@@ -195,6 +195,26 @@ std::string format_number(double v) {
   return buf;
 }
 
+// For gnuplot's data and tics: every digit a double holds.
+std::string exact_number(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+// "8 B", "64 KiB", "1 MiB"; a size that is no whole multiple stays in bytes.
+std::string size_label(double bytes) {
+  const auto b = static_cast<uint64_t>(bytes);
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  uint64_t v = b;
+  int u = 0;
+  while (u < 4 && v >= 1024 && v % 1024 == 0) {
+    v /= 1024;
+    ++u;
+  }
+  return std::to_string(v) + " " + units[u];
+}
+
 // ---- --compare ----
 
 // A row's identity and the one metric --compare looks at.
@@ -248,7 +268,7 @@ std::optional<Metric> metric_of(const Row& r) {
   if (workload.empty()) {
     const auto bytes = r.number("bytes");
     if (!bytes) return std::nullopt;
-    m.key = "size " + format_number(*bytes) + " B " + transport;
+    m.key = "size " + size_label(*bytes) + " " + transport;
   } else {
     m.key = "td " + workload + " " + transport;
   }
@@ -272,18 +292,6 @@ std::vector<Metric> metrics_of(const std::vector<Row>& rows, int& duplicates) {
     out.push_back(*m);
   }
   return out;
-}
-
-std::string size_label(double bytes) {
-  const auto b = static_cast<uint64_t>(bytes);
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  uint64_t v = b;
-  int u = 0;
-  while (u < 4 && v >= 1024 && v % 1024 == 0) {
-    v /= 1024;
-    ++u;
-  }
-  return std::to_string(v) + " " + units[u];
 }
 
 std::string format_value(double v) {
@@ -650,7 +658,7 @@ std::string plot_rows(const std::string& file, const std::vector<PlotSource>& so
       const std::string data = dir.file("size_" + std::to_string(i) + ".dat");
       std::string text = "# bytes p50_us gbps\n";
       for (const auto& p : lines[i].second) {
-        text += format_number(p[0]) + " " + format_number(p[1]) + " " + format_number(p[2]) + "\n";
+        text += exact_number(p[0]) + " " + exact_number(p[1]) + " " + exact_number(p[2]) + "\n";
       }
       write_file(data, text);
       const std::string sep = i ? ", " : "";
@@ -666,12 +674,12 @@ std::string plot_rows(const std::string& file, const std::vector<PlotSource>& so
     sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
     std::string tics = "set xtics (";
     for (size_t i = 0; i < sizes.size(); ++i) {
-      tics += (i ? ", " : "") + gp_quote(size_label(sizes[i])) + " " + format_number(sizes[i]);
+      tics += (i ? ", " : "") + gp_quote(size_label(sizes[i])) + " " + exact_number(sizes[i]);
     }
     gp += tics + ")\n";
     gp += "set title 'p50 one-way latency against message size'\n"
           "set logscale xy\nset xlabel 'message size'\n"
-          "set ylabel 'p50 one-way latency (us)'\nset key top left\n" +
+          "set ylabel 'p50 one-way latency (us)'\nset key top left Left reverse\n" +
           plot_lat + "\n";
     gp += "set title 'bandwidth against message size'\n"
           "unset logscale y\nset ylabel 'GB/s (10^9 bytes/s, from p50)'\nset yrange [0:*]\n" +
@@ -693,7 +701,7 @@ std::string plot_rows(const std::string& file, const std::vector<PlotSource>& so
         if (it == bars->values.end()) {
           text += " ? ? ?";
         } else {
-          for (const double v : it->second) text += " " + format_number(v);
+          for (const double v : it->second) text += " " + exact_number(v);
         }
       }
       text += "\n";

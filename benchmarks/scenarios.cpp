@@ -689,8 +689,6 @@ void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
                 "  batches/s = batches main received / seconds of its receive loop; GB/s = batches/s x %zu B;\n"
                 "  median of %d measurement(s), min-max beside it; shm/gloo = ratio of the medians\n",
                 kBatchBytes, o.batches, kBatchBytes, o.repeat);
-    std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s\n", "workers", "pattern", "transport", "batches/s", "  min - max",
-                "GB/s", "shm/gloo");
   } else {
     std::printf("\nscenario actor-learner: 1 learner, %d actor process(es), over shm and gloo in the same processes\n"
                 "  per step: the learner isends 4 MiB of weights (consolidated: 4 float leaves of 1 MiB) to every\n"
@@ -699,6 +697,15 @@ void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
                 "  steps/s = steps / seconds of the learner's loop; GB/s counts both directions;\n"
                 "  median of %d measurement(s), min-max beside it; shm/gloo = ratio of the medians\n",
                 o.actors, kTrajectoryBytes, o.steps, o.repeat);
+  }
+  std::fflush(stdout);
+}
+
+void print_columns(const std::string& scenario) {
+  if (scenario == "loader") {
+    std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s\n", "workers", "pattern", "transport", "batches/s", "  min - max",
+                "GB/s", "shm/gloo");
+  } else {
     std::printf("\n%7s  %-19s %-9s %11s  %-23s %8s %9s\n", "actors", "pattern", "transport", "steps/s", "  min - max",
                 "GB/s", "shm/gloo");
   }
@@ -747,6 +754,20 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
     const auto schedule = make_schedule(scenario, options.repeat, count);
     const int total = measured_steps(schedule) * static_cast<int>(counts.size());
     print_scenario_header(options, scenario);
+    // The oversubscribed layouts, said once above the table.
+    std::string crowded, processes;
+    for (const int peers : counts) {
+      if (peers + 1 <= cpus) continue;
+      crowded += (crowded.empty() ? "" : ", ") + std::to_string(peers);
+      processes += (processes.empty() ? "" : ", ") + std::to_string(peers + 1);
+    }
+    if (!crowded.empty()) {
+      std::printf("\nnote: %s %s run%s %s processes on %d CPU(s): oversubscribed, so those rows measure time\n"
+                  "      sharing of the CPUs as much as the transports\n",
+                  loader ? "N =" : "actors =", crowded.c_str(), crowded.find(',') == std::string::npos ? "s" : "",
+                  processes.c_str(), cpus);
+    }
+    print_columns(scenario);
     int done = 0;
     for (const int peers : counts) {
       Layout layout;
@@ -761,12 +782,6 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
       layout.progress_total = total;
       if (const char* fault = std::getenv("TDSHM_BENCH_FAULT")) layout.fault = fault;
       done += measured_steps(schedule);
-      if (layout.world() > cpus) {
-        std::printf("  note: %s=%d runs %d processes on %d CPU(s): oversubscribed, so these figures measure time\n"
-                    "        sharing of the CPUs as much as the transports\n",
-                    loader ? "N" : "actors", peers, layout.world(), cpus);
-        std::fflush(stdout);
-      }
       // A safety net only: every wait of the ranks has its own 60 s deadline.
       const auto deadline = std::chrono::seconds(120 + 30 * static_cast<int64_t>(schedule.size()));
       LayoutResult result;
