@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <new>
 #include <optional>
@@ -519,10 +520,51 @@ void handle_line(const std::string& line, const Layout& layout, LayoutResult& re
   result.failures.push_back("unreadable report from a rank: " + line);
 }
 
+// SIGINT, SIGTERM or SIGHUP while a layout runs: the coordinator kills and reaps its ranks and
+// removes their segment, then ends by the same signal (SignalGuard).
+std::atomic<int> g_stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler may only touch lock-free atomics");
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+extern "C" void note_stop_signal(int sig) { g_stop_signal.store(sig, std::memory_order_relaxed); }
+
+class SignalGuard {
+ public:
+  SignalGuard() {
+    g_stop_signal.store(0, std::memory_order_relaxed);
+    struct sigaction action {};
+    action.sa_handler = note_stop_signal;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < std::size(kStopSignals); ++i) ::sigaction(kStopSignals[i], &action, &previous_[i]);
+  }
+  ~SignalGuard() { restore(); }
+  SignalGuard(const SignalGuard&) = delete;
+  SignalGuard& operator=(const SignalGuard&) = delete;
+  /// Puts the previous handlers back (also what a forked rank does first).
+  void restore() noexcept {
+    if (restored_) return;
+    restored_ = true;
+    for (size_t i = 0; i < std::size(kStopSignals); ++i) ::sigaction(kStopSignals[i], &previous_[i], nullptr);
+  }
+  /// After the cleanup: if a stop signal came, ends this process by it.
+  void reraise() noexcept {
+    const int sig = g_stop_signal.load(std::memory_order_relaxed);
+    if (sig == 0) return;
+    restore();
+    std::fflush(nullptr);
+    ::raise(sig);
+  }
+
+ private:
+  struct sigaction previous_[std::size(kStopSignals)] {};
+  bool restored_ = false;
+};
+
 // Forks every rank of `layout`, collects rank 0's measurements, reaps every rank.
 LayoutResult run_layout(const Layout& layout, std::chrono::seconds deadline_after) {
   LayoutResult result;
   SharedControl control;
+  SignalGuard signals;
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) throw std::system_error(errno, std::generic_category(), "pipe for the scenario");
   const pid_t coordinator = ::getpid();
@@ -533,6 +575,7 @@ LayoutResult run_layout(const Layout& layout, std::chrono::seconds deadline_afte
     if (pid == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != coordinator) ::_exit(1);
+      signals.restore();
       // A peer that died closes its gloo sockets: the next write must fail as an error the rank
       // reports, not end it with SIGPIPE.
       ::signal(SIGPIPE, SIG_IGN);
@@ -590,8 +633,9 @@ LayoutResult run_layout(const Layout& layout, std::chrono::seconds deadline_afte
     }
     if (alive == 0) break;
     const auto now = Clock::now();
-    if (!killed && (now > deadline || (kill_at && now > *kill_at))) {
-      timed_out = now > deadline;
+    const bool stopped = g_stop_signal.load(std::memory_order_relaxed) != 0;
+    if (!killed && (stopped || now > deadline || (kill_at && now > *kill_at))) {
+      timed_out = !stopped && now > deadline;
       for (size_t i = 0; i < pids.size(); ++i) {
         if (!reaped[i]) ::kill(pids[i], SIGKILL);
       }
@@ -625,6 +669,7 @@ LayoutResult run_layout(const Layout& layout, std::chrono::seconds deadline_afte
   } catch (const std::exception& e) {
     result.failures.push_back("segment " + layout.segment + " left behind: " + e.what());
   }
+  signals.reraise();
   return result;
 }
 
