@@ -13,7 +13,8 @@
 /// rank reports its error there before it exits non-zero. Every wait of the ranks has a deadline
 /// (group and store timeouts of 60 s); the coordinator kills and reaps all ranks of a layout
 /// when one of them fails or when the layout overruns its own deadline, and removes the layout's
-/// segment (/dev/shm/tdshm.tdshm-bench-<pid>-<scenario>-<N>) if the ranks left it behind.
+/// segment (/dev/shm/tdshm.tdshm-bench-<pid>-<scenario>-<N>) if the ranks left it behind. On
+/// SIGINT, SIGTERM or SIGHUP it does the same, then ends by that signal.
 ///
 /// Schedule of a layout (the same on every rank): one warm-up per (pattern, transport), then
 /// `repeat` rounds, each measuring every pattern over shm and gloo (the transport order
