@@ -10,6 +10,8 @@
 //                  its options
 //   tdshm stress   SIGKILL at random instants of real lifecycles, and destroy/init loops under one
 //                  name (tools/stress.cpp); `tdshm stress --help` lists its options
+//   tdshm ls, tdshm inspect NAME, tdshm gc [--dry-run]
+//                  the segments in /dev/shm, read-only; gc removes the stale ones (tools/segments.cpp)
 //   tdshm help     this text
 
 #include <tdshm/memmap.h>
@@ -20,6 +22,7 @@
 #include "demo.h"
 #include "pingpong.h"
 #include "scenarios.h"
+#include "segments.h"
 #include "stress.h"
 
 #include <ATen/core/Tensor.h>
@@ -132,6 +135,9 @@ void usage(FILE* out) {
                "  tour   build, consolidate and inspect a TensorDict in one process (checks included)\n"
                "  bench  two-process ping-pong: ProcessGroupShm, gloo, raw floors, memcpy (--help)\n"
                "  stress kill ranks at random instants; destroy/init loops under one name (--help)\n"
+               "  ls     the segments in /dev/shm: size, world, attached/alive ranks, age, status (--json)\n"
+               "  inspect NAME: one segment's header, ranks, lock file and ring depths (--json)\n"
+               "  gc     remove segments whose ranks are all dead or left (--dry-run only says)\n"
                "  help   this text\n");
 }
 
@@ -215,6 +221,9 @@ int main(int argc, char** argv) {
     if (cmd == "tour") return tour();
     if (cmd == "bench") return bench(argc - 2, argv + 2);
     if (cmd == "stress") return tdshm::tools::run_stress(argc - 2, argv + 2);
+    if (cmd == "ls") return tdshm::tools::run_ls(argc - 2, argv + 2);
+    if (cmd == "inspect") return tdshm::tools::run_inspect(argc - 2, argv + 2);
+    if (cmd == "gc") return tdshm::tools::run_gc(argc - 2, argv + 2);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
       usage(stdout);
       return 0;

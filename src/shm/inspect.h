@@ -1,0 +1,235 @@
+#pragma once
+// A read-only reader of the segments in /dev/shm, for operators (`tdshm ls`, `tdshm inspect`,
+// `tdshm gc`; tools/segments.cpp) and tests. It never maps, locks, writes or creates anything:
+// every file is opened O_RDONLY | O_NOFOLLOW and read with pread into local buffers, so a file
+// that shrinks, grows or changes while it is read can make a report wrong but never faults; every
+// value is read once and validated before it is used as a size or an offset.
+//
+// Trust model (the same as segment.cpp's): a file that is a symbolic link, not a regular file,
+// owned by another uid or open to group/other is reported as refused and not read.
+//
+// What is read:
+//  - the header prefix that every layout version shares (magic, layout_version at 8,
+//    header_bytes, segment_bytes, world_size at 24): any file is classified by it;
+//  - for this build's layout version (kLayoutVersion) the whole header, checked by validate.h's
+//    check_header, and the rank table (state, pid, start time: liveness by process_alive); for
+//    another version, the rank table where read_layout_details knows that version's geometry;
+//  - the lock file's creator and join records (segment_layout.h);
+//  - on request, the layout-specific part (rings, arena): read_layout_details, the one function
+//    that knows a version's geometry beyond the header prefix and the rank table.
+//
+// collect_garbage (`tdshm gc`) removes, through tdshm::remove_stale_segment (which re-checks under
+// the segment's lock file, so a group created or joined meanwhile is never removed), only what
+// this reader proves stale: a segment of this layout version whose ranks are all dead, left or
+// abandoned and that no live creator is still creating; a segment whose creation was interrupted
+// (no header published, and the lock file records a creator that died creating it); and a lock
+// file without a segment whose recorded creator and joiners are all dead. Anything else (another
+// uid's file, group/other mode bits, a link, no tdshm magic, a corrupt header, another layout
+// version, a truncated file whose rank table is cut) is kept and reported: it cannot be proven
+// stale from here, and an operator removes it by hand. (Another layout version's segment is kept
+// even with all its ranks dead: remove_stale_segment's check under the lock cannot read that
+// version's ranks, so a group of the old version re-created under the name meanwhile would be
+// removed with it.)
+
+#include "shm/segment_layout.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tdshm::shm {
+
+/// Where segments live, and the prefix of their file names.
+inline constexpr const char* kSegmentDir = "/dev/shm";
+inline constexpr const char* kSegmentFilePrefix = "tdshm.";
+
+/// What one name in /dev/shm is, as far as this reader can tell.
+enum class SegmentStatus {
+  kValid,         // a complete header of this build's layout version that agrees with the file
+  kCreating,      // no header published yet, and the lock file's creator is alive and creating it
+  kIncomplete,    // zeros, or layout version 0, and no live creator: creation never finished
+  kNotTdshm,      // no tdshm magic (and not all zeros)
+  kCorrupt,       // a header whose sizes or offsets are out of range or disagree
+  kTruncated,     // a consistent header of this layout version, but the file's size differs
+  kOtherVersion,  // a complete header of another layout version (never removed by gc)
+  kRefused,       // a link, not a regular file, another uid's, or group/other permission bits
+  kUnreadable,    // could not be opened or read (vanished meanwhile, permissions)
+  kLockOnly,      // a lock file without a segment
+  kMissing,       // neither a segment nor a lock file of that name
+};
+/// "valid", "creating", ... (one word, for tables and JSON).
+const char* status_name(SegmentStatus status);
+
+/// One rank slot of the rank table.
+struct RankInfo {
+  uint32_t rank = 0;
+  uint32_t state = kRankFree;  // RankState as stored
+  uint32_t pid = 0;
+  uint64_t start_time = 0;
+  bool alive = false;  // state is Live and the process (pid + start time) still runs
+  /// "free", "live", "dead" (Live but its process is gone), "left", "abandoned" or "state N".
+  std::string state_name() const;
+};
+
+/// A process named in the lock file (the last creator, or one waiting to join as `rank`).
+struct LockProcess {
+  uint32_t pid = 0;
+  uint32_t rank = 0;
+  uint64_t start_time = 0;
+  bool alive = false;
+};
+
+/// The lock file /dev/shm/tdshm.<name>.lock.
+struct LockInfo {
+  bool present = false;
+  bool refused = false;  // a link, not regular, another uid's or group/other bits (see problem)
+  std::string problem;   // why refused or unreadable
+  uint64_t file_bytes = 0;
+  std::optional<LockProcess> creator;  // the CreatorRecord, when it has its magic
+  bool creating = false;               // the creator's `creating` flag
+  std::vector<LockProcess> joiners;    // JoinRecords with their magic
+};
+
+/// One ordered pair's ring (layout-specific; see read_layout_details).
+struct PairInfo {
+  uint32_t src = 0;
+  uint32_t dst = 0;
+  uint64_t head = 0;             // entries the producer has published, ever
+  uint64_t tail = 0;             // entries the consumer has taken, ever
+  uint64_t depth = 0;            // head - tail: entries in the ring now
+  uint64_t messages = 0;         // first entries among them
+  uint64_t bytes_in_flight = 0;  // payload bytes of the published entries among them
+  std::string note;              // empty, or why the numbers are partial ("in motion", ...)
+};
+
+/// One rank's slot arena (layout version 5 on; empty before).
+struct ArenaInfo {
+  uint32_t owner = 0;
+  uint64_t slots = 0;
+  uint64_t slots_taken = 0;
+  uint64_t bytes_taken = 0;
+};
+
+/// Per-rank counters kept in the rank slot (futex word, sleepers).
+struct RankCounters {
+  uint32_t rank = 0;
+  uint32_t wake_seq = 0;
+  uint32_t sleepers = 0;
+};
+
+/// The layout-specific part of a segment: what read_layout_details knows for a version.
+struct LayoutDetails {
+  uint32_t layout_version = 0;
+  bool available = false;
+  std::string note;  // when !available: why; else empty or a remark (pairs skipped, ...)
+  std::vector<std::pair<std::string, uint64_t>> geometry;  // named sizes and offsets, in order
+  /// Where the version keeps its rank table (RankSlot[world], validated against its geometry):
+  /// lets the reader show the ranks of a segment of another version than this build's.
+  std::optional<uint64_t> rank_table_offset;
+  std::vector<PairInfo> pairs;
+  std::vector<ArenaInfo> arenas;
+  std::vector<RankCounters> counters;
+};
+
+/// Everything the reader found under one name.
+struct SegmentInfo {
+  std::string name;
+  std::string path;
+  bool name_valid = true;  // a name tdshm accepts ([A-Za-z0-9._-]{1,200})
+  SegmentStatus status = SegmentStatus::kMissing;
+  std::string problem;  // empty when valid; else what is wrong, in words
+
+  // The file (lstat/fstat); for kLockOnly, the lock file's.
+  bool stat_ok = false;
+  uint64_t file_bytes = 0;
+  uint32_t uid = 0;
+  uint32_t mode = 0;          // permission bits
+  double age_seconds = -1;    // since creation (birth time where the kernel tells it, else ctime); < 0 unknown
+
+  // The header prefix every version shares (when prefix_read).
+  bool prefix_read = false;
+  uint32_t layout_version = 0;
+  uint32_t header_bytes = 0;
+  uint64_t segment_bytes = 0;
+  uint32_t world_size = 0;
+
+  // This build's layout version only (when header_read).
+  bool header_read = false;
+  uint32_t creator_pid = 0;
+  uint32_t creator_rank = 0;
+  uint64_t creator_start_time = 0;
+  uint64_t incarnation = 0;
+  bool creator_alive = false;
+
+  // The rank table (when ranks_read: this layout version, or another one whose rank table
+  // read_layout_details locates; and the table is within the file).
+  bool ranks_read = false;
+  std::vector<RankInfo> ranks;
+
+  LockInfo lock;
+  /// Filled when asked for (InspectOptions::details) and the header prefix is sound.
+  std::optional<LayoutDetails> details;
+
+  /// Ranks whose slot was claimed (not free).
+  uint32_t attached_ranks() const;
+  /// Ranks that are Live with a running process.
+  uint32_t alive_ranks() const;
+};
+
+struct InspectOptions {
+  bool details = false;           // read the layout-specific part too
+  uint64_t max_pairs = 1u << 16;  // ring pairs read at most (world² can reach 2^24)
+  uint64_t max_entries = 1u << 20;  // ring entries read at most, over all pairs (bytes in flight)
+};
+
+/// Inspects /dev/shm/tdshm.<name> and its lock file. Throws SegmentError for a name tdshm would
+/// not accept; never for what the files hold (that is the status).
+SegmentInfo inspect_segment(const std::string& name, const InspectOptions& options = {});
+
+/// Every tdshm.* entry of /dev/shm, sorted by name: segments (of any status) and lock files
+/// without a segment (kLockOnly). A lock file next to its segment is not listed on its own. A
+/// name ending in ".lock" is a lock file unless the file starts with the segment magic. Throws
+/// SegmentError if /dev/shm cannot be read. A name that vanishes while it is read is left out.
+std::vector<SegmentInfo> list_segments(const InspectOptions& options = {});
+
+/// The layout-specific part of a segment: given the open file (`fd`, `file_bytes` from its
+/// fstat), the bytes of its header as read (`header`, `header_len` of them) and the header
+/// prefix's `layout_version` and `world_size` (validated: 1 to kMaxWorld), reads what the version
+/// keeps beyond the header prefix and the rank table. Implemented for layout version 4 (per-pair
+/// ring depth from RingControl head/tail, messages and bytes in flight from the published entries,
+/// the rank slots' futex counters; no arena); for any other version it returns available = false
+/// and the note "details not available for layout version N". Bounded: every read is a pread
+/// within file_bytes, every offset is validated against the version's geometry first. With
+/// options.max_pairs 0 it reads no ring (the geometry and rank_table_offset only).
+LayoutDetails read_layout_details(int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len,
+                                  uint32_t layout_version, uint32_t world_size, const InspectOptions& options);
+
+/// What gc does with one name.
+struct GcItem {
+  std::string name;
+  SegmentStatus status = SegmentStatus::kMissing;
+  bool removable = false;  // proven stale by the reader (dry run: would be removed)
+  std::string reason;      // why removable, or why kept
+  bool removed_segment = false;
+  bool removed_lock = false;
+  std::string error;  // a removal that failed unexpectedly (the lock timed out, ...)
+};
+
+struct GcOptions {
+  bool dry_run = false;
+  std::vector<std::string> names;  // only these names; empty: everything list_segments finds
+};
+
+/// The reader's verdict on one name: whether gc may try to remove it, and why (or why not).
+std::pair<bool, std::string> gc_decision(const SegmentInfo& info);
+
+/// Removes the stale segments and lock files (see the top of this file); a dry run only decides.
+/// A removable name is removed with tdshm::remove_stale_segment, which re-checks under the lock
+/// file and throws SegmentError if a rank lives by then: that name is then kept (reason: its
+/// message), not an error.
+std::vector<GcItem> collect_garbage(const GcOptions& options);
+
+}  // namespace tdshm::shm
