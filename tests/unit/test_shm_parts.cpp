@@ -1,0 +1,747 @@
+// The parts of a segment (layout 5) on plain buffers, without OS shared memory or processes: the
+// metadata ring (ring.h) and what its consumer does with an entry (validate.h: read_entry,
+// check_entry), the slot arena (arena.h) and the pool of early-message buffers (buffer_pool.h).
+// Both ends of a ring or an arena are driven from one thread, except in
+// ShmRingThreads.MillionEntriesThroughEightSlots, which runs a producer and a consumer thread
+// against each other (the acquire/release pairs; it also runs under the tsan preset).
+
+#include "shm/arena.h"
+#include "shm/buffer_pool.h"
+#include "shm/ring.h"
+#include "shm/segment_layout.h"
+#include "shm/validate.h"
+
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace tdshm::shm;
+
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kUnderTsan = true;
+#else
+constexpr bool kUnderTsan = false;
+#endif
+
+/// Zeroed bytes starting on a cache line (what a fresh segment's pages are).
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(uint64_t bytes) : lines_((bytes + kCacheLine - 1) / kCacheLine), bytes_(bytes) {}
+  uint8_t* data() noexcept { return lines_.front().b; }
+  uint64_t size() const noexcept { return bytes_; }
+
+ private:
+  struct alignas(kCacheLine) Line {
+    uint8_t b[kCacheLine] = {};
+  };
+  std::vector<Line> lines_;
+  uint64_t bytes_;
+};
+
+// ---- ring ------------------------------------------------------------------------------------
+
+uint64_t ring_bytes(uint32_t entries) { return sizeof(RingControl) + uint64_t{entries} * kEntryBytes; }
+
+uint8_t inline_byte(uint64_t i, uint64_t k) { return static_cast<uint8_t>(i * 7 + k * 13 + 1); }
+
+/// Fills the producer's current entry with values derived from `i` (every field differs from
+/// one i to the next, so a stale or misplaced entry shows).
+void fill_entry(RingProducer& p, uint64_t i) {
+  EntryHeader& e = p.entry();
+  e.tag = static_cast<int64_t>(i) * 3 - 1000000007;
+  e.total_bytes = i ^ 0x5555;
+  e.chunk_offset = i * 2;
+  e.chunk_bytes = static_cast<uint32_t>(i % 73);
+  e.flags = static_cast<uint32_t>(i & 127);
+  e.dtype = static_cast<uint8_t>(i);
+  e.ndim = static_cast<uint8_t>(i % 9);
+  e.leaves = static_cast<uint16_t>(i * 5);
+  e.check = static_cast<uint32_t>(i * 2654435761u);
+  e.slot = static_cast<uint32_t>(i % 64);
+  e.reserved = 0;
+  uint8_t* inl = p.inline_bytes();
+  for (uint64_t k = 0; k < kInlineBytes; ++k) inl[k] = inline_byte(i, k);
+  EntryShape& s = p.shape();
+  for (size_t d = 0; d < kMaxDims; ++d) s.dims[d] = static_cast<int64_t>(i * 10 + d);
+}
+
+/// "" when the consumer's copy, inline bytes and shape are those fill_entry(i) wrote.
+std::string mismatch(const EntryFields& f, const RingConsumer& c, uint64_t i) {
+  auto bad = [i](const char* what) { return std::string(what) + " of entry " + std::to_string(i); };
+  if (f.tag != static_cast<int64_t>(i) * 3 - 1000000007) return bad("tag");
+  if (f.total_bytes != (i ^ 0x5555)) return bad("total_bytes");
+  if (f.chunk_offset != i * 2) return bad("chunk_offset");
+  if (f.chunk_bytes != static_cast<uint32_t>(i % 73)) return bad("chunk_bytes");
+  if (f.flags != static_cast<uint32_t>(i & 127)) return bad("flags");
+  if (f.dtype != static_cast<uint8_t>(i)) return bad("dtype");
+  if (f.ndim != static_cast<uint8_t>(i % 9)) return bad("ndim");
+  if (f.leaves != static_cast<uint16_t>(i * 5)) return bad("leaves");
+  if (f.check != static_cast<uint32_t>(i * 2654435761u)) return bad("check");
+  if (f.slot != static_cast<uint32_t>(i % 64)) return bad("slot");
+  const uint8_t* inl = c.inline_bytes();
+  for (uint64_t k = 0; k < kInlineBytes; ++k) {
+    if (inl[k] != inline_byte(i, k)) return bad("inline byte") + " at " + std::to_string(k);
+  }
+  for (size_t d = 0; d < kMaxDims; ++d) {
+    if (c.shape().dims[d] != static_cast<int64_t>(i * 10 + d)) return bad("shape dim");
+  }
+  return {};
+}
+
+/// A zeroed ring of `entries` entries with both ends.
+struct TestRing {
+  explicit TestRing(uint32_t n) : buffer(ring_bytes(n)), view(buffer.data(), n), producer(view), consumer(view) {}
+  AlignedBuffer buffer;
+  RingView view;
+  RingProducer producer;
+  RingConsumer consumer;
+
+  void push(uint64_t i) {
+    ASSERT_TRUE(producer.has_room());
+    fill_entry(producer, i);
+    producer.publish();
+  }
+  void pop(uint64_t i) {
+    EntryFields f;
+    ASSERT_TRUE(consumer.peek(f)) << "entry " << i;
+    EXPECT_EQ(mismatch(f, consumer, i), "");
+    consumer.consume();
+  }
+};
+
+TEST(ShmRing, ViewAddressesEntriesModuloTheirCount) {
+  TestRing r(4);
+  uint8_t* base = r.buffer.data();
+  EXPECT_EQ(static_cast<void*>(&r.view.control()), base);
+  EXPECT_EQ(r.view.entry_base(0), base + 128);
+  EXPECT_EQ(r.view.entry_base(3), base + 128 + 3 * 192);
+  EXPECT_EQ(r.view.entry_base(4), r.view.entry_base(0));
+  EXPECT_EQ(r.view.entry_base(4 * 1000 + 2), r.view.entry_base(2));
+  EXPECT_EQ(r.view.inline_bytes(1), base + 128 + 192 + 56);
+  EXPECT_EQ(reinterpret_cast<uint8_t*>(&r.view.shape(1)), base + 128 + 192 + 128);
+  // The last entry ends where the buffer does.
+  EXPECT_EQ(r.view.entry_base(3) + kEntryBytes, base + r.buffer.size());
+}
+
+TEST(ShmRing, ProducerHasRoomUntilFullThenAfterEachConsume) {
+  constexpr uint32_t n = 4;
+  TestRing r(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(r.producer.has_room()) << "after " << i << " entries";
+    fill_entry(r.producer, i);
+    r.producer.publish();
+  }
+  EXPECT_FALSE(r.producer.has_room());
+  EXPECT_FALSE(r.producer.has_room());  // asking again reads the tail again; still full
+  EXPECT_EQ(r.producer.position(), n);
+  EXPECT_EQ(r.consumer.depth(), n);
+  EXPECT_EQ(r.view.control().head.load(), n);
+
+  // Peeking does not hand the entry back; consuming does.
+  EntryFields f;
+  ASSERT_TRUE(r.consumer.peek(f));
+  EXPECT_FALSE(r.producer.has_room());
+  r.consumer.consume();
+  EXPECT_EQ(r.view.control().tail.load(), 1u);
+  ASSERT_TRUE(r.producer.has_room());
+  fill_entry(r.producer, n);
+  r.producer.publish();
+  EXPECT_FALSE(r.producer.has_room());
+
+  // Drain: every entry comes out in order, then there is nothing.
+  for (uint64_t i = 1; i <= n; ++i) r.pop(i);
+  EXPECT_FALSE(r.consumer.peek(f));
+  EXPECT_EQ(r.consumer.depth(), 0u);
+  for (uint64_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(r.producer.has_room()) << i;
+    fill_entry(r.producer, 100 + i);
+    r.producer.publish();
+  }
+  EXPECT_FALSE(r.producer.has_room());
+}
+
+TEST(ShmRing, PositionsWrapAndEveryEntryReadsBackInOrder) {
+  for (uint32_t n : {1u, 3u, 5u, 8u}) {
+    SCOPED_TRACE("ring of " + std::to_string(n));
+    TestRing r(n);
+    const uint64_t total = 10ull * n;
+    uint64_t pushed = 0, popped = 0;
+    // Batches of varying size (1 .. n), so the ring is full, half full and empty at every offset.
+    for (uint64_t round = 0; popped < total; ++round) {
+      ASSERT_LT(round, 10 * total) << "no progress: " << pushed << " pushed, " << popped << " popped";
+      const uint64_t batch = 1 + round % n;
+      for (uint64_t k = 0; k < batch && pushed < total && r.producer.has_room(); ++k) r.push(pushed++);
+      if (pushed - popped == n) {
+        EXPECT_FALSE(r.producer.has_room());
+      }
+      for (uint64_t k = 0; k < (round % 2 == 0 ? batch : n) && popped < pushed; ++k) r.pop(popped++);
+      if (HasFatalFailure()) return;
+    }
+    EXPECT_EQ(r.producer.position(), total);
+    EXPECT_EQ(r.consumer.position(), total);
+    EXPECT_EQ(r.view.control().head.load(), total);
+    EXPECT_EQ(r.view.control().tail.load(), total);
+    EntryFields f;
+    EXPECT_FALSE(r.consumer.peek(f));
+  }
+}
+
+TEST(ShmRing, PeekIsFalseForAnEntryNotPublished) {
+  TestRing r(4);
+  EntryFields f;
+  EXPECT_FALSE(r.consumer.peek(f));  // zeroed ring
+  // Filled but not published: the consumer does not see it.
+  ASSERT_TRUE(r.producer.has_room());
+  fill_entry(r.producer, 7);
+  EXPECT_FALSE(r.consumer.peek(f));
+  EXPECT_EQ(r.consumer.depth(), 0u);
+  r.producer.publish();
+  ASSERT_TRUE(r.consumer.peek(f));
+  EXPECT_EQ(mismatch(f, r.consumer, 7), "");
+  // Peek does not move on: the same entry again until consume().
+  ASSERT_TRUE(r.consumer.peek(f));
+  EXPECT_EQ(r.consumer.position(), 0u);
+  r.consumer.consume();
+  EXPECT_FALSE(r.consumer.peek(f));
+}
+
+TEST(ShmRing, ConsumerSeesOnlyASeqOfExactlyPositionPlusOne) {
+  constexpr uint32_t n = 4;
+  TestRing r(n);
+  // Move both ends past a lap and a half: the consumer's entry (position 6, entry 2) holds the
+  // seq of position 2 from the previous lap.
+  for (uint64_t i = 0; i < 6; ++i) {
+    r.push(i);
+    r.pop(i);
+  }
+  ASSERT_EQ(r.consumer.position(), 6u);
+  std::atomic<uint64_t>& seq = r.view.header(6).seq;
+  EXPECT_EQ(seq.load(), 3u);  // the older lap's
+
+  EntryFields sentinel;
+  sentinel.tag = -42;
+  sentinel.slot = 12345;
+  for (uint64_t hostile : {uint64_t{3}, uint64_t{0}, uint64_t{6}, uint64_t{8}, uint64_t{7 + n}, uint64_t{7 - n},
+                           uint64_t{UINT64_MAX}, uint64_t{7} << 32 | 7}) {
+    SCOPED_TRACE("seq " + std::to_string(hostile));
+    seq.store(hostile);
+    EntryFields f = sentinel;
+    EXPECT_FALSE(r.consumer.peek(f));
+    EXPECT_EQ(f.tag, -42);  // untouched
+    EXPECT_EQ(f.slot, 12345u);
+    EXPECT_EQ(r.consumer.position(), 6u);
+  }
+  // The right seq (as the producer would store it) is seen.
+  fill_entry(r.producer, 6);
+  seq.store(7);
+  EntryFields f;
+  ASSERT_TRUE(r.consumer.peek(f));
+  EXPECT_EQ(mismatch(f, r.consumer, 6), "");
+}
+
+TEST(ShmRing, HostileHeadAndTailDoNotMakeTheConsumerRead) {
+  constexpr uint32_t n = 4;
+  TestRing r(n);
+  // Entries filled (as a crashed or buggy producer may leave them) but none published, and a
+  // head that claims many: the consumer goes by seq only.
+  for (uint32_t e = 0; e < n; ++e) {
+    std::memset(r.view.entry_base(e), 0xab, kEntryBytes);
+    r.view.header(e).seq.store(0);
+  }
+  EntryFields f;
+  for (uint64_t head : {uint64_t{1}, uint64_t{n}, uint64_t{1000}, uint64_t{UINT64_MAX}}) {
+    r.view.control().head.store(head);
+    r.view.control().tail.store(head / 2);
+    EXPECT_FALSE(r.consumer.peek(f)) << "head " << head;
+    EXPECT_EQ(r.consumer.position(), 0u);
+  }
+  // A hostile head/tail does not move the consumer either: after a real publish (which stores
+  // head = 1 again) it reads position 0's entry.
+  r.view.control().head.store(77);
+  ASSERT_TRUE(r.producer.has_room());
+  fill_entry(r.producer, 0);
+  r.producer.publish();
+  r.view.control().head.store(12345);
+  r.pop(0);
+  EXPECT_FALSE(r.consumer.peek(f));
+  EXPECT_EQ(r.consumer.position(), 1u);
+}
+
+TEST(ShmRing, ATailPastTheHeadGivesTheProducerNoRoom) {
+  // A consumer that stores a tail beyond what was published cannot make the producer believe
+  // it has more than a full ring of room (pos - tail wraps to a huge value: no room).
+  constexpr uint32_t n = 4;
+  TestRing r(n);
+  for (uint64_t i = 0; i < n; ++i) r.push(i);
+  ASSERT_FALSE(r.producer.has_room());
+  for (uint64_t tail : {uint64_t{n + 1}, uint64_t{1000}, uint64_t{UINT64_MAX / 2}}) {
+    r.view.control().tail.store(tail);
+    EXPECT_FALSE(r.producer.has_room()) << "tail " << tail;
+  }
+}
+
+TEST(ShmRing, ReadEntryCopiesTheFields) {
+  TestRing r(2);
+  r.push(5);
+  EntryFields f;
+  ASSERT_TRUE(r.consumer.peek(f));
+  EXPECT_EQ(mismatch(f, r.consumer, 5), "");
+  // The peer rewrites the entry after the copy was taken: the copy keeps what it read.
+  EntryHeader& e = r.view.header(0);
+  e.tag = 999;
+  e.total_bytes = 1ull << 40;
+  e.chunk_offset = 3;
+  e.chunk_bytes = 1u << 31;
+  e.flags = 0xffffffffu;
+  e.dtype = 200;
+  e.ndim = 250;
+  e.leaves = 65535;
+  e.check = 1;
+  e.slot = 1u << 30;
+  EXPECT_EQ(f.tag, 5 * 3 - 1000000007);
+  EXPECT_EQ(f.total_bytes, 5u ^ 0x5555u);
+  EXPECT_EQ(f.chunk_offset, 10u);
+  EXPECT_EQ(f.chunk_bytes, 5u);
+  EXPECT_EQ(f.flags, 5u);
+  EXPECT_EQ(f.dtype, 5u);
+  EXPECT_EQ(f.ndim, 5u);
+  EXPECT_EQ(f.leaves, 25u);
+  EXPECT_EQ(f.check, static_cast<uint32_t>(5 * 2654435761u));
+  EXPECT_EQ(f.slot, 5u);
+  // A fresh read_entry sees the new values (it reads the memory, not a cache of it).
+  const EntryFields g = read_entry(e);
+  EXPECT_EQ(g.tag, 999);
+  EXPECT_EQ(g.total_bytes, 1ull << 40);
+  EXPECT_EQ(g.chunk_bytes, 1u << 31);
+  EXPECT_EQ(g.flags, 0xffffffffu);
+  EXPECT_EQ(g.ndim, 250u);
+  EXPECT_EQ(g.leaves, 65535u);
+  EXPECT_EQ(g.slot, 1u << 30);
+}
+
+// check_entry on copies of entries a peer wrote into the ring: the peer's values, read once.
+class ShmRingCheck : public ::testing::Test {
+ protected:
+  static constexpr ArenaShape kArena{65536, 64};
+  static constexpr uint64_t kMaxMessage = uint64_t{1} << 30;
+
+  /// Publishes an entry with these fields at the ring's next position and returns the
+  /// consumer's copy.
+  EntryFields through_ring(uint32_t flags, uint64_t total, uint64_t offset, uint32_t chunk, uint32_t slot,
+                           uint8_t ndim = 1) {
+    EXPECT_TRUE(ring_.producer.has_room());
+    EntryHeader& e = ring_.producer.entry();
+    e.tag = 11;
+    e.total_bytes = total;
+    e.chunk_offset = offset;
+    e.chunk_bytes = chunk;
+    e.flags = flags;
+    e.dtype = 6;
+    e.ndim = ndim;
+    e.leaves = 0;
+    e.check = 0;
+    e.slot = slot;
+    ring_.producer.publish();
+    EntryFields f;
+    EXPECT_TRUE(ring_.consumer.peek(f));
+    ring_.consumer.consume();
+    return f;
+  }
+  std::string check(const EntryFields& f, const RxProgress& rx = {}) { return check_entry(f, rx, kArena, kMaxMessage); }
+
+  TestRing ring_{4};
+};
+
+TEST_F(ShmRingCheck, ValidInlineAndSlotEntriesAreAccepted) {
+  constexpr uint32_t whole_inline = kEntryFirst | kEntryLast | kEntryInline;
+  EXPECT_EQ(check(through_ring(whole_inline, 40, 0, 40, 0)), "");
+  EXPECT_EQ(check(through_ring(whole_inline, 72, 0, 72, 0)), "");  // exactly kInlineBytes
+  EXPECT_EQ(check(through_ring(whole_inline, 0, 0, 0, 0)), "");    // an empty tensor
+  // With kEntryInline the slot field is not looked at.
+  EXPECT_EQ(check(through_ring(whole_inline, 8, 0, 8, 0xffffffffu)), "");
+  // A whole message in the last slot, exactly slot_bytes.
+  EXPECT_EQ(check(through_ring(kEntryFirst | kEntryLast, 65536, 0, 65536, 63)), "");
+  // A two-chunk message: a full first slot, then the rest.
+  EXPECT_EQ(check(through_ring(kEntryFirst, 100000, 0, 65536, 5)), "");
+  RxProgress rx;
+  rx.in_message = true;
+  rx.total = 100000;
+  rx.received = 65536;
+  EXPECT_EQ(check(through_ring(kEntryLast, 0, 65536, 100000 - 65536, 6), rx), "");
+  // A last chunk small enough to travel inline.
+  rx.received = 100000 - 50;
+  EXPECT_EQ(check(through_ring(kEntryLast | kEntryInline, 0, 100000 - 50, 50, 0), rx), "");
+}
+
+TEST_F(ShmRingCheck, HostileEntriesAreRefused) {
+  constexpr uint32_t whole = kEntryFirst | kEntryLast;
+  // An inline chunk larger than the entry holds.
+  EXPECT_EQ(check(through_ring(whole | kEntryInline, 73, 0, 73, 0)), "inline chunk of 73 bytes");
+  EXPECT_EQ(check(through_ring(whole | kEntryInline, 1u << 31, 0, 1u << 31, 0)),
+            "inline chunk of 2147483648 bytes");
+  // A slot the sender's region does not have.
+  EXPECT_EQ(check(through_ring(whole, 100, 0, 100, 64)), "arena slot 64 of 64");
+  EXPECT_EQ(check(through_ring(whole, 100, 0, 100, 0xffffffffu)), "arena slot 4294967295 of 64");
+  // A chunk larger than a slot.
+  EXPECT_EQ(check(through_ring(whole, 65537, 0, 65537, 0)), "chunk of 65537 bytes in a slot of 65536");
+  EXPECT_EQ(check(through_ring(whole, 1u << 31, 0, 0xffffffffu, 0)), "chunk of 4294967295 bytes in a slot of 65536");
+  // Flags tdshm does not know.
+  EXPECT_EQ(check(through_ring(whole | 128, 8, 0, 8, 0)), "unknown flags 131");
+  EXPECT_EQ(check(through_ring(whole | kEntryInline | 0x80000000u, 8, 0, 8, 0)),
+            "unknown flags " + std::to_string(whole | kEntryInline | 0x80000000u));
+  // The arena checks apply to continuation chunks too.
+  RxProgress rx;
+  rx.in_message = true;
+  rx.total = 200000;
+  rx.received = 65536;
+  EXPECT_EQ(check(through_ring(0, 0, 65536, 65536, 64), rx), "arena slot 64 of 64");
+  EXPECT_EQ(check(through_ring(kEntryInline, 0, 65536, 100, 0), rx), "inline chunk of 100 bytes");
+  EXPECT_EQ(check(through_ring(0, 0, 65536, 65537, 1), rx), "chunk of 65537 bytes in a slot of 65536");
+}
+
+// ---- two threads -----------------------------------------------------------------------------
+
+TEST(ShmRingThreads, MillionEntriesThroughEightSlots) {
+  // A producer and a consumer thread on a ring of 8 entries: every entry arrives once, in order,
+  // with the fields, inline bytes and shape its producer wrote (a missing acquire/release pair
+  // may show as a torn entry here, and does as a data race under TSan). Bounded by a deadline,
+  // generous against a busy machine (it takes ~1 s in RelWithDebInfo, ~8 s under TSan): a stuck
+  // position fails the test instead of hanging it.
+  constexpr uint32_t n = 8;
+  constexpr uint64_t count = 1000000;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kUnderTsan ? 120 : 60);
+  TestRing r(n);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> produced{0};
+  std::string error;
+
+  std::thread producer([&] {
+    for (uint64_t i = 0; i < count; ++i) {
+      for (uint32_t spins = 0; !r.producer.has_room(); ++spins) {
+        if (stop.load(std::memory_order_relaxed)) return;
+        if (spins % 64 == 63) {
+          if (std::chrono::steady_clock::now() > deadline) return;
+          std::this_thread::yield();
+        }
+      }
+      fill_entry(r.producer, i);
+      r.producer.publish();
+      produced.store(i + 1, std::memory_order_relaxed);
+    }
+  });
+  uint64_t consumed = 0;
+  std::thread consumer([&] {
+    EntryFields f;
+    for (uint64_t i = 0; i < count; ++i) {
+      for (uint32_t spins = 0; !r.consumer.peek(f); ++spins) {
+        if (spins % 64 == 63) {
+          if (std::chrono::steady_clock::now() > deadline) {
+            error = "deadline passed at entry " + std::to_string(i);
+            stop.store(true);
+            return;
+          }
+          std::this_thread::yield();
+        }
+      }
+      std::string bad = mismatch(f, r.consumer, i);
+      if (!bad.empty()) {
+        error = bad;
+        stop.store(true);
+        return;
+      }
+      r.consumer.consume();
+      consumed = i + 1;
+    }
+  });
+  producer.join();
+  consumer.join();
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(consumed, count);
+  EXPECT_EQ(produced.load(), count);
+  EXPECT_EQ(r.view.control().head.load(), count);
+  EXPECT_EQ(r.view.control().tail.load(), count);
+  EntryFields f;
+  EXPECT_FALSE(r.consumer.peek(f));
+}
+
+// ---- arena -----------------------------------------------------------------------------------
+
+/// One rank's region, as segment_geometry lays it out, between two guard areas.
+struct TestRegion {
+  static constexpr uint64_t kGuard = 256;
+  static constexpr uint8_t kGuardByte = 0x5a;
+
+  TestRegion(uint64_t slot_bytes_, uint32_t slots)
+      : g(segment_geometry(3, slot_bytes_, 4, slots)),
+        slot_bytes(slot_bytes_),
+        buffer(kGuard + g.region_bytes + kGuard),
+        view(buffer.data() + kGuard, slots, g.slot_table_bytes, g.slot_stride) {
+    std::memset(buffer.data(), kGuardByte, kGuard);
+    std::memset(buffer.data() + kGuard + g.region_bytes, kGuardByte, kGuard);
+  }
+  uint8_t* base() { return buffer.data() + kGuard; }
+  bool guards_intact() {
+    for (uint64_t k = 0; k < kGuard; ++k) {
+      if (buffer.data()[k] != kGuardByte || base()[g.region_bytes + k] != kGuardByte) return false;
+    }
+    return true;
+  }
+
+  SegmentGeometry g;
+  uint64_t slot_bytes;
+  AlignedBuffer buffer;
+  RegionView view;
+};
+
+TEST(ShmArena, TakeHandsOutEverySlotOnceThenNothing) {
+  TestRegion r(1000, 10);
+  SlotAllocator alloc(r.view);
+  std::set<uint32_t> seen;
+  for (uint32_t k = 0; k < 10; ++k) {
+    const std::optional<uint32_t> s = alloc.take(2);
+    ASSERT_TRUE(s.has_value()) << "take " << k;
+    EXPECT_EQ(*s, k);  // a fresh region is handed out in order
+    EXPECT_TRUE(seen.insert(*s).second) << "slot " << *s << " twice";
+    EXPECT_EQ(r.view.state(*s).load(), 3u);  // dst + 1
+    EXPECT_EQ(alloc.data(*s), r.view.data(*s));
+  }
+  EXPECT_FALSE(alloc.take(2).has_value());
+  EXPECT_FALSE(alloc.take(0).has_value());
+  for (uint32_t s = 0; s < 10; ++s) EXPECT_EQ(r.view.state(s).load(), 3u);
+  // Slots handed to different receivers carry each one's rank.
+  TestRegion r2(64, 3);
+  SlotAllocator alloc2(r2.view);
+  EXPECT_EQ(alloc2.take(0), std::optional<uint32_t>(0));
+  EXPECT_EQ(alloc2.take(7), std::optional<uint32_t>(1));
+  EXPECT_EQ(alloc2.take(4095), std::optional<uint32_t>(2));
+  EXPECT_EQ(r2.view.state(0).load(), 1u);
+  EXPECT_EQ(r2.view.state(1).load(), 8u);
+  EXPECT_EQ(r2.view.state(2).load(), 4096u);
+  EXPECT_TRUE(r.guards_intact());
+  EXPECT_TRUE(r2.guards_intact());
+}
+
+TEST(ShmArena, ClaimedChunkOnlyForTheReceiverItWasHandedTo) {
+  TestRegion r(1000, 10);
+  SlotAllocator alloc(r.view);
+  const uint32_t s = *alloc.take(1);  // slot 0, for rank 1
+  const uint32_t t = *alloc.take(2);  // slot 1, for rank 2
+  EXPECT_EQ(claimed_chunk(r.view, s, 1), r.view.data(s));
+  EXPECT_EQ(claimed_chunk(r.view, t, 2), r.view.data(t));
+  EXPECT_EQ(claimed_chunk(r.view, s, 2), nullptr);  // another rank's
+  EXPECT_EQ(claimed_chunk(r.view, s, 0), nullptr);
+  EXPECT_EQ(claimed_chunk(r.view, t, 1), nullptr);
+  EXPECT_EQ(claimed_chunk(r.view, 2, 1), nullptr);  // a free slot
+  EXPECT_EQ(claimed_chunk(r.view, 9, 1), nullptr);
+  EXPECT_EQ(claimed_chunk(r.view, 10, 1), nullptr);  // past the region
+  EXPECT_EQ(claimed_chunk(r.view, 0xffffffffu, 1), nullptr);
+  // Out of range even where the bytes past the table would read as "handed to me": slot 10's
+  // state word would be the first 4 bytes of the table's padding (table of 10 slots padded to
+  // 128 bytes), here forged to name rank 1.
+  ASSERT_EQ(r.g.slot_table_bytes, 128u);
+  reinterpret_cast<ArenaSlot*>(r.base())[10].state.store(2);
+  EXPECT_EQ(claimed_chunk(r.view, 10, 1), nullptr);
+  // Once released, the slot is nobody's.
+  release_slot(r.view, s);
+  EXPECT_EQ(r.view.state(s).load(), kSlotFree);
+  EXPECT_EQ(claimed_chunk(r.view, s, 1), nullptr);
+  EXPECT_EQ(claimed_chunk(r.view, t, 2), r.view.data(t));
+}
+
+TEST(ShmArena, ReleasedSlotsAreTakenAgainRoundRobin) {
+  TestRegion r(1000, 10);
+  SlotAllocator alloc(r.view);
+  for (uint32_t k = 0; k < 5; ++k) ASSERT_EQ(alloc.take(1), std::optional<uint32_t>(k));
+  // Slot 1 comes back while the cursor is at 5: the search goes on from 5, and finds 1 only after
+  // wrapping around.
+  release_slot(r.view, 1);
+  EXPECT_EQ(r.view.state(1).load(), kSlotFree);
+  for (uint32_t k = 5; k < 10; ++k) EXPECT_EQ(alloc.take(1), std::optional<uint32_t>(k));
+  EXPECT_EQ(alloc.take(2), std::optional<uint32_t>(1));
+  EXPECT_EQ(r.view.state(1).load(), 3u);
+  EXPECT_FALSE(alloc.take(1).has_value());
+  // Two released: taken in cursor order (the cursor is past 1, at 2), then nothing.
+  release_slot(r.view, 8);
+  release_slot(r.view, 3);
+  EXPECT_EQ(alloc.take(0), std::optional<uint32_t>(3));
+  EXPECT_EQ(alloc.take(0), std::optional<uint32_t>(8));
+  EXPECT_FALSE(alloc.take(0).has_value());
+  // Every slot released: the next take continues after 8.
+  for (uint32_t s = 0; s < 10; ++s) release_slot(r.view, s);
+  EXPECT_EQ(alloc.take(0), std::optional<uint32_t>(9));
+  EXPECT_EQ(alloc.take(0), std::optional<uint32_t>(0));
+}
+
+TEST(ShmArena, ReclaimFreesExactlyTheSlotsOfOneReceiver) {
+  TestRegion r(1000, 10);
+  SlotAllocator alloc(r.view);
+  for (uint32_t k = 0; k < 10; ++k) ASSERT_EQ(alloc.take(k % 3), std::optional<uint32_t>(k));  // dst = slot % 3
+  release_slot(r.view, 4);  // rank 1 already gave one back
+  EXPECT_EQ(alloc.reclaim(1), 2u);  // slots 1 and 7
+  for (uint32_t s = 0; s < 10; ++s) {
+    if (s % 3 == 1) {
+      EXPECT_EQ(r.view.state(s).load(), kSlotFree) << "slot " << s;
+    } else {
+      EXPECT_EQ(r.view.state(s).load(), s % 3 + 1) << "slot " << s;
+    }
+  }
+  EXPECT_EQ(alloc.reclaim(1), 0u);   // nothing left of rank 1
+  EXPECT_EQ(alloc.reclaim(5), 0u);   // a rank that holds nothing
+  EXPECT_EQ(alloc.reclaim(2), 3u);   // slots 2, 5, 8
+  EXPECT_EQ(alloc.reclaim(0), 4u);   // slots 0, 3, 6, 9
+  for (uint32_t s = 0; s < 10; ++s) EXPECT_EQ(r.view.state(s).load(), kSlotFree) << "slot " << s;
+  // Reclaimed slots are taken again.
+  uint32_t taken = 0;
+  while (alloc.take(1)) ++taken;
+  EXPECT_EQ(taken, 10u);
+}
+
+TEST(ShmArena, SlotsDoNotOverlapAndStayInTheRegion) {
+  // A slot size that is a multiple of a cache line and two that are not; a table that fills its
+  // cache lines exactly (8 slots) and ones that do not.
+  struct Case {
+    uint64_t slot_bytes;
+    uint32_t slots;
+  };
+  for (const Case c : {Case{1000, 10}, Case{4096, 8}, Case{1, 17}, Case{65536, 3}}) {
+    const uint64_t slot_bytes = c.slot_bytes;
+    const uint32_t slots = c.slots;
+    SCOPED_TRACE(std::to_string(slots) + " slots of " + std::to_string(slot_bytes) + " bytes");
+    TestRegion r(slot_bytes, slots);
+    EXPECT_EQ(r.g.slot_stride % kCacheLine, 0u);
+    EXPECT_GE(r.g.slot_stride, slot_bytes);
+    EXPECT_GE(r.g.slot_table_bytes, slots * sizeof(ArenaSlot));
+    SlotAllocator alloc(r.view);
+    for (uint32_t s = 0; s < slots; ++s) {
+      ASSERT_EQ(alloc.take(s % 4), std::optional<uint32_t>(s));
+      uint8_t* d = alloc.data(s);
+      // Within the region, after the state table, on a cache line.
+      EXPECT_GE(d, r.base() + r.g.slot_table_bytes);
+      EXPECT_LE(d + slot_bytes, r.base() + r.g.region_bytes);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(d) % kCacheLine, 0u);
+      if (s > 0) {
+        EXPECT_GE(d, r.view.data(s - 1) + slot_bytes);
+      }
+      for (uint64_t k = 0; k < slot_bytes; ++k) d[k] = static_cast<uint8_t>(s * 31 + k * 7 + 1);
+    }
+    // Writing every slot in full changed no other slot, no state word and nothing outside.
+    for (uint32_t s = 0; s < slots; ++s) {
+      const uint8_t* d = claimed_chunk(r.view, s, s % 4);
+      ASSERT_NE(d, nullptr) << "slot " << s;
+      uint64_t wrong = 0;
+      for (uint64_t k = 0; k < slot_bytes; ++k) wrong += d[k] != static_cast<uint8_t>(s * 31 + k * 7 + 1);
+      EXPECT_EQ(wrong, 0u) << "bytes of slot " << s << " overwritten";
+      EXPECT_EQ(r.view.state(s).load(), s % 4 + 1);
+    }
+    EXPECT_TRUE(r.guards_intact());
+    // The last slot ends within slot_stride of the region's end (no slack beyond padding).
+    EXPECT_EQ(r.view.data(slots - 1) + r.g.slot_stride, r.base() + r.g.region_bytes);
+  }
+}
+
+// ---- buffer pool -----------------------------------------------------------------------------
+
+TEST(ShmBufferPool, TakeGivesAPowerOfTwoOfAtLeastAPage) {
+  BufferPool pool(uint64_t{1} << 26);
+  for (uint64_t n : {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{4096}, uint64_t{4097}, uint64_t{8192},
+                     uint64_t{65535}, uint64_t{100000}, uint64_t{1} << 20, (uint64_t{1} << 20) + 1}) {
+    SCOPED_TRACE("take(" + std::to_string(n) + ")");
+    BufferPool::Buffer b = pool.take(n);
+    ASSERT_NE(b.get(), nullptr);
+    EXPECT_GE(b.capacity, n);
+    EXPECT_GE(b.capacity, 4096u);
+    EXPECT_TRUE(std::has_single_bit(b.capacity));
+    EXPECT_LT(b.capacity, std::max<uint64_t>(2 * n, 4097));  // the smallest such power of two
+    std::memset(b.get(), 0xcd, b.capacity);                  // all of it is usable
+  }
+  EXPECT_EQ(pool.kept(), 0u);
+}
+
+TEST(ShmBufferPool, AGivenBackBufferIsHandedOutAgainForItsClass) {
+  BufferPool pool(uint64_t{1} << 26);
+  BufferPool::Buffer b = pool.take(5000);
+  ASSERT_EQ(b.capacity, 8192u);
+  uint8_t* const p = b.get();
+  pool.give_back(std::move(b));
+  EXPECT_EQ(pool.kept(), 8192u);
+  // Another class does not get it.
+  BufferPool::Buffer small = pool.take(4096);
+  EXPECT_NE(small.get(), p);
+  EXPECT_EQ(small.capacity, 4096u);
+  BufferPool::Buffer big = pool.take(8193);
+  EXPECT_NE(big.get(), p);
+  EXPECT_EQ(big.capacity, 16384u);
+  EXPECT_EQ(pool.kept(), 8192u);
+  // Any request of its class does.
+  BufferPool::Buffer again = pool.take(4097);
+  EXPECT_EQ(again.get(), p);
+  EXPECT_EQ(again.capacity, 8192u);
+  EXPECT_EQ(pool.kept(), 0u);
+  pool.give_back(std::move(again));
+  BufferPool::Buffer once_more = pool.take(8192);
+  EXPECT_EQ(once_more.get(), p);
+  // Two of a class given back: both are handed out again, each once.
+  uint8_t* const q = small.get();
+  BufferPool::Buffer small2 = pool.take(100);
+  uint8_t* const q2 = small2.get();
+  pool.give_back(std::move(small));
+  pool.give_back(std::move(small2));
+  EXPECT_EQ(pool.kept(), 8192u);
+  BufferPool::Buffer t1 = pool.take(1), t2 = pool.take(4000);
+  EXPECT_EQ(std::set<uint8_t*>({t1.get(), t2.get()}), std::set<uint8_t*>({q, q2}));
+  EXPECT_EQ(pool.kept(), 0u);
+  pool.give_back(std::move(big));
+  pool.give_back(std::move(once_more));
+  EXPECT_EQ(pool.kept(), 16384u + 8192u);
+}
+
+TEST(ShmBufferPool, WhatIsKeptIsBoundedByTheLimit) {
+  BufferPool pool(16384);
+  BufferPool::Buffer a = pool.take(8192), b = pool.take(8192), c = pool.take(4096), d = pool.take(16384);
+  uint8_t* const pa = a.get();
+  uint8_t* const pb = b.get();
+  pool.give_back(std::move(a));
+  pool.give_back(std::move(b));
+  EXPECT_EQ(pool.kept(), 16384u);  // exactly the limit: kept
+  pool.give_back(std::move(c));    // beyond it: freed
+  EXPECT_EQ(pool.kept(), 16384u);
+  pool.give_back(std::move(d));
+  EXPECT_EQ(pool.kept(), 16384u);
+  // What is kept is still handed out.
+  BufferPool::Buffer a2 = pool.take(8192);
+  EXPECT_EQ(pool.kept(), 8192u);
+  BufferPool::Buffer b2 = pool.take(5000);
+  EXPECT_EQ(std::set<uint8_t*>({a2.get(), b2.get()}), std::set<uint8_t*>({pa, pb}));
+  EXPECT_EQ(pool.kept(), 0u);
+  // A buffer larger than the limit is never kept.
+  pool.give_back(pool.take(32768));
+  EXPECT_EQ(pool.kept(), 0u);
+  // A pool with limit 0 keeps nothing.
+  BufferPool none(0);
+  none.give_back(none.take(4096));
+  EXPECT_EQ(none.kept(), 0u);
+}
+
+TEST(ShmBufferPool, AnEmptyBufferGivenBackIsIgnored) {
+  BufferPool pool(1 << 20);
+  pool.give_back(BufferPool::Buffer{});
+  EXPECT_EQ(pool.kept(), 0u);
+  pool.give_back(BufferPool::Buffer{nullptr, 65536});  // a capacity without memory
+  EXPECT_EQ(pool.kept(), 0u);
+  BufferPool::Buffer b = pool.take(10);
+  EXPECT_NE(b.get(), nullptr);
+  EXPECT_EQ(b.capacity, 4096u);
+  pool.give_back(std::move(b));
+  EXPECT_EQ(pool.kept(), 4096u);
+}
+
+}  // namespace
