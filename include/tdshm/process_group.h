@@ -129,6 +129,11 @@ struct MessageCheck {
 /// works of other backends.
 uint16_t shm_sender_leaf_count(const c10d::Work& work);
 
+/// For a Work of ProcessGroupShm::send_batch / recv_batch: one Work per message of the batch (each
+/// with its own error), for callers that handle a failure message by message. Throws TypeError
+/// for another Work.
+std::vector<c10::intrusive_ptr<c10d::Work>> shm_batch_messages(const c10d::Work& work);
+
 class ProcessGroupShm : public c10d::ProcessGroup {
  public:
   /// Attaches rank `rank` of `size` to the segment `name`, creating it if needed (any rank may),
@@ -152,6 +157,17 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// send / recv with a MessageCheck (tdshm's transfer layer uses them; the wire is the same).
   c10::intrusive_ptr<c10d::Work> send_checked(std::vector<at::Tensor>& tensors, int dstRank, int tag, MessageCheck check);
   c10::intrusive_ptr<c10d::Work> recv_checked(std::vector<at::Tensor>& tensors, int srcRank, int tag, MessageCheck check);
+  /// A per-leaf transfer's messages to one peer in one call: exactly the messages of one
+  /// send_checked per tensor (tensors[i] with tags[i] and checks[i], in order), posted under one
+  /// lock, and the peer woken once. Returns null when every message is already in the segment,
+  /// else one Work for all of them (shm_batch_messages splits it).
+  c10::intrusive_ptr<c10d::Work> send_batch(const std::vector<at::Tensor>& tensors, int dstRank,
+                                            const std::vector<int>& tags, const std::vector<MessageCheck>& checks);
+  /// The receiving side: one recv_checked per tensor, posted under one lock. The returned Work's
+  /// wait() returns once every message is in, or throws the first error as soon as one receive
+  /// failed (the others may then still be pending: see shm_batch_messages).
+  c10::intrusive_ptr<c10d::Work> recv_batch(const std::vector<at::Tensor>& tensors, int srcRank,
+                                            const std::vector<int>& tags, const std::vector<MessageCheck>& checks);
   /// Receives the first matching message from any rank; Work::sourceRank() tells which.
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   /// Broadcasts tensors[0] from opts.rootRank to every rank.

@@ -49,6 +49,18 @@ Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
   return l;
 }
 
+/// A shm batch's tags and key checks, leaf by leaf.
+std::pair<std::vector<int>, std::vector<MessageCheck>> batch_tags_and_checks(const Leaves& l) {
+  std::pair<std::vector<int>, std::vector<MessageCheck>> out;
+  out.first.reserve(l.keys.size());
+  out.second.reserve(l.keys.size());
+  for (size_t i = 0; i < l.keys.size(); ++i) {
+    out.first.push_back(static_cast<int>(l.tags[i]));  // checked by collect (c10d_tag)
+    out.second.push_back(key_check(l.keys[i], l.keys.size()));
+  }
+  return out;
+}
+
 /// The tag the descriptor travels with: the first leaf's (or the one it would have).
 int descriptor_tag(const Leaves& l, int64_t init_tag, bool pseudo_rand) {
   return c10d_tag(l.tags.empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags[0]);
@@ -174,6 +186,22 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
     if (long_desc) descriptor.push_back(send_one(p.group, int64_tensor(std::move(desc)), p.rank, tag));
   }
   const bool shm = is_shm(p.group);
+  auto* shm_pg = shm ? dynamic_cast<ProcessGroupShm*>(&p.group.backend()) : nullptr;
+  if (shm_pg != nullptr && descriptor.empty() && !o.return_early) {
+    // The blocking send over shm: every leaf written, then one wake-up of the receiver and at
+    // most one Work (none when every leaf is already in the segment).
+    const auto [tags, checks] = batch_tags_and_checks(l);
+    if (WorkPtr batch = shm_pg->send_batch(l.tensors, p.rank, tags, checks)) {
+      try {
+        batch->wait();
+      } catch (...) {
+        wait_keyed(shm_batch_messages(*batch), l.keys, "send of key ");  // names the leaf
+        throw;
+      }
+    }
+    out.last_tag = l.tags.empty() ? o.init_tag - 1 : l.tags.back();
+    return out;
+  }
   std::vector<WorkPtr> sends;
   for (size_t i = 0; i < l.keys.size(); ++i) {
     // Over shm a strided leaf is packed by the transport; other backends want contiguous bytes.
@@ -249,10 +277,24 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
                                        p.rank, static_cast<int>(l.tags[i])));
     }
     deferred = std::make_shared<Deferred>("leaves", std::move(drain));
+  } else if (auto* shm_pg = shm ? dynamic_cast<ProcessGroupShm*>(&p.group.backend()) : nullptr) {
+    // Over shm every receive is posted under one lock. The blocking receive waits for all of
+    // them at once; only a failure (or return_premature) needs a Work per leaf.
+    const auto [tags, checks] = batch_tags_and_checks(l);
+    WorkPtr batch = shm_pg->recv_batch(targets, p.rank, tags, checks);
+    if (!o.return_premature) {
+      bool ok = false;
+      try {
+        batch->wait();
+        ok = true;
+      } catch (...) {
+      }
+      if (ok) return Transfer{};  // shm received strided leaves in place
+    }
+    recvs = shm_batch_messages(*batch);
   } else {
     for (size_t i = 0; i < l.keys.size(); ++i) {
-      recvs.push_back(recv_one(p.group, targets[i], p.rank, static_cast<int>(l.tags[i]),
-                               shm ? key_check(l.keys[i], l.keys.size()) : MessageCheck{}));
+      recvs.push_back(recv_one(p.group, targets[i], p.rank, static_cast<int>(l.tags[i]), MessageCheck{}));
     }
   }
   std::shared_ptr<LeafCountRepair> repair;

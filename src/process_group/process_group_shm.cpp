@@ -31,8 +31,16 @@ using OpList = c10::SmallVector<std::shared_ptr<ShmOp>, 1>;
 /// A c10d Work over one or more engine ops; completes when all of them are done.
 class ShmWork : public c10d::Work {
  public:
-  ShmWork(std::shared_ptr<ShmEngine> engine, OpList ops, c10d::OpType type, at::Tensor output)
+  ShmWork(std::shared_ptr<ShmEngine> engine, OpList ops, c10d::OpType type, at::Tensor output = {})
       : c10d::Work(engine->rank(), type), engine_(std::move(engine)), ops_(std::move(ops)), output_(std::move(output)) {}
+
+  /// A batch of `size` messages whose pending ones are ops_ (op j is message positions[j]; the
+  /// others completed when they were posted).
+  void set_batch(size_t size, std::vector<uint32_t> positions) {
+    batch_ = true;
+    batch_size_ = size;
+    positions_ = std::move(positions);
+  }
 
   bool isCompleted() override {
     if (!all_done()) engine_->poll();
@@ -59,9 +67,26 @@ class ShmWork : public c10d::Work {
       return true;
     }
     const auto limit = timeout == kNoTimeout ? engine_->options().timeout : timeout;
-    engine_->wait(ops_, std::chrono::steady_clock::now() + limit);
+    // A batch stops at its first failure: its other messages may never come (shm_batch_messages).
+    engine_->wait(ops_, std::chrono::steady_clock::now() + limit, /*stop_on_error=*/batch_);
     if (auto e = first_error()) std::rethrow_exception(e);
     return true;
+  }
+
+  /// What shm_batch_messages returns.
+  std::vector<c10::intrusive_ptr<c10d::Work>> messages() const {
+    if (!batch_) throw TypeError("shm_batch_messages: the Work is not one of ProcessGroupShm::send_batch / recv_batch");
+    std::vector<c10::intrusive_ptr<c10d::Work>> out(batch_size_);
+    for (size_t j = 0; j < ops_.size(); ++j) {
+      const auto& op = ops_[j];
+      const bool recv = op->kind == ShmOp::Kind::kRecv;
+      out[positions_[j]] = c10::make_intrusive<ShmWork>(engine_, OpList{op}, recv ? c10d::OpType::RECV : c10d::OpType::SEND,
+                                                        recv ? op->user : at::Tensor{});
+    }
+    for (auto& w : out) {
+      if (!w) w = c10::make_intrusive<ShmWork>(engine_, OpList{}, opType_);  // completed when posted
+    }
+    return out;
   }
 
   void abort() override {
@@ -116,6 +141,9 @@ class ShmWork : public c10d::Work {
   std::shared_ptr<ShmEngine> engine_;
   OpList ops_;
   at::Tensor output_;  // what result() returns: the received or broadcast tensor
+  bool batch_ = false;  // send_batch / recv_batch: wait() stops at the first failure
+  size_t batch_size_ = 0;
+  std::vector<uint32_t> positions_;
   std::mutex future_mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -148,6 +176,57 @@ const ShmOptions& ProcessGroupShm::options() const noexcept { return engine_->op
 uint16_t shm_sender_leaf_count(const c10d::Work& work) {
   const auto* shm = dynamic_cast<const ShmWork*>(&work);
   return shm ? shm->sender_leaves() : 0;
+}
+
+std::vector<c10::intrusive_ptr<c10d::Work>> shm_batch_messages(const c10d::Work& work) {
+  const auto* shm = dynamic_cast<const ShmWork*>(&work);
+  if (!shm) throw TypeError("shm_batch_messages: the Work is not one of ProcessGroupShm::send_batch / recv_batch");
+  return shm->messages();  // throws the same for a Work that is not a batch
+}
+
+namespace {
+
+// Checks a batch's arguments as single_tensor does each tensor; the tags as c10d's int.
+void check_batch(const std::vector<at::Tensor>& tensors, const std::vector<int>& tags,
+                 const std::vector<MessageCheck>& checks, const char* op) {
+  TORCH_CHECK(tags.size() == tensors.size() && checks.size() == tensors.size(), "ProcessGroupShm::", op, ": ",
+              tensors.size(), " tensors, ", tags.size(), " tags and ", checks.size(), " checks");
+  for (const auto& t : tensors) single_tensor({t}, op);
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_batch(const std::vector<at::Tensor>& tensors, int dstRank,
+                                                           const std::vector<int>& tags,
+                                                           const std::vector<MessageCheck>& checks) {
+  check_batch(tensors, tags, checks, "send_batch");
+  const std::vector<int64_t> wide(tags.begin(), tags.end());
+  auto ops = engine_->post_sends(tensors, dstRank, wide, checks);
+  OpList pending;
+  std::vector<uint32_t> positions;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (!ops[i]) continue;
+    pending.push_back(std::move(ops[i]));
+    positions.push_back(static_cast<uint32_t>(i));
+  }
+  if (pending.empty()) return {};
+  auto work = c10::make_intrusive<ShmWork>(engine_, std::move(pending), c10d::OpType::SEND);
+  work->set_batch(ops.size(), std::move(positions));
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_batch(const std::vector<at::Tensor>& tensors, int srcRank,
+                                                           const std::vector<int>& tags,
+                                                           const std::vector<MessageCheck>& checks) {
+  check_batch(tensors, tags, checks, "recv_batch");
+  TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv_batch: source rank must be >= 0");
+  const std::vector<int64_t> wide(tags.begin(), tags.end());
+  auto ops = engine_->post_recvs(tensors, srcRank, wide, checks);
+  std::vector<uint32_t> positions(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) positions[i] = static_cast<uint32_t>(i);
+  auto work = c10::make_intrusive<ShmWork>(engine_, OpList(ops.begin(), ops.end()), c10d::OpType::RECV);
+  work->set_batch(ops.size(), std::move(positions));
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {

@@ -174,6 +174,8 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   spare_.resize(n);
   peer_error_.resize(n);
   held_bytes_.assign(n, 0);
+  consumed_since_wake_.assign(n, 0);
+  wake_batch_ = std::max<uint32_t>(1, std::min(options.slots_per_rank, options.ring_entries) / 4);
   collective_seq_.assign(4, 0);
   rendezvous(deadline);
   next_peer_check_.store(ticks(Clock::now() + options_.peer_check_interval), std::memory_order_relaxed);
@@ -275,73 +277,110 @@ int64_t ShmEngine::next_collective_tag(int kind) {
 
 std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control,
                                             MessageCheck check) {
+  return post_sends({&tensor, 1}, dst, {&tag, 1}, {&check, 1}, control)[0];
+}
+
+std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_sends(std::span<const at::Tensor> tensors, int dst,
+                                                          std::span<const int64_t> tags,
+                                                          std::span<const MessageCheck> checks, bool control) {
   if (dst < 0 || dst >= size_ || dst == rank_) {
     throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                      "shm send: destination rank " + std::to_string(dst) + " is invalid for rank " +
                          std::to_string(rank_) + " of " + std::to_string(size_));
   }
+  TORCH_INTERNAL_ASSERT(tags.size() == tensors.size() && checks.size() == tensors.size());
   const size_t peer = static_cast<size_t>(dst);
-  const std::string reference = memmap_reference(tensor, options_.slot_bytes);
-  {
-    // The common small send: nothing queued before it, one entry, room in the ring. It is
-    // published before any allocation (the peer may be spinning on it) and needs no op at all.
-    std::lock_guard lk(mu_);
+  std::vector<std::shared_ptr<ShmOp>> ops(tensors.size());
+  std::lock_guard lk(mu_);
+  bool published = false;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& tensor = tensors[i];
+    const std::string reference = memmap_reference(tensor, options_.slot_bytes);
+    // The common small send: nothing queued before it, one entry, room in the ring (and a slot
+    // when it does not fit inline). It is published before any allocation (the peer may be
+    // spinning on it) and needs no op at all.
     if (!shut_down_ && !poisoned_ && !peer_error_[peer] && send_queues_[peer].empty() && tensor.is_contiguous()) {
       const uint64_t bytes =
           reference.empty() ? static_cast<uint64_t>(tensor.numel()) * tensor.element_size() : reference.size();
       if (bytes <= options_.slot_bytes && tx_[peer].has_room()) {
         const uint32_t flags = shm::kEntryFirst | shm::kEntryLast | (control ? uint32_t{shm::kEntryControl} : 0u) |
-                               (reference.empty() ? 0u : uint32_t{shm::kEntryReference}) | check_flag(check);
+                               (reference.empty() ? 0u : uint32_t{shm::kEntryReference}) | check_flag(checks[i]);
         const auto* data = reference.empty() ? static_cast<const uint8_t*>(tensor.data_ptr())
                                              : reinterpret_cast<const uint8_t*>(reference.data());
-        if (write_entry(dst, flags, tag, tensor, data, 0, bytes, check)) {
-          notify(dst);
-          if (!check_poisoned()) return nullptr;  // else: the op below fails with the poison error
+        if (write_entry(dst, flags, tags[i], tensor, data, 0, bytes, checks[i])) {
+          published = true;
+          if (!check_poisoned()) continue;  // else: the op below fails with the poison error
         }
       }
     }
+    // A send snapshots a strided tensor at post time.
+    auto op = make_op(ShmOp::Kind::kSend, dst, tags[i], control, tensor,
+                      tensor.is_contiguous() ? tensor : tensor.contiguous());
+    op->reference = reference;
+    op->check = checks[i];
+    ops[i] = op;
+    if (shut_down_ || poisoned_ || peer_error_[peer]) {
+      finish(op, shut_down_ ? shut_down_ : poisoned_ ? poisoned_ : peer_error_[peer]);
+      continue;
+    }
+    send_queues_[peer].push_back(op);
+    published |= progress_sends(dst, /*wake=*/false);
   }
-  // A send snapshots a strided tensor at post time.
-  auto op = make_op(ShmOp::Kind::kSend, dst, tag, control, tensor,
-                    tensor.is_contiguous() ? tensor : tensor.contiguous());
-  op->reference = reference;
-  op->check = check;
-  std::lock_guard lk(mu_);
-  if (shut_down_ || poisoned_ || peer_error_[peer]) {
-    finish(op, shut_down_ ? shut_down_ : poisoned_ ? poisoned_ : peer_error_[peer]);
-    return op;
-  }
-  send_queues_[peer].push_back(op);
-  progress_sends(dst);
-  return op;
+  if (published) notify(dst);  // one wake-up for the whole batch
+  return ops;
 }
 
 std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control,
                                             MessageCheck check) {
+  return post_recvs({&tensor, 1}, src, {&tag, 1}, {&check, 1}, control)[0];
+}
+
+std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src,
+                                                          std::span<const int64_t> tags,
+                                                          std::span<const MessageCheck> checks, bool control) {
   if (src < -1 || src >= size_ || src == rank_) {
     throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                      "shm recv: source rank " + std::to_string(src) + " is invalid for rank " + std::to_string(rank_) +
                          " of " + std::to_string(size_));
   }
-  // Bytes land in place: a tensor whose elements share memory (an expanded view) cannot take
-  // them, nor can a read-only mapping. Refused before anything is posted.
-  if (tensor.numel() > 1 && at::has_internal_overlap(tensor) == at::MemOverlap::Yes) {
-    throw TypeError("shm recv: the tensor's elements overlap in memory (an expanded or stride-0 view, strides " +
-                    shape_str(tensor.strides()) + "), so it cannot receive bytes in place; receive into a tensor "
-                    "of its own (for instance t.contiguous() or t.clone())");
+  TORCH_INTERNAL_ASSERT(tags.size() == tensors.size() && checks.size() == tensors.size());
+  // Every tensor is checked before anything is posted.
+  for (const at::Tensor& tensor : tensors) {
+    // Bytes land in place: a tensor whose elements share memory (an expanded view) cannot take
+    // them, nor can a read-only mapping.
+    if (tensor.numel() > 1 && at::has_internal_overlap(tensor) == at::MemOverlap::Yes) {
+      throw TypeError("shm recv: the tensor's elements overlap in memory (an expanded or stride-0 view, strides " +
+                      shape_str(tensor.strides()) + "), so it cannot receive bytes in place; receive into a tensor "
+                      "of its own (for instance t.contiguous() or t.clone())");
+    }
+    if (auto info = MemoryMappedTensor::info(tensor); info && !info->writable) {
+      throw TypeError("shm recv: the tensor is a read-only memory-mapped file ('" + info->filename +
+                      "'), so it cannot receive bytes; open it writable or receive into another tensor");
+    }
   }
-  if (auto info = MemoryMappedTensor::info(tensor); info && !info->writable) {
-    throw TypeError("shm recv: the tensor is a read-only memory-mapped file ('" + info->filename +
-                    "'), so it cannot receive bytes; open it writable or receive into another tensor");
+  std::vector<std::shared_ptr<ShmOp>> ops(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    // A strided destination receives into a contiguous staging tensor, copied over at the end.
+    const at::Tensor& tensor = tensors[i];
+    ops[i] = make_op(ShmOp::Kind::kRecv, src, tags[i], control, tensor,
+                     tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options()));
+    ops[i]->check = checks[i];
   }
-  // A strided destination receives into a contiguous staging tensor, copied over at the end.
-  auto op = make_op(ShmOp::Kind::kRecv, src, tag, control, tensor,
-                    tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options()));
-  op->check = check;
   std::lock_guard lk(mu_);
+  bool posted = false;
+  for (const auto& op : ops) posted |= post_recv_locked(op, src);
+  if (posted) progress_locked();  // a message already in a ring lands in place
+  return ops;
+}
+
+// Matches `op` with a message drained earlier, or posts it. True if it was posted (the rings may
+// hold its message).
+bool ShmEngine::post_recv_locked(const std::shared_ptr<ShmOp>& op, int src) {
+  const int64_t tag = op->tag;
+  const bool control = op->control;
   if (shut_down_ || poisoned_) {
     finish(op, shut_down_ ? shut_down_ : poisoned_);
-    return op;
+    return false;
   }
   // Messages drained earlier (unexpected) are older than what is still in the rings: match them
   // first; otherwise post, then drain the rings, so a message already there lands in place.
@@ -355,7 +394,7 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
       // truncated one), so that what follows on this tag stays in step.
       if (!keep->complete) keep->discard = true;
       release_unexpected(*keep);
-      return op;
+      return false;
     }
     if (keep->reference) {  // always complete: one entry, checked when it arrived
       shm::ReferenceFields ref;
@@ -372,15 +411,14 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
       release_unexpected(*keep);
       keep->op = op;
     }
-    return op;
+    return false;
   }
   if (src >= 0 && peer_error_[static_cast<size_t>(src)]) {
     finish(op, peer_error_[static_cast<size_t>(src)]);
-    return op;
+    return false;
   }
   posted_.push_back(op);
-  progress_locked();
-  return op;
+  return true;
 }
 
 // Checks that `msg` fits `op`; binds the source. On a mismatch fails `op` and returns false.
@@ -450,7 +488,7 @@ void ShmEngine::poll() {
   progress_locked();
 }
 
-bool ShmEngine::progress_sends(int dst) {
+bool ShmEngine::progress_sends(int dst, bool wake) {
   auto& queue = send_queues_[static_cast<size_t>(dst)];
   if (queue.empty()) return false;
   const uint64_t slot = options_.slot_bytes;
@@ -482,7 +520,7 @@ bool ShmEngine::progress_sends(int dst) {
       finish(done, nullptr);
     }
   }
-  if (moved) notify(dst);
+  if (moved && wake) notify(dst);
   return moved;
 }
 
@@ -564,12 +602,19 @@ bool ShmEngine::progress_receives(int src) {
     if (in_slot) shm::release_slot(region, fields.slot);
     ring.consume();
     moved = true;
+    ++consumed_since_wake_[s];
     // A posted receive just completed: return, so that a waiter that now has what it waited
     // for stops here instead of draining later messages into process memory ("unexpected", a
     // second copy) before their receives are posted. A waiter that still waits calls again.
     if (std::exchange(completed_posted_, false)) break;
   }
-  if (moved) notify(src);
+  // The sender may sleep waiting for room: wake it once a quarter of its room is back, or when
+  // its ring is empty, rather than for every entry (a producer woken per freed slot copies one
+  // chunk and sleeps again: with more ranks than cores, a data loader's workers thrashed so).
+  if (moved && (consumed_since_wake_[s] >= wake_batch_ || ring.depth() == 0)) {
+    consumed_since_wake_[s] = 0;
+    notify(src);
+  }
   return moved;
 }
 
@@ -902,9 +947,12 @@ void ShmEngine::sleep_until_event(Clock::time_point until) {
   slot.sleepers.fetch_sub(1, std::memory_order_seq_cst);
 }
 
-void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline) {
+void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline, bool stop_on_error) {
   auto all_done = [&] {
-    return std::all_of(ops.begin(), ops.end(), is_done);
+    if (std::all_of(ops.begin(), ops.end(), is_done)) return true;
+    return stop_on_error && std::any_of(ops.begin(), ops.end(), [](const std::shared_ptr<ShmOp>& op) {
+             return op && op->done.load(std::memory_order_acquire) && op->error;
+           });
   };
   if (all_done()) return;
   // Checks are cheap (one pause between them, ~30 ns here); the clock is read every 32 checks
@@ -969,15 +1017,20 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
 }
 
 // Adapts the spin budget to how long waits take: a wait that ended within ShmOptions::spin would
-// have been served by spinning, so the budget doubles (up to ShmOptions::spin); a longer one
-// means spinning burnt a core that a peer may have needed (more ranks than cores: a data
-// loader's workers), so it halves, down to 1 us. Ping-pong keeps the full budget; a receiver
-// that waits milliseconds for its producers sleeps almost at once.
+// have been served by spinning, so the budget doubles (up to ShmOptions::spin); one that took more
+// than 4 times as long means spinning burnt a core that a peer may have needed (more ranks than
+// cores: a data loader's workers), so it halves, down to 1 us. Waits in between leave it alone
+// (a transfer of 100 leaves takes ~2x the spin: spinning still saves its wake-ups). Ping-pong
+// keeps the full budget; a receiver that waits milliseconds for its producers sleeps almost at once.
 void ShmEngine::note_wait(Clock::duration elapsed) noexcept {
   constexpr int64_t kMinSpinNs = 1000;
   const int64_t max = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.spin).count();
   int64_t b = spin_budget_ns_.load(std::memory_order_relaxed);
-  b = elapsed <= options_.spin ? std::min(max, std::max(b * 2, kMinSpinNs)) : std::max(kMinSpinNs, b / 2);
+  if (elapsed <= options_.spin) {
+    b = std::min(max, std::max(b * 2, kMinSpinNs));
+  } else if (elapsed > 4 * options_.spin) {
+    b = std::max(kMinSpinNs, b / 2);
+  }
   spin_budget_ns_.store(std::min(b, max), std::memory_order_relaxed);
 }
 

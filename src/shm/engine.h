@@ -93,10 +93,20 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   /// Posts a receive into `tensor` (src -1: any source) and takes a message that already arrived.
   std::shared_ptr<ShmOp> post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control,
                                    MessageCheck check = {});
+  /// A batch of the above to one peer (a per-leaf transfer): the same messages, in order, posted
+  /// under one lock; a batch of sends wakes `dst` once. Null entries: sends already complete.
+  std::vector<std::shared_ptr<ShmOp>> post_sends(std::span<const at::Tensor> tensors, int dst,
+                                                 std::span<const int64_t> tags, std::span<const MessageCheck> checks,
+                                                 bool control = false);
+  std::vector<std::shared_ptr<ShmOp>> post_recvs(std::span<const at::Tensor> tensors, int src,
+                                                 std::span<const int64_t> tags, std::span<const MessageCheck> checks,
+                                                 bool control = false);
   /// Moves everything pending until every op in `ops` (null ones count as done) is done (or failed), spinning then
   /// sleeping; throws TimeoutError at `deadline`, after withdrawing the ops that are not done
-  /// (they fail with that error). Does not rethrow the ops' errors.
-  void wait(std::span<const std::shared_ptr<ShmOp>> ops, std::chrono::steady_clock::time_point deadline);
+  /// (they fail with that error). Does not rethrow the ops' errors. With `stop_on_error` it also
+  /// returns as soon as one op failed (the others may still be pending).
+  void wait(std::span<const std::shared_ptr<ShmOp>> ops, std::chrono::steady_clock::time_point deadline,
+            bool stop_on_error = false);
   /// One non-blocking progress pass.
   void poll();
   /// Withdraws every op of `ops` that is not done (a send that started is left to finish); they
@@ -121,7 +131,8 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   };
 
   bool progress_locked();  // requires mu_; true if anything moved
-  bool progress_sends(int dst);
+  bool progress_sends(int dst, bool wake = true);
+  bool post_recv_locked(const std::shared_ptr<ShmOp>& op, int src);
   bool write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
                    uint64_t offset, uint64_t chunk, MessageCheck check = {});
   bool progress_receives(int src);
@@ -163,6 +174,8 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   std::deque<std::shared_ptr<Incoming>> unexpected_;             // unmatched messages, arrival order
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
   std::vector<uint64_t> held_bytes_;  // per source: size of a first entry left in the ring (budget), else 0
+  std::vector<uint32_t> consumed_since_wake_;  // per source: entries taken since it was last woken
+  uint32_t wake_batch_ = 1;                    // wake a source after this many (progress_receives)
   uint64_t unexpected_bytes_ = 0;     // process memory held by unexpected messages
   shm::BufferPool unexpected_pool_;   // their buffers, kept for reuse (buffer_pool.h)
   uint64_t arrivals_ = 0;
