@@ -178,17 +178,24 @@ std::string json_details(const shm::LayoutDetails& d) {
                         .num("depth", p.depth)
                         .num("messages", p.messages)
                         .num("bytes_in_flight", p.bytes_in_flight)
+                        .boolean("inconsistent", p.inconsistent)
                         .str("note", p.note)
                         .done());
   }
   o.add("pairs", json_array(pairs));
   std::vector<std::string> arenas;
   for (const shm::ArenaInfo& a : d.arenas) {
+    std::vector<std::string> by_dst;
+    for (const auto& [dst, n] : a.taken_by_dst) by_dst.push_back(JsonObject().num("dst", dst).num("slots", n).done());
     arenas.push_back(JsonObject()
                          .num("owner", a.owner)
                          .num("slots", a.slots)
                          .num("slots_taken", a.slots_taken)
                          .num("bytes_taken", a.bytes_taken)
+                         .add("taken_by_dst", json_array(by_dst))
+                         .num("invalid_states", a.invalid_states)
+                         .boolean("read", a.read)
+                         .str("note", a.note)
                          .done());
   }
   o.add("arenas", json_array(arenas));
@@ -361,9 +368,31 @@ void print_inspect(const SegmentInfo& info) {
     }
     if (idle > 0) std::printf("  (%zu pairs that never carried an entry not shown)\n", idle);
   }
-  for (const shm::ArenaInfo& a : d.arenas) {
-    std::printf("  arena of rank %u: %" PRIu64 " of %" PRIu64 " slots taken, %" PRIu64 " bytes\n", a.owner,
-                a.slots_taken, a.slots, a.bytes_taken);
+  if (!d.arenas.empty()) {
+    // Every rank's arena in a small world; in a larger one, those with a slot in use or a note.
+    const bool all = d.arenas.size() <= 16;
+    size_t idle = 0;
+    for (const shm::ArenaInfo& a : d.arenas) {
+      if (!all && a.slots_taken == 0 && a.note.empty()) {
+        ++idle;
+        continue;
+      }
+      std::string line = "  arena of rank " + std::to_string(a.owner) + ": ";
+      if (!a.read) {
+        std::printf("%s%s\n", line.c_str(), a.note.c_str());
+        continue;
+      }
+      line += std::to_string(a.slots_taken) + " of " + std::to_string(a.slots) + " slots in use";
+      if (a.slots_taken != 0) line += ", " + human_bytes(a.bytes_taken) + " reserved";
+      std::string to;
+      for (const auto& [dst, n] : a.taken_by_dst) {
+        to += (to.empty() ? "" : ", ") + std::to_string(n) + " for rank " + std::to_string(dst);
+      }
+      if (!to.empty()) line += " (" + to + ")";
+      if (!a.note.empty()) line += "; " + a.note;
+      std::printf("%s\n", line.c_str());
+    }
+    if (idle > 0) std::printf("  (%zu ranks with no arena slot in use not shown)\n", idle);
   }
   if (!d.counters.empty()) {
     std::printf("  %-6s %12s %9s\n", "RANK", "WAKE_SEQ", "SLEEPERS");
@@ -380,7 +409,8 @@ void print_segments_usage(FILE* out) {
                "       tdshm inspect NAME [--json]\n"
                "       tdshm gc [--dry-run] [--json] [NAME...]\n"
                "  ls       every /dev/shm/tdshm.* segment: size, world, attached/alive ranks, age, status\n"
-               "  inspect  one segment: header, ranks, lock file, what gc would do, per-pair ring depth\n"
+               "  inspect  one segment: header, ranks, lock file, what gc would do, and per ordered pair\n"
+               "           the ring depth with messages and bytes in flight, per rank the arena slots in use\n"
                "           (exit 0: a valid segment; 3: the name exists but is not one; 1: no such name)\n"
                "  gc       removes segments whose ranks are all dead or left, segments whose creation was\n"
                "           interrupted, and lock files without a segment, with their lock files; keeps\n"

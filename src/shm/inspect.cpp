@@ -527,7 +527,8 @@ LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t he
       p.head = head;
       p.tail = tail;
       if (head < tail || head - tail > ring_entries) {
-        p.note = "head " + std::to_string(head) + " and tail " + std::to_string(tail) +
+        p.inconsistent = true;
+        p.note = "inconsistent: head " + std::to_string(head) + " and tail " + std::to_string(tail) +
                  " disagree (a ring holds at most " + std::to_string(ring_entries) + " entries)";
         d.pairs.push_back(p);
         continue;
@@ -554,6 +555,336 @@ LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t he
   return d;
 }
 }  // namespace v4
+
+// ---------------------------------------------------------------------------------------------
+// Layout version 5: per-pair metadata rings of 192-byte entries (a chunk of up to 72 bytes inline,
+// a larger one in a slot of the sender's arena) and one slot arena per rank. As for version 4,
+// its bytes are written out here, so that this reader keeps reading version 5 segments after
+// segment_layout.h moves on; while this build is version 5 they are checked against it.
+namespace v5 {
+constexpr uint32_t kVersion = 5;
+constexpr uint64_t kHeaderBytes = 256;
+constexpr uint64_t kRankSlotBytes = 128;
+constexpr uint64_t kCacheLineBytes = 64;
+// Header fields beyond the shared prefix.
+constexpr size_t kRingEntriesAt = 28;
+constexpr size_t kSlotBytesAt = 32;
+constexpr size_t kRankTableAt = 40;
+constexpr size_t kRingsAt = 48;
+constexpr size_t kRingBytesAt = 56;
+constexpr size_t kEntryBytesAt = 64;
+constexpr size_t kArenaAt = 96;
+constexpr size_t kRegionBytesAt = 104;
+constexpr size_t kSlotsPerRankAt = 112;
+// RankSlot's second cache line.
+constexpr size_t kWakeSeqAt = 64;
+constexpr size_t kSleepersAt = 68;
+// RingControl: head, tail on their own cache lines.
+constexpr uint64_t kRingControlBytes = 128;
+constexpr uint64_t kHeadAt = 0;
+constexpr uint64_t kTailAt = 64;
+// An entry: EntryHeader (56 B: seq at 0, chunk_bytes at 32, flags at 36, slot at 48), the inline
+// bytes (72), the shape (64).
+constexpr uint64_t kEntryBytes = 192;
+constexpr uint64_t kEntryHeaderBytes = 56;
+constexpr size_t kSeqAt = 0;
+constexpr size_t kChunkBytesAt = 32;
+constexpr size_t kFlagsAt = 36;
+constexpr size_t kSlotAt = 48;
+constexpr uint32_t kFirstFlag = 1;
+constexpr uint32_t kInlineFlag = 64;
+constexpr uint64_t kInlineChunkBytes = 72;
+// ArenaSlot: a 32-bit state (0 free, else 1 + the rank the slot was handed to), 8 bytes each.
+constexpr uint64_t kArenaSlotBytes = 8;
+constexpr uint32_t kFree = 0;
+// Limits of the parameters (validate.h's, as of version 5).
+constexpr uint32_t kMaxRingEntries = 1u << 20;
+constexpr uint64_t kMaxSlotBytes = uint64_t{1} << 30;
+constexpr uint32_t kMaxSlotsPerRank = 1u << 16;
+constexpr uint32_t kMaxWorldSize = 4096;
+/// Reads of head and tail before a pair whose tail moved meanwhile counts as "in motion".
+constexpr int kIndexReads = 4;
+
+constexpr uint64_t round_up_to(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
+
+struct Geometry {
+  uint64_t ring_bytes, rings_offset, slot_table_bytes, slot_stride, region_bytes, arena_offset, segment_bytes;
+};
+
+/// Version 5's segment_geometry; false if it overflows (it cannot within the limits above).
+bool geometry(uint32_t world, uint64_t slot_bytes, uint32_t ring_entries, uint32_t slots, Geometry& g) {
+  g.ring_bytes = kRingControlBytes + kEntryBytes * ring_entries;
+  g.rings_offset = round_up_to(kHeaderBytes + kRankSlotBytes * world, kCacheLineBytes);
+  g.slot_table_bytes = round_up_to(kArenaSlotBytes * slots, kCacheLineBytes);
+  g.slot_stride = round_up_to(slot_bytes, kCacheLineBytes);
+  uint64_t pairs = 0, rings = 0, region_slots = 0, regions = 0;
+  return !__builtin_mul_overflow(uint64_t{world}, uint64_t{world}, &pairs) &&
+         !__builtin_mul_overflow(g.ring_bytes, pairs, &rings) &&
+         !__builtin_add_overflow(g.rings_offset, rings, &g.arena_offset) &&
+         !__builtin_mul_overflow(g.slot_stride, uint64_t{slots}, &region_slots) &&
+         !__builtin_add_overflow(g.slot_table_bytes, region_slots, &g.region_bytes) &&
+         !__builtin_mul_overflow(g.region_bytes, uint64_t{world}, &regions) &&
+         !__builtin_add_overflow(g.arena_offset, regions, &g.segment_bytes);
+}
+
+// While this build's layout is version 5, the constants above are its structs.
+static_assert(kLayoutVersion != 5 ||
+                  (sizeof(SegmentHeader) == kHeaderBytes && offsetof(SegmentHeader, ring_entries) == kRingEntriesAt &&
+                   offsetof(SegmentHeader, slot_bytes) == kSlotBytesAt &&
+                   offsetof(SegmentHeader, rank_table_offset) == kRankTableAt &&
+                   offsetof(SegmentHeader, rings_offset) == kRingsAt &&
+                   offsetof(SegmentHeader, ring_bytes) == kRingBytesAt &&
+                   offsetof(SegmentHeader, entry_bytes) == kEntryBytesAt &&
+                   offsetof(SegmentHeader, arena_offset) == kArenaAt &&
+                   offsetof(SegmentHeader, region_bytes) == kRegionBytesAt &&
+                   offsetof(SegmentHeader, slots_per_rank) == kSlotsPerRankAt),
+              "version 5 header constants");
+static_assert(kLayoutVersion != 5 ||
+                  (sizeof(RankSlot) == kRankSlotBytes && offsetof(RankSlot, wake_seq) == kWakeSeqAt &&
+                   offsetof(RankSlot, sleepers) == kSleepersAt && sizeof(RingControl) == kRingControlBytes &&
+                   offsetof(RingControl, head) == kHeadAt && offsetof(RingControl, tail) == kTailAt),
+              "version 5 rank slot and ring control constants");
+static_assert(kLayoutVersion != 5 ||
+                  (kEntryBytes == shm::kEntryBytes && sizeof(EntryHeader) == kEntryHeaderBytes &&
+                   offsetof(EntryHeader, seq) == kSeqAt && offsetof(EntryHeader, chunk_bytes) == kChunkBytesAt &&
+                   offsetof(EntryHeader, flags) == kFlagsAt && offsetof(EntryHeader, slot) == kSlotAt &&
+                   kFirstFlag == shm::kEntryFirst && kInlineFlag == shm::kEntryInline &&
+                   kInlineChunkBytes == shm::kInlineBytes && sizeof(ArenaSlot) == kArenaSlotBytes &&
+                   offsetof(ArenaSlot, state) == 0 && kFree == kSlotFree),
+              "version 5 entry and arena constants");
+static_assert(kLayoutVersion != 5 || (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
+                                      kMaxSlotsPerRank == shm::kMaxSlotsPerRank && kMaxWorldSize == shm::kMaxWorld),
+              "version 5 limits");
+constexpr bool same_geometry(uint32_t world, uint64_t slot_bytes, uint32_t entries, uint32_t slots) {
+  const SegmentGeometry want = segment_geometry(world, slot_bytes, entries, slots);
+  const uint64_t ring = kRingControlBytes + kEntryBytes * entries;
+  const uint64_t rings = round_up_to(kHeaderBytes + kRankSlotBytes * world, kCacheLineBytes);
+  const uint64_t region = round_up_to(kArenaSlotBytes * slots, kCacheLineBytes) + round_up_to(slot_bytes, kCacheLineBytes) * slots;
+  const uint64_t arena = rings + ring * world * world;
+  return want.ring_bytes == ring && want.rings_offset == rings && want.region_bytes == region &&
+         want.arena_offset == arena && want.segment_bytes == arena + region * world;
+}
+static_assert(kLayoutVersion != 5 || (same_geometry(3, 65536, 64, 64) && same_geometry(9, 100, 5, 3)),
+              "version 5 geometry");
+
+std::string to_s(uint64_t v) { return std::to_string(v); }
+
+/// What read_indices found.
+enum class Indices { kStable, kInMotion, kInconsistent, kBeyondEnd };
+
+/// Reads head and tail of the ring at `base` as a consistent pair: tail, head, tail again, until
+/// the two tails agree and head - tail is a depth the ring can hold (both only grow; the consumer
+/// may store tail = head + 1 for a moment, as the producer stores seq before head). Fills p.head,
+/// p.tail and, when stable, p.depth; otherwise p.note, and p.depth clamped to [0, ring_entries]
+/// while in motion, 0 when inconsistent (the tail stood still and the pair still makes no sense).
+Indices read_indices(int fd, uint64_t file_bytes, uint64_t base, uint32_t ring_entries, PairInfo& p) {
+  if (base > file_bytes || kRingControlBytes > file_bytes - base) return Indices::kBeyondEnd;
+  uint64_t tail = 0, head = 0, tail2 = 0;
+  for (int attempt = 0; attempt < kIndexReads; ++attempt) {
+    if (read_at(fd, &tail, sizeof tail, base + kTailAt) != sizeof tail ||
+        read_at(fd, &head, sizeof head, base + kHeadAt) != sizeof head ||
+        read_at(fd, &tail2, sizeof tail2, base + kTailAt) != sizeof tail2) {
+      return Indices::kBeyondEnd;  // the file shrank meanwhile
+    }
+    if (tail == tail2 && head >= tail && head - tail <= ring_entries) {
+      p.head = head;
+      p.tail = tail;
+      p.depth = head - tail;
+      return Indices::kStable;
+    }
+  }
+  p.head = head;
+  p.tail = tail;
+  if (tail != tail2) {
+    p.depth = head >= tail ? std::min<uint64_t>(head - tail, ring_entries) : 0;
+    p.note = "in motion: its tail moved from " + to_s(tail) + " to " + to_s(tail2) + " while it was read";
+    return Indices::kInMotion;
+  }
+  p.inconsistent = true;
+  p.depth = 0;
+  p.note = "inconsistent: head " + to_s(head) + ", tail " + to_s(tail) + (head < tail ? " (tail > head)" : "") +
+           " (a ring holds at most " + to_s(ring_entries) + " entries)";
+  return Indices::kInconsistent;
+}
+
+LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len, uint32_t world,
+                   const InspectOptions& options) {
+  LayoutDetails d;
+  d.layout_version = kVersion;
+  if (header_len < kHeaderBytes) {
+    d.note = "the file is shorter than a version 5 header";
+    return d;
+  }
+  // Each value read once from the local copy of the header.
+  const uint64_t segment_bytes = load<uint64_t>(header + kSegmentBytesAt);
+  const uint32_t header_bytes = load<uint32_t>(header + kHeaderBytesAt);
+  const uint32_t ring_entries = load<uint32_t>(header + kRingEntriesAt);
+  const uint64_t slot_bytes = load<uint64_t>(header + kSlotBytesAt);
+  const uint64_t rank_table = load<uint64_t>(header + kRankTableAt);
+  const uint64_t rings = load<uint64_t>(header + kRingsAt);
+  const uint64_t ring_bytes = load<uint64_t>(header + kRingBytesAt);
+  const uint64_t entry_bytes = load<uint64_t>(header + kEntryBytesAt);
+  const uint64_t arena = load<uint64_t>(header + kArenaAt);
+  const uint64_t region_bytes = load<uint64_t>(header + kRegionBytesAt);
+  const uint32_t slots = load<uint32_t>(header + kSlotsPerRankAt);
+  d.geometry = {{"ring_entries", ring_entries},
+                {"slot_bytes", slot_bytes},
+                {"slots_per_rank", slots},
+                {"entry_bytes", entry_bytes},
+                {"ring_bytes", ring_bytes},
+                {"region_bytes", region_bytes},
+                {"rank_table_offset", rank_table},
+                {"rings_offset", rings},
+                {"arena_offset", arena}};
+  if (ring_entries < 1 || ring_entries > kMaxRingEntries || slot_bytes < 1 || slot_bytes > kMaxSlotBytes ||
+      slots < 1 || slots > kMaxSlotsPerRank || world < 1 || world > kMaxWorldSize) {
+    d.note = "version 5 header out of range (ring_entries " + to_s(ring_entries) + ", slot_bytes " + to_s(slot_bytes) +
+             ", slots_per_rank " + to_s(slots) + ", world size " + to_s(world) + ")";
+    return d;
+  }
+  // The geometry recomputed from the four parameters and compared: only then are offsets used.
+  Geometry g{};
+  if (!geometry(world, slot_bytes, ring_entries, slots, g) || header_bytes != kHeaderBytes ||
+      entry_bytes != kEntryBytes || ring_bytes != g.ring_bytes || rank_table != kHeaderBytes ||
+      rings != g.rings_offset || arena != g.arena_offset || region_bytes != g.region_bytes ||
+      segment_bytes != g.segment_bytes) {
+    d.note = "version 5 offsets and sizes disagree with world size, slot bytes, ring entries and slots per rank";
+    return d;
+  }
+  d.available = true;
+  d.rank_table_offset = rank_table;
+
+  // The rank slots' futex counters.
+  std::vector<uint8_t> table(static_cast<size_t>(kRankSlotBytes * world));
+  if (rank_table + table.size() <= file_bytes && read_at(fd, table.data(), table.size(), rank_table) == table.size()) {
+    for (uint32_t r = 0; r < world; ++r) {
+      const uint8_t* slot = table.data() + uint64_t{r} * kRankSlotBytes;
+      d.counters.push_back({r, load<uint32_t>(slot + kWakeSeqAt), load<uint32_t>(slot + kSleepersAt)});
+    }
+  }
+  if (options.max_pairs == 0) return d;  // the rank table's place only
+
+  std::vector<std::string> notes;
+  // The rings.
+  const uint64_t pairs = uint64_t{world} * world;
+  if (pairs > options.max_pairs) {
+    notes.push_back(to_s(pairs) + " ring pairs: more than " + to_s(options.max_pairs) + ", not read");
+  } else {
+    uint64_t entries_budget = options.max_entries;
+    bool budget_note = false;
+    uint64_t malformed = 0, inconsistent = 0;
+    std::array<uint8_t, kEntryHeaderBytes> entry{};
+    for (uint32_t src = 0; src < world; ++src) {
+      for (uint32_t dst = 0; dst < world; ++dst) {
+        PairInfo p;
+        p.src = src;
+        p.dst = dst;
+        const uint64_t base = rings + (uint64_t{src} * world + dst) * ring_bytes;  // < arena: no overflow
+        const Indices indices = read_indices(fd, file_bytes, base, ring_entries, p);
+        if (indices != Indices::kStable) {
+          if (indices == Indices::kBeyondEnd) p.note = "beyond the end of the file";
+          if (indices == Indices::kInconsistent) ++inconsistent;
+          d.pairs.push_back(p);  // its entries are not read: which ones are in the ring is unknown
+          continue;
+        }
+        uint64_t pair_changed = 0, pair_malformed = 0;
+        for (uint64_t pos = p.tail; pos < p.head; ++pos) {
+          if (entries_budget == 0) {
+            budget_note = true;
+            p.note = "entries not all read (limit)";
+            break;
+          }
+          --entries_budget;
+          const uint64_t at = base + kRingControlBytes + (pos % ring_entries) * kEntryBytes;
+          if (at + kEntryHeaderBytes > file_bytes || read_at(fd, entry.data(), entry.size(), at) != entry.size()) {
+            p.note = "entries beyond the end of the file";
+            break;
+          }
+          if (load<uint64_t>(entry.data() + kSeqAt) != pos + 1) {  // taken and reused meanwhile
+            ++pair_changed;
+            continue;
+          }
+          const uint32_t chunk = load<uint32_t>(entry.data() + kChunkBytesAt);
+          const uint32_t flags = load<uint32_t>(entry.data() + kFlagsAt);
+          const uint32_t slot = load<uint32_t>(entry.data() + kSlotAt);
+          const bool well_formed =
+              (flags & kInlineFlag) ? chunk <= kInlineChunkBytes : chunk <= slot_bytes && slot < slots;
+          if (!well_formed) {
+            ++pair_malformed;
+            continue;
+          }
+          p.bytes_in_flight += chunk;
+          if (flags & kFirstFlag) ++p.messages;
+        }
+        if (pair_changed != 0 || pair_malformed != 0) {
+          std::string n;
+          if (pair_changed != 0) n = to_s(pair_changed) + " entries taken while read (in motion)";
+          if (pair_malformed != 0) {
+            n += (n.empty() ? "" : "; ") + to_s(pair_malformed) + " malformed entries not counted";
+          }
+          p.note += (p.note.empty() ? "" : "; ") + n;
+          malformed += pair_malformed;
+        }
+        d.pairs.push_back(p);
+      }
+    }
+    if (inconsistent != 0) notes.push_back(to_s(inconsistent) + " rings with inconsistent head and tail");
+    if (malformed != 0) notes.push_back(to_s(malformed) + " malformed entries not counted");
+    if (budget_note) notes.push_back("more than " + to_s(options.max_entries) + " entries in flight: bytes partial");
+  }
+
+  // The arena: each rank's slot states.
+  uint64_t slots_budget = options.max_slots;
+  uint64_t invalid = 0;
+  std::vector<uint8_t> states(static_cast<size_t>(kArenaSlotBytes * slots));  // <= 512 KiB
+  std::vector<uint64_t> per_dst(world);
+  bool slots_note = false;
+  for (uint32_t owner = 0; owner < world; ++owner) {
+    ArenaInfo a;
+    a.owner = owner;
+    a.slots = slots;
+    const uint64_t at = arena + uint64_t{owner} * region_bytes;  // <= segment_bytes: no overflow
+    if (slots_budget < slots) {
+      slots_note = true;
+      a.note = "not read (limit)";
+      d.arenas.push_back(std::move(a));
+      continue;
+    }
+    if (at > file_bytes || states.size() > file_bytes - at ||
+        read_at(fd, states.data(), states.size(), at) != states.size()) {
+      a.note = "beyond the end of the file";
+      d.arenas.push_back(std::move(a));
+      continue;
+    }
+    slots_budget -= slots;
+    a.read = true;
+    std::fill(per_dst.begin(), per_dst.end(), 0);
+    for (uint32_t s = 0; s < slots; ++s) {
+      const uint32_t state = load<uint32_t>(states.data() + uint64_t{s} * kArenaSlotBytes);
+      if (state == kFree) continue;
+      ++a.slots_taken;
+      if (state - 1 < world) {
+        ++per_dst[state - 1];
+      } else {
+        ++a.invalid_states;
+      }
+    }
+    a.bytes_taken = a.slots_taken * slot_bytes;  // <= 2^16 * 2^30
+    for (uint32_t dst = 0; dst < world; ++dst) {
+      if (per_dst[dst] != 0) a.taken_by_dst.emplace_back(dst, per_dst[dst]);
+    }
+    if (a.invalid_states != 0) {
+      a.note = to_s(a.invalid_states) + " slots in a state that names no rank";
+      invalid += a.invalid_states;
+    }
+    d.arenas.push_back(std::move(a));
+  }
+  if (invalid != 0) notes.push_back(to_s(invalid) + " arena slots in a state that names no rank");
+  if (slots_note) notes.push_back("more than " + to_s(options.max_slots) + " arena slots: regions partly read");
+  for (const std::string& n : notes) d.note += (d.note.empty() ? "" : "; ") + n;
+  return d;
+}
+}  // namespace v5
 
 }  // namespace
 
@@ -593,12 +924,14 @@ uint32_t SegmentInfo::alive_ranks() const {
 }
 
 // The one place that knows a layout version's geometry beyond the shared header prefix and rank
-// table. Version 5 (metadata rings + per-sender slot arena) goes here as its own case.
+// table: one case per version.
 LayoutDetails read_layout_details(int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len,
                                   uint32_t layout_version, uint32_t world_size, const InspectOptions& options) {
   switch (layout_version) {
     case v4::kVersion:
       return v4::read(fd, file_bytes, header, header_len, world_size, options);
+    case v5::kVersion:
+      return v5::read(fd, file_bytes, header, header_len, world_size, options);
     default: {
       LayoutDetails d;
       d.layout_version = layout_version;

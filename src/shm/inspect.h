@@ -99,18 +99,26 @@ struct PairInfo {
   uint32_t dst = 0;
   uint64_t head = 0;             // entries the producer has published, ever
   uint64_t tail = 0;             // entries the consumer has taken, ever
-  uint64_t depth = 0;            // head - tail: entries in the ring now
+  uint64_t depth = 0;            // head - tail: entries in the ring now (0 when inconsistent)
   uint64_t messages = 0;         // first entries among them
   uint64_t bytes_in_flight = 0;  // payload bytes of the published entries among them
-  std::string note;              // empty, or why the numbers are partial ("in motion", ...)
+  /// head and tail make no sense together (tail > head, or more than the ring holds) however
+  /// often they were read: depth, messages and bytes are then 0, not trusted.
+  bool inconsistent = false;
+  std::string note;  // empty, or why the numbers are partial or missing ("inconsistent", "in motion", ...)
 };
 
-/// One rank's slot arena (layout version 5 on; empty before).
+/// One rank's slot arena (layout version 5 on; empty before): its region's slot states.
 struct ArenaInfo {
   uint32_t owner = 0;
-  uint64_t slots = 0;
-  uint64_t slots_taken = 0;
-  uint64_t bytes_taken = 0;
+  uint64_t slots = 0;        // slots_per_rank
+  uint64_t slots_taken = 0;  // slots whose state is not free (in use)
+  uint64_t bytes_taken = 0;  // slots_taken * slot_bytes: payload bytes those slots reserve
+  /// (destination rank, slots handed to it), for each destination with at least one, by rank.
+  std::vector<std::pair<uint32_t, uint64_t>> taken_by_dst;
+  uint64_t invalid_states = 0;  // taken slots whose state names no rank of the group (counted in slots_taken)
+  bool read = false;            // false: the region was not read (see note)
+  std::string note;             // empty, or why the region was not (all) read or looks wrong
 };
 
 /// Per-rank counters kept in the rank slot (futex word, sleepers).
@@ -183,6 +191,7 @@ struct InspectOptions {
   bool details = false;           // read the layout-specific part too
   uint64_t max_pairs = 1u << 16;  // ring pairs read at most (world² can reach 2^24)
   uint64_t max_entries = 1u << 20;  // ring entries read at most, over all pairs (bytes in flight)
+  uint64_t max_slots = 1u << 24;    // arena slot states read at most, over all ranks (version 5 on)
 };
 
 /// Inspects /dev/shm/tdshm.<name> and its lock file. Throws SegmentError for a name tdshm would
@@ -198,12 +207,19 @@ std::vector<SegmentInfo> list_segments(const InspectOptions& options = {});
 /// The layout-specific part of a segment: given the open file (`fd`, `file_bytes` from its
 /// fstat), the bytes of its header as read (`header`, `header_len` of them) and the header
 /// prefix's `layout_version` and `world_size` (validated: 1 to kMaxWorld), reads what the version
-/// keeps beyond the header prefix and the rank table. Implemented for layout version 4 (per-pair
-/// ring depth from RingControl head/tail, messages and bytes in flight from the published entries,
-/// the rank slots' futex counters; no arena); for any other version it returns available = false
-/// and the note "details not available for layout version N". Bounded: every read is a pread
-/// within file_bytes, every offset is validated against the version's geometry first. With
-/// options.max_pairs 0 it reads no ring (the geometry and rank_table_offset only).
+/// keeps beyond the header prefix and the rank table. Implemented for
+///  - layout version 4: per-pair ring depth from RingControl head/tail, messages and bytes in
+///    flight from the published entries, the rank slots' futex counters (no arena);
+///  - layout version 5: the same for its metadata rings (an inline chunk counts its bytes, a
+///    chunk in a slot its chunk_bytes), and per rank its slot arena: slots in use (state not
+///    free), per destination rank, and the bytes they reserve (slots in use * slot_bytes).
+/// For any other version it returns available = false and the note "details not available for
+/// layout version N". Bounded: every read is a pread within file_bytes into a local buffer, every
+/// value read is checked before it is used (the geometry is recomputed from the header's
+/// parameters and compared; head and tail are re-read until the tail is stable, and a pair whose
+/// head and tail still disagree is marked inconsistent, not trusted; an entry counts only when
+/// its seq is its position + 1 and its sizes are in range). With options.max_pairs 0 it reads no
+/// ring and no arena (the geometry, rank_table_offset and counters only).
 LayoutDetails read_layout_details(int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len,
                                   uint32_t layout_version, uint32_t world_size, const InspectOptions& options);
 

@@ -12,6 +12,12 @@
 //    (it removes only what it proves stale: see inspect.h). An interrupted creation (zeros and a
 //    lock record of a dead creator) and a lock file alone are removed; a lock file whose creator
 //    is alive and creating is kept.
+//  - Layout version 5 details of a live group of three forked ranks with messages in flight
+//    (InFlightGroup: rank 0 -> 1 an inline 8 B, a 100 KiB and a 4 KiB message, rank 2 -> 1 one of
+//    1000 B, none received yet): exact ring depth, messages and bytes per pair, and each rank's
+//    arena slots in use per destination; after rank 1 has received them all, depth 0 and no slot
+//    in use. A synthetic version 5 file: inconsistent head/tail, malformed entries, slot states
+//    naming no rank, a file cut short or shrunk under the reader, geometry that disagrees.
 //  - Layout version 4 ring details (per-pair depth, messages, bytes in flight) read from a
 //    synthetic version 4 file, whatever this build's layout version is; any other version
 //    reports "details not available".
@@ -198,6 +204,140 @@ class TwoRanks {
   bool ready_ = false;
 };
 
+/// Entries and arena slots one message of `bytes` takes with slots of `slot_bytes`: one entry per
+/// chunk of up to slot_bytes; a chunk of up to kInlineBytes rides in its entry, a larger one in a
+/// slot (segment_layout.h).
+struct Footprint {
+  uint64_t entries = 0;
+  uint64_t slots = 0;
+};
+Footprint footprint(uint64_t bytes, uint64_t slot_bytes) {
+  Footprint f;
+  uint64_t left = bytes;
+  do {
+    const uint64_t chunk = std::min(left, slot_bytes);
+    ++f.entries;
+    if (chunk > shm::kInlineBytes) ++f.slots;
+    left -= chunk;
+  } while (left > 0);
+  return f;
+}
+
+/// A group of three forked ranks of ProcessGroupShm on `name` with the default slot geometry
+/// (64 KiB slots, 64 per rank, 64-entry rings) and messages in flight: rank 0 sends to rank 1
+/// three messages of kBytes01 (8 B inline, 100 KiB in two slots, 4 KiB in one), rank 2 sends
+/// rank 1 one of kBytes21; rank 1 receives them only in receive(). Every rank stays attached
+/// until release(), so the segment can be inspected before and after the receives. Each wait has
+/// a deadline; a group not released cleanly is killed and its segment removed by the destructor.
+class InFlightGroup {
+ public:
+  static constexpr int kWorld = 3;
+  static constexpr std::array<uint64_t, 3> kBytes01{8, 100 << 10, 4 << 10};
+  static constexpr uint64_t kBytes21 = 1000;
+
+  explicit InFlightGroup(const std::string& name) : name_(name) {
+    ShmOptions opts = default_slot_options();
+    opts.timeout = 30s;
+    slot_bytes_ = opts.slot_bytes;
+    slots_per_rank_ = opts.slots_per_rank;
+    for (int r = 0; r < kWorld; ++r) {
+      children_.emplace_back([this, r, name, opts] {
+        ProcessGroupShm pg(name, r, kWorld, opts);
+        auto message = [](uint64_t bytes, uint64_t seed) {
+          return pattern(at::kFloat, static_cast<int64_t>(bytes / sizeof(float)), seed);
+        };
+        if (r == 0) {
+          for (size_t i = 0; i < kBytes01.size(); ++i) {
+            const at::Tensor t = message(kBytes01[i], i);
+            SHM_CHECK(post_send(pg, t, 1, static_cast<int>(i + 1))->wait(), "isend " << i);
+          }
+        } else if (r == 2) {
+          SHM_CHECK(post_send(pg, message(kBytes21, 9), 1, 9)->wait(), "isend");
+        }
+        state_->ready.fetch_add(1);
+        const auto deadline = Clock::now() + 90s;
+        if (r == 1) {
+          // Nothing touches the group (no progress, no helper thread) until told to receive.
+          while (!state_->receive.load() && Clock::now() < deadline) std::this_thread::sleep_for(2ms);
+          SHM_CHECK(state_->receive.load(), "never told to receive");
+          for (size_t i = 0; i < kBytes01.size(); ++i) {
+            const at::Tensor want = message(kBytes01[i], i);
+            const at::Tensor got = at::zeros_like(want);
+            SHM_CHECK(post_recv(pg, got, 0, static_cast<int>(i + 1))->wait(), "recv " << i);
+            SHM_CHECK(same_bytes(got, want), "wrong bytes in message " << i);
+          }
+          const at::Tensor want = message(kBytes21, 9);
+          const at::Tensor got = at::zeros_like(want);
+          SHM_CHECK(post_recv(pg, got, 2, 9)->wait(), "recv from rank 2");
+          SHM_CHECK(same_bytes(got, want), "wrong bytes from rank 2");
+          state_->received.store(true);
+        }
+        while (!state_->release.load() && Clock::now() < deadline) std::this_thread::sleep_for(2ms);
+        SHM_CHECK(state_->release.load(), "never released");
+      });
+    }
+    ready_ = wait_for([&] { return state_->ready.load() == kWorld; }, 30s);
+  }
+  ~InFlightGroup() {
+    if (released_) return;
+    for (Child& c : children_) c.kill();
+    wait_all(children_, 10s);
+    remove_shm_entries_of(name_);
+  }
+  InFlightGroup(const InFlightGroup&) = delete;
+  InFlightGroup& operator=(const InFlightGroup&) = delete;
+
+  bool ready() const { return ready_; }
+  uint64_t slot_bytes() const { return slot_bytes_; }
+  uint32_t slots_per_rank() const { return slots_per_rank_; }
+  std::string describe() const {
+    std::string out;
+    for (const Child& c : children_) out += (out.empty() ? "" : "; ") + c.describe();
+    return out;
+  }
+  /// Lets rank 1 receive every message; true once it has.
+  bool receive() {
+    state_->receive.store(true);
+    return wait_for([&] { return state_->received.load(); }, 30s);
+  }
+  /// Lets every rank leave (the last removes the segment); true if all exited with 0.
+  bool release() {
+    state_->receive.store(true);  // (a rank 1 still waiting to receive may finish)
+    state_->release.store(true);
+    wait_all(children_, 30s);
+    released_ = std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.ok(); });
+    return released_;
+  }
+
+ private:
+  struct State {
+    std::atomic<int> ready{0};
+    std::atomic<bool> receive{false};
+    std::atomic<bool> received{false};
+    std::atomic<bool> release{false};
+  };
+  /// Polls `done` until it holds, a child exits or the deadline passes.
+  template <class Done>
+  bool wait_for(Done done, Clock::duration timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (!done() && Clock::now() < deadline) {
+      bool exited = false;
+      for (Child& c : children_) exited |= c.poll();
+      if (exited) break;
+      std::this_thread::sleep_for(2ms);
+    }
+    return done();
+  }
+
+  std::string name_;
+  Shared<State> state_;
+  std::vector<Child> children_;
+  uint64_t slot_bytes_ = 0;
+  uint32_t slots_per_rank_ = 0;
+  bool ready_ = false;
+  bool released_ = false;
+};
+
 // ---------------------------------------------------------------------------------------------
 // The reader and gc (library)
 
@@ -231,16 +371,22 @@ TEST_F(ShmTools, LiveGroupIsListedAndNeverCollected) {
   EXPECT_EQ(info.status, SegmentStatus::kValid);
   EXPECT_EQ(info.alive_ranks(), 2u);
   ASSERT_TRUE(info.details.has_value());
-  if (info.details->available) {
-    // Layout version 4: one ring per ordered pair; rank 1's message to rank 0 was published.
+  if (shm::kLayoutVersion == 5) {
+    // One ring per ordered pair; rank 1's message to rank 0 (64 bytes: inline, no slot) is in it.
+    ASSERT_TRUE(info.details->available) << info.details->note;
     ASSERT_EQ(info.details->pairs.size(), 4u);
     const shm::PairInfo& p10 = info.details->pairs[2];
     EXPECT_EQ(p10.src, 1u);
     EXPECT_EQ(p10.dst, 0u);
-    EXPECT_GE(p10.head, 1u);
+    EXPECT_EQ(p10.head, 1u);
+    EXPECT_EQ(p10.tail, 0u);
+    EXPECT_EQ(p10.depth, 1u);
+    EXPECT_EQ(p10.messages, 1u);
+    EXPECT_EQ(p10.bytes_in_flight, 64u);
     EXPECT_TRUE(p10.note.empty()) << p10.note;
-    EXPECT_LE(p10.depth, 4u);
-  } else {
+    ASSERT_EQ(info.details->arenas.size(), 2u);
+    for (const shm::ArenaInfo& a : info.details->arenas) EXPECT_EQ(a.slots_taken, 0u) << "rank " << a.owner;
+  } else if (!info.details->available) {
     EXPECT_NE(info.details->note.find("layout version " + std::to_string(shm::kLayoutVersion)), std::string::npos)
         << info.details->note;
   }
@@ -491,6 +637,345 @@ TEST_F(ShmTools, InterruptedCreationAndLockFilesAlone) {
   for (const shm::GcItem& item : done) EXPECT_TRUE(item.error.empty()) << item.name << ": " << item.error;
 }
 
+/// The version 5 details of pair src -> dst, with a trace of every pair on failure.
+const shm::PairInfo& pair_of(const shm::LayoutDetails& d, uint32_t world, uint32_t src, uint32_t dst) {
+  const shm::PairInfo& p = d.pairs.at(size_t{src} * world + dst);
+  EXPECT_EQ(p.src, src);
+  EXPECT_EQ(p.dst, dst);
+  return p;
+}
+
+std::vector<std::pair<uint32_t, uint64_t>> by_dst(std::initializer_list<std::pair<uint32_t, uint64_t>> l) { return l; }
+
+TEST_F(ShmTools, LayoutVersion5DetailsOfMessagesInFlight) {
+  if (shm::kLayoutVersion != 5) GTEST_SKIP() << "this build's layout is version " << shm::kLayoutVersion;
+  set_deadline(150s);
+  const std::string name = unique_name();
+  InFlightGroup group(name);
+  ASSERT_TRUE(group.ready()) << group.describe();
+  constexpr uint32_t kWorld = InFlightGroup::kWorld;
+  const uint64_t slot = group.slot_bytes();
+
+  // What the layout says the messages take: 8 B inline is 1 entry and no slot, 100 KiB is 2
+  // entries and 2 slots of 64 KiB, 4 KiB is 1 entry and 1 slot; rank 2's 1000 B 1 entry, 1 slot.
+  uint64_t entries01 = 0, slots01 = 0, bytes01 = 0;
+  for (const uint64_t bytes : InFlightGroup::kBytes01) {
+    const Footprint f = footprint(bytes, slot);
+    entries01 += f.entries;
+    slots01 += f.slots;
+    bytes01 += bytes;
+  }
+  ASSERT_EQ(slot, uint64_t{64} << 10);
+  ASSERT_EQ(entries01, 4u);
+  ASSERT_EQ(slots01, 3u);
+  ASSERT_EQ(bytes01, 8u + 102400u + 4096u);
+  const Footprint f21 = footprint(InFlightGroup::kBytes21, slot);
+  ASSERT_EQ(f21.entries, 1u);
+  ASSERT_EQ(f21.slots, 1u);
+
+  const SegmentInfo info = shm::inspect_segment(name, {.details = true});
+  EXPECT_EQ(info.status, SegmentStatus::kValid) << info.problem;
+  ASSERT_TRUE(info.ranks_read);
+  EXPECT_EQ(info.alive_ranks(), kWorld);
+  ASSERT_TRUE(info.details.has_value());
+  const shm::LayoutDetails& d = *info.details;
+  EXPECT_EQ(d.layout_version, 5u);
+  ASSERT_TRUE(d.available) << d.note;
+  EXPECT_TRUE(d.note.empty()) << d.note;
+  ASSERT_TRUE(d.rank_table_offset.has_value());
+  EXPECT_EQ(*d.rank_table_offset, sizeof(shm::SegmentHeader));
+  ASSERT_EQ(d.pairs.size(), size_t{kWorld} * kWorld);
+  for (const shm::PairInfo& p : d.pairs) {
+    SCOPED_TRACE(std::to_string(p.src) + "->" + std::to_string(p.dst));
+    EXPECT_FALSE(p.inconsistent);
+    EXPECT_TRUE(p.note.empty()) << p.note;
+    if ((p.src == 0 || p.src == 2) && p.dst == 1) continue;
+    EXPECT_EQ(p.head, 0u);
+    EXPECT_EQ(p.depth, 0u);
+  }
+  const shm::PairInfo& p01 = pair_of(d, kWorld, 0, 1);
+  EXPECT_EQ(p01.head, entries01);
+  EXPECT_EQ(p01.tail, 0u);
+  EXPECT_EQ(p01.depth, entries01);
+  EXPECT_EQ(p01.messages, InFlightGroup::kBytes01.size());
+  EXPECT_EQ(p01.bytes_in_flight, bytes01);
+  const shm::PairInfo& p21 = pair_of(d, kWorld, 2, 1);
+  EXPECT_EQ(p21.head, 1u);
+  EXPECT_EQ(p21.depth, 1u);
+  EXPECT_EQ(p21.messages, 1u);
+  EXPECT_EQ(p21.bytes_in_flight, InFlightGroup::kBytes21);
+
+  ASSERT_EQ(d.arenas.size(), size_t{kWorld});
+  for (const shm::ArenaInfo& a : d.arenas) {
+    EXPECT_TRUE(a.read) << a.note;
+    EXPECT_EQ(a.slots, group.slots_per_rank());
+    EXPECT_EQ(a.invalid_states, 0u);
+    EXPECT_TRUE(a.note.empty()) << a.note;
+  }
+  EXPECT_EQ(d.arenas[0].owner, 0u);
+  EXPECT_EQ(d.arenas[0].slots_taken, slots01);
+  EXPECT_EQ(d.arenas[0].bytes_taken, slots01 * slot);
+  EXPECT_EQ(d.arenas[0].taken_by_dst, by_dst({{1, slots01}}));
+  EXPECT_EQ(d.arenas[1].slots_taken, 0u);
+  EXPECT_TRUE(d.arenas[1].taken_by_dst.empty());
+  EXPECT_EQ(d.arenas[2].slots_taken, f21.slots);
+  EXPECT_EQ(d.arenas[2].bytes_taken, f21.slots * slot);
+  EXPECT_EQ(d.arenas[2].taken_by_dst, by_dst({{1, f21.slots}}));
+  ASSERT_EQ(d.counters.size(), size_t{kWorld});
+  for (uint32_t r = 0; r < kWorld; ++r) EXPECT_EQ(d.counters[r].rank, r);
+
+  // Rank 1 takes everything: the rings are empty and every slot is back.
+  ASSERT_TRUE(group.receive()) << group.describe();
+  const SegmentInfo after = shm::inspect_segment(name, {.details = true});
+  ASSERT_TRUE(after.details.has_value() && after.details->available) << after.problem;
+  const shm::LayoutDetails& e = *after.details;
+  ASSERT_EQ(e.pairs.size(), size_t{kWorld} * kWorld);
+  for (const shm::PairInfo& p : e.pairs) {
+    SCOPED_TRACE(std::to_string(p.src) + "->" + std::to_string(p.dst));
+    EXPECT_FALSE(p.inconsistent) << p.note;
+    EXPECT_EQ(p.depth, 0u);
+    EXPECT_EQ(p.head, p.tail);
+    EXPECT_EQ(p.messages, 0u);
+    EXPECT_EQ(p.bytes_in_flight, 0u);
+  }
+  EXPECT_EQ(pair_of(e, kWorld, 0, 1).tail, entries01);
+  EXPECT_EQ(pair_of(e, kWorld, 2, 1).tail, 1u);
+  ASSERT_EQ(e.arenas.size(), size_t{kWorld});
+  for (const shm::ArenaInfo& a : e.arenas) {
+    EXPECT_TRUE(a.read);
+    EXPECT_EQ(a.slots_taken, 0u) << "rank " << a.owner;
+    EXPECT_EQ(a.bytes_taken, 0u) << "rank " << a.owner;
+    EXPECT_TRUE(a.taken_by_dst.empty()) << "rank " << a.owner;
+  }
+
+  EXPECT_TRUE(group.release()) << group.describe();
+  EXPECT_EQ(shm::inspect_segment(name).status, SegmentStatus::kMissing) << "the last rank to leave removes it";
+}
+
+/// A version 5 segment of world 3, ring_entries 4, slot_bytes 100, slots_per_rank 3: entry 192 B,
+/// ring 896 B, rings at 640, arena at 8704, region 448 B (a 64-byte slot table, slots of 128 B),
+/// 10048 bytes. Rank 0 Live with a dead pid (wake_seq 5, 1 sleeper), ranks 1 and 2 Left.
+///   0->1  head 6, tail 4: position 4 an inline first+last chunk of 8 B, position 5 a first chunk
+///         of 100 B in slot 0 (2 messages, 108 bytes)
+///   0->2  head 3, tail 9: inconsistent (tail > head)
+///   1->0  head 20, tail 10: inconsistent (more than 4 entries)
+///   1->2  head 3, tail 0: position 0 a 500 B chunk (more than a slot), position 1 names slot 7
+///         (of 3), position 2 an inline chunk of 80 B: malformed; nothing counted
+///   2->0  head 2, tail 1: position 1 not published (seq 0): taken meanwhile, not counted
+///   arena of rank 0: slot 0 for rank 1, slot 1 for rank 2, slot 2 in state 77 (no rank);
+///   rank 1: none; rank 2: slot 1 for rank 0.
+constexpr uint64_t kV5Rings = 640, kV5RingBytes = 896, kV5Arena = 8704, kV5Region = 448, kV5Bytes = 10048;
+
+std::vector<uint8_t> v5_segment(uint32_t dead) {
+  std::vector<uint8_t> b = prefix(5, 256, kV5Bytes, 3);
+  b.resize(kV5Bytes);
+  put<uint32_t>(b, 28, 4);          // ring_entries
+  put<uint64_t>(b, 32, 100);        // slot_bytes
+  put<uint64_t>(b, 40, 256);        // rank_table_offset
+  put<uint64_t>(b, 48, kV5Rings);   // rings_offset
+  put<uint64_t>(b, 56, kV5RingBytes);  // ring_bytes
+  put<uint64_t>(b, 64, 192);        // entry_bytes
+  put<uint32_t>(b, 72, dead);       // creator_pid
+  put<uint64_t>(b, 88, 0x5eed);     // incarnation
+  put<uint64_t>(b, 96, kV5Arena);   // arena_offset
+  put<uint64_t>(b, 104, kV5Region);  // region_bytes
+  put<uint32_t>(b, 112, 3);         // slots_per_rank
+  put<uint32_t>(b, 256 + 0, 1);     // rank 0: Live, pid dead
+  put<uint32_t>(b, 256 + 4, dead);
+  put<uint64_t>(b, 256 + 8, 12345);
+  put<uint32_t>(b, 256 + 64, 5);  // wake_seq
+  put<uint32_t>(b, 256 + 68, 1);  // sleepers
+  for (int r = 1; r < 3; ++r) {
+    put<uint32_t>(b, 256 + 128 * r, 2);  // Left
+    put<uint32_t>(b, 256 + 128 * r + 4, dead);
+  }
+  auto ring = [](int src, int dst) { return kV5Rings + (uint64_t(src) * 3 + dst) * kV5RingBytes; };
+  auto entry = [&](int src, int dst, uint64_t pos) { return ring(src, dst) + 128 + (pos % 4) * 192; };
+  auto control = [&](int src, int dst, uint64_t head, uint64_t tail) {
+    put<uint64_t>(b, ring(src, dst) + 0, head);
+    put<uint64_t>(b, ring(src, dst) + 64, tail);
+  };
+  auto publish = [&](int src, int dst, uint64_t pos, uint32_t chunk, uint32_t flags, uint32_t slot) {
+    put<uint64_t>(b, entry(src, dst, pos) + 0, pos + 1);  // seq
+    put<uint32_t>(b, entry(src, dst, pos) + 32, chunk);
+    put<uint32_t>(b, entry(src, dst, pos) + 36, flags);
+    put<uint32_t>(b, entry(src, dst, pos) + 48, slot);
+  };
+  constexpr uint32_t kFirst = 1, kLast = 2, kInline = 64;
+  control(0, 1, 6, 4);
+  publish(0, 1, 4, 8, kFirst | kLast | kInline, 0);
+  publish(0, 1, 5, 100, kFirst, 0);
+  control(0, 2, 3, 9);
+  control(1, 0, 20, 10);
+  control(1, 2, 3, 0);
+  publish(1, 2, 0, 500, kFirst | kLast, 1);
+  publish(1, 2, 1, 50, kFirst | kLast, 7);
+  publish(1, 2, 2, 80, kFirst | kLast | kInline, 0);
+  control(2, 0, 2, 1);
+  auto state = [&](int owner, int slot, uint32_t v) { put<uint32_t>(b, kV5Arena + owner * kV5Region + slot * 8, v); };
+  state(0, 0, 2);
+  state(0, 1, 3);
+  state(0, 2, 77);
+  state(2, 1, 1);
+  return b;
+}
+
+TEST_F(ShmTools, LayoutVersion5DetailsOfASyntheticSegment) {
+  if (shm::kLayoutVersion == 5) {
+    // The numbers above are this build's geometry.
+    const shm::SegmentGeometry g = shm::segment_geometry(3, 100, 4, 3);
+    ASSERT_EQ(g.rings_offset, kV5Rings);
+    ASSERT_EQ(g.ring_bytes, kV5RingBytes);
+    ASSERT_EQ(g.arena_offset, kV5Arena);
+    ASSERT_EQ(g.region_bytes, kV5Region);
+    ASSERT_EQ(g.segment_bytes, kV5Bytes);
+  }
+  Plants plants;
+  const uint32_t dead = dead_pid();
+  const std::string name = unique_name();
+  plants.add(segment_path(name));
+  const std::vector<uint8_t> bytes = v5_segment(dead);
+  write_file(segment_path(name), bytes);
+
+  const SegmentInfo info = shm::inspect_segment(name, {.details = true});
+  EXPECT_EQ(info.status, shm::kLayoutVersion == 5 ? SegmentStatus::kValid : SegmentStatus::kOtherVersion)
+      << info.problem;
+  ASSERT_TRUE(info.details.has_value()) << shm::status_name(info.status) << ": " << info.problem;
+  const shm::LayoutDetails& d = *info.details;
+  EXPECT_EQ(d.layout_version, 5u);
+  ASSERT_TRUE(d.available) << d.note;
+  ASSERT_TRUE(d.rank_table_offset.has_value());
+  EXPECT_EQ(*d.rank_table_offset, 256u);
+  ASSERT_TRUE(info.ranks_read) << info.problem;
+  ASSERT_EQ(info.ranks.size(), 3u);
+  EXPECT_EQ(info.ranks[0].state_name(), "dead");
+  EXPECT_EQ(info.ranks[2].state_name(), "left");
+  ASSERT_EQ(d.counters.size(), 3u);
+  EXPECT_EQ(d.counters[0].wake_seq, 5u);
+  EXPECT_EQ(d.counters[0].sleepers, 1u);
+
+  ASSERT_EQ(d.pairs.size(), 9u);
+  const shm::PairInfo& p01 = pair_of(d, 3, 0, 1);
+  EXPECT_EQ(p01.head, 6u);
+  EXPECT_EQ(p01.tail, 4u);
+  EXPECT_EQ(p01.depth, 2u);
+  EXPECT_EQ(p01.messages, 2u);
+  EXPECT_EQ(p01.bytes_in_flight, 108u);
+  EXPECT_FALSE(p01.inconsistent);
+  EXPECT_TRUE(p01.note.empty()) << p01.note;
+  for (const auto& [src, dst] : {std::pair{0u, 2u}, std::pair{1u, 0u}}) {
+    const shm::PairInfo& p = pair_of(d, 3, src, dst);
+    SCOPED_TRACE(std::to_string(src) + "->" + std::to_string(dst));
+    EXPECT_TRUE(p.inconsistent);
+    EXPECT_EQ(p.depth, 0u);
+    EXPECT_EQ(p.messages, 0u);
+    EXPECT_EQ(p.bytes_in_flight, 0u);
+    EXPECT_NE(p.note.find("inconsistent"), std::string::npos) << p.note;
+  }
+  EXPECT_NE(pair_of(d, 3, 0, 2).note.find("tail > head"), std::string::npos) << pair_of(d, 3, 0, 2).note;
+  EXPECT_EQ(pair_of(d, 3, 1, 0).head, 20u);
+  const shm::PairInfo& p12 = pair_of(d, 3, 1, 2);
+  EXPECT_FALSE(p12.inconsistent);
+  EXPECT_EQ(p12.depth, 3u);
+  EXPECT_EQ(p12.messages, 0u);
+  EXPECT_EQ(p12.bytes_in_flight, 0u);
+  EXPECT_NE(p12.note.find("3 malformed entries"), std::string::npos) << p12.note;
+  const shm::PairInfo& p20 = pair_of(d, 3, 2, 0);
+  EXPECT_EQ(p20.depth, 1u);
+  EXPECT_EQ(p20.messages, 0u);
+  EXPECT_NE(p20.note.find("1 entries taken while read"), std::string::npos) << p20.note;
+  EXPECT_NE(d.note.find("2 rings with inconsistent head and tail"), std::string::npos) << d.note;
+  EXPECT_NE(d.note.find("3 malformed entries"), std::string::npos) << d.note;
+
+  ASSERT_EQ(d.arenas.size(), 3u);
+  EXPECT_EQ(d.arenas[0].slots, 3u);
+  EXPECT_EQ(d.arenas[0].slots_taken, 3u);
+  EXPECT_EQ(d.arenas[0].bytes_taken, 300u);
+  EXPECT_EQ(d.arenas[0].taken_by_dst, by_dst({{1, 1}, {2, 1}}));
+  EXPECT_EQ(d.arenas[0].invalid_states, 1u);
+  EXPECT_NE(d.arenas[0].note.find("names no rank"), std::string::npos) << d.arenas[0].note;
+  EXPECT_EQ(d.arenas[1].slots_taken, 0u);
+  EXPECT_TRUE(d.arenas[1].note.empty());
+  EXPECT_EQ(d.arenas[2].slots_taken, 1u);
+  EXPECT_EQ(d.arenas[2].taken_by_dst, by_dst({{0, 1}}));
+  EXPECT_NE(d.note.find("1 arena slots in a state that names no rank"), std::string::npos) << d.note;
+
+  const int fd = ::open(segment_path(name).c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  std::array<uint8_t, 256> header{};
+  ASSERT_EQ(::pread(fd, header.data(), header.size(), 0), 256);
+  // A file cut inside rank 1's region: the rings and rank 0's region are read, the rest is beyond
+  // the end.
+  const uint64_t cut_at = kV5Arena + kV5Region + 10;
+  const shm::LayoutDetails cut = shm::read_layout_details(fd, cut_at, header.data(), header.size(), 5, 3, {});
+  ASSERT_TRUE(cut.available) << cut.note;
+  EXPECT_EQ(pair_of(cut, 3, 0, 1).bytes_in_flight, 108u);
+  ASSERT_EQ(cut.arenas.size(), 3u);
+  EXPECT_TRUE(cut.arenas[0].read);
+  EXPECT_EQ(cut.arenas[0].slots_taken, 3u);
+  for (int r = 1; r < 3; ++r) {
+    EXPECT_FALSE(cut.arenas[r].read);
+    EXPECT_NE(cut.arenas[r].note.find("beyond the end"), std::string::npos) << cut.arenas[r].note;
+  }
+  // Cut inside the rings: the later pairs are beyond the end.
+  const shm::LayoutDetails cut2 =
+      shm::read_layout_details(fd, kV5Rings + 2 * kV5RingBytes + 50, header.data(), header.size(), 5, 3, {});
+  ASSERT_TRUE(cut2.available);
+  EXPECT_EQ(pair_of(cut2, 3, 0, 1).messages, 2u);
+  EXPECT_NE(pair_of(cut2, 3, 0, 2).note.find("beyond the end"), std::string::npos) << pair_of(cut2, 3, 0, 2).note;
+  for (const shm::ArenaInfo& a : cut2.arenas) EXPECT_FALSE(a.read);
+  // Limits: no ring and no arena with max_pairs 0; one region only with max_slots 3.
+  const shm::LayoutDetails table_only =
+      shm::read_layout_details(fd, kV5Bytes, header.data(), header.size(), 5, 3, {.max_pairs = 0});
+  EXPECT_TRUE(table_only.available);
+  EXPECT_TRUE(table_only.pairs.empty() && table_only.arenas.empty());
+  EXPECT_EQ(table_only.counters.size(), 3u);
+  const shm::LayoutDetails few =
+      shm::read_layout_details(fd, kV5Bytes, header.data(), header.size(), 5, 3, {.max_slots = 3});
+  ASSERT_EQ(few.arenas.size(), 3u);
+  EXPECT_TRUE(few.arenas[0].read);
+  EXPECT_FALSE(few.arenas[1].read);
+  EXPECT_NE(few.note.find("regions partly read"), std::string::npos) << few.note;
+  // Geometry that disagrees with its parameters is not used.
+  for (const auto& [at, value] : {std::pair<size_t, uint64_t>{104, kV5Region + 64}, {96, kV5Arena - 64}, {16, kV5Bytes + 1},
+                                  {48, kV5Rings + 64}, {64, 128}}) {
+    std::array<uint8_t, 256> bad = header;
+    std::memcpy(bad.data() + at, &value, sizeof value);
+    const shm::LayoutDetails wrong = shm::read_layout_details(fd, kV5Bytes, bad.data(), bad.size(), 5, 3, {});
+    EXPECT_FALSE(wrong.available) << "field at " << at;
+    EXPECT_TRUE(wrong.pairs.empty() && wrong.arenas.empty());
+    EXPECT_FALSE(wrong.rank_table_offset.has_value());
+  }
+  for (const auto& [at, value] : {std::pair<size_t, uint32_t>{112, 0}, {112, (1u << 16) + 1}, {28, 0}}) {
+    std::array<uint8_t, 256> bad = header;
+    std::memcpy(bad.data() + at, &value, sizeof value);
+    const shm::LayoutDetails wrong = shm::read_layout_details(fd, kV5Bytes, bad.data(), bad.size(), 5, 3, {});
+    EXPECT_FALSE(wrong.available) << "field at " << at;
+    EXPECT_NE(wrong.note.find("out of range"), std::string::npos) << wrong.note;
+  }
+  EXPECT_FALSE(shm::read_layout_details(fd, kV5Bytes, header.data(), 200, 5, 3, {}).available);
+  ::close(fd);
+
+  // The file shrinks under the reader: it is told the old size, its reads come back short.
+  const std::string shrunk = unique_name();
+  plants.add(segment_path(shrunk));
+  write_file(segment_path(shrunk), bytes);
+  const int sfd = ::open(segment_path(shrunk).c_str(), O_RDWR);
+  ASSERT_GE(sfd, 0);
+  ASSERT_EQ(::ftruncate(sfd, static_cast<off_t>(kV5Rings + kV5RingBytes + 300)), 0);
+  const shm::LayoutDetails gone = shm::read_layout_details(sfd, kV5Bytes, header.data(), header.size(), 5, 3, {});
+  ASSERT_TRUE(gone.available);
+  ASSERT_EQ(gone.pairs.size(), 9u);
+  EXPECT_EQ(pair_of(gone, 3, 0, 1).note, "entries beyond the end of the file");
+  for (uint32_t i = 2; i < 9; ++i) EXPECT_NE(gone.pairs[i].note.find("beyond the end"), std::string::npos) << i;
+  for (const shm::ArenaInfo& a : gone.arenas) EXPECT_FALSE(a.read);
+  ASSERT_EQ(::ftruncate(sfd, 0), 0);
+  const shm::LayoutDetails empty = shm::read_layout_details(sfd, kV5Bytes, header.data(), header.size(), 5, 3, {});
+  EXPECT_TRUE(empty.counters.empty());
+  for (const shm::PairInfo& p : empty.pairs) EXPECT_NE(p.note.find("beyond the end"), std::string::npos);
+  ::close(sfd);
+}
+
 /// A version 4 segment of world 2, ring_entries 4, slot_bytes 64 (entry 192 B, ring 896 B, rings
 /// at 512, 4096 bytes): rank 0 Live with a dead pid, rank 1 Left; ring 0->1 holds two published
 /// entries (positions 4 and 5: a 64-byte and a 10-byte first chunk), ring 1->0 has head < tail.
@@ -686,6 +1171,19 @@ std::string line_of(const std::string& out, const std::string& name) {
   return {};
 }
 
+/// The whitespace-separated words of the first line of `out` whose first word is `first`, or none.
+std::vector<std::string> row_words(const std::string& out, const std::string& first) {
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream words(line);
+    std::vector<std::string> w;
+    for (std::string word; words >> word;) w.push_back(word);
+    if (!w.empty() && w[0] == first) return w;
+  }
+  return {};
+}
+using Words = std::vector<std::string>;
+
 TEST_F(ShmCli, LsInspectGcOnLiveThenKilledGroup) {
   if (kTool[0] == '\0' || ::access(kTool, X_OK) != 0) GTEST_SKIP() << "the tdshm tool is not built";
   set_deadline(180s);
@@ -723,6 +1221,20 @@ TEST_F(ShmCli, LsInspectGcOnLiveThenKilledGroup) {
   ToolRun inj = run_tool({"inspect", "--json", name});
   EXPECT_EQ(inj.rc, 0) << inj.describe("inspect --json");
   EXPECT_TRUE(has(inj.out, "\"status\": \"valid\"") && has(inj.out, "\"details\": {")) << inj.describe("inspect --json");
+  if (shm::kLayoutVersion == 5) {
+    // The pair table (PAIR HEAD TAIL DEPTH MESSAGES BYTES): rank 1's 64-byte message to rank 0 is
+    // in flight, inline (no arena slot).
+    EXPECT_EQ(row_words(in.out, "1->0"), (Words{"1->0", "1", "0", "1", "1", "64"})) << in.describe("inspect");
+    EXPECT_EQ(row_words(in.out, "0->1"), (Words{"0->1", "0", "0", "0", "0", "0"})) << in.describe("inspect");
+    for (const char* needle : {"PAIR", "DEPTH", "MESSAGES", "arena of rank 0: 0 of 64 slots in use",
+                               "arena of rank 1: 0 of 64 slots in use"}) {
+      EXPECT_TRUE(has(in.out, needle)) << "no '" << needle << "' in\n" << in.describe("inspect " + name);
+    }
+    EXPECT_TRUE(has(inj.out, "\"src\": 1, \"dst\": 0, \"head\": 1, \"tail\": 0, \"depth\": 1, \"messages\": 1, "
+                             "\"bytes_in_flight\": 64") &&
+                has(inj.out, "\"arenas\": [{\"owner\": 0, \"slots\": 64, \"slots_taken\": 0"))
+        << inj.describe("inspect --json");
+  }
 
   ToolRun dry = run_tool({"gc", "--dry-run"});
   EXPECT_EQ(dry.rc, 0) << dry.describe("gc --dry-run");
@@ -767,6 +1279,50 @@ TEST_F(ShmCli, LsInspectGcOnLiveThenKilledGroup) {
   EXPECT_EQ(run_tool({"inspect"}).rc, 2);
   EXPECT_EQ(run_tool({"gc", "--bogus"}).rc, 2);
   EXPECT_EQ(run_tool({"ls", "extra"}).rc, 2);
+}
+
+TEST_F(ShmCli, InspectShowsMessagesAndArenaSlotsInFlight) {
+  if (kTool[0] == '\0' || ::access(kTool, X_OK) != 0) GTEST_SKIP() << "the tdshm tool is not built";
+  if (shm::kLayoutVersion != 5) GTEST_SKIP() << "this build's layout is version " << shm::kLayoutVersion;
+  set_deadline(150s);
+  const std::string name = unique_name();
+  InFlightGroup group(name);
+  ASSERT_TRUE(group.ready()) << group.describe();
+
+  // 0->1: 8 B inline + 100 KiB in 2 entries + 4 KiB = 4 entries, 3 messages, 106504 bytes, 3
+  // slots of rank 0's arena (192 KiB) handed to rank 1; 2->1: 1000 B, 1 entry, 1 slot of rank 2's.
+  ToolRun in = run_tool({"inspect", name});
+  EXPECT_EQ(in.rc, 0) << in.describe("inspect");
+  EXPECT_EQ(row_words(in.out, "0->1"), (Words{"0->1", "4", "0", "4", "3", "106504"})) << in.describe("inspect");
+  EXPECT_EQ(row_words(in.out, "2->1"), (Words{"2->1", "1", "0", "1", "1", "1000"})) << in.describe("inspect");
+  EXPECT_EQ(row_words(in.out, "1->0"), (Words{"1->0", "0", "0", "0", "0", "0"})) << in.describe("inspect");
+  for (const char* needle : {"layout version 5 details", "slots_per_rank 64",
+                             "arena of rank 0: 3 of 64 slots in use, 192.0 KiB reserved (3 for rank 1)",
+                             "arena of rank 1: 0 of 64 slots in use\n",
+                             "arena of rank 2: 1 of 64 slots in use, 64.0 KiB reserved (1 for rank 1)", "WAKE_SEQ"}) {
+    EXPECT_TRUE(has(in.out, needle)) << "no '" << needle << "' in\n" << in.describe("inspect " + name);
+  }
+  EXPECT_FALSE(has(in.out, "note:")) << in.describe("inspect");
+  ToolRun inj = run_tool({"inspect", "--json", name});
+  EXPECT_EQ(inj.rc, 0) << inj.describe("inspect --json");
+  for (const char* needle :
+       {"\"src\": 0, \"dst\": 1, \"head\": 4, \"tail\": 0, \"depth\": 4, \"messages\": 3, \"bytes_in_flight\": 106504, "
+        "\"inconsistent\": false",
+        "\"owner\": 0, \"slots\": 64, \"slots_taken\": 3, \"bytes_taken\": 196608, \"taken_by_dst\": [{\"dst\": 1, "
+        "\"slots\": 3}], \"invalid_states\": 0, \"read\": true",
+        "\"owner\": 2, \"slots\": 64, \"slots_taken\": 1, \"bytes_taken\": 65536"}) {
+    EXPECT_TRUE(has(inj.out, needle)) << "no '" << needle << "' in\n" << inj.describe("inspect --json");
+  }
+
+  ASSERT_TRUE(group.receive()) << group.describe();
+  in = run_tool({"inspect", name});
+  EXPECT_EQ(in.rc, 0) << in.describe("inspect (received)");
+  EXPECT_EQ(row_words(in.out, "0->1"), (Words{"0->1", "4", "4", "0", "0", "0"})) << in.describe("inspect (received)");
+  EXPECT_EQ(row_words(in.out, "2->1"), (Words{"2->1", "1", "1", "0", "0", "0"})) << in.describe("inspect (received)");
+  for (const char* needle : {"arena of rank 0: 0 of 64 slots in use\n", "arena of rank 2: 0 of 64 slots in use\n"}) {
+    EXPECT_TRUE(has(in.out, needle)) << "no '" << needle << "' in\n" << in.describe("inspect (received)");
+  }
+  EXPECT_TRUE(group.release()) << group.describe();
 }
 
 }  // namespace
