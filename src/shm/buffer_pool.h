@@ -7,6 +7,7 @@
 // freed buffers, by power-of-two size class, and hands them out again with their pages resident.
 // What it keeps idle is bounded (kept_limit); beyond that, buffers are freed.
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <memory>

@@ -1,13 +1,23 @@
 #pragma once
 // The shared-memory transport's engine: process-local state of a ProcessGroupShm (posted
 // operations, messages that arrived early, ring positions) and the progress and wait loops.
-// ProcessGroupShm and its Work objects are thin c10d wrappers around it.
+// ProcessGroupShm and its Work objects are thin c10d wrappers around it. It composes the
+// segment's parts, each in its own header: the SPSC metadata ring (ring.h), the slot arena
+// (arena.h), the early-message buffers (buffer_pool.h), the futex words (futex.h). Its own code
+// is split by job: engine.cpp (construction, posting, progress), engine_receive.cpp (matching
+// and landing incoming messages), engine_peers.cpp (liveness), engine_wait.cpp (waiting, wake-ups,
+// the helper thread); engine_internal.h holds what they share.
 //
-// Protocol (one SPSC ring per ordered pair of ranks, see segment_layout.h):
+// Protocol (one SPSC metadata ring per ordered pair of ranks, one slot region per rank, see
+// segment_layout.h):
 //  * A message is one or more entries: the first carries tag, total size, dtype and shape; each
-//    carries up to slot_bytes of payload. The producer fills an entry, then stores its seq
-//    (release); the consumer polls that seq (acquire), copies the payload out, then advances the
-//    ring's tail (release), which frees the entry for the producer.
+//    carries up to slot_bytes of payload, inline in the entry when it fits in 72 bytes, else in
+//    an arena slot of the sender handed to the receiver. The producer fills the slot and the
+//    entry, then stores the entry's seq (release); the consumer polls that seq (acquire), copies
+//    the payload out, frees the slot, then advances the ring's tail (release), which frees the
+//    entry for the producer.
+//  * A tree's leaves (post_sends / post_recvs) are posted under one lock and the receiver is
+//    woken once; a receiver wakes a sleeping sender once a quarter of its room is back.
 //  * A contiguous tensor that views a named MemoryMappedTensor is sent as a reference (file,
 //    offset; kEntryReference): the receiver copies straight from the file into its tensor, or
 //    nothing at all when its tensor maps the same bytes. An anonymous memmap goes by value.

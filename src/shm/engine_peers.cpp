@@ -1,0 +1,98 @@
+// Liveness in ShmEngine: peers that are gone, a segment cut under its mapping, and what fails
+// then (see engine.h).
+
+#include "shm/engine_internal.h"
+
+#include "common/log.h"
+
+namespace tdshm::detail {
+
+using shm::EntryHeader;
+
+void ShmEngine::fail_peer(int peer, std::exception_ptr error) {
+  auto& slot = peer_error_[static_cast<size_t>(peer)];
+  if (!slot) slot = error;
+  auto& queue = send_queues_[static_cast<size_t>(peer)];
+  for (auto& op : queue) finish(op, slot);
+  queue.clear();
+  auto& cur = current_[static_cast<size_t>(peer)];
+  if (cur) {
+    if (cur->op) finish(cur->op, slot);
+    if (std::erase(unexpected_, cur) != 0) release_unexpected(*cur);  // nobody will ever finish it
+    cur.reset();
+  }
+  held_bytes_[static_cast<size_t>(peer)] = 0;
+  bool someone_alive = false;
+  for (int p = 0; p < size_; ++p) someone_alive |= (p != rank_ && !peer_error_[static_cast<size_t>(p)]);
+  for (auto it = posted_.begin(); it != posted_.end();) {
+    if ((*it)->peer == peer || ((*it)->peer < 0 && !someone_alive)) {
+      finish(*it, slot);
+      it = posted_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // The rings with `peer` are not reset: they belong to this incarnation only, and `peer` (if it
+  // still runs) may still be writing to them. Nothing more is read from or written to them.
+}
+
+// Once the segment's mapping is lost (a peer truncated the file), every transfer fails.
+bool ShmEngine::check_poisoned() {
+  if (poisoned_) return true;
+  if (!segment_->poisoned()) return false;
+  poisoned_ = make_error<TransportError>("the segment file of '" + name_ +
+                                         "' was truncated by another process while in use: this group's shared "
+                                         "memory is gone and all of its transfers fail; construct the group again");
+  log().error("segment '{}' was truncated under its mapping: the group's transfers fail", name_);
+  fail_all(poisoned_);
+  return true;
+}
+
+void ShmEngine::fail_all(const std::exception_ptr& error) {
+  for (auto& q : send_queues_) {
+    for (auto& op : q) finish(op, error);
+    q.clear();
+  }
+  for (auto& op : posted_) finish(op, error);
+  posted_.clear();
+  for (auto& msg : current_) {
+    if (msg && msg->op) finish(msg->op, error);
+    msg.reset();
+  }
+  unexpected_.clear();
+  unexpected_bytes_ = 0;
+  for (auto& p : peer_error_) {
+    if (!p) p = error;
+  }
+}
+
+void ShmEngine::check_peers() {
+  if (shut_down_) return;
+  segment_->check_file();
+  if (check_poisoned()) return;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || peer_error_[static_cast<size_t>(p)]) continue;
+    if (segment_->rank_alive(static_cast<uint32_t>(p))) continue;
+    segment_->check_file();
+    if (check_poisoned()) return;  // the rank table read zeros because the file was just cut
+    while (progress_receives(p)) {
+    }  // what it sent before it went is still good: all of it is taken
+    if (peer_error_[static_cast<size_t>(p)]) continue;
+    fail_peer(p, make_error<PeerLostError>(segment_->describe_rank(static_cast<uint32_t>(p)) +
+                                           " of segment '" + name_ + "' is gone (it exited or died)"));
+    // A gone rank reads nothing more: the slots this rank handed to it are free again.
+    const uint32_t reclaimed = slots_.reclaim(static_cast<uint32_t>(p));
+    log().warn("segment '{}': {} is gone; its pending transfers failed ({} arena slots taken back)", name_,
+               segment_->describe_rank(static_cast<uint32_t>(p)), reclaimed);
+  }
+}
+
+void ShmEngine::maybe_check_peers(Clock::time_point now) {
+  if (ticks(now) < next_peer_check_.load(std::memory_order_relaxed)) return;
+  std::lock_guard lk(mu_);
+  if (ticks(now) < next_peer_check_.load(std::memory_order_relaxed)) return;  // another thread just did
+  check_peers();
+  next_peer_check_.store(ticks(now + options_.peer_check_interval), std::memory_order_relaxed);
+}
+
+}  // namespace tdshm::detail

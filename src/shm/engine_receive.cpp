@@ -1,0 +1,238 @@
+// The receiving side of ShmEngine (see engine.h for the protocol): an entry validated and
+// landed, a message matched with its receive (checks, size, dtype, shape), a message that came
+// before its receive buffered (unexpected, pooled), a memmap reference resolved.
+
+#include "shm/engine_internal.h"
+
+#include "common/copy.h"
+#include "common/format.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace tdshm::detail {
+
+using shm::EntryHeader;
+
+// Checks that `msg` fits `op`; binds the source. On a mismatch fails `op` and returns false.
+bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op) {
+  op->source = msg->src;
+  std::string problem;
+  const auto dtype = static_cast<c10::ScalarType>(msg->dtype);
+  // Checks first: they say why the rest differs (another key, another schema).
+  const bool checked = op->check.kind != MessageCheck::Kind::kNone && msg->check.kind == op->check.kind;
+  const std::string from = op->peer < 0 ? " (from rank " + std::to_string(msg->src) + ")" : "";
+  if (checked && msg->check.leaves != 0 && op->check.leaves != 0 && msg->check.leaves != op->check.leaves) {
+    op->sender_leaves = msg->check.leaves;  // published by finish's release of done
+    finish(op, make_error<TransportError>(op->what() + from + ": the sender's tree has " +
+                                          std::to_string(msg->check.leaves) + " leaves but this receiving tree has " +
+                                          std::to_string(op->check.leaves) + "; nothing was written"));
+    return false;
+  }
+  if (checked && msg->check.value != op->check.value) {
+    if (op->check.kind == MessageCheck::Kind::kSchema) {
+      finish(op, make_error<SchemaError>(op->what() + from + ": the sender's consolidated schema (hash " +
+                                         hex32(msg->check.value) + ") differs from this tensordict's (hash " +
+                                         hex32(op->check.value) + "): tensorclass names, keys, dtypes, shapes or "
+                                         "layout differ; nothing was written"));
+    } else {
+      finish(op, make_error<TransportError>(op->what() + from + ": the sender's leaf at this position has another key "
+                                            "(key hash " + hex32(msg->check.value) + ", this leaf's is " +
+                                            hex32(op->check.value) + "): the two trees' keys differ; nothing was "
+                                            "written"));
+    }
+    return false;
+  }
+  if (msg->total != op->bytes) {
+    problem = "the message has " + std::to_string(msg->total) + " bytes but the tensor has " + std::to_string(op->bytes);
+  } else if (msg->dtype != static_cast<uint8_t>(op->buffer.scalar_type())) {
+    problem = std::string("the message has dtype ") +
+              (msg->dtype < static_cast<uint8_t>(c10::ScalarType::NumOptions) ? c10::toString(dtype) : "?") +
+              " but the tensor has dtype " + c10::toString(op->buffer.scalar_type());
+  } else if (msg->ndim != shm::kShapeNotSent &&
+             (msg->ndim < 2 ? op->buffer.dim() != msg->ndim  // equal bytes and dtype: equal numel
+                            : !std::equal(op->buffer.sizes().begin(), op->buffer.sizes().end(), msg->dims,
+                                          msg->dims + msg->ndim))) {
+    if (msg->ndim == 1) msg->dims[0] = static_cast<int64_t>(msg->total / op->buffer.element_size());
+    problem = "the message has shape " + shape_str(c10::IntArrayRef(msg->dims, msg->ndim)) + " but the tensor has shape " +
+              shape_str(op->buffer.sizes());
+  }
+  if (problem.empty()) return true;
+  finish(op, make_error<TransportError>(op->what() + from + ": " + problem));
+  return false;
+}
+
+// Validates one entry (a copy of what another process wrote) and moves its payload.
+ShmEngine::Taken ShmEngine::handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload,
+                                         const shm::EntryShape& shape) {
+  auto corrupt = [&](const std::string& what) {
+    return TransportError("corrupted entry from " + segment_->describe_rank(static_cast<uint32_t>(src)) + ": " + what);
+  };
+  auto& cur = current_[static_cast<size_t>(src)];
+  shm::RxProgress rx;
+  if (cur) rx = {true, cur->control, cur->total, cur->received};
+  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank};
+  if (std::string problem = shm::check_entry(e, rx, arena, kMaxMessageBytes); !problem.empty()) {
+    throw corrupt(problem);
+  }
+  if (payload == nullptr) {
+    throw corrupt("arena slot " + std::to_string(e.slot) + " of the sender is not handed to this rank");
+  }
+  const bool reference = (e.flags & shm::kEntryReference) != 0;
+  shm::ReferenceFields ref;
+  if (reference) {
+    if (std::string problem = shm::check_reference(payload, e.chunk_bytes, e.total_bytes, ref); !problem.empty()) {
+      throw corrupt(problem);
+    }
+  }
+  if (e.flags & shm::kEntryFirst) {
+    int64_t dims[shm::kMaxDims] = {};
+    if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::memcpy(dims, shape.dims, e.ndim * sizeof(int64_t));
+    if (!start_message(src, e, dims)) return Taken::kHeld;
+  }
+  Incoming& msg = *cur;
+  if (reference) {
+    std::exception_ptr error;
+    if (msg.op) {
+      error = resolve_reference(*msg.op, ref);
+    } else if (!msg.discard) {
+      std::memcpy(msg.heap.get(), payload, e.chunk_bytes);  // checked again when a recv takes it
+    }
+    msg.received = msg.total;
+    msg.complete = true;
+    auto done = std::move(cur);
+    if (done->op) {
+      finish(done->op, error);
+      completed_posted_ = true;
+    }
+    return Taken::kYes;
+  }
+  // check_entry bounds the chunk by what is left of the message, whose size is the receive's
+  // (try_match) or that of the buffer allocated for it.
+  if (e.chunk_bytes != 0 && !msg.discard) {
+    uint8_t* dst = msg.op ? msg.op->data + msg.received : msg.heap.get() + msg.received;
+    // A message larger than the caches is written around them (see copy_bytes); the ring's
+    // slots themselves stay cached for the next chunks.
+    copy_bytes(dst, payload, e.chunk_bytes, msg.total >= kStreamingMessageBytes);
+  }
+  msg.received += e.chunk_bytes;
+  if (e.flags & shm::kEntryLast) {
+    msg.complete = true;
+    auto done = std::move(cur);
+    if (done->op) {
+      finish(done->op, nullptr);
+      completed_posted_ = true;
+    }
+    if (done->op || done->discard) {
+      done->op.reset();
+      if (done.use_count() == 1) spare_[static_cast<size_t>(src)] = std::move(done);  // reused by the next message
+    }
+  }
+  return Taken::kYes;
+}
+
+// Lands a reference message (validated by check_reference) in `op`: nothing to do when op's
+// tensor maps the same bytes, else one copy from the file. Returns the error to fail op with.
+// The file is the sender's choice: only a regular file this process can read is read, never
+// through a final symlink, and never past its end; the bytes go into the receiver's own tensor.
+std::exception_ptr ShmEngine::resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const {
+  if (op.bytes == 0) return nullptr;
+  if (auto mine = MemoryMappedTensor::info(op.user);
+      mine && mine->writable && op.user.is_contiguous() && mine->filename == ref.path &&
+      static_cast<uint64_t>(mine->offset) == ref.offset) {  // (a private copy-on-write mapping may differ)
+    return nullptr;  // the receiver's tensor is the sender's bytes
+  }
+  auto fail = [&](const std::string& why) {
+    return make_error<TransportError>(op.what() + ": the sender's memory-mapped file '" + ref.path + "': " + why);
+  };
+  // O_NONBLOCK: opening a FIFO named by a buggy peer must not block (it is refused below).
+  const int fd = ::open(ref.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return fail(std::string("cannot open it: ") + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return fail("not a regular file");
+  }
+  if (ref.offset + op.bytes > static_cast<uint64_t>(st.st_size)) {
+    ::close(fd);
+    return fail("the file has " + std::to_string(st.st_size) + " bytes, the message needs " +
+                std::to_string(ref.offset + op.bytes));
+  }
+  uint64_t done = 0;
+  while (done < op.bytes) {
+    const ssize_t n = ::pread(fd, op.data + done, op.bytes - done, static_cast<off_t>(ref.offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? std::strerror(errno) : "the file is shorter than the message";
+      ::close(fd);
+      return fail("reading it: " + why);
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  ::close(fd);
+  return nullptr;
+}
+
+// Starts the message whose first entry is `e`: into the receive posted for it, or into process
+// memory while the unexpected budget allows. Returns false, changing nothing, when it must stay in
+// the ring (back-pressure).
+bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t* dims) {
+  const auto s = static_cast<size_t>(src);
+  const bool control = (e.flags & shm::kEntryControl) != 0;
+  const bool reference = (e.flags & shm::kEntryReference) != 0;
+  auto posted = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<ShmOp>& op) {
+    return (op->peer < 0 || op->peer == src) && op->tag == e.tag && op->control == control;
+  });
+  // An unexpected reference keeps the reference, not the bytes.
+  const uint64_t need = posted != posted_.end() ? 0 : reference ? e.chunk_bytes : e.total_bytes;
+  if (posted == posted_.end() && need > options_.max_unexpected_bytes - std::min<uint64_t>(unexpected_bytes_, options_.max_unexpected_bytes)) {
+    held_bytes_[s] = std::max<uint64_t>(need, 1);
+    return false;
+  }
+  held_bytes_[s] = 0;
+  auto& spare = spare_[s];
+  auto msg = spare ? std::move(spare) : std::make_shared<Incoming>();
+  *msg = Incoming{};
+  msg->src = src;
+  msg->tag = e.tag;
+  msg->control = control;
+  msg->reference = reference;
+  msg->check = entry_check(e);
+  msg->total = e.total_bytes;
+  msg->dtype = e.dtype;
+  msg->ndim = e.ndim;
+  if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(dims, dims + e.ndim, msg->dims);
+  msg->arrival = arrivals_++;
+  if (posted != posted_.end()) {
+    auto op = *posted;
+    posted_.erase(posted);
+    current_[s] = msg;
+    if (try_match(msg, op)) {
+      msg->op = op;
+    } else {
+      msg->discard = true;  // that receive failed on a mismatch; the message is dropped
+    }
+    return true;
+  }
+  msg->heap = unexpected_pool_.take(need);
+  msg->heap_bytes = need;
+  unexpected_bytes_ += need;
+  current_[s] = msg;
+  unexpected_.push_back(msg);
+  return true;
+}
+
+void ShmEngine::release_unexpected(Incoming& msg) {
+  unexpected_bytes_ -= std::min(unexpected_bytes_, msg.heap_bytes);
+  unexpected_pool_.give_back(std::move(msg.heap));
+  msg.heap = {};
+  msg.heap_bytes = 0;
+}
+
+}  // namespace tdshm::detail

@@ -1,0 +1,209 @@
+// Waiting in ShmEngine: wake-ups (futex words in the rank table), the adaptive spin-then-sleep
+// wait, and the helper thread that completes futures (see engine.h).
+
+#include "shm/engine_internal.h"
+
+#include "common/log.h"
+#include "shm/futex.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <thread>
+
+namespace tdshm::detail {
+
+using shm::EntryHeader;
+
+void ShmEngine::notify(int r) {
+  shm::RankSlot& slot = segment_->rank_slot(static_cast<uint32_t>(r));
+  // Orders the publication above before the sleepers check (pairs with sleep_until_event).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (slot.sleepers.load(std::memory_order_relaxed) != 0) {
+    slot.wake_seq.fetch_add(1, std::memory_order_seq_cst);
+    shm::futex_wake_all(slot.wake_seq);
+  }
+}
+
+void ShmEngine::sleep_until_event(Clock::time_point until) {
+  shm::RankSlot& slot = segment_->rank_slot(static_cast<uint32_t>(rank_));
+  slot.sleepers.fetch_add(1, std::memory_order_seq_cst);  // announce, then re-check (see notify)
+  // The re-check below reads ring words with acquire loads, which the C++ model may order before
+  // the announcement; this fence pairs with the one in notify (store-load ordering, Dekker).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const uint32_t seen = slot.wake_seq.load(std::memory_order_seq_cst);
+  bool moved;
+  {
+    std::lock_guard lk(mu_);
+    moved = progress_locked();
+  }
+  if (!moved) shm::futex_wait(slot.wake_seq, seen, until - Clock::now());
+  slot.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline, bool stop_on_error) {
+  auto all_done = [&] {
+    if (std::all_of(ops.begin(), ops.end(), is_done)) return true;
+    return stop_on_error && std::any_of(ops.begin(), ops.end(), [](const std::shared_ptr<ShmOp>& op) {
+             return op && op->done.load(std::memory_order_acquire) && op->error;
+           });
+  };
+  if (all_done()) return;
+  // Checks are cheap (one pause between them, ~30 ns here); the clock is read every 32 checks
+  // and the core is offered to others (sched_yield) every 1024 (~30-50 us), so a peer that
+  // shares this core with us (more ranks than cores) still runs.
+  // The spin budget starts at the first clock read (after kClockEvery checks, ~1 us): a wait
+  // that ends sooner never reads the clock. Blocking-only waits (spin 0) never spin. The budget
+  // adapts (note_wait): spinning only pays while waits are short.
+  constexpr unsigned kClockEvery = 32, kYieldEvery = 1024;
+  const bool spinning = options_.spin.count() > 0;
+  Clock::time_point now{}, start{}, spin_end{};
+  auto done = [&] {
+    if (!all_done()) return false;
+    if (spinning) note_wait(start == Clock::time_point{} ? Clock::duration::zero() : Clock::now() - start);
+    return true;
+  };
+  for (unsigned spins = 1;; ++spins) {
+    bool moved;
+    {
+      std::lock_guard lk(mu_);
+      moved = progress_locked();
+    }
+    if (done()) return;
+    if (moved) continue;
+    if (spinning && spins % kClockEvery != 0 && (spin_end == Clock::time_point{} || now < spin_end)) {
+      cpu_relax();
+      continue;
+    }
+    now = Clock::now();
+    if (spin_end == Clock::time_point{}) {
+      start = now;
+      spin_end = now + std::chrono::nanoseconds(spin_budget_ns_.load(std::memory_order_relaxed));
+    }
+    maybe_check_peers(now);
+    if (done()) return;
+    if (now >= deadline) {
+      std::string pending;
+      for (const auto& op : ops) {
+        if (!is_done(op)) pending += (pending.empty() ? "" : "; ") + op->what();
+      }
+      std::lock_guard lk(mu_);
+      for (size_t p = 0; p < held_bytes_.size(); ++p) {
+        if (held_bytes_[p] != 0) {
+          pending += "; a message of " + std::to_string(held_bytes_[p]) + " bytes from rank " + std::to_string(p) +
+                     " waits in its ring for its recv (early messages already hold " +
+                     std::to_string(unexpected_bytes_) + " bytes of ShmOptions::max_unexpected_bytes = " +
+                     std::to_string(options_.max_unexpected_bytes) + ")";
+        }
+      }
+      auto error = make_error<TimeoutError>("segment '" + name_ + "', rank " + std::to_string(rank_) +
+                                            ": timed out waiting for " + pending);
+      for (const auto& op : ops) withdraw(op, error);
+      std::rethrow_exception(error);
+    }
+    if (now < spin_end) {
+      if (spins % kYieldEvery == 0) sched_yield();
+      continue;
+    }
+    const auto next_check = from_ticks(next_peer_check_.load(std::memory_order_relaxed));
+    sleep_until_event(std::min({deadline, std::max(next_check, now), now + std::chrono::milliseconds(100)}));
+  }
+}
+
+// Adapts the spin budget to how long waits take: a wait that ended within ShmOptions::spin would
+// have been served by spinning, so the budget doubles (up to ShmOptions::spin); one that took more
+// than 4 times as long means spinning burnt a core that a peer may have needed (more ranks than
+// cores: a data loader's workers), so it halves, down to 1 us. Waits in between leave it alone
+// (a transfer of 100 leaves takes ~2x the spin: spinning still saves its wake-ups). Ping-pong
+// keeps the full budget; a receiver that waits milliseconds for its producers sleeps almost at once.
+void ShmEngine::note_wait(Clock::duration elapsed) noexcept {
+  constexpr int64_t kMinSpinNs = 1000;
+  const int64_t max = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.spin).count();
+  int64_t b = spin_budget_ns_.load(std::memory_order_relaxed);
+  if (elapsed <= options_.spin) {
+    b = std::min(max, std::max(b * 2, kMinSpinNs));
+  } else if (elapsed > 4 * options_.spin) {
+    b = std::max(kMinSpinNs, b / 2);
+  }
+  spin_budget_ns_.store(std::min(b, max), std::memory_order_relaxed);
+}
+
+void ShmEngine::watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done) {
+  const bool done = std::all_of(ops.begin(), ops.end(), is_done);
+  if (done) {
+    on_done();
+    return;
+  }
+  {
+    std::lock_guard lk(watch_mu_);
+    watches_.push_back({std::move(ops), std::move(on_done)});
+    if (!background_.joinable() && !stopping_) background_ = std::thread(background_loop, weak_from_this());
+  }
+  watch_cv_.notify_all();
+}
+
+// The helper thread holds the engine only while it works on it, so that the engine can be
+// destroyed (by a callback, even) while the thread runs.
+void ShmEngine::background_loop(std::weak_ptr<ShmEngine> weak) {
+  for (;;) {
+    auto self = weak.lock();
+    if (!self || !self->background_step()) return;
+  }
+}
+
+// One round of the helper thread; false once it should end. Nothing escapes it.
+bool ShmEngine::background_step() {
+  std::vector<Watch> ready;
+  bool stop = false;
+  {
+    std::unique_lock lk(watch_mu_);
+    watch_cv_.wait(lk, [&] { return stopping_ || !watches_.empty(); });
+    if (stopping_) {
+      stop = true;
+      ready = std::move(watches_);  // fail-fast: their ops were finished with errors or will be
+      watches_.clear();
+    }
+  }
+  auto run = [&](std::vector<Watch>& list) {
+    for (auto& w : list) {
+      try {
+        w.on_done();
+      } catch (const std::exception& e) {
+        log().error("segment '{}': a future's completion callback threw: {}", name_, e.what());
+      } catch (...) {
+        log().error("segment '{}': a future's completion callback threw", name_);
+      }
+    }
+  };
+  if (stop) {  // also when no watch is left: shutdown() joins this thread
+    run(ready);
+    return false;
+  }
+  try {
+    {
+      std::lock_guard lk(mu_);
+      progress_locked();
+    }
+    maybe_check_peers(Clock::now());
+  } catch (const std::exception& e) {
+    log().error("segment '{}': progress on the helper thread failed: {}", name_, e.what());
+  }
+  {
+    std::lock_guard lk(watch_mu_);
+    auto it = std::partition(watches_.begin(), watches_.end(), [](const Watch& w) {
+      return !std::all_of(w.ops.begin(), w.ops.end(), is_done);
+    });
+    std::move(it, watches_.end(), std::back_inserter(ready));
+    watches_.erase(it, watches_.end());
+  }
+  run(ready);
+  if (ready.empty()) {
+    try {
+      sleep_until_event(Clock::now() + std::chrono::milliseconds(1));
+    } catch (...) {
+    }
+  }
+  return true;
+}
+
+}  // namespace tdshm::detail
