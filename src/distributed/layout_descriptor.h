@@ -38,6 +38,7 @@
 
 #include "common/format.h"
 #include "common/hash.h"
+#include "tensordict/impl.h"
 
 namespace tdshm::detail {
 
@@ -56,12 +57,7 @@ inline constexpr int64_t kMaxLeafBytes = int64_t{1} << 40;
 /// number of parts, then each part's byte length and bytes (lengths as 8 little-endian bytes, so
 /// ("a", "b") differs from ("ab") and from "a.b"), followed by a 64-bit mixing step. Pinned by
 /// TransferLayout.KeyHashIsPinned.
-inline uint64_t key_hash(const Key& key) {
-  detail::StableHasher h;
-  h.u64(key.size());
-  for (const std::string& part : key.parts()) h.str(part);
-  return h.finish();
-}
+inline uint64_t key_hash(const Key& key) { return key_path_hash(key); }
 
 /// The descriptor of leaves `tensors` with keys `keys` (same length, sorted_leaf_keys() order).
 inline std::vector<int64_t> describe_leaves(const std::vector<Key>& keys, const std::vector<at::Tensor>& tensors) {

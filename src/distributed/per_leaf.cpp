@@ -33,18 +33,20 @@ namespace {
 // Per-leaf transfers
 
 struct Leaves {
-  std::vector<Key> keys;
+  std::shared_ptr<const SortedLeaves> sorted;  // keys and key hashes, cached by the tensordict
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> tags;
+  const std::vector<Key>& keys() const noexcept { return sorted->keys; }
 };
 
 /// The leaves of `td` and their tags; the leaves themselves are checked by the caller (a sender
 /// with check_leaf, a receiver with check_receive_target).
 Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
   Leaves l;
-  l.keys = td.sorted_leaf_keys();
-  for (const auto& k : l.keys) l.tensors.push_back(td.get(k));
-  l.tags = transfer_tags(init_tag, l.keys.size(), pseudo_rand);
+  l.sorted = sorted_leaves(td);
+  l.tensors.reserve(l.keys().size());
+  for (const auto& k : l.keys()) l.tensors.push_back(td.get(k));
+  l.tags = transfer_tags(init_tag, l.keys().size(), pseudo_rand);
   for (int64_t t : l.tags) c10d_tag(t);
   return l;
 }
@@ -52,11 +54,11 @@ Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
 /// A shm batch's tags and key checks, leaf by leaf.
 std::pair<std::vector<int>, std::vector<MessageCheck>> batch_tags_and_checks(const Leaves& l) {
   std::pair<std::vector<int>, std::vector<MessageCheck>> out;
-  out.first.reserve(l.keys.size());
-  out.second.reserve(l.keys.size());
-  for (size_t i = 0; i < l.keys.size(); ++i) {
+  out.first.reserve(l.keys().size());
+  out.second.reserve(l.keys().size());
+  for (size_t i = 0; i < l.keys().size(); ++i) {
     out.first.push_back(static_cast<int>(l.tags[i]));  // checked by collect (c10d_tag)
-    out.second.push_back(key_check(l.keys[i], l.keys.size()));
+    out.second.push_back(key_check_of_hash(l.sorted->key_hashes[i], l.keys().size()));
   }
   return out;
 }
@@ -145,7 +147,7 @@ Stage per_leaf_check(const PerLeafRecv& r, const int64_t* desc, int64_t words) {
   const std::vector<detail::LeafLayout> theirs = detail::parse_descriptor(desc, words);
   std::exception_ptr error = r.refusal;
   if (!error) {
-    const std::string problem = detail::layout_problem(theirs, r.leaves->keys, r.leaves->tensors);
+    const std::string problem = detail::layout_problem(theirs, r.leaves->keys(), r.leaves->tensors);
     if (problem.empty()) {
       Stage s;
       for (size_t i = 0; i < r.targets.size(); ++i) {
@@ -174,13 +176,13 @@ Stage per_leaf_after_header(const std::shared_ptr<const PerLeafRecv>& r) {
 Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o) {
   Transfer out;
   const Leaves l = collect(td, o.init_tag, o.pseudo_rand);
-  for (size_t i = 0; i < l.keys.size(); ++i) {
-    check_leaf(l.tensors[i], [&] { return "key " + l.keys[i].str(); });
+  for (size_t i = 0; i < l.keys().size(); ++i) {
+    check_leaf(l.tensors[i], [&] { return "key " + l.keys()[i].str(); });
   }
   std::vector<WorkPtr> descriptor;
   if (p.group.checked_wire_with(p.rank)) {
     const int tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
-    std::vector<int64_t> desc = describe_leaves(l.keys, l.tensors);
+    std::vector<int64_t> desc = describe_leaves(l.keys(), l.tensors);
     const bool long_desc = static_cast<int64_t>(desc.size()) > kInlineWords;
     descriptor.push_back(send_one(p.group, descriptor_header(desc), p.rank, tag));
     if (long_desc) descriptor.push_back(send_one(p.group, int64_tensor(std::move(desc)), p.rank, tag));
@@ -195,7 +197,7 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
       try {
         batch->wait();
       } catch (...) {
-        wait_keyed(shm_batch_messages(*batch), l.keys, "send of key ");  // names the leaf
+        wait_keyed(shm_batch_messages(*batch), l.keys(), "send of key ");  // names the leaf
         throw;
       }
     }
@@ -203,26 +205,26 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
     return out;
   }
   std::vector<WorkPtr> sends;
-  for (size_t i = 0; i < l.keys.size(); ++i) {
+  for (size_t i = 0; i < l.keys().size(); ++i) {
     // Over shm a strided leaf is packed by the transport; other backends want contiguous bytes.
     at::Tensor t = shm || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
     sends.push_back(send_one(p.group, t, p.rank, static_cast<int>(l.tags[i]),
-                             shm ? key_check(l.keys[i], l.keys.size()) : MessageCheck{}));
+                             shm ? key_check(l.keys()[i], l.keys().size()) : MessageCheck{}));
   }
   if (o.return_early) {
-    if (l.keys.empty()) wait_all(descriptor);
+    if (l.keys().empty()) wait_all(descriptor);
     out.has_works = true;
-    for (size_t i = 0; i < l.keys.size(); ++i) {
+    for (size_t i = 0; i < l.keys().size(); ++i) {
       std::vector<WorkPtr> inner = i == 0 ? std::move(descriptor) : std::vector<WorkPtr>{};
       inner.push_back(std::move(sends[i]));
-      out.works.push_back(c10::make_intrusive<TransferWork>("send of key " + l.keys[i].str() + ": ", std::move(inner),
+      out.works.push_back(c10::make_intrusive<TransferWork>("send of key " + l.keys()[i].str() + ": ", std::move(inner),
                                                             c10d::OpType::SEND));
     }
     return out;
   }
   // Waited here: no user-facing Work per leaf.
   wait_all(descriptor);
-  wait_keyed(sends, l.keys, "send of key ");
+  wait_keyed(sends, l.keys(), "send of key ");
   out.last_tag = l.tags.empty() ? o.init_tag - 1 : l.tags.back();
   return out;
 }
@@ -234,8 +236,8 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
   // sender's messages, so the next transfer on the pair is in step.
   std::exception_ptr refusal;
   try {
-    for (size_t i = 0; i < l.keys.size(); ++i) {
-      check_receive_target(l.tensors[i], [&] { return "key " + l.keys[i].str(); });
+    for (size_t i = 0; i < l.keys().size(); ++i) {
+      check_receive_target(l.tensors[i], [&] { return "key " + l.keys()[i].str(); });
     }
   } catch (...) {
     refusal = std::current_exception();
@@ -272,7 +274,7 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
     // shaped like this receiver's own (over shm a message of another size is dropped all the same).
     Stage drain;
     drain.error = refusal;
-    for (size_t i = 0; i < l.keys.size(); ++i) {
+    for (size_t i = 0; i < l.keys().size(); ++i) {
       drain.pending.push_back(recv_one(p.group, at::empty(l.tensors[i].sizes(), at::TensorOptions().dtype(l.tensors[i].scalar_type())),
                                        p.rank, static_cast<int>(l.tags[i])));
     }
@@ -293,7 +295,7 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
     }
     recvs = shm_batch_messages(*batch);
   } else {
-    for (size_t i = 0; i < l.keys.size(); ++i) {
+    for (size_t i = 0; i < l.keys().size(); ++i) {
       recvs.push_back(recv_one(p.group, targets[i], p.rank, static_cast<int>(l.tags[i]), MessageCheck{}));
     }
   }
@@ -323,25 +325,25 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
                                                                std::function<void()>{}, on_failure(i)));
       }
     }
-    wait_keyed(leaf_works, l.keys, "recv of key ");
+    wait_keyed(leaf_works, l.keys(), "recv of key ");
     for (size_t i = 0; i < targets.size(); ++i) {
       if (!targets[i].is_same(l.tensors[i])) l.tensors[i].copy_(targets[i]);
     }
     return out;
   }
   out.has_works = true;
-  for (size_t i = 0; i < l.keys.size(); ++i) {
+  for (size_t i = 0; i < l.keys().size(); ++i) {
     std::function<void()> copy_back;
     if (!targets[i].is_same(l.tensors[i])) {
       copy_back = [leaf = l.tensors[i], target = targets[i]]() mutable { leaf.copy_(target); };
     }
-    std::string context = "recv of key " + l.keys[i].str() + ": ";
+    std::string context = "recv of key " + l.keys()[i].str() + ": ";
     out.works.push_back(deferred ? c10::make_intrusive<TransferWork>(std::move(context), deferred, i, c10d::OpType::RECV,
                                                                      std::move(copy_back))
                                  : c10::make_intrusive<TransferWork>(std::move(context), std::vector<WorkPtr>{recvs[i]},
                                                                      c10d::OpType::RECV, std::move(copy_back), on_failure(i)));
   }
-  if (l.keys.empty() && deferred) wait_last(*deferred);  // the descriptor is consumed (and checked) all the same
+  if (l.keys().empty() && deferred) wait_last(*deferred);  // the descriptor is consumed (and checked) all the same
   return out;
 }
 

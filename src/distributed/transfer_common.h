@@ -310,6 +310,8 @@ inline uint32_t fold32(uint64_t h) noexcept { return static_cast<uint32_t>(h ^ (
 /// The MessageCheck of a leaf with key `k` in a transfer of `leaves` leaves (shm only; the same
 /// in every process and build; a count past 65535 is sent as unknown).
 MessageCheck key_check(const Key& k, size_t leaves);
+/// The same from the key's key_hash (SortedLeaves::key_hashes).
+MessageCheck key_check_of_hash(uint64_t hash, size_t leaves) noexcept;
 /// The MessageCheck of a consolidated storage with schema fingerprint `fingerprint`.
 inline MessageCheck schema_check(uint64_t fingerprint) noexcept {
   return {MessageCheck::Kind::kSchema, fold32(fingerprint)};

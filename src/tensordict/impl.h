@@ -5,13 +5,50 @@
 #include <tdshm/tensordict.h>
 
 #include "common/format.h"
+#include "common/hash.h"
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace tdshm::detail {
+
+/// Bumped by every change to the keys of any tensordict in this process (an entry added or
+/// removed, or replaced by a value of another kind): a cached sorted_leaves() is valid while
+/// the epoch it was computed at is current. Global because a nested tensordict can be changed
+/// through a handle of its own, which its parents never hear of.
+inline std::atomic<uint64_t> keys_epoch{1};
+inline void keys_changed() noexcept { keys_epoch.fetch_add(1, std::memory_order_acq_rel); }
+
+/// A 64-bit hash of a key's full path, the same in every process and build: FNV-1a over the
+/// number of parts, then each part's byte length and bytes, then a mixing step (common/hash.h).
+inline uint64_t key_path_hash(const Key& key) {
+  StableHasher h;
+  h.u64(key.size());
+  for (const std::string& part : key.parts()) h.str(part);
+  return h.finish();
+}
+
+/// A tensordict's tensor leaves in transfer order (sorted_leaf_keys()) and their key hashes,
+/// computed once per keys_epoch: repeated transfers of an unchanged tree reuse them.
+struct SortedLeaves {
+  uint64_t epoch = 0;
+  std::vector<Key> keys;
+  std::vector<uint64_t> key_hashes;  // key_path_hash of each key
+};
+
+/// The cache slot in TensorDictImpl: atomic, since several threads may transfer one tensordict.
+struct SortedLeavesSlot {
+  std::atomic<std::shared_ptr<const SortedLeaves>> value;
+  SortedLeavesSlot() = default;
+  SortedLeavesSlot(const SortedLeavesSlot& o) : value(o.value.load()) {}
+  SortedLeavesSlot& operator=(const SortedLeavesSlot& o) {
+    value.store(o.value.load());
+    return *this;
+  }
+};
 
 /// The storage and schema of a consolidated tensordict (held by its root only).
 struct Consolidation {
@@ -31,6 +68,7 @@ struct TensorDictImpl {
   // tensordict locked through its parent cannot be unlocked on its own.
   std::weak_ptr<const TensorDictImpl> locked_by;
   std::shared_ptr<const Consolidation> consolidation;
+  SortedLeavesSlot sorted_leaves;  // cache of detail::sorted_leaves()
 
   const Value* find(const std::string& key) const {
     auto it = index.find(key);
@@ -43,8 +81,13 @@ struct TensorDictImpl {
   void append(std::string key, Value value) {
     index.emplace(key, entries.size());
     entries.emplace_back(std::move(key), std::move(value));
+    keys_changed();
   }
 };
+
+/// `td`'s leaves in transfer order with their key hashes, from the cache while no tensordict's
+/// keys changed since it was computed.
+std::shared_ptr<const SortedLeaves> sorted_leaves(const TensorDict& td);
 
 
 }  // namespace tdshm::detail

@@ -95,11 +95,14 @@ void replace_entry(TensorDictImpl& node, const std::string& key, Value value) {
   if (it == node.index.end()) {
     node.append(key, std::move(value));
   } else {
-    node.entries[it->second].second = std::move(value);
+    Value& old = node.entries[it->second].second;
+    if (old.is_tensor() != value.is_tensor() || old.is_tensordict() != value.is_tensordict()) detail::keys_changed();
+    old = std::move(value);
   }
 }
 
 void rebuild_index(TensorDictImpl& node) {
+  detail::keys_changed();
   node.index.clear();
   for (size_t i = 0; i < node.entries.size(); ++i) node.index.emplace(node.entries[i].first, i);
 }
@@ -542,10 +545,21 @@ std::vector<std::string> TensorDict::sorted_keys() const {
   return out;
 }
 
-std::vector<Key> TensorDict::sorted_leaf_keys() const {
-  std::vector<Key> out;
-  collect_sorted_leaves(*impl_, nullptr, out);
-  return out;
+std::vector<Key> TensorDict::sorted_leaf_keys() const { return detail::sorted_leaves(*this)->keys; }
+
+std::shared_ptr<const detail::SortedLeaves> detail::sorted_leaves(const TensorDict& td) {
+  // The epoch is read before the keys are: a change made while they are collected leaves a cache
+  // entry that is already stale, never a stale one that looks current.
+  const uint64_t epoch = keys_epoch.load(std::memory_order_acquire);
+  auto& slot = td.impl()->sorted_leaves.value;
+  if (auto cached = slot.load(std::memory_order_acquire); cached && cached->epoch == epoch) return cached;
+  auto fresh = std::make_shared<SortedLeaves>();
+  fresh->epoch = epoch;
+  collect_sorted_leaves(*td.impl(), nullptr, fresh->keys);
+  fresh->key_hashes.reserve(fresh->keys.size());
+  for (const Key& k : fresh->keys) fresh->key_hashes.push_back(key_path_hash(k));
+  slot.store(fresh, std::memory_order_release);
+  return fresh;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -240,6 +240,25 @@ TEST(TensorDictKeys, SortedLeafKeysSortsEveryLevelAndSkipsNonTensors) {
                                                      Key{"a", "b"}, "c"}));
 }
 
+// sorted_leaf_keys() is cached per tensordict until any tensordict's keys change: every kind of
+// change, including one made through a nested tensordict's own handle, is seen at once.
+TEST(TensorDictKeys, SortedLeafKeysFollowsEveryChange) {
+  TensorDict td = seed();
+  EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{"_", Key{"a", "b"}, "c"}));
+  EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{"_", Key{"a", "b"}, "c"}));  // from the cache
+  TensorDict nested = td.get_tensordict("a");
+  nested.set("0", at::zeros({2}));  // through the child's own handle
+  EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{"_", Key{"a", "0"}, Key{"a", "b"}, "c"}));
+  td.erase("c");
+  EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{"_", Key{"a", "0"}, Key{"a", "b"}}));
+  td.set("_", TensorDict({{"x", at::zeros({2})}}, Shape{2}));  // a leaf replaced by a tensordict
+  EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{Key{"_", "x"}, Key{"a", "0"}, Key{"a", "b"}}));
+  td.set({"_", "x"}, "now a string");  // a leaf replaced by a non-tensor
+  EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{Key{"a", "0"}, Key{"a", "b"}}));
+  td.set({"a", "b"}, at::ones({2}));  // a tensor replaced by a tensor: same keys
+  EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{Key{"a", "0"}, Key{"a", "b"}}));
+}
+
 TEST(TensorDictAccess, ContainsPlainAndNested) {
   TensorDict td = seed();
   EXPECT_TRUE(td.contains("a"));
