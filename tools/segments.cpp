@@ -11,6 +11,7 @@
 
 #include <tdshm/errors.h>
 
+#include "common/json.h"
 #include "shm/inspect.h"
 
 #include <algorithm>
@@ -110,26 +111,9 @@ std::string status_text(const SegmentInfo& info) {
 // ---------------------------------------------------------------------------------------------
 // JSON (hand-written: a few flat objects)
 
-std::string json_str(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20 || c >= 0x7f) {  // control characters, and bytes of names that need not be UTF-8
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out + "\"";
-}
+
+// Names need not be UTF-8: bytes from 0x7f up are escaped too.
+std::string json_str(const std::string& s) { return detail::json_quote(s, /*ascii_only=*/true); }
 
 /// Builds one JSON object: add() in order, then str().
 class JsonObject {

@@ -23,6 +23,8 @@
 
 #include "stress.h"
 
+#include "common/json.h"
+
 #include <tdshm/distributed.h>
 #include <tdshm/errors.h>
 #include <tdshm/process_group.h>
@@ -69,6 +71,7 @@ namespace tdshm::tools {
 namespace {
 
 using namespace std::chrono_literals;
+using detail::json_quote;
 
 int64_t now_ns() {
   timespec ts{};
@@ -892,26 +895,6 @@ void remove_logs(const Driver& d, const std::string& name) {
 // ---------------------------------------------------------------------------------------------
 // JSON (one object per line)
 
-std::string json_str(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
 
 std::string json_num(double v) {
   char buf[32];
@@ -1164,22 +1147,22 @@ Trial run_trial(const Driver& d, const Scenario& s, int index, bool calibration,
 }
 
 std::string trial_json(const Trial& t) {
-  std::string j = "{\"kind\":\"trial\",\"scenario\":" + json_str(t.scenario->name) +
+  std::string j = "{\"kind\":\"trial\",\"scenario\":" + json_quote(t.scenario->name) +
                   ",\"trial\":" + std::to_string(t.index) + ",\"calibration\":" + (t.calibration ? "true" : "false") +
-                  ",\"name\":" + json_str(t.name) + ",\"victim\":" + std::to_string(t.victim) +
+                  ",\"name\":" + json_quote(t.name) + ",\"victim\":" + std::to_string(t.victim) +
                   ",\"window_ms\":" + json_num(t.window_ms) + ",\"delay_ms\":" + json_num(t.delay_ms) +
                   ",\"victim_exited_first\":" + (t.victim_gone_first ? "true" : "false") +
-                  ",\"setup_error\":" + json_str(t.setup_error) + ",\"survivors\":[";
+                  ",\"setup_error\":" + json_quote(t.setup_error) + ",\"survivors\":[";
   for (size_t i = 0; i < t.survivors.size(); ++i) {
     const Survivor& s = t.survivors[i];
     j += std::string(i ? "," : "") + "{\"rank\":" + std::to_string(s.rank) + ",\"outcome\":" +
-         json_str(outcome_name(s.outcome)) + ",\"latency_ms\":" + json_num(s.latency_ms) +
-         ",\"type\":" + json_str(s.type) + ",\"text\":" + json_str(s.text) + "}";
+         json_quote(outcome_name(s.outcome)) + ",\"latency_ms\":" + json_num(s.latency_ms) +
+         ",\"type\":" + json_quote(s.type) + ",\"text\":" + json_quote(s.text) + "}";
   }
   j += "],\"recovery_ok\":" + std::string(t.recovery_ok ? "true" : "false") +
-       ",\"recovery_error\":" + json_str(t.recovery_error) +
-       ",\"leaked_after_recovery\":" + json_str(join(t.leaked_after_recovery)) +
-       ",\"leaked_final\":" + json_str(join(t.leaked_final)) + ",\"cleanup_error\":" + json_str(t.cleanup_error) +
+       ",\"recovery_error\":" + json_quote(t.recovery_error) +
+       ",\"leaked_after_recovery\":" + json_quote(join(t.leaked_after_recovery)) +
+       ",\"leaked_final\":" + json_quote(join(t.leaked_final)) + ",\"cleanup_error\":" + json_quote(t.cleanup_error) +
        ",\"failed\":" + (t.failed() ? "true" : "false") + "}";
   return j;
 }
@@ -1316,7 +1299,7 @@ void print_stats_header() {
 }
 
 std::string stats_json(const char* scenario, const Stats& st) {
-  return std::string("{\"kind\":\"summary\",\"scenario\":") + json_str(scenario) +
+  return std::string("{\"kind\":\"summary\",\"scenario\":") + json_quote(scenario) +
          ",\"trials\":" + std::to_string(st.trials) + ",\"kills_after_end\":" + std::to_string(st.kills_after_end) +
          ",\"survivors\":" + std::to_string(st.survivors) + ",\"completed\":" + std::to_string(st.completed) +
          ",\"peer_lost\":" + std::to_string(st.peer_lost) + ",\"peer_lost_within_1s\":" +
@@ -1680,7 +1663,7 @@ int run_driver(const Options& o) {
         json << "{\"kind\":\"recreate\",\"ranks\":" << r.world << ",\"cycles\":" << r.cycles
              << ",\"min_cycles_ok\":" << r.min_cycles_ok << ",\"wrong\":" << r.wrong << ",\"timeouts\":" << r.timeouts
              << ",\"errors\":" << r.errors << ",\"hangs\":" << r.hangs << ",\"crashes\":" << r.crashes
-             << ",\"leaked\":" << json_str(join(r.leaked)) << ",\"seconds\":" << json_num(r.seconds)
+             << ",\"leaked\":" << json_quote(join(r.leaked)) << ",\"seconds\":" << json_num(r.seconds)
              << ",\"failures\":" << r.failures() << "}\n";
       }
       failures += r.failures();

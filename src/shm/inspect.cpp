@@ -3,6 +3,8 @@
 
 #include "shm/inspect.h"
 
+#include "common/fd.h"
+
 #include <tdshm/errors.h>
 #include <tdshm/process_group.h>
 
@@ -72,21 +74,7 @@ size_t read_at(int fd, void* buf, size_t len, uint64_t offset) noexcept {
   return done;
 }
 
-/// Closes a descriptor at scope exit.
-class Fd {
- public:
-  explicit Fd(int fd = -1) noexcept : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const noexcept { return fd_; }
-  explicit operator bool() const noexcept { return fd_ >= 0; }
-
- private:
-  int fd_;
-};
+using detail::Fd;
 
 bool valid_name(const std::string& name) {
   if (name.empty() || name.size() > 200) return false;

@@ -37,6 +37,8 @@
 
 #include "shm/segment.h"
 
+#include "common/fd.h"
+
 #include <tdshm/errors.h>
 #include <tdshm/process_group.h>
 
@@ -126,21 +128,7 @@ uint64_t read_start_time(uint32_t pid) {
   return 0;
 }
 
-/// Closes a descriptor at scope exit.
-class Fd {
- public:
-  explicit Fd(int fd = -1) noexcept : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const noexcept { return fd_; }
-  explicit operator bool() const noexcept { return fd_ >= 0; }
-
- private:
-  int fd_;
-};
+using detail::Fd;
 
 std::string uid_str(uid_t uid) { return std::to_string(static_cast<unsigned long>(uid)); }
 
