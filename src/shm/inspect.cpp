@@ -24,6 +24,7 @@
 #include <ctime>
 #include <new>
 #include <set>
+#include <span>
 #include <tuple>
 
 namespace tdshm::shm {
@@ -409,6 +410,126 @@ bool starts_with_segment_magic(const std::string& path) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The steps that layout versions 4 and 5 share, each parameterized by the version's offsets and
+// sizes (written out in the version's namespace below).
+
+constexpr uint64_t round_up_to(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
+
+std::string to_s(uint64_t v) { return std::to_string(v); }
+
+/// Where a version's header keeps the ring parameters and offsets (beyond the shared prefix).
+struct RingHeaderAt {
+  size_t ring_entries, slot_bytes, rank_table, rings, ring_bytes, entry_bytes;
+};
+
+/// Those values, read from the local copy of the header.
+struct RingHeader {
+  uint32_t ring_entries;
+  uint64_t slot_bytes, rank_table, rings, ring_bytes, entry_bytes;
+};
+
+RingHeader load_ring_header(const uint8_t* header, const RingHeaderAt& at) {
+  return {load<uint32_t>(header + at.ring_entries), load<uint64_t>(header + at.slot_bytes),
+          load<uint64_t>(header + at.rank_table), load<uint64_t>(header + at.rings),
+          load<uint64_t>(header + at.ring_bytes), load<uint64_t>(header + at.entry_bytes)};
+}
+
+/// A version's rank slot: its size and where it keeps its futex counters.
+struct RankSlotAt {
+  uint64_t slot_bytes;
+  size_t wake_seq, sleepers;
+};
+
+/// Starts a version's details: d.layout_version = version; false, with d.note saying why, when the
+/// header read is shorter than the version's header_bytes.
+bool header_long_enough(uint32_t version, size_t header_len, uint64_t header_bytes, LayoutDetails& d) {
+  d.layout_version = version;
+  if (header_len < header_bytes) {
+    d.note = "the file is shorter than a version " + to_s(version) + " header";
+    return false;
+  }
+  return true;
+}
+
+/// Once a version's geometry checks out: the details are available, with the rank table's place
+/// and the rank slots' futex counters (none when the table cannot be read whole). Returns whether
+/// the rings are to be read as well (options.max_pairs != 0).
+bool read_rank_table(int fd, uint64_t file_bytes, uint64_t rank_table, uint32_t world, const RankSlotAt& at,
+                     const InspectOptions& options, LayoutDetails& d) {
+  d.available = true;
+  d.rank_table_offset = rank_table;
+  std::vector<uint8_t> table(static_cast<size_t>(at.slot_bytes * world));
+  if (rank_table + table.size() <= file_bytes && read_at(fd, table.data(), table.size(), rank_table) == table.size()) {
+    for (uint32_t r = 0; r < world; ++r) {
+      const uint8_t* slot = table.data() + uint64_t{r} * at.slot_bytes;
+      d.counters.push_back({r, load<uint32_t>(slot + at.wake_seq), load<uint32_t>(slot + at.sleepers)});
+    }
+  }
+  return options.max_pairs != 0;
+}
+
+/// The note when there are more ring pairs than options.max_pairs (none are read then).
+std::string too_many_pairs_note(uint64_t pairs, uint64_t max_pairs) {
+  return to_s(pairs) + " ring pairs: more than " + to_s(max_pairs) + ", not read";
+}
+
+/// The note when options.max_entries ran out before every pair's entries were read.
+std::string entries_budget_note(uint64_t max_entries) {
+  return "more than " + to_s(max_entries) + " entries in flight: bytes partial";
+}
+
+/// For each ordered pair (src, dst) of `world` ranks, by src then dst: read_pair(p, base) with
+/// p.src and p.dst set and base the offset of the pair's ring (`rings` + its index * `ring_bytes`);
+/// then p goes to d.pairs.
+template <class ReadPair>
+void for_each_pair(uint32_t world, uint64_t rings, uint64_t ring_bytes, LayoutDetails& d, ReadPair read_pair) {
+  for (uint32_t src = 0; src < world; ++src) {
+    for (uint32_t dst = 0; dst < world; ++dst) {
+      PairInfo p;
+      p.src = src;
+      p.dst = dst;
+      read_pair(p, rings + (uint64_t{src} * world + dst) * ring_bytes);
+      d.pairs.push_back(p);
+    }
+  }
+}
+
+/// What is left of options.max_entries across all pairs, and whether it ran out.
+struct EntryBudget {
+  uint64_t left;
+  bool ran_out = false;
+};
+
+/// A version's ring: where its entries start after the ring control, their number and size.
+struct EntriesAt {
+  uint64_t ring_control_bytes;
+  uint32_t ring_entries;
+  uint64_t entry_bytes;
+};
+
+/// Reads the entry header (entry.size() bytes) of each position from p.tail to p.head of the ring
+/// at `base`, one of the budget each, and calls visit(pos, header). Stops when the budget runs out
+/// (p.note says so) or at an entry beyond the end of the file (p.note = beyond_end_note, if any).
+template <class Visit>
+void read_entries(int fd, uint64_t file_bytes, uint64_t base, const EntriesAt& at, std::span<uint8_t> entry,
+                  const char* beyond_end_note, EntryBudget& budget, PairInfo& p, Visit visit) {
+  for (uint64_t pos = p.tail; pos < p.head; ++pos) {
+    if (budget.left == 0) {
+      budget.ran_out = true;
+      p.note = "entries not all read (limit)";
+      break;
+    }
+    --budget.left;
+    const uint64_t entry_at = base + at.ring_control_bytes + (pos % at.ring_entries) * at.entry_bytes;
+    if (entry_at + entry.size() > file_bytes || read_at(fd, entry.data(), entry.size(), entry_at) != entry.size()) {
+      if (beyond_end_note != nullptr) p.note = beyond_end_note;
+      break;
+    }
+    visit(pos, static_cast<const uint8_t*>(entry.data()));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Layout version 4: per-pair rings of whole entries (EntryHeader, payload slot, shape). These
 // constants are version 4's bytes, written out here so that this reader keeps reading version 4
 // segments after segment_layout.h has moved on.
@@ -441,22 +562,12 @@ constexpr uint64_t kShapeBytes = 64;
 constexpr uint32_t kMaxRingEntries = 1u << 20;
 constexpr uint64_t kMaxSlotBytes = uint64_t{1} << 30;
 
-constexpr uint64_t round_up_to(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
-
 LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len, uint32_t world,
                    const InspectOptions& options) {
   LayoutDetails d;
-  d.layout_version = kVersion;
-  if (header_len < kHeaderBytes) {
-    d.note = "the file is shorter than a version 4 header";
-    return d;
-  }
-  const uint32_t ring_entries = load<uint32_t>(header + kRingEntriesAt);
-  const uint64_t slot_bytes = load<uint64_t>(header + kSlotBytesAt);
-  const uint64_t rank_table = load<uint64_t>(header + kRankTableAt);
-  const uint64_t rings = load<uint64_t>(header + kRingsAt);
-  const uint64_t ring_bytes = load<uint64_t>(header + kRingBytesAt);
-  const uint64_t entry_bytes = load<uint64_t>(header + kEntryBytesAt);
+  if (!header_long_enough(kVersion, header_len, kHeaderBytes, d)) return d;
+  const auto [ring_entries, slot_bytes, rank_table, rings, ring_bytes, entry_bytes] =
+      load_ring_header(header, {kRingEntriesAt, kSlotBytesAt, kRankTableAt, kRingsAt, kRingBytesAt, kEntryBytesAt});
   d.geometry = {{"ring_entries", ring_entries}, {"slot_bytes", slot_bytes},   {"entry_bytes", entry_bytes},
                 {"ring_bytes", ring_bytes},     {"rank_table_offset", rank_table}, {"rings_offset", rings}};
   // Version 4's geometry (segment_geometry of that version), recomputed from the three
@@ -477,69 +588,43 @@ LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t he
     d.note = "version 4 offsets and sizes disagree with world size, slot bytes and ring entries";
     return d;
   }
-  d.available = true;
-  d.rank_table_offset = rank_table;
 
-  // The rank slots' futex counters.
-  std::vector<uint8_t> table(static_cast<size_t>(kRankSlotBytes * world));
-  if (rank_table + table.size() <= file_bytes && read_at(fd, table.data(), table.size(), rank_table) == table.size()) {
-    for (uint32_t r = 0; r < world; ++r) {
-      const uint8_t* slot = table.data() + uint64_t{r} * kRankSlotBytes;
-      d.counters.push_back({r, load<uint32_t>(slot + kWakeSeqAt), load<uint32_t>(slot + kSleepersAt)});
-    }
+  if (!read_rank_table(fd, file_bytes, rank_table, world, {kRankSlotBytes, kWakeSeqAt, kSleepersAt}, options, d)) {
+    return d;  // the rank table's place only
   }
-
-  if (options.max_pairs == 0) return d;  // the rank table's place only
   if (pairs > options.max_pairs) {
-    d.note = std::to_string(pairs) + " ring pairs: more than " + std::to_string(options.max_pairs) + ", not read";
+    d.note = too_many_pairs_note(pairs, options.max_pairs);
     return d;
   }
-  uint64_t entries_budget = options.max_entries;
-  bool budget_note = false;
-  std::vector<uint8_t> entry(kEntryHeaderBytes);
-  for (uint32_t src = 0; src < world; ++src) {
-    for (uint32_t dst = 0; dst < world; ++dst) {
-      PairInfo p;
-      p.src = src;
-      p.dst = dst;
-      const uint64_t base = rings + (uint64_t{src} * world + dst) * ring_bytes;
-      // Tail first, then head: both only grow and tail <= head, so head read after tail is >= it
-      // unless the file is corrupt.
-      uint64_t tail = 0, head = 0;
-      if (base + kRingControlBytes > file_bytes || read_at(fd, &tail, sizeof tail, base + kTailAt) != sizeof tail ||
-          read_at(fd, &head, sizeof head, base + kHeadAt) != sizeof head) {
-        p.note = "beyond the end of the file";
-        d.pairs.push_back(p);
-        continue;
-      }
-      p.head = head;
-      p.tail = tail;
-      if (head < tail || head - tail > ring_entries) {
-        p.inconsistent = true;
-        p.note = "inconsistent: head " + std::to_string(head) + " and tail " + std::to_string(tail) +
-                 " disagree (a ring holds at most " + std::to_string(ring_entries) + " entries)";
-        d.pairs.push_back(p);
-        continue;
-      }
-      p.depth = head - tail;
-      for (uint64_t pos = tail; pos < head; ++pos) {
-        if (entries_budget == 0) {
-          budget_note = true;
-          p.note = "entries not all read (limit)";
-          break;
-        }
-        --entries_budget;
-        const uint64_t at = base + kRingControlBytes + (pos % ring_entries) * entry_bytes;
-        if (at + kEntryHeaderBytes > file_bytes || read_at(fd, entry.data(), entry.size(), at) != entry.size()) break;
-        if (load<uint64_t>(entry.data() + kSeqAt) != pos + 1) continue;  // being written, or taken meanwhile
-        const uint32_t chunk = load<uint32_t>(entry.data() + kChunkBytesAt);
-        if (chunk <= slot_bytes) p.bytes_in_flight += chunk;
-        if (load<uint32_t>(entry.data() + kFlagsAt) & kFirstFlag) ++p.messages;
-      }
-      d.pairs.push_back(p);
+  EntryBudget budget{options.max_entries};
+  std::array<uint8_t, kEntryHeaderBytes> entry{};
+  const EntriesAt entries_at{kRingControlBytes, ring_entries, entry_bytes};
+  for_each_pair(world, rings, ring_bytes, d, [&](PairInfo& p, uint64_t base) {
+    // Tail first, then head: both only grow and tail <= head, so head read after tail is >= it
+    // unless the file is corrupt.
+    uint64_t tail = 0, head = 0;
+    if (base + kRingControlBytes > file_bytes || read_at(fd, &tail, sizeof tail, base + kTailAt) != sizeof tail ||
+        read_at(fd, &head, sizeof head, base + kHeadAt) != sizeof head) {
+      p.note = "beyond the end of the file";
+      return;
     }
-  }
-  if (budget_note) d.note = "more than " + std::to_string(options.max_entries) + " entries in flight: bytes partial";
+    p.head = head;
+    p.tail = tail;
+    if (head < tail || head - tail > ring_entries) {
+      p.inconsistent = true;
+      p.note = "inconsistent: head " + to_s(head) + " and tail " + to_s(tail) + " disagree (a ring holds at most " +
+               to_s(ring_entries) + " entries)";
+      return;
+    }
+    p.depth = head - tail;
+    read_entries(fd, file_bytes, base, entries_at, entry, nullptr, budget, p, [&](uint64_t pos, const uint8_t* e) {
+      if (load<uint64_t>(e + kSeqAt) != pos + 1) return;  // being written, or taken meanwhile
+      const uint32_t chunk = load<uint32_t>(e + kChunkBytesAt);
+      if (chunk <= slot_bytes) p.bytes_in_flight += chunk;
+      if (load<uint32_t>(e + kFlagsAt) & kFirstFlag) ++p.messages;
+    });
+  });
+  if (budget.ran_out) d.note = entries_budget_note(options.max_entries);
   return d;
 }
 }  // namespace v4
@@ -592,8 +677,6 @@ constexpr uint32_t kMaxSlotsPerRank = 1u << 16;
 constexpr uint32_t kMaxWorldSize = 4096;
 /// Reads of head and tail before a pair whose tail moved meanwhile counts as "in motion".
 constexpr int kIndexReads = 4;
-
-constexpr uint64_t round_up_to(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
 
 struct Geometry {
   uint64_t ring_bytes, rings_offset, slot_table_bytes, slot_stride, region_bytes, arena_offset, segment_bytes;
@@ -655,8 +738,6 @@ constexpr bool same_geometry(uint32_t world, uint64_t slot_bytes, uint32_t entri
 static_assert(kLayoutVersion != 5 || (same_geometry(3, 65536, 64, 64) && same_geometry(9, 100, 5, 3)),
               "version 5 geometry");
 
-std::string to_s(uint64_t v) { return std::to_string(v); }
-
 /// What read_indices found.
 enum class Indices { kStable, kInMotion, kInconsistent, kBeyondEnd };
 
@@ -698,20 +779,12 @@ Indices read_indices(int fd, uint64_t file_bytes, uint64_t base, uint32_t ring_e
 LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len, uint32_t world,
                    const InspectOptions& options) {
   LayoutDetails d;
-  d.layout_version = kVersion;
-  if (header_len < kHeaderBytes) {
-    d.note = "the file is shorter than a version 5 header";
-    return d;
-  }
+  if (!header_long_enough(kVersion, header_len, kHeaderBytes, d)) return d;
   // Each value read once from the local copy of the header.
   const uint64_t segment_bytes = load<uint64_t>(header + kSegmentBytesAt);
   const uint32_t header_bytes = load<uint32_t>(header + kHeaderBytesAt);
-  const uint32_t ring_entries = load<uint32_t>(header + kRingEntriesAt);
-  const uint64_t slot_bytes = load<uint64_t>(header + kSlotBytesAt);
-  const uint64_t rank_table = load<uint64_t>(header + kRankTableAt);
-  const uint64_t rings = load<uint64_t>(header + kRingsAt);
-  const uint64_t ring_bytes = load<uint64_t>(header + kRingBytesAt);
-  const uint64_t entry_bytes = load<uint64_t>(header + kEntryBytesAt);
+  const auto [ring_entries, slot_bytes, rank_table, rings, ring_bytes, entry_bytes] =
+      load_ring_header(header, {kRingEntriesAt, kSlotBytesAt, kRankTableAt, kRingsAt, kRingBytesAt, kEntryBytesAt});
   const uint64_t arena = load<uint64_t>(header + kArenaAt);
   const uint64_t region_bytes = load<uint64_t>(header + kRegionBytesAt);
   const uint32_t slots = load<uint32_t>(header + kSlotsPerRankAt);
@@ -739,86 +812,61 @@ LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t he
     d.note = "version 5 offsets and sizes disagree with world size, slot bytes, ring entries and slots per rank";
     return d;
   }
-  d.available = true;
-  d.rank_table_offset = rank_table;
 
-  // The rank slots' futex counters.
-  std::vector<uint8_t> table(static_cast<size_t>(kRankSlotBytes * world));
-  if (rank_table + table.size() <= file_bytes && read_at(fd, table.data(), table.size(), rank_table) == table.size()) {
-    for (uint32_t r = 0; r < world; ++r) {
-      const uint8_t* slot = table.data() + uint64_t{r} * kRankSlotBytes;
-      d.counters.push_back({r, load<uint32_t>(slot + kWakeSeqAt), load<uint32_t>(slot + kSleepersAt)});
-    }
+  if (!read_rank_table(fd, file_bytes, rank_table, world, {kRankSlotBytes, kWakeSeqAt, kSleepersAt}, options, d)) {
+    return d;  // the rank table's place only
   }
-  if (options.max_pairs == 0) return d;  // the rank table's place only
 
   std::vector<std::string> notes;
   // The rings.
   const uint64_t pairs = uint64_t{world} * world;
   if (pairs > options.max_pairs) {
-    notes.push_back(to_s(pairs) + " ring pairs: more than " + to_s(options.max_pairs) + ", not read");
+    notes.push_back(too_many_pairs_note(pairs, options.max_pairs));
   } else {
-    uint64_t entries_budget = options.max_entries;
-    bool budget_note = false;
+    EntryBudget budget{options.max_entries};
     uint64_t malformed = 0, inconsistent = 0;
     std::array<uint8_t, kEntryHeaderBytes> entry{};
-    for (uint32_t src = 0; src < world; ++src) {
-      for (uint32_t dst = 0; dst < world; ++dst) {
-        PairInfo p;
-        p.src = src;
-        p.dst = dst;
-        const uint64_t base = rings + (uint64_t{src} * world + dst) * ring_bytes;  // < arena: no overflow
-        const Indices indices = read_indices(fd, file_bytes, base, ring_entries, p);
-        if (indices != Indices::kStable) {
-          if (indices == Indices::kBeyondEnd) p.note = "beyond the end of the file";
-          if (indices == Indices::kInconsistent) ++inconsistent;
-          d.pairs.push_back(p);  // its entries are not read: which ones are in the ring is unknown
-          continue;
-        }
-        uint64_t pair_changed = 0, pair_malformed = 0;
-        for (uint64_t pos = p.tail; pos < p.head; ++pos) {
-          if (entries_budget == 0) {
-            budget_note = true;
-            p.note = "entries not all read (limit)";
-            break;
-          }
-          --entries_budget;
-          const uint64_t at = base + kRingControlBytes + (pos % ring_entries) * kEntryBytes;
-          if (at + kEntryHeaderBytes > file_bytes || read_at(fd, entry.data(), entry.size(), at) != entry.size()) {
-            p.note = "entries beyond the end of the file";
-            break;
-          }
-          if (load<uint64_t>(entry.data() + kSeqAt) != pos + 1) {  // taken and reused meanwhile
-            ++pair_changed;
-            continue;
-          }
-          const uint32_t chunk = load<uint32_t>(entry.data() + kChunkBytesAt);
-          const uint32_t flags = load<uint32_t>(entry.data() + kFlagsAt);
-          const uint32_t slot = load<uint32_t>(entry.data() + kSlotAt);
-          const bool well_formed =
-              (flags & kInlineFlag) ? chunk <= kInlineChunkBytes : chunk <= slot_bytes && slot < slots;
-          if (!well_formed) {
-            ++pair_malformed;
-            continue;
-          }
-          p.bytes_in_flight += chunk;
-          if (flags & kFirstFlag) ++p.messages;
-        }
-        if (pair_changed != 0 || pair_malformed != 0) {
-          std::string n;
-          if (pair_changed != 0) n = to_s(pair_changed) + " entries taken while read (in motion)";
-          if (pair_malformed != 0) {
-            n += (n.empty() ? "" : "; ") + to_s(pair_malformed) + " malformed entries not counted";
-          }
-          p.note += (p.note.empty() ? "" : "; ") + n;
-          malformed += pair_malformed;
-        }
-        d.pairs.push_back(p);
+    const EntriesAt entries_at{kRingControlBytes, ring_entries, kEntryBytes};
+    // Each base < arena: no overflow.
+    for_each_pair(world, rings, ring_bytes, d, [&](PairInfo& p, uint64_t base) {
+      const Indices indices = read_indices(fd, file_bytes, base, ring_entries, p);
+      if (indices != Indices::kStable) {
+        if (indices == Indices::kBeyondEnd) p.note = "beyond the end of the file";
+        if (indices == Indices::kInconsistent) ++inconsistent;
+        return;  // its entries are not read: which ones are in the ring is unknown
       }
-    }
+      uint64_t pair_changed = 0, pair_malformed = 0;
+      read_entries(fd, file_bytes, base, entries_at, entry, "entries beyond the end of the file", budget, p,
+                   [&](uint64_t pos, const uint8_t* e) {
+                     if (load<uint64_t>(e + kSeqAt) != pos + 1) {  // taken and reused meanwhile
+                       ++pair_changed;
+                       return;
+                     }
+                     const uint32_t chunk = load<uint32_t>(e + kChunkBytesAt);
+                     const uint32_t flags = load<uint32_t>(e + kFlagsAt);
+                     const uint32_t slot = load<uint32_t>(e + kSlotAt);
+                     const bool well_formed =
+                         (flags & kInlineFlag) ? chunk <= kInlineChunkBytes : chunk <= slot_bytes && slot < slots;
+                     if (!well_formed) {
+                       ++pair_malformed;
+                       return;
+                     }
+                     p.bytes_in_flight += chunk;
+                     if (flags & kFirstFlag) ++p.messages;
+                   });
+      if (pair_changed != 0 || pair_malformed != 0) {
+        std::string n;
+        if (pair_changed != 0) n = to_s(pair_changed) + " entries taken while read (in motion)";
+        if (pair_malformed != 0) {
+          n += (n.empty() ? "" : "; ") + to_s(pair_malformed) + " malformed entries not counted";
+        }
+        p.note += (p.note.empty() ? "" : "; ") + n;
+        malformed += pair_malformed;
+      }
+    });
     if (inconsistent != 0) notes.push_back(to_s(inconsistent) + " rings with inconsistent head and tail");
     if (malformed != 0) notes.push_back(to_s(malformed) + " malformed entries not counted");
-    if (budget_note) notes.push_back("more than " + to_s(options.max_entries) + " entries in flight: bytes partial");
+    if (budget.ran_out) notes.push_back(entries_budget_note(options.max_entries));
   }
 
   // The arena: each rank's slot states.
