@@ -257,7 +257,7 @@ std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_recvs(std::span<const at::Te
   std::lock_guard lk(mu_);
   bool posted = false;
   for (const auto& op : ops) posted |= post_recv_locked(op, src);
-  if (posted) progress_locked();  // a message already in a ring lands in place
+  if (posted) progress_locked(/*drain_all=*/false);  // a message already in a ring lands in place
   return ops;
 }
 
@@ -312,14 +312,16 @@ bool ShmEngine::post_recv_locked(const std::shared_ptr<ShmOp>& op, int src) {
 // ---------------------------------------------------------------------------------------------
 // Progress
 
-bool ShmEngine::progress_locked() {
+bool ShmEngine::progress_locked(bool drain_all) {
   if (shut_down_ || check_poisoned()) return false;
+  drain_all_ = drain_all;
   bool moved = false;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     moved |= progress_receives(p);
     moved |= progress_sends(p);
   }
+  drain_all_ = true;
   return moved;
 }
 

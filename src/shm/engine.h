@@ -140,7 +140,12 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
     std::function<void()> on_done;
   };
 
-  bool progress_locked();  // requires mu_; true if anything moved
+  // Requires mu_; true if anything moved. Without `drain_all`, a message that no posted receive
+  // can take stays in its ring while no receive from its source is posted at all (see
+  // start_message): a spinning waiter does not copy other peers' messages into process memory
+  // just before their receives are posted. Passes that precede a sleep, polls and the helper
+  // thread drain everything, so two ranks that both send first still cannot deadlock.
+  bool progress_locked(bool drain_all = true);
   bool progress_sends(int dst, bool wake = true);
   bool post_recv_locked(const std::shared_ptr<ShmOp>& op, int src);
   bool write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
@@ -190,6 +195,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   shm::BufferPool unexpected_pool_;   // their buffers, kept for reuse (buffer_pool.h)
   uint64_t arrivals_ = 0;
   bool completed_posted_ = false;  // progress_receives: a posted receive completed (stop draining)
+  bool drain_all_ = true;          // progress_locked's argument, for start_message
   std::vector<int64_t> collective_seq_;
   std::exception_ptr shut_down_;  // set by shutdown(): the error of later posts
   std::exception_ptr poisoned_;   // set once the segment's mapping was lost (bus_guard.h)

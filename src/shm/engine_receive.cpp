@@ -189,6 +189,10 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   auto posted = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<ShmOp>& op) {
     return (op->peer < 0 || op->peer == src) && op->tag == e.tag && op->control == control;
   });
+  if (posted == posted_.end() && !drain_all_ &&
+      std::none_of(posted_.begin(), posted_.end(), [&](const std::shared_ptr<ShmOp>& op) { return op->peer < 0 || op->peer == src; })) {
+    return false;  // nobody waits on this source yet: it stays in the ring for now (progress_locked)
+  }
   // An unexpected reference keeps the reference, not the bytes.
   const uint64_t need = posted != posted_.end() ? 0 : reference ? e.chunk_bytes : e.total_bytes;
   if (posted == posted_.end() && need > options_.max_unexpected_bytes - std::min<uint64_t>(unexpected_bytes_, options_.max_unexpected_bytes)) {

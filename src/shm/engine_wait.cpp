@@ -76,7 +76,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     bool moved;
     {
       std::lock_guard lk(mu_);
-      moved = progress_locked();
+      moved = progress_locked(/*drain_all=*/false);
     }
     if (done()) return;
     if (moved) continue;
