@@ -25,7 +25,9 @@
 //    matches nothing yet is copied into process memory ("unexpected", as in MPI) so that the
 //    ring keeps moving: two ranks that both send before receiving cannot deadlock. Those copies
 //    are bounded by ShmOptions::max_unexpected_bytes: a message that does not fit the budget
-//    stays in the ring (its sender waits: back-pressure) until its recv is posted.
+//    stays in the ring (its sender waits: back-pressure) until its recv is posted. A spinning
+//    waiter makes no such copy for a source it posted nothing for (progress_locked's drain_all):
+//    a data loader's main rank takes each worker's batch straight from the slots.
 //  * Every entry is read once into a local copy and validated (validate.h) before any of its
 //    values is used: a peer that rewrites an entry after publishing it cannot move a copy out of
 //    bounds. A malformed entry fails that pair's transfers (TransportError); the rings are never
