@@ -209,7 +209,7 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
     // Over shm a strided leaf is packed by the transport; other backends want contiguous bytes.
     at::Tensor t = shm || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
     sends.push_back(send_one(p.group, t, p.rank, static_cast<int>(l.tags[i]),
-                             shm ? key_check(l.keys()[i], l.keys().size()) : MessageCheck{}));
+                             shm ? key_check_of_hash(l.sorted->key_hashes[i], l.keys().size()) : MessageCheck{}));
   }
   if (o.return_early) {
     if (l.keys().empty()) wait_all(descriptor);

@@ -112,8 +112,6 @@ int root_in_group(const Group& g, int src) {
 }
 
 
-MessageCheck key_check(const Key& k, size_t leaves) { return key_check_of_hash(key_hash(k), leaves); }
-
 MessageCheck key_check_of_hash(uint64_t hash, size_t leaves) noexcept {
   return {MessageCheck::Kind::kKey, fold32(hash), leaves <= 0xFFFF ? static_cast<uint16_t>(leaves) : uint16_t{0}};
 }

@@ -307,10 +307,9 @@ at::Tensor bytes_tensor(int64_t n);
 
 /// 32 bits of a 64-bit hash (key hash, schema fingerprint) for a MessageCheck.
 inline uint32_t fold32(uint64_t h) noexcept { return static_cast<uint32_t>(h ^ (h >> 32)); }
-/// The MessageCheck of a leaf with key `k` in a transfer of `leaves` leaves (shm only; the same
-/// in every process and build; a count past 65535 is sent as unknown).
-MessageCheck key_check(const Key& k, size_t leaves);
-/// The same from the key's key_hash (SortedLeaves::key_hashes).
+/// The MessageCheck of the leaf whose key has key_hash `hash` (SortedLeaves::key_hashes) in a
+/// transfer of `leaves` leaves (shm only; the same in every process and build; a count past
+/// 65535 is sent as unknown).
 MessageCheck key_check_of_hash(uint64_t hash, size_t leaves) noexcept;
 /// The MessageCheck of a consolidated storage with schema fingerprint `fingerprint`.
 inline MessageCheck schema_check(uint64_t fingerprint) noexcept {

@@ -178,7 +178,9 @@ std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_sends(std::span<const at::Te
   }
   TORCH_INTERNAL_ASSERT(tags.size() == tensors.size() && checks.size() == tensors.size());
   const size_t peer = static_cast<size_t>(dst);
-  std::vector<std::shared_ptr<ShmOp>> ops(tensors.size());
+  // Sized only once an op is needed or everything is published: a send that completes at once
+  // allocates nothing before its entry is out.
+  std::vector<std::shared_ptr<ShmOp>> ops;
   std::lock_guard lk(mu_);
   bool published = false;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -206,6 +208,7 @@ std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_sends(std::span<const at::Te
                       tensor.is_contiguous() ? tensor : tensor.contiguous());
     op->reference = reference;
     op->check = checks[i];
+    ops.resize(tensors.size());
     ops[i] = op;
     if (shut_down_ || poisoned_ || peer_error_[peer]) {
       finish(op, shut_down_ ? shut_down_ : poisoned_ ? poisoned_ : peer_error_[peer]);
@@ -215,6 +218,7 @@ std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_sends(std::span<const at::Te
     published |= progress_sends(dst, /*wake=*/false);
   }
   if (published) notify(dst);  // one wake-up for the whole batch
+  ops.resize(tensors.size());  // null: completed when posted
   return ops;
 }
 
