@@ -63,6 +63,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,8 +74,9 @@ namespace detail {
 class ShmEngine;
 }
 
-/// Options of a ProcessGroupShm. All ranks of a group must use the same slot_bytes and
-/// ring_entries (they fix the segment layout; a mismatch is a SegmentError at attach).
+/// Options of a ProcessGroupShm. All ranks of a group must use the same slot_bytes,
+/// slots_per_rank, ring_entries and window_bytes (they fix the segment layout; a mismatch is a
+/// SegmentError at attach).
 struct ShmOptions {
   /// Deadline of every wait, including the rendezvous of the constructor.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
@@ -89,6 +91,10 @@ struct ShmOptions {
   /// Entries of the metadata ring of each ordered pair of ranks: messages (or chunks) one rank
   /// may have in flight towards one peer (memory: world² × ring_entries × 192 bytes).
   uint32_t ring_entries = 64;
+  /// Bytes of each rank's collective window (memory: world × window_bytes): collectives move
+  /// their data through it in steps of window_bytes / 2 per rank, larger tensors in several steps.
+  /// A multiple of 128 in [128, 2^30].
+  size_t window_bytes = size_t{1} << 20;
   /// How often a waiter checks that its peers are alive: a dead peer's transfers fail within
   /// about this long.
   std::chrono::milliseconds peer_check_interval{std::chrono::milliseconds(100)};
@@ -170,17 +176,60 @@ class ProcessGroupShm : public c10d::ProcessGroup {
                                             const std::vector<int>& tags, const std::vector<MessageCheck>& checks);
   /// Receives the first matching message from any rank; Work::sourceRank() tells which.
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
-  /// Broadcasts tensors[0] from opts.rootRank to every rank.
+
+  // ---- Collectives (SEMANTICS.md, "Collectives over shm") ----
+  // They run over the segment's collective windows in the calling thread: the returned Work is
+  // complete, and its wait() raises what went wrong (PeerLostError when a rank is gone,
+  // TimeoutError past opts.timeout or ShmOptions::timeout, TransportError when the ranks called
+  // different collectives or with other sizes). Bad arguments throw at the call (c10::Error, or
+  // TypeError for a reduce op the dtype does not have). Every rank gets bit-identical results.
+  // After a collective failed midway, every later collective of the group fails with its error.
+  // Tensors: dense CPU tensors of any dtype, any size (streamed through the window), strided
+  // ones are staged. Ops: SUM, AVG (floating point and complex), PRODUCT, MIN, MAX, BAND, BOR,
+  // BXOR (integers and bool).
+
+  /// Broadcasts tensors[0] (exactly one tensor) from opts.rootRank to every rank.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
   /// Completes on every rank once all ranks have entered it.
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  /// One dtype for all tensors; reduced as one buffer.
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
+  /// Only the root's tensor changes.
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  /// Outputs on the root only (an empty list elsewhere).
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  /// Inputs on the root only (an empty list elsewhere).
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  /// Split sizes count rows of dim 0 (empty: equal); every rank checks every pair's sizes.
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
 
   /// The segment's name (without the "tdshm." prefix).
   const std::string& segment_name() const noexcept;
   const ShmOptions& options() const noexcept;
 
  private:
+  c10::intrusive_ptr<c10d::Work> run_collective(c10d::OpType type, std::chrono::milliseconds timeout,
+                                                const std::function<void(std::chrono::steady_clock::time_point)>& body,
+                                                std::vector<at::Tensor> outputs);
+
   std::shared_ptr<detail::ShmEngine> engine_;
 };
 

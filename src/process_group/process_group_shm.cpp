@@ -9,12 +9,11 @@
 
 namespace tdshm {
 
+using detail::OpList;
 using detail::ShmEngine;
 using detail::ShmOp;
 
 namespace {
-
-enum CollectiveKind : int { kBarrier = 1, kBroadcast = 2 };
 
 const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
   TORCH_CHECK(tensors.size() == 1, "ProcessGroupShm::", op, " takes exactly one tensor, got ", tensors.size());
@@ -25,18 +24,15 @@ const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const ch
   return t;
 }
 
-// Most works hold one op: kept inline, so a send or recv allocates no vector.
-using OpList = c10::SmallVector<std::shared_ptr<ShmOp>, 1>;
-
 /// A c10d Work over one or more engine ops; completes when all of them are done.
 class ShmWork : public c10d::Work {
  public:
   ShmWork(std::shared_ptr<ShmEngine> engine, OpList ops, c10d::OpType type, at::Tensor output = {})
       : c10d::Work(engine->rank(), type), engine_(std::move(engine)), ops_(std::move(ops)), output_(std::move(output)) {}
 
-  /// A batch of `size` messages whose pending ones are ops_ (op j is message positions[j]; the
-  /// others completed when they were posted).
-  void set_batch(size_t size, std::vector<uint32_t> positions) {
+  /// A batch of `size` messages whose pending ones are ops_ (op j is message positions[j], or
+  /// message j when `positions` is empty; the others completed when they were posted).
+  void set_batch(size_t size, c10::SmallVector<uint32_t, 4> positions) {
     batch_ = true;
     batch_size_ = size;
     positions_ = std::move(positions);
@@ -80,7 +76,7 @@ class ShmWork : public c10d::Work {
     for (size_t j = 0; j < ops_.size(); ++j) {
       const auto& op = ops_[j];
       const bool recv = op->kind == ShmOp::Kind::kRecv;
-      out[positions_[j]] = c10::make_intrusive<ShmWork>(engine_, OpList{op}, recv ? c10d::OpType::RECV : c10d::OpType::SEND,
+      out[positions_.empty() ? j : positions_[j]] = c10::make_intrusive<ShmWork>(engine_, OpList{op}, recv ? c10d::OpType::RECV : c10d::OpType::SEND,
                                                         recv ? op->user : at::Tensor{});
     }
     for (auto& w : out) {
@@ -143,7 +139,7 @@ class ShmWork : public c10d::Work {
   at::Tensor output_;  // what result() returns: the received or broadcast tensor
   bool batch_ = false;  // send_batch / recv_batch: wait() stops at the first failure
   size_t batch_size_ = 0;
-  std::vector<uint32_t> positions_;
+  c10::SmallVector<uint32_t, 4> positions_;
   std::mutex future_mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -200,18 +196,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_batch(const std::vector<at:
                                                            const std::vector<int>& tags,
                                                            const std::vector<MessageCheck>& checks) {
   check_batch(tensors, tags, checks, "send_batch");
-  const std::vector<int64_t> wide(tags.begin(), tags.end());
-  auto ops = engine_->post_sends(tensors, dstRank, wide, checks);
+  const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
+  OpList ops = engine_->post_sends(tensors, dstRank, wide, checks);
+  if (ops.empty()) return {};  // every message is in the segment
   OpList pending;
-  std::vector<uint32_t> positions;
+  c10::SmallVector<uint32_t, 4> positions;
   for (size_t i = 0; i < ops.size(); ++i) {
     if (!ops[i]) continue;
     pending.push_back(std::move(ops[i]));
     positions.push_back(static_cast<uint32_t>(i));
   }
-  if (pending.empty()) return {};
   auto work = c10::make_intrusive<ShmWork>(engine_, std::move(pending), c10d::OpType::SEND);
-  work->set_batch(ops.size(), std::move(positions));
+  work->set_batch(tensors.size(), std::move(positions));
   return work;
 }
 
@@ -220,12 +216,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_batch(const std::vector<at:
                                                            const std::vector<MessageCheck>& checks) {
   check_batch(tensors, tags, checks, "recv_batch");
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv_batch: source rank must be >= 0");
-  const std::vector<int64_t> wide(tags.begin(), tags.end());
-  auto ops = engine_->post_recvs(tensors, srcRank, wide, checks);
-  std::vector<uint32_t> positions(ops.size());
-  for (size_t i = 0; i < ops.size(); ++i) positions[i] = static_cast<uint32_t>(i);
-  auto work = c10::make_intrusive<ShmWork>(engine_, OpList(ops.begin(), ops.end()), c10d::OpType::RECV);
-  work->set_batch(ops.size(), std::move(positions));
+  const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
+  OpList ops = engine_->post_recvs(tensors, srcRank, wide, checks);
+  auto work = c10::make_intrusive<ShmWork>(engine_, std::move(ops), c10d::OpType::RECV);
+  work->set_batch(tensors.size(), {});  // op i is message i
   return work;
 }
 
@@ -256,55 +250,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Te
   const at::Tensor& t = single_tensor(tensors, "recvAnysource");
   auto op = engine_->post_recv(t, -1, tag, /*control=*/false);
   return make_work(engine_, {op}, c10d::OpType::RECVANYSOURCE, t);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor>& tensors,
-                                                          const c10d::BroadcastOptions& opts) {
-  const at::Tensor& t = single_tensor(tensors, "broadcast");
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "ProcessGroupShm::broadcast: root rank ",
-              opts.rootRank, " is outside [0, ", getSize(), ")");
-  TORCH_CHECK(opts.rootTensor == 0, "ProcessGroupShm::broadcast: rootTensor must be 0");
-  const int64_t tag = engine_->next_collective_tag(kBroadcast);
-  std::vector<std::shared_ptr<ShmOp>> ops;
-  if (getRank() == opts.rootRank) {
-    for (int r = 0; r < getSize(); ++r) {
-      if (r == getRank()) continue;
-      if (auto op = engine_->post_send(t, r, tag, /*control=*/true)) ops.push_back(std::move(op));
-    }
-  } else {
-    ops.push_back(engine_->post_recv(t, opts.rootRank, tag, /*control=*/true));
-  }
-  return make_work(engine_, OpList(ops.begin(), ops.end()), c10d::OpType::BROADCAST, t);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& /*opts*/) {
-  // Gather to rank 0, then release from rank 0; done synchronously, within the group timeout.
-  const int64_t tag = engine_->next_collective_tag(kBarrier);
-  const auto deadline = std::chrono::steady_clock::now() + engine_->options().timeout;
-  auto token = at::empty({0}, at::TensorOptions().dtype(at::kByte));
-  auto run = [&](std::vector<std::shared_ptr<ShmOp>> ops) {
-    engine_->wait(ops, deadline);
-    for (const auto& op : ops) {
-      if (op && op->error) std::rethrow_exception(op->error);
-    }
-  };
-  std::vector<std::shared_ptr<ShmOp>> all;
-  if (getRank() == 0) {
-    std::vector<std::shared_ptr<ShmOp>> arrivals;
-    for (int r = 1; r < getSize(); ++r) arrivals.push_back(engine_->post_recv(token, r, tag, true));
-    run(arrivals);
-    std::vector<std::shared_ptr<ShmOp>> releases;
-    for (int r = 1; r < getSize(); ++r) releases.push_back(engine_->post_send(token, r, tag, true));
-    run(releases);
-    all = std::move(releases);
-  } else {
-    auto arrive = engine_->post_send(token, 0, tag, true);
-    auto release = engine_->post_recv(token, 0, tag, true);
-    run({arrive, release});
-    all = {arrive, release};
-  }
-  std::erase(all, nullptr);  // sends that completed when posted
-  return make_work(engine_, OpList(all.begin(), all.end()), c10d::OpType::BARRIER);
 }
 
 }  // namespace tdshm

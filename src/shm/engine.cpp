@@ -41,7 +41,7 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   if (options.peer_check_interval.count() <= 0) throw SegmentError("ShmOptions::peer_check_interval must be positive");
   const auto deadline = Clock::now() + options.timeout;
   shm::SegmentParams params{name, static_cast<uint32_t>(size), options.slot_bytes, options.ring_entries,
-                            options.slots_per_rank};
+                            options.slots_per_rank, options.window_bytes};
   segment_ = shm::Segment::attach(params, static_cast<uint32_t>(rank), deadline);
 
   const auto n = static_cast<size_t>(size);
@@ -64,7 +64,6 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   held_bytes_.assign(n, 0);
   consumed_since_wake_.assign(n, 0);
   wake_batch_ = std::max<uint32_t>(1, std::min(options.slots_per_rank, options.ring_entries) / 4);
-  collective_seq_.assign(4, 0);
   rendezvous(deadline);
   next_peer_check_.store(ticks(Clock::now() + options_.peer_check_interval), std::memory_order_relaxed);
   log().debug("rank {} of {} ready on segment '{}'", rank, size, name);
@@ -155,22 +154,17 @@ void ShmEngine::shutdown() noexcept {
   segment_->leave();
 }
 
-int64_t ShmEngine::next_collective_tag(int kind) {
-  std::lock_guard lk(mu_);
-  return (int64_t{kind} << 56) | collective_seq_.at(static_cast<size_t>(kind))++;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Posting
 
 std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control,
                                             MessageCheck check) {
-  return post_sends({&tensor, 1}, dst, {&tag, 1}, {&check, 1}, control)[0];
+  OpList ops = post_sends({&tensor, 1}, dst, {&tag, 1}, {&check, 1}, control);
+  return ops.empty() ? nullptr : std::move(ops[0]);
 }
 
-std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_sends(std::span<const at::Tensor> tensors, int dst,
-                                                          std::span<const int64_t> tags,
-                                                          std::span<const MessageCheck> checks, bool control) {
+OpList ShmEngine::post_sends(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
+                             std::span<const MessageCheck> checks, bool control) {
   if (dst < 0 || dst >= size_ || dst == rank_) {
     throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                      "shm send: destination rank " + std::to_string(dst) + " is invalid for rank " +
@@ -178,9 +172,8 @@ std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_sends(std::span<const at::Te
   }
   TORCH_INTERNAL_ASSERT(tags.size() == tensors.size() && checks.size() == tensors.size());
   const size_t peer = static_cast<size_t>(dst);
-  // Sized only once an op is needed or everything is published: a send that completes at once
-  // allocates nothing before its entry is out.
-  std::vector<std::shared_ptr<ShmOp>> ops;
+  // Sized only once an op is needed: a batch that completes at once returns no ops.
+  OpList ops;
   std::lock_guard lk(mu_);
   bool published = false;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -218,18 +211,16 @@ std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_sends(std::span<const at::Te
     published |= progress_sends(dst, /*wake=*/false);
   }
   if (published) notify(dst);  // one wake-up for the whole batch
-  ops.resize(tensors.size());  // null: completed when posted
   return ops;
 }
 
 std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control,
                                             MessageCheck check) {
-  return post_recvs({&tensor, 1}, src, {&tag, 1}, {&check, 1}, control)[0];
+  return std::move(post_recvs({&tensor, 1}, src, {&tag, 1}, {&check, 1}, control)[0]);
 }
 
-std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src,
-                                                          std::span<const int64_t> tags,
-                                                          std::span<const MessageCheck> checks, bool control) {
+OpList ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src, std::span<const int64_t> tags,
+                             std::span<const MessageCheck> checks, bool control) {
   if (src < -1 || src >= size_ || src == rank_) {
     throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                      "shm recv: source rank " + std::to_string(src) + " is invalid for rank " + std::to_string(rank_) +
@@ -250,7 +241,7 @@ std::vector<std::shared_ptr<ShmOp>> ShmEngine::post_recvs(std::span<const at::Te
                       "'), so it cannot receive bytes; open it writable or receive into another tensor");
     }
   }
-  std::vector<std::shared_ptr<ShmOp>> ops(tensors.size());
+  OpList ops(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     // A strided destination receives into a contiguous staging tensor, copied over at the end.
     const at::Tensor& tensor = tensors[i];
@@ -436,6 +427,9 @@ bool ShmEngine::progress_receives(int src) {
                              std::to_string(fields.slot) + " was taken back while this rank read it");
       }
     } catch (const Error&) {
+      // A truncated segment reads as zeros once the bus guard has replaced its pages, which an
+      // entry's checks see as corruption: the truncation is the error every op gets.
+      if (check_poisoned()) return true;
       fail_peer(src, std::current_exception());
       return true;
     } catch (const std::bad_alloc&) {

@@ -49,6 +49,7 @@
 #include "shm/validate.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -87,6 +88,9 @@ struct ShmOp {
 
 struct Incoming;
 
+/// Ops of one call: a tree's leaves are few, so they stay inline (no allocation per transfer).
+using OpList = c10::SmallVector<std::shared_ptr<ShmOp>, 4>;
+
 class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
  public:
   ShmEngine(const std::string& name, int rank, int size, const ShmOptions& options);
@@ -106,13 +110,12 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   std::shared_ptr<ShmOp> post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control,
                                    MessageCheck check = {});
   /// A batch of the above to one peer (a per-leaf transfer): the same messages, in order, posted
-  /// under one lock; a batch of sends wakes `dst` once. Null entries: sends already complete.
-  std::vector<std::shared_ptr<ShmOp>> post_sends(std::span<const at::Tensor> tensors, int dst,
-                                                 std::span<const int64_t> tags, std::span<const MessageCheck> checks,
-                                                 bool control = false);
-  std::vector<std::shared_ptr<ShmOp>> post_recvs(std::span<const at::Tensor> tensors, int src,
-                                                 std::span<const int64_t> tags, std::span<const MessageCheck> checks,
-                                                 bool control = false);
+  /// under one lock; a batch of sends wakes `dst` once. post_sends returns no ops at all when
+  /// every send completed when posted, else one per tensor (null: that send is complete).
+  OpList post_sends(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
+                    std::span<const MessageCheck> checks, bool control = false);
+  OpList post_recvs(std::span<const at::Tensor> tensors, int src, std::span<const int64_t> tags,
+                    std::span<const MessageCheck> checks, bool control = false);
   /// Moves everything pending until every op in `ops` (null ones count as done) is done (or failed), spinning then
   /// sleeping; throws TimeoutError at `deadline`, after withdrawing the ops that are not done
   /// (they fail with that error). Does not rethrow the ops' errors. With `stop_on_error` it also
@@ -129,12 +132,34 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   /// `on_done` or from progress is logged. The engine must be owned by a shared_ptr.
   void watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done);
 
+  // ---- Collective steps (engine_collective.cpp; the protocol is in collective.h) ----
+  // Every rank runs the same steps in the same order. In step s a rank writes its part into its
+  // window half s % 2 (my_part), publishes it, waits until every peer has published step s with
+  // the same `what`, reads the parts it needs (part_of), and ends the step. Callers hold
+  // collective_mutex() for a whole collective.
+
+  std::mutex& collective_mutex() noexcept { return coll_mu_; }
+  /// Bytes of one part (half a window).
+  uint64_t part_bytes() const noexcept;
+  /// Starts the next step, describing it by `what` (the collective, its sizes, its step within
+  /// it): waits until every peer has ended the step that last used the same half. Throws the
+  /// error of an earlier collective that failed midway (the group's steps are out of step then).
+  uint64_t begin_step(uint64_t what, std::chrono::steady_clock::time_point deadline);
+  uint8_t* my_part(uint64_t step) const noexcept;
+  const uint8_t* part_of(int rank, uint64_t step) const noexcept;
+  void publish_step(uint64_t step);
+  /// Waits until every peer has published `step`; TransportError if one describes it otherwise
+  /// (the ranks called different collectives, or with other sizes), PeerLostError, TimeoutError.
+  void await_step(uint64_t step, std::chrono::steady_clock::time_point deadline);
+  /// This rank has read everything it needs of `step` (TransportError if the segment was cut).
+  void end_step(uint64_t step);
+  /// Marks the group's collectives as failed with `error` (later collectives throw it).
+  void fail_collectives(std::exception_ptr error) noexcept;
+
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
   const ShmOptions& options() const noexcept { return options_; }
   const std::string& name() const noexcept { return name_; }
-  /// Sequence number for the next collective of `kind` (all ranks call collectives in order).
-  int64_t next_collective_tag(int kind);
 
  private:
   struct Watch {
@@ -169,6 +194,10 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   void notify(int r);
   void sleep_until_event(std::chrono::steady_clock::time_point until);
   void note_wait(std::chrono::steady_clock::duration elapsed) noexcept;
+  template <class Ready>
+  void wait_collective(Ready ready, std::chrono::steady_clock::time_point deadline, uint64_t step, const char* what);
+  void check_collective_peers();
+  void notify_peers();
   bool background_step();
   static void background_loop(std::weak_ptr<ShmEngine> weak);
   void rendezvous(std::chrono::steady_clock::time_point deadline);
@@ -198,7 +227,6 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   uint64_t arrivals_ = 0;
   bool completed_posted_ = false;  // progress_receives: a posted receive completed (stop draining)
   bool drain_all_ = true;          // progress_locked's argument, for start_message
-  std::vector<int64_t> collective_seq_;
   std::exception_ptr shut_down_;  // set by shutdown(): the error of later posts
   std::exception_ptr poisoned_;   // set once the segment's mapping was lost (bus_guard.h)
 
@@ -206,6 +234,12 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   std::atomic<int64_t> spin_budget_ns_;
   // Next liveness check, in steady_clock ticks; read by waiters without mu_.
   std::atomic<std::chrono::steady_clock::rep> next_peer_check_{0};
+
+  // Collective steps (engine_collective.cpp); under coll_mu_.
+  std::mutex coll_mu_;
+  uint64_t coll_step_ = 0;            // last step begun
+  uint64_t coll_what_[2] = {0, 0};    // `what` of the steps in each half
+  std::exception_ptr coll_error_;     // a collective failed midway: later ones fail with it
 
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;

@@ -634,8 +634,14 @@ LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t he
 // a larger one in a slot of the sender's arena) and one slot arena per rank. As for version 4,
 // its bytes are written out here, so that this reader keeps reading version 5 segments after
 // segment_layout.h moves on; while this build is version 5 they are checked against it.
+// Version 6 is version 5 plus one collective window per rank after the arena (window_offset and
+// window_bytes in the header; step words in RankSlot's first cache line): read here too.
 namespace v5 {
 constexpr uint32_t kVersion = 5;
+constexpr uint32_t kVersion6 = 6;
+constexpr size_t kWindowAt = 120;
+constexpr size_t kWindowBytesAt = 128;
+constexpr uint64_t kMaxWindowBytes = uint64_t{1} << 30;
 constexpr uint64_t kHeaderBytes = 256;
 constexpr uint64_t kRankSlotBytes = 128;
 constexpr uint64_t kCacheLineBytes = 64;
@@ -679,11 +685,14 @@ constexpr uint32_t kMaxWorldSize = 4096;
 constexpr int kIndexReads = 4;
 
 struct Geometry {
-  uint64_t ring_bytes, rings_offset, slot_table_bytes, slot_stride, region_bytes, arena_offset, segment_bytes;
+  uint64_t ring_bytes, rings_offset, slot_table_bytes, slot_stride, region_bytes, arena_offset, window_offset,
+      segment_bytes;
 };
 
-/// Version 5's segment_geometry; false if it overflows (it cannot within the limits above).
-bool geometry(uint32_t world, uint64_t slot_bytes, uint32_t ring_entries, uint32_t slots, Geometry& g) {
+/// Version 5's segment_geometry (version 6's with `window_bytes`, 0 in version 5); false if it
+/// overflows (it cannot within the limits above).
+bool geometry(uint32_t world, uint64_t slot_bytes, uint32_t ring_entries, uint32_t slots, uint64_t window_bytes,
+              Geometry& g) {
   g.ring_bytes = kRingControlBytes + kEntryBytes * ring_entries;
   g.rings_offset = round_up_to(kHeaderBytes + kRankSlotBytes * world, kCacheLineBytes);
   g.slot_table_bytes = round_up_to(kArenaSlotBytes * slots, kCacheLineBytes);
@@ -695,11 +704,13 @@ bool geometry(uint32_t world, uint64_t slot_bytes, uint32_t ring_entries, uint32
          !__builtin_mul_overflow(g.slot_stride, uint64_t{slots}, &region_slots) &&
          !__builtin_add_overflow(g.slot_table_bytes, region_slots, &g.region_bytes) &&
          !__builtin_mul_overflow(g.region_bytes, uint64_t{world}, &regions) &&
-         !__builtin_add_overflow(g.arena_offset, regions, &g.segment_bytes);
+         !__builtin_add_overflow(g.arena_offset, regions, &g.window_offset) &&
+         g.window_offset + window_bytes * world >= g.window_offset &&
+         (g.segment_bytes = g.window_offset + window_bytes * world, true);
 }
 
 // While this build's layout is version 5, the constants above are its structs.
-static_assert(kLayoutVersion != 5 ||
+static_assert((kLayoutVersion != 5 && kLayoutVersion != 6) ||
                   (sizeof(SegmentHeader) == kHeaderBytes && offsetof(SegmentHeader, ring_entries) == kRingEntriesAt &&
                    offsetof(SegmentHeader, slot_bytes) == kSlotBytesAt &&
                    offsetof(SegmentHeader, rank_table_offset) == kRankTableAt &&
@@ -710,12 +721,12 @@ static_assert(kLayoutVersion != 5 ||
                    offsetof(SegmentHeader, region_bytes) == kRegionBytesAt &&
                    offsetof(SegmentHeader, slots_per_rank) == kSlotsPerRankAt),
               "version 5 header constants");
-static_assert(kLayoutVersion != 5 ||
+static_assert((kLayoutVersion != 5 && kLayoutVersion != 6) ||
                   (sizeof(RankSlot) == kRankSlotBytes && offsetof(RankSlot, wake_seq) == kWakeSeqAt &&
                    offsetof(RankSlot, sleepers) == kSleepersAt && sizeof(RingControl) == kRingControlBytes &&
                    offsetof(RingControl, head) == kHeadAt && offsetof(RingControl, tail) == kTailAt),
               "version 5 rank slot and ring control constants");
-static_assert(kLayoutVersion != 5 ||
+static_assert((kLayoutVersion != 5 && kLayoutVersion != 6) ||
                   (kEntryBytes == shm::kEntryBytes && sizeof(EntryHeader) == kEntryHeaderBytes &&
                    offsetof(EntryHeader, seq) == kSeqAt && offsetof(EntryHeader, chunk_bytes) == kChunkBytesAt &&
                    offsetof(EntryHeader, flags) == kFlagsAt && offsetof(EntryHeader, slot) == kSlotAt &&
@@ -723,20 +734,25 @@ static_assert(kLayoutVersion != 5 ||
                    kInlineChunkBytes == shm::kInlineBytes && sizeof(ArenaSlot) == kArenaSlotBytes &&
                    offsetof(ArenaSlot, state) == 0 && kFree == kSlotFree),
               "version 5 entry and arena constants");
-static_assert(kLayoutVersion != 5 || (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
+static_assert((kLayoutVersion != 5 && kLayoutVersion != 6) || (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
                                       kMaxSlotsPerRank == shm::kMaxSlotsPerRank && kMaxWorldSize == shm::kMaxWorld),
               "version 5 limits");
-constexpr bool same_geometry(uint32_t world, uint64_t slot_bytes, uint32_t entries, uint32_t slots) {
-  const SegmentGeometry want = segment_geometry(world, slot_bytes, entries, slots);
+constexpr bool same_geometry(uint32_t world, uint64_t slot_bytes, uint32_t entries, uint32_t slots, uint64_t window) {
+  const SegmentGeometry want = segment_geometry(world, slot_bytes, entries, slots, window);
   const uint64_t ring = kRingControlBytes + kEntryBytes * entries;
   const uint64_t rings = round_up_to(kHeaderBytes + kRankSlotBytes * world, kCacheLineBytes);
   const uint64_t region = round_up_to(kArenaSlotBytes * slots, kCacheLineBytes) + round_up_to(slot_bytes, kCacheLineBytes) * slots;
   const uint64_t arena = rings + ring * world * world;
   return want.ring_bytes == ring && want.rings_offset == rings && want.region_bytes == region &&
-         want.arena_offset == arena && want.segment_bytes == arena + region * world;
+         want.arena_offset == arena && want.window_offset == arena + region * world &&
+         want.segment_bytes == arena + region * world + window * world;
 }
-static_assert(kLayoutVersion != 5 || (same_geometry(3, 65536, 64, 64) && same_geometry(9, 100, 5, 3)),
-              "version 5 geometry");
+static_assert(kLayoutVersion != 6 || (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 128)),
+              "version 6 geometry");
+static_assert(kLayoutVersion != 6 || (offsetof(SegmentHeader, window_offset) == kWindowAt &&
+                                      offsetof(SegmentHeader, window_bytes) == kWindowBytesAt &&
+                                      kMaxWindowBytes == shm::kMaxWindowBytes),
+              "version 6 window constants");
 
 /// What read_indices found.
 enum class Indices { kStable, kInMotion, kInconsistent, kBeyondEnd };
@@ -776,10 +792,10 @@ Indices read_indices(int fd, uint64_t file_bytes, uint64_t base, uint32_t ring_e
   return Indices::kInconsistent;
 }
 
-LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len, uint32_t world,
-                   const InspectOptions& options) {
+LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len,
+                   uint32_t world, const InspectOptions& options) {
   LayoutDetails d;
-  if (!header_long_enough(kVersion, header_len, kHeaderBytes, d)) return d;
+  if (!header_long_enough(version, header_len, kHeaderBytes, d)) return d;
   // Each value read once from the local copy of the header.
   const uint64_t segment_bytes = load<uint64_t>(header + kSegmentBytesAt);
   const uint32_t header_bytes = load<uint32_t>(header + kHeaderBytesAt);
@@ -788,6 +804,8 @@ LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t he
   const uint64_t arena = load<uint64_t>(header + kArenaAt);
   const uint64_t region_bytes = load<uint64_t>(header + kRegionBytesAt);
   const uint32_t slots = load<uint32_t>(header + kSlotsPerRankAt);
+  const uint64_t window_at = version == kVersion6 ? load<uint64_t>(header + kWindowAt) : 0;
+  const uint64_t window_bytes = version == kVersion6 ? load<uint64_t>(header + kWindowBytesAt) : 0;
   d.geometry = {{"ring_entries", ring_entries},
                 {"slot_bytes", slot_bytes},
                 {"slots_per_rank", slots},
@@ -797,19 +815,25 @@ LayoutDetails read(int fd, uint64_t file_bytes, const uint8_t* header, size_t he
                 {"rank_table_offset", rank_table},
                 {"rings_offset", rings},
                 {"arena_offset", arena}};
+  if (version == kVersion6) {
+    d.geometry.emplace_back("window_offset", window_at);
+    d.geometry.emplace_back("window_bytes", window_bytes);
+  }
   if (ring_entries < 1 || ring_entries > kMaxRingEntries || slot_bytes < 1 || slot_bytes > kMaxSlotBytes ||
-      slots < 1 || slots > kMaxSlotsPerRank || world < 1 || world > kMaxWorldSize) {
-    d.note = "version 5 header out of range (ring_entries " + to_s(ring_entries) + ", slot_bytes " + to_s(slot_bytes) +
+      slots < 1 || slots > kMaxSlotsPerRank || world < 1 || world > kMaxWorldSize ||
+      (version == kVersion6 && (window_bytes < 128 || window_bytes > kMaxWindowBytes || window_bytes % 128 != 0))) {
+    d.note = "version " + to_s(version) + " header out of range (ring_entries " + to_s(ring_entries) + ", slot_bytes " + to_s(slot_bytes) +
              ", slots_per_rank " + to_s(slots) + ", world size " + to_s(world) + ")";
     return d;
   }
   // The geometry recomputed from the four parameters and compared: only then are offsets used.
   Geometry g{};
-  if (!geometry(world, slot_bytes, ring_entries, slots, g) || header_bytes != kHeaderBytes ||
+  if (!geometry(world, slot_bytes, ring_entries, slots, window_bytes, g) || header_bytes != kHeaderBytes ||
       entry_bytes != kEntryBytes || ring_bytes != g.ring_bytes || rank_table != kHeaderBytes ||
       rings != g.rings_offset || arena != g.arena_offset || region_bytes != g.region_bytes ||
-      segment_bytes != g.segment_bytes) {
-    d.note = "version 5 offsets and sizes disagree with world size, slot bytes, ring entries and slots per rank";
+      (version == kVersion6 && window_at != g.window_offset) || segment_bytes != g.segment_bytes) {
+    d.note = "version " + to_s(version) + " offsets and sizes disagree with world size, slot bytes, ring entries, "
+             "slots per rank and window bytes";
     return d;
   }
 
@@ -967,7 +991,8 @@ LayoutDetails read_layout_details(int fd, uint64_t file_bytes, const uint8_t* he
     case v4::kVersion:
       return v4::read(fd, file_bytes, header, header_len, world_size, options);
     case v5::kVersion:
-      return v5::read(fd, file_bytes, header, header_len, world_size, options);
+    case v5::kVersion6:
+      return v5::read(layout_version, fd, file_bytes, header, header_len, world_size, options);
     default: {
       LayoutDetails d;
       d.layout_version = layout_version;

@@ -79,7 +79,7 @@ void validate_segment_name(const std::string& name) {
 
 size_t shm_segment_bytes(int world_size, const ShmOptions& options) {
   return shm::segment_geometry(static_cast<uint32_t>(world_size), options.slot_bytes, options.ring_entries,
-                               options.slots_per_rank)
+                               options.slots_per_rank, options.window_bytes)
       .segment_bytes;
 }
 
@@ -467,9 +467,15 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
   if (params.slots_per_rank < 1 || params.slots_per_rank > kMaxSlotsPerRank) {
     throw SegmentError("slots_per_rank " + std::to_string(params.slots_per_rank) + " must be in [1, 2^16]");
   }
+  if (params.window_bytes < 2 * kCacheLine || params.window_bytes > kMaxWindowBytes ||
+      params.window_bytes % (2 * kCacheLine) != 0) {
+    throw SegmentError("window_bytes " + std::to_string(params.window_bytes) +
+                       " must be a multiple of 128 in [128, 2^30]");
+  }
 
   std::unique_ptr<Segment> seg(new Segment(params, rank));
-  seg->geometry_ = segment_geometry(params.world_size, params.slot_bytes, params.ring_entries, params.slots_per_rank);
+  seg->geometry_ = segment_geometry(params.world_size, params.slot_bytes, params.ring_entries, params.slots_per_rank,
+                                    params.window_bytes);
   const std::string path = segment_path(params.name);
   const ProcessId me = self_process();
 
@@ -524,13 +530,16 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
           throw SegmentError("segment '" + params.name + "' was truncated: " + existing.check().problem +
                              "; rank " + std::to_string(live) + " still uses it, so it is left alone");
         } else if (h.world_size != params.world_size || h.slot_bytes != params.slot_bytes ||
-                   h.ring_entries != params.ring_entries || h.slots_per_rank != params.slots_per_rank) {
+                   h.ring_entries != params.ring_entries || h.slots_per_rank != params.slots_per_rank ||
+                   h.window_bytes != params.window_bytes) {
           throw SegmentError("segment '" + params.name + "' is in use with world size " + std::to_string(h.world_size) +
                              ", slot_bytes " + std::to_string(h.slot_bytes) + ", ring_entries " +
                              std::to_string(h.ring_entries) + ", slots_per_rank " + std::to_string(h.slots_per_rank) +
-                             "; this rank asked for world size " + std::to_string(params.world_size) + ", slot_bytes " +
-                             std::to_string(params.slot_bytes) + ", ring_entries " + std::to_string(params.ring_entries) +
-                             ", slots_per_rank " + std::to_string(params.slots_per_rank));
+                             ", window_bytes " + std::to_string(h.window_bytes) + "; this rank asked for world size " +
+                             std::to_string(params.world_size) + ", slot_bytes " + std::to_string(params.slot_bytes) +
+                             ", ring_entries " + std::to_string(params.ring_entries) + ", slots_per_rank " +
+                             std::to_string(params.slots_per_rank) + ", window_bytes " +
+                             std::to_string(params.window_bytes));
         } else {
           const RankSlot& mine = existing.slot(rank);
           const uint32_t state = mine.state.load(std::memory_order_acquire);
@@ -608,6 +617,8 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
     hdr->arena_offset = seg->geometry_.arena_offset;
     hdr->region_bytes = seg->geometry_.region_bytes;
     hdr->slots_per_rank = params.slots_per_rank;
+    hdr->window_offset = seg->geometry_.window_offset;
+    hdr->window_bytes = seg->geometry_.window_bytes;
     hdr->creator_pid = me.pid;
     hdr->creator_rank = rank;
     hdr->creator_start_time = me.start_time;

@@ -35,6 +35,7 @@ struct SegmentParams {
   uint64_t slot_bytes = 0;
   uint32_t ring_entries = 0;
   uint32_t slots_per_rank = 0;
+  uint64_t window_bytes = 0;  // collective window per rank
 };
 
 class Segment {
@@ -75,6 +76,10 @@ class Segment {
   /// The base of the ring src -> dst: its RingControl, then ring_entries entries (ring.h).
   uint8_t* ring_memory(uint32_t src, uint32_t dst) const noexcept { return ring_base(src, dst); }
   /// The arena region of `owner`: its ArenaSlot table, then its slots (arena.h).
+  /// Rank `owner`'s collective window (geometry().window_bytes).
+  uint8_t* window_memory(uint32_t owner) const noexcept {
+    return base_ + geometry_.window_offset + uint64_t{owner} * geometry_.window_bytes;
+  }
   uint8_t* region_memory(uint32_t owner) const noexcept {
     return base_ + geometry_.arena_offset + uint64_t{owner} * geometry_.region_bytes;
   }

@@ -3,12 +3,13 @@
 // is read by other processes, and is pinned by static_asserts: a change to any struct must bump
 // kLayoutVersion (tests/unit/test_shm_layout.cpp hard-codes the sizes and offsets).
 //
-//   0                 256                 rings_offset                      arena_offset
-//   +-----------------+-------------------+---------------------------------+--------------------------+
-//   | SegmentHeader   | RankSlot[world]   | Ring[src*world + dst] ...       | Region[owner] ...        |
-//   | magic, version, | pid, start time,  |  RingControl (128 B)            |  ArenaSlot[slots] (state)|
-//   | sizes, creator  | state, futex word |  Entry[ring_entries] (192 B):   |  slot 0 | slot 1 | ...   |
-//   +-----------------+-------------------+   header, inline bytes, shape   +--------------------------+
+//   0                 256                 rings_offset                      arena_offset               window_offset
+//   +-----------------+-------------------+---------------------------------+--------------------------+-----------------+
+//   | SegmentHeader   | RankSlot[world]   | Ring[src*world + dst] ...       | Region[owner] ...        | Window[owner]...|
+//   | magic, version, | pid, start time,  |  RingControl (128 B)            |  ArenaSlot[slots] (state)|  two halves of  |
+//   | sizes, creator  | state, collective |  Entry[ring_entries] (192 B):   |  slot 0 | slot 1 | ...   |  window_bytes/2 |
+//   |                 | steps, futex word |   header, inline bytes, shape   |                          |                 |
+//   +-----------------+-------------------+---------------------------------+--------------------------+-----------------+
 //
 // Memory grows with the world, not its square: the per-pair rings hold only small metadata
 // entries (tag, sizes, dtype, shape, check; a payload of up to kInlineBytes travels inline), and
@@ -16,8 +17,11 @@
 // per rank. A rank writes only into its own region (it is the one allocator of its slots, so
 // allocation needs no atomic read-modify-write and one sender can never starve another); each
 // slot carries its state, the rank it was handed to, which the receiver resets once it has
-// copied the chunk out. With the defaults (64 entries of 192 B per ordered pair, 64 slots of
-// 64 KiB per rank) world 9 takes 37 MiB and world 64 takes 305 MiB (world 64 before: 16.9 GiB).
+// copied the chunk out. Collectives go through each rank's collective window (window_bytes,
+// two halves used by alternate steps): a rank writes its part of a step into its own window and
+// every peer reads it there directly (collective.h). With the defaults (64 entries of 192 B per
+// ordered pair, 64 slots of 64 KiB and a 1 MiB window per rank) world 9 takes 46 MiB and world
+// 64 takes 369 MiB (world 64 in layout 4: 16.9 GiB).
 //
 // Offsets, never pointers: each process maps the segment at its own address. Atomics are
 // lock-free std::atomic of 32 and 64 bits (asserted), which are address-free and so work
@@ -45,7 +49,7 @@ namespace tdshm::shm {
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
 inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
-inline constexpr uint32_t kLayoutVersion = 5;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
+inline constexpr uint32_t kLayoutVersion = 6;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
                                                // 5: metadata rings + slot arena
 inline constexpr size_t kMaxDims = 8;
 
@@ -76,7 +80,9 @@ struct SegmentHeader {
   uint64_t region_bytes;                 // 104 ArenaSlot table + slots of one rank
   uint32_t slots_per_rank;               // 112
   uint32_t reserved0;                    // 116 zero
-  uint8_t reserved[136];                 // 120 zero
+  uint64_t window_offset;                // 120 collective window of rank r at window_offset + r * window_bytes
+  uint64_t window_bytes;                 // 128 one rank's window (two halves)
+  uint8_t reserved[120];                 // 136 zero
 };
 static_assert(sizeof(SegmentHeader) == 256);
 static_assert(offsetof(SegmentHeader, layout_version) == 8);
@@ -86,6 +92,7 @@ static_assert(offsetof(SegmentHeader, creator_start_time) == 80);
 static_assert(offsetof(SegmentHeader, incarnation) == 88);
 static_assert(offsetof(SegmentHeader, arena_offset) == 96);
 static_assert(offsetof(SegmentHeader, slots_per_rank) == 112);
+static_assert(offsetof(SegmentHeader, window_offset) == 120 && offsetof(SegmentHeader, window_bytes) == 128);
 
 /// A slot's life in one incarnation: Free -> Live -> Left or Abandoned, each step once.
 enum RankState : uint32_t {
@@ -97,11 +104,16 @@ enum RankState : uint32_t {
 
 /// One per rank, at rank_table_offset + rank * sizeof(RankSlot). pid and start_time are written
 /// once, before state becomes Live (release): a reader that loads Live (acquire) reads them.
+/// The collective step words are written by their rank only (collective.h): `step_check[s % 2]`
+/// (relaxed) before `published` = s (release), which peers read with acquire.
 struct RankSlot {
   std::atomic<uint32_t> state;          // 0   RankState
   uint32_t pid;                         // 4
   uint64_t start_time;                  // 8   with pid: identifies the process (pid reuse)
-  uint8_t reserved0[48];                // 16
+  std::atomic<uint64_t> published;      // 16  last collective step whose part is in the window
+  std::atomic<uint64_t> consumed;       // 24  last collective step this rank finished reading
+  std::atomic<uint64_t> step_check[2];  // 32  what step s (in half s % 2) is: collective, sizes, step
+  uint8_t reserved0[16];                // 48
   // Second cache line: written by every peer that wakes this rank.
   std::atomic<uint32_t> wake_seq;       // 64  futex word: bumped after each event for this rank
   std::atomic<uint32_t> sleepers;       // 68  > 0 while a thread of the rank sleeps on wake_seq
@@ -109,6 +121,8 @@ struct RankSlot {
 };
 static_assert(sizeof(RankSlot) == 128);
 static_assert(offsetof(RankSlot, wake_seq) == 64);
+static_assert(offsetof(RankSlot, published) == 16 && offsetof(RankSlot, consumed) == 24 &&
+              offsetof(RankSlot, step_check) == 32);
 
 /// Start of each ring (ordered pair src -> dst): the producer's and the consumer's index, each on
 /// its own cache line. Positions grow forever; entry = position % ring_entries.
@@ -248,13 +262,15 @@ struct SegmentGeometry {
   uint64_t slot_stride;       // slot_bytes, padded to a cache line
   uint64_t region_bytes;
   uint64_t arena_offset;
+  uint64_t window_offset;
+  uint64_t window_bytes;  // per rank, a multiple of 2 cache lines
   uint64_t segment_bytes;
 };
 
 constexpr uint64_t round_up(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
 
 constexpr SegmentGeometry segment_geometry(uint32_t world_size, uint64_t slot_bytes, uint32_t ring_entries,
-                                           uint32_t slots_per_rank) {
+                                           uint32_t slots_per_rank, uint64_t window_bytes) {
   SegmentGeometry g{};
   g.entry_bytes = kEntryBytes;
   g.ring_bytes = sizeof(RingControl) + g.entry_bytes * ring_entries;
@@ -264,7 +280,9 @@ constexpr SegmentGeometry segment_geometry(uint32_t world_size, uint64_t slot_by
   g.slot_stride = round_up(slot_bytes, kCacheLine);
   g.region_bytes = g.slot_table_bytes + g.slot_stride * slots_per_rank;
   g.arena_offset = g.rings_offset + g.ring_bytes * world_size * world_size;
-  g.segment_bytes = g.arena_offset + g.region_bytes * world_size;
+  g.window_offset = g.arena_offset + g.region_bytes * world_size;
+  g.window_bytes = round_up(window_bytes, 2 * kCacheLine);
+  g.segment_bytes = g.window_offset + g.window_bytes * world_size;
   return g;
 }
 

@@ -38,6 +38,8 @@ HeaderFields read_header(const SegmentHeader& shared) noexcept {
   h.arena_offset = load_field<uint64_t>(b, offsetof(SegmentHeader, arena_offset));
   h.region_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, region_bytes));
   h.slots_per_rank = load_field<uint32_t>(b, offsetof(SegmentHeader, slots_per_rank));
+  h.window_offset = load_field<uint64_t>(b, offsetof(SegmentHeader, window_offset));
+  h.window_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, window_bytes));
   return h;
 }
 
@@ -64,17 +66,21 @@ HeaderCheck check_header(const HeaderFields& h, uint64_t file_bytes) {
   if (h.slots_per_rank < 1 || h.slots_per_rank > kMaxSlotsPerRank) {
     return fail(HeaderVerdict::kCorrupt, "slots per rank " + std::to_string(h.slots_per_rank));
   }
+  if (h.window_bytes < 2 * kCacheLine || h.window_bytes > kMaxWindowBytes || h.window_bytes % (2 * kCacheLine) != 0) {
+    return fail(HeaderVerdict::kCorrupt, "collective window bytes " + std::to_string(h.window_bytes));
+  }
   if (h.creator_rank >= h.world_size) {
     return fail(HeaderVerdict::kCorrupt, "creator rank " + std::to_string(h.creator_rank));
   }
   // With the bounds above the geometry cannot overflow 64 bits: rings 2^12 * 2^12 * 2^28, arena
-  // 2^12 * 2^16 * 2^30.
-  const SegmentGeometry g = segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank);
+  // 2^12 * 2^16 * 2^30, windows 2^12 * 2^30.
+  const SegmentGeometry g =
+      segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes);
   if (h.entry_bytes != g.entry_bytes || h.ring_bytes != g.ring_bytes || h.rank_table_offset != g.rank_table_offset ||
       h.rings_offset != g.rings_offset || h.arena_offset != g.arena_offset || h.region_bytes != g.region_bytes ||
-      h.segment_bytes != g.segment_bytes) {
-    return fail(HeaderVerdict::kCorrupt,
-                "offsets and sizes do not agree with world size, slot bytes, ring entries and slots per rank");
+      h.window_offset != g.window_offset || h.window_bytes != g.window_bytes || h.segment_bytes != g.segment_bytes) {
+    return fail(HeaderVerdict::kCorrupt, "offsets and sizes do not agree with world size, slot bytes, ring entries, "
+                                         "slots per rank and window bytes");
   }
   if (h.segment_bytes != file_bytes) {
     return fail(HeaderVerdict::kTruncated, "the header says " + std::to_string(h.segment_bytes) +

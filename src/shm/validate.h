@@ -16,6 +16,7 @@ inline constexpr uint32_t kMaxWorld = 4096;
 inline constexpr uint32_t kMaxRingEntries = 1u << 20;
 inline constexpr uint64_t kMaxSlotBytes = uint64_t{1} << 30;
 inline constexpr uint32_t kMaxSlotsPerRank = 1u << 16;
+inline constexpr uint64_t kMaxWindowBytes = uint64_t{1} << 30;
 
 /// The header's fields, copied out of shared memory.
 struct HeaderFields {
@@ -37,6 +38,8 @@ struct HeaderFields {
   uint64_t arena_offset = 0;
   uint64_t region_bytes = 0;
   uint32_t slots_per_rank = 0;
+  uint64_t window_offset = 0;
+  uint64_t window_bytes = 0;
 };
 
 /// Copies the header at `shared` (layout_version with acquire order first, so that a published

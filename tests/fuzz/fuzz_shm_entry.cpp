@@ -68,10 +68,14 @@ void fuzz_header(InputReader& r) {
   expect(h.creator_rank < h.world_size, "check_header accepted a creator rank outside the world");
   expect(h.slots_per_rank >= 1 && h.slots_per_rank <= shm::kMaxSlotsPerRank,
          "check_header accepted a number of arena slots out of range");
-  const shm::SegmentGeometry g = shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank);
+  expect(h.window_bytes >= 128 && h.window_bytes <= shm::kMaxWindowBytes && h.window_bytes % 128 == 0,
+         "check_header accepted a collective window size out of range");
+  const shm::SegmentGeometry g =
+      shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes);
   expect(h.entry_bytes == g.entry_bytes && h.ring_bytes == g.ring_bytes && h.rank_table_offset == g.rank_table_offset &&
              h.rings_offset == g.rings_offset && h.arena_offset == g.arena_offset &&
-             h.region_bytes == g.region_bytes && h.segment_bytes == g.segment_bytes,
+             h.region_bytes == g.region_bytes && h.window_offset == g.window_offset &&
+             h.segment_bytes == g.segment_bytes,
          "check_header accepted offsets or sizes other than segment_geometry's");
   expect(h.segment_bytes == file_bytes, "check_header accepted a header whose size is not the file's");
 }

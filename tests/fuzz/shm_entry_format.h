@@ -85,6 +85,8 @@ inline shm::HeaderFields read_header_fields(InputReader& r) {
   h.arena_offset = r.u64();
   h.region_bytes = r.u64();
   h.slots_per_rank = r.u32();
+  h.window_offset = r.u64();
+  h.window_bytes = r.u64();
   return h;
 }
 
@@ -107,6 +109,8 @@ inline void write_header_fields(InputWriter& w, const shm::HeaderFields& h) {
   w.u64(h.arena_offset);
   w.u64(h.region_bytes);
   w.u32(h.slots_per_rank);
+  w.u64(h.window_offset);
+  w.u64(h.window_bytes);
 }
 
 inline shm::EntryFields read_entry_fields(InputReader& r) {

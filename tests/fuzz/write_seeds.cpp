@@ -258,7 +258,8 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("a seed meant to be accepted is refused: " + what);
 }
 
-// A complete header of this layout for 2 ranks, rings of 64 entries, 16 arena slots of 4 KiB per rank.
+// A complete header of this layout for 2 ranks, rings of 64 entries, 16 arena slots of 4 KiB and
+// an 8 KiB collective window per rank.
 shm::HeaderFields valid_header() {
   shm::HeaderFields h;
   h.magic = shm::kSegmentMagic;
@@ -268,7 +269,10 @@ shm::HeaderFields valid_header() {
   h.ring_entries = 64;
   h.slot_bytes = 4096;
   h.slots_per_rank = 16;
-  const shm::SegmentGeometry g = shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank);
+  h.window_bytes = 8192;
+  const shm::SegmentGeometry g =
+      shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes);
+  h.window_offset = g.window_offset;
   h.arena_offset = g.arena_offset;
   h.region_bytes = g.region_bytes;
   h.segment_bytes = g.segment_bytes;

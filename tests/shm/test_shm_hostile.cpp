@@ -137,10 +137,11 @@ class RingWriter {
     entries_ = h.ring_entries;
     slot_ = h.slot_bytes;
     slots_ = h.slots_per_rank;
-    geo_ = shm::segment_geometry(world_, slot_, entries_, slots_);
+    geo_ = shm::segment_geometry(world_, slot_, entries_, slots_, h.window_bytes);
     SHM_CHECK(h.rank_table_offset == geo_.rank_table_offset && h.rings_offset == geo_.rings_offset &&
                   h.ring_bytes == geo_.ring_bytes && h.entry_bytes == geo_.entry_bytes &&
                   h.arena_offset == geo_.arena_offset && h.region_bytes == geo_.region_bytes &&
+                  h.window_offset == geo_.window_offset &&
                   h.segment_bytes == geo_.segment_bytes && geo_.segment_bytes == seg_.size(),
               "the header's geometry disagrees with segment_geometry");
     SHM_CHECK(src >= 0 && dst >= 0 && static_cast<uint32_t>(src) < world_ && static_cast<uint32_t>(dst) < world_);

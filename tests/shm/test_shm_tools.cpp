@@ -371,7 +371,7 @@ TEST_F(ShmTools, LiveGroupIsListedAndNeverCollected) {
   EXPECT_EQ(info.status, SegmentStatus::kValid);
   EXPECT_EQ(info.alive_ranks(), 2u);
   ASSERT_TRUE(info.details.has_value());
-  if (shm::kLayoutVersion == 5) {
+  if (shm::kLayoutVersion >= 5) {
     // One ring per ordered pair; rank 1's message to rank 0 (64 bytes: inline, no slot) is in it.
     ASSERT_TRUE(info.details->available) << info.details->note;
     ASSERT_EQ(info.details->pairs.size(), 4u);
@@ -648,7 +648,7 @@ const shm::PairInfo& pair_of(const shm::LayoutDetails& d, uint32_t world, uint32
 std::vector<std::pair<uint32_t, uint64_t>> by_dst(std::initializer_list<std::pair<uint32_t, uint64_t>> l) { return l; }
 
 TEST_F(ShmTools, LayoutVersion5DetailsOfMessagesInFlight) {
-  if (shm::kLayoutVersion != 5) GTEST_SKIP() << "this build's layout is version " << shm::kLayoutVersion;
+  if (shm::kLayoutVersion < 5) GTEST_SKIP() << "this build's layout is version " << shm::kLayoutVersion;
   set_deadline(150s);
   const std::string name = unique_name();
   InFlightGroup group(name);
@@ -679,7 +679,7 @@ TEST_F(ShmTools, LayoutVersion5DetailsOfMessagesInFlight) {
   EXPECT_EQ(info.alive_ranks(), kWorld);
   ASSERT_TRUE(info.details.has_value());
   const shm::LayoutDetails& d = *info.details;
-  EXPECT_EQ(d.layout_version, 5u);
+  EXPECT_EQ(d.layout_version, shm::kLayoutVersion);
   ASSERT_TRUE(d.available) << d.note;
   EXPECT_TRUE(d.note.empty()) << d.note;
   ASSERT_TRUE(d.rank_table_offset.has_value());
@@ -823,7 +823,7 @@ std::vector<uint8_t> v5_segment(uint32_t dead) {
 TEST_F(ShmTools, LayoutVersion5DetailsOfASyntheticSegment) {
   if (shm::kLayoutVersion == 5) {
     // The numbers above are this build's geometry.
-    const shm::SegmentGeometry g = shm::segment_geometry(3, 100, 4, 3);
+    const shm::SegmentGeometry g = shm::segment_geometry(3, 100, 4, 3, 0);
     ASSERT_EQ(g.rings_offset, kV5Rings);
     ASSERT_EQ(g.ring_bytes, kV5RingBytes);
     ASSERT_EQ(g.arena_offset, kV5Arena);
@@ -1221,7 +1221,7 @@ TEST_F(ShmCli, LsInspectGcOnLiveThenKilledGroup) {
   ToolRun inj = run_tool({"inspect", "--json", name});
   EXPECT_EQ(inj.rc, 0) << inj.describe("inspect --json");
   EXPECT_TRUE(has(inj.out, "\"status\": \"valid\"") && has(inj.out, "\"details\": {")) << inj.describe("inspect --json");
-  if (shm::kLayoutVersion == 5) {
+  if (shm::kLayoutVersion >= 5) {
     // The pair table (PAIR HEAD TAIL DEPTH MESSAGES BYTES): rank 1's 64-byte message to rank 0 is
     // in flight, inline (no arena slot).
     EXPECT_EQ(row_words(in.out, "1->0"), (Words{"1->0", "1", "0", "1", "1", "64"})) << in.describe("inspect");
@@ -1283,7 +1283,7 @@ TEST_F(ShmCli, LsInspectGcOnLiveThenKilledGroup) {
 
 TEST_F(ShmCli, InspectShowsMessagesAndArenaSlotsInFlight) {
   if (kTool[0] == '\0' || ::access(kTool, X_OK) != 0) GTEST_SKIP() << "the tdshm tool is not built";
-  if (shm::kLayoutVersion != 5) GTEST_SKIP() << "this build's layout is version " << shm::kLayoutVersion;
+  if (shm::kLayoutVersion < 5) GTEST_SKIP() << "this build's layout is version " << shm::kLayoutVersion;
   set_deadline(150s);
   const std::string name = unique_name();
   InFlightGroup group(name);
@@ -1296,7 +1296,8 @@ TEST_F(ShmCli, InspectShowsMessagesAndArenaSlotsInFlight) {
   EXPECT_EQ(row_words(in.out, "0->1"), (Words{"0->1", "4", "0", "4", "3", "106504"})) << in.describe("inspect");
   EXPECT_EQ(row_words(in.out, "2->1"), (Words{"2->1", "1", "0", "1", "1", "1000"})) << in.describe("inspect");
   EXPECT_EQ(row_words(in.out, "1->0"), (Words{"1->0", "0", "0", "0", "0", "0"})) << in.describe("inspect");
-  for (const char* needle : {"layout version 5 details", "slots_per_rank 64",
+  const std::string version_line = "layout version " + std::to_string(shm::kLayoutVersion) + " details";
+  for (const char* needle : {version_line.c_str(), "slots_per_rank 64",
                              "arena of rank 0: 3 of 64 slots in use, 192.0 KiB reserved (3 for rank 1)",
                              "arena of rank 1: 0 of 64 slots in use\n",
                              "arena of rank 2: 1 of 64 slots in use, 64.0 KiB reserved (1 for rank 1)", "WAKE_SEQ"}) {

@@ -167,7 +167,8 @@ uint64_t proc_start_time(pid_t pid) {
 std::string plausible_segment(int world, const ShmOptions& opts, bool published, int live_rank, uint32_t pid,
                               uint64_t start_time) {
   const shm::SegmentGeometry g =
-      shm::segment_geometry(static_cast<uint32_t>(world), opts.slot_bytes, opts.ring_entries, opts.slots_per_rank);
+      shm::segment_geometry(static_cast<uint32_t>(world), opts.slot_bytes, opts.ring_entries, opts.slots_per_rank,
+                            opts.window_bytes);
   std::string bytes(g.segment_bytes, '\0');
   auto* h = new (bytes.data()) shm::SegmentHeader{};
   h->magic = shm::kSegmentMagic;
@@ -183,6 +184,8 @@ std::string plausible_segment(int world, const ShmOptions& opts, bool published,
   h->arena_offset = g.arena_offset;
   h->region_bytes = g.region_bytes;
   h->slots_per_rank = opts.slots_per_rank;
+  h->window_offset = g.window_offset;
+  h->window_bytes = g.window_bytes;
   h->creator_pid = pid;
   h->creator_start_time = start_time;
   if (live_rank >= 0) {

@@ -1,5 +1,5 @@
 // Binary compatibility of the structs that live in a segment. These numbers are the layout that
-// kLayoutVersion 5 promises to every process attached to a segment: changing a struct without
+// kLayoutVersion 6 promises to every process attached to a segment: changing a struct without
 // bumping the version makes one of these fail.
 
 #include "shm/segment_layout.h"
@@ -12,7 +12,7 @@ namespace {
 using namespace tdshm::shm;
 
 TEST(ShmLayout, VersionAndMagicArePinned) {
-  EXPECT_EQ(kLayoutVersion, 5u);
+  EXPECT_EQ(kLayoutVersion, 6u);
   char magic[8];
   std::memcpy(magic, &kSegmentMagic, 8);
   EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");
@@ -41,6 +41,8 @@ TEST(ShmLayout, SegmentHeaderV3) {
   EXPECT_EQ(offsetof(SegmentHeader, arena_offset), 96u);
   EXPECT_EQ(offsetof(SegmentHeader, region_bytes), 104u);
   EXPECT_EQ(offsetof(SegmentHeader, slots_per_rank), 112u);
+  EXPECT_EQ(offsetof(SegmentHeader, window_offset), 120u);
+  EXPECT_EQ(offsetof(SegmentHeader, window_bytes), 128u);
   EXPECT_TRUE(std::is_standard_layout_v<SegmentHeader>);
 }
 
@@ -49,6 +51,9 @@ TEST(ShmLayout, RankSlotV3) {
   EXPECT_EQ(offsetof(RankSlot, state), 0u);
   EXPECT_EQ(offsetof(RankSlot, pid), 4u);
   EXPECT_EQ(offsetof(RankSlot, start_time), 8u);
+  EXPECT_EQ(offsetof(RankSlot, published), 16u);
+  EXPECT_EQ(offsetof(RankSlot, consumed), 24u);
+  EXPECT_EQ(offsetof(RankSlot, step_check), 32u);
   EXPECT_EQ(offsetof(RankSlot, wake_seq), 64u);
   EXPECT_EQ(offsetof(RankSlot, sleepers), 68u);
   EXPECT_EQ(kRankFree, 0u);
@@ -104,8 +109,8 @@ TEST(ShmLayout, MemmapReference) {
 }
 
 TEST(ShmLayout, GeometryOfAKnownSegment) {
-  // 2 ranks, 4 KiB slots, rings of 4 entries, 8 slots per rank.
-  const SegmentGeometry g = segment_geometry(2, 4096, 4, 8);
+  // 2 ranks, 4 KiB slots, rings of 4 entries, 8 slots per rank, 1 KiB windows.
+  const SegmentGeometry g = segment_geometry(2, 4096, 4, 8, 1024);
   EXPECT_EQ(g.entry_bytes, 192u);
   EXPECT_EQ(g.ring_bytes, 128u + 4u * 192u);
   EXPECT_EQ(g.rank_table_offset, 256u);
@@ -114,22 +119,29 @@ TEST(ShmLayout, GeometryOfAKnownSegment) {
   EXPECT_EQ(g.slot_table_bytes, 64u);
   EXPECT_EQ(g.slot_stride, 4096u);
   EXPECT_EQ(g.region_bytes, 64u + 8u * 4096u);
-  EXPECT_EQ(g.segment_bytes, g.arena_offset + 2u * g.region_bytes);
+  EXPECT_EQ(g.window_offset, g.arena_offset + 2u * g.region_bytes);
+  EXPECT_EQ(g.window_bytes, 1024u);
+  EXPECT_EQ(g.segment_bytes, g.window_offset + 2u * 1024u);
+  // A window is two cache-line-aligned halves.
+  EXPECT_EQ(segment_geometry(2, 4096, 4, 8, 100).window_bytes, 128u);
   // A slot size that is not a multiple of a cache line is padded to one; 9 slots take 2 lines of states.
-  EXPECT_EQ(segment_geometry(3, 100, 2, 9).slot_stride, 128u);
-  EXPECT_EQ(segment_geometry(3, 100, 2, 9).slot_table_bytes, 128u);
-  EXPECT_EQ(segment_geometry(3, 100, 2, 9).rings_offset, 640u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 128).slot_stride, 128u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 128).slot_table_bytes, 128u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 128).rings_offset, 640u);
   // The first 8 inline payload bytes share the header's cache line.
   EXPECT_EQ(sizeof(EntryHeader) + 8, kCacheLine);
 }
 
 TEST(ShmLayout, MemoryGrowsWithTheWorldNotItsSquare) {
-  // Defaults: 64 KiB slots, 64 slots per rank, rings of 64 entries.
-  auto mib = [](uint32_t world) { return double(segment_geometry(world, 64 << 10, 64, 64).segment_bytes) / (1 << 20); };
-  EXPECT_LT(mib(9), 40.0);    // an 8-worker loader fits Docker's 64 MiB /dev/shm
+  // Defaults: 64 KiB slots, 64 slots per rank, rings of 64 entries, 1 MiB windows.
+  auto mib = [](uint32_t world) {
+    return double(segment_geometry(world, 64 << 10, 64, 64, 1 << 20).segment_bytes) / (1 << 20);
+  };
+  EXPECT_LT(mib(9), 48.0);    // an 8-worker loader fits Docker's 64 MiB /dev/shm
   EXPECT_LT(mib(64), 512.0);  // was 16.9 GiB in layout 4
-  // The arena is linear in the world; the rings (12 KiB per ordered pair) are the square term.
-  EXPECT_NEAR(mib(64) - 64 * 4.0, 64.0 * 64 * (128 + 64 * 192) / (1 << 20), 1.0);
+  // The arena and the windows are linear in the world; the rings (12 KiB per ordered pair) are
+  // the square term.
+  EXPECT_NEAR(mib(64) - 64 * 5.0, 64.0 * 64 * (128 + 64 * 192) / (1 << 20), 1.0);
 }
 
 TEST(ShmLayout, StructsWorkOnAPlainByteBuffer) {

@@ -1,0 +1,390 @@
+// ProcessGroupShm's collectives: c10d's arguments checked and turned into byte buffers, then
+// run over the segment's collective windows (shm/collective.h) in the calling thread. The Work
+// returned is complete; an error of the collective itself is raised by its wait(), as c10d does.
+
+#include <tdshm/process_group.h>
+
+#include "shm/collective.h"
+#include "shm/engine.h"
+
+#include <ATen/core/ivalue.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty.h>
+
+#include <functional>
+#include <mutex>
+
+namespace tdshm {
+
+using detail::ReduceKind;
+
+namespace {
+
+/// A collective that already ran: wait() rethrows its error, result() returns its outputs.
+class DoneWork : public c10d::Work {
+ public:
+  DoneWork(int rank, c10d::OpType type, std::exception_ptr error, std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type), outputs_(std::move(outputs)) {
+    finish(std::move(error));
+  }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    if (exception_) {
+      future->setError(exception_);
+    } else {
+      future->markCompleted(c10::IValue(outputs_));
+    }
+    return future;
+  }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+};
+
+void check_tensor(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.defined(), "ProcessGroupShm::", op, ": a tensor is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "ProcessGroupShm::", op, ": only CPU tensors are supported, got ", t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, "ProcessGroupShm::", op, ": only dense (strided) tensors are supported");
+  if (t.numel() > 1) {
+    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "ProcessGroupShm::", op,
+                ": a tensor's elements overlap in memory (an expanded view); pass a tensor of its own");
+  }
+}
+
+const at::Tensor& only_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
+  TORCH_CHECK(tensors.size() == 1, "ProcessGroupShm::", op, " takes exactly one tensor, got ", tensors.size());
+  check_tensor(tensors[0], op);
+  return tensors[0];
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& like, const char* op, const char* what) {
+  check_tensor(t, op);
+  TORCH_CHECK(t.scalar_type() == like.scalar_type() && t.numel() == like.numel(), "ProcessGroupShm::", op, ": ", what,
+              " must have the input's dtype and number of elements (", like.scalar_type(), ", ", like.numel(), "), got ",
+              t.scalar_type(), ", ", t.numel());
+}
+
+void check_root(int64_t root, int size, const char* op) {
+  TORCH_CHECK(root >= 0 && root < size, "ProcessGroupShm::", op, ": root rank ", root, " is outside [0, ", size, ")");
+}
+
+ReduceKind reduce_kind(const c10d::ReduceOp& op, at::ScalarType dtype, const char* name) {
+  ReduceKind k;
+  switch (static_cast<c10d::ReduceOp::RedOpType>(op)) {
+    case c10d::ReduceOp::SUM: k = ReduceKind::kSum; break;
+    case c10d::ReduceOp::AVG: k = ReduceKind::kAvg; break;
+    case c10d::ReduceOp::PRODUCT: k = ReduceKind::kProduct; break;
+    case c10d::ReduceOp::MIN: k = ReduceKind::kMin; break;
+    case c10d::ReduceOp::MAX: k = ReduceKind::kMax; break;
+    case c10d::ReduceOp::BAND: k = ReduceKind::kBand; break;
+    case c10d::ReduceOp::BOR: k = ReduceKind::kBor; break;
+    case c10d::ReduceOp::BXOR: k = ReduceKind::kBxor; break;
+    default:
+      throw TypeError(std::string("ProcessGroupShm::") + name +
+                      ": this reduce op is not supported (PREMUL_SUM is NCCL's); use SUM, AVG, PRODUCT, MIN, MAX, "
+                      "BAND, BOR or BXOR");
+  }
+  if (std::string problem = detail::reduce_problem(k, dtype); !problem.empty()) {
+    throw TypeError(std::string("ProcessGroupShm::") + name + ": " + problem);
+  }
+  return k;
+}
+
+uint8_t* bytes_of(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+uint64_t nbytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
+
+// A contiguous tensor with t's values (t itself when it is contiguous); `back` copies it into t.
+struct Dense {
+  at::Tensor t;
+  at::Tensor staged;
+  explicit Dense(const at::Tensor& user, bool copy_in = true) : t(user) {
+    if (!user.is_contiguous()) {
+      staged = copy_in ? user.contiguous() : at::empty(user.sizes(), user.options());
+    }
+  }
+  const at::Tensor& dense() const { return staged.defined() ? staged : t; }
+  void back() const {
+    if (staged.defined()) t.copy_(staged);
+  }
+};
+
+}  // namespace
+
+// Runs `body` as one collective of the group: under the collective lock, against the deadline
+// of `timeout` (the group's when unset); returns a Work that is complete.
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::run_collective(c10d::OpType type, std::chrono::milliseconds timeout,
+                                                               const std::function<void(detail::Deadline)>& body,
+                                                               std::vector<at::Tensor> outputs) {
+  const auto limit = timeout == c10d::kUnsetTimeout ? engine_->options().timeout : timeout;
+  std::exception_ptr error;
+  {
+    std::lock_guard lk(engine_->collective_mutex());
+    try {
+      body(std::chrono::steady_clock::now() + limit);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  return c10::make_intrusive<DoneWork>(getRank(), type, std::move(error), std::move(outputs));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  const at::Tensor& t = only_tensor(tensors, "broadcast");
+  check_root(opts.rootRank, getSize(), "broadcast");
+  TORCH_CHECK(opts.rootTensor == 0, "ProcessGroupShm::broadcast: rootTensor must be 0");
+  const int root = static_cast<int>(opts.rootRank);
+  return run_collective(
+      c10d::OpType::BROADCAST, opts.timeout,
+      [&](detail::Deadline d) {
+        const Dense x(t, getRank() == root);
+        detail::shm_broadcast(*engine_, bytes_of(x.dense()), nbytes(t), root, d);
+        x.back();
+      },
+      {t});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& opts) {
+  return run_collective(
+      c10d::OpType::BARRIER, opts.timeout, [&](detail::Deadline d) { detail::shm_barrier(*engine_, d); }, {});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts) {
+  const at::Tensor& t = only_tensor(tensors, "allreduce");
+  const ReduceKind op = reduce_kind(opts.reduceOp, t.scalar_type(), "allreduce");
+  return run_collective(
+      c10d::OpType::ALLREDUCE, opts.timeout,
+      [&](detail::Deadline d) {
+        const Dense x(t);
+        detail::shm_reduce(*engine_, bytes_of(x.dense()), static_cast<uint64_t>(t.numel()), t.scalar_type(), op, -1, d);
+        x.back();
+      },
+      {t});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                    const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK(!tensors.empty(), "ProcessGroupShm::allreduce_coalesced: no tensors");
+  for (const auto& t : tensors) {
+    check_tensor(t, "allreduce_coalesced");
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(),
+                "ProcessGroupShm::allreduce_coalesced: all tensors must have one dtype, got ", tensors[0].scalar_type(),
+                " and ", t.scalar_type());
+  }
+  const at::ScalarType dtype = tensors[0].scalar_type();
+  const ReduceKind op = reduce_kind(opts.reduceOp, dtype, "allreduce_coalesced");
+  return run_collective(
+      c10d::OpType::ALLREDUCE_COALESCED, opts.timeout,
+      [&](detail::Deadline d) {
+        int64_t total = 0;
+        for (const auto& t : tensors) total += t.numel();
+        at::Tensor flat = at::empty({total}, tensors[0].options().memory_format(c10::nullopt));
+        int64_t at_el = 0;
+        for (const auto& t : tensors) {
+          flat.narrow(0, at_el, t.numel()).copy_(t.reshape({-1}));
+          at_el += t.numel();
+        }
+        detail::shm_reduce(*engine_, bytes_of(flat), static_cast<uint64_t>(total), dtype, op, -1, d);
+        at_el = 0;
+        for (const auto& t : tensors) {
+          t.copy_(flat.narrow(0, at_el, t.numel()).view(t.sizes()));
+          at_el += t.numel();
+        }
+      },
+      tensors);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  const at::Tensor& t = only_tensor(tensors, "reduce");
+  check_root(opts.rootRank, getSize(), "reduce");
+  TORCH_CHECK(opts.rootTensor == 0, "ProcessGroupShm::reduce: rootTensor must be 0");
+  const ReduceKind op = reduce_kind(opts.reduceOp, t.scalar_type(), "reduce");
+  const int root = static_cast<int>(opts.rootRank);
+  return run_collective(
+      c10d::OpType::REDUCE, opts.timeout,
+      [&](detail::Deadline d) {
+        const Dense x(t);
+        detail::shm_reduce(*engine_, bytes_of(x.dense()), static_cast<uint64_t>(t.numel()), t.scalar_type(), op, root, d);
+        if (getRank() == root) x.back();
+      },
+      {t});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllgatherOptions& opts) {
+  const at::Tensor& in = only_tensor(inputs, "allgather");
+  TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(getSize()),
+              "ProcessGroupShm::allgather: expected one list of ", getSize(), " output tensors");
+  for (const auto& o : outputs[0]) check_like(o, in, "allgather", "every output");
+  return run_collective(
+      c10d::OpType::ALLGATHER, opts.timeout,
+      [&](detail::Deadline d) {
+        const Dense x(in);
+        std::vector<Dense> outs;
+        std::vector<uint8_t*> ptrs;
+        for (const auto& o : outputs[0]) {
+          outs.emplace_back(o, false);
+          ptrs.push_back(bytes_of(outs.back().dense()));
+        }
+        detail::shm_gather(*engine_, bytes_of(x.dense()), nbytes(in), ptrs, -1, d);
+        for (const auto& o : outs) o.back();
+      },
+      outputs[0]);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                                const c10d::AllgatherOptions& opts) {
+  check_tensor(input, "_allgather_base");
+  check_tensor(output, "_allgather_base");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type() && output.numel() == input.numel() * getSize(),
+              "ProcessGroupShm::_allgather_base: the output must have the input's dtype and world size (", getSize(),
+              ") times its elements");
+  return run_collective(
+      c10d::OpType::_ALLGATHER_BASE, opts.timeout,
+      [&](detail::Deadline d) {
+        const Dense x(input);
+        const Dense out(output, false);
+        std::vector<uint8_t*> ptrs;
+        for (int r = 0; r < getSize(); ++r) ptrs.push_back(bytes_of(out.dense()) + static_cast<uint64_t>(r) * nbytes(input));
+        detail::shm_gather(*engine_, bytes_of(x.dense()), nbytes(input), ptrs, -1, d);
+        out.back();
+      },
+      {output});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                       std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  const at::Tensor& in = only_tensor(inputs, "gather");
+  check_root(opts.rootRank, getSize(), "gather");
+  const int root = static_cast<int>(opts.rootRank);
+  if (getRank() == root) {
+    TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(getSize()),
+                "ProcessGroupShm::gather: the root expects one list of ", getSize(), " output tensors");
+    for (const auto& o : outputs[0]) check_like(o, in, "gather", "every output");
+  } else {
+    TORCH_CHECK(outputs.empty(), "ProcessGroupShm::gather: only the root passes output tensors");
+  }
+  return run_collective(
+      c10d::OpType::GATHER, opts.timeout,
+      [&](detail::Deadline d) {
+        const Dense x(in);
+        std::vector<Dense> outs;
+        std::vector<uint8_t*> ptrs;
+        if (getRank() == root) {
+          for (const auto& o : outputs[0]) {
+            outs.emplace_back(o, false);
+            ptrs.push_back(bytes_of(outs.back().dense()));
+          }
+        }
+        detail::shm_gather(*engine_, bytes_of(x.dense()), nbytes(in), ptrs, root, d);
+        for (const auto& o : outs) o.back();
+      },
+      getRank() == root ? outputs[0] : std::vector<at::Tensor>{});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>& outputs,
+                                                        std::vector<std::vector<at::Tensor>>& inputs,
+                                                        const c10d::ScatterOptions& opts) {
+  const at::Tensor& out = only_tensor(outputs, "scatter");
+  check_root(opts.rootRank, getSize(), "scatter");
+  const int root = static_cast<int>(opts.rootRank);
+  if (getRank() == root) {
+    TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(getSize()),
+                "ProcessGroupShm::scatter: the root expects one list of ", getSize(), " input tensors");
+    for (const auto& i : inputs[0]) check_like(i, out, "scatter", "every input");
+  } else {
+    TORCH_CHECK(inputs.empty(), "ProcessGroupShm::scatter: only the root passes input tensors");
+  }
+  return run_collective(
+      c10d::OpType::SCATTER, opts.timeout,
+      [&](detail::Deadline d) {
+        std::vector<at::Tensor> dense;
+        std::vector<const uint8_t*> ptrs;
+        if (getRank() == root) {
+          for (const auto& i : inputs[0]) {
+            dense.push_back(i.contiguous());
+            ptrs.push_back(bytes_of(dense.back()));
+          }
+        }
+        const Dense o(out, false);
+        detail::shm_scatter(*engine_, ptrs, bytes_of(o.dense()), nbytes(out), root, d);
+        o.back();
+      },
+      {out});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                               std::vector<std::vector<at::Tensor>>& inputs,
+                                                               const c10d::ReduceScatterOptions& opts) {
+  const at::Tensor& out = only_tensor(outputs, "reduce_scatter");
+  TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(getSize()),
+              "ProcessGroupShm::reduce_scatter: expected one list of ", getSize(), " input tensors");
+  for (const auto& i : inputs[0]) check_like(i, out, "reduce_scatter", "every input");
+  const ReduceKind op = reduce_kind(opts.reduceOp, out.scalar_type(), "reduce_scatter");
+  return run_collective(
+      c10d::OpType::REDUCE_SCATTER, opts.timeout,
+      [&](detail::Deadline d) {
+        std::vector<at::Tensor> dense;
+        std::vector<const uint8_t*> ptrs;
+        for (const auto& i : inputs[0]) {
+          dense.push_back(i.contiguous());
+          ptrs.push_back(bytes_of(dense.back()));
+        }
+        const Dense o(out, false);
+        detail::shm_reduce_scatter(*engine_, ptrs, bytes_of(o.dense()), static_cast<uint64_t>(out.numel()),
+                                   out.scalar_type(), op, d);
+        o.back();
+      },
+      {out});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                              std::vector<int64_t>& outputSplitSizes,
+                                                              std::vector<int64_t>& inputSplitSizes,
+                                                              const c10d::AllToAllOptions& opts) {
+  check_tensor(input, "alltoall_base");
+  check_tensor(output, "alltoall_base");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "ProcessGroupShm::alltoall_base: input and output dtypes differ (",
+              input.scalar_type(), ", ", output.scalar_type(), ")");
+  const auto w = static_cast<size_t>(getSize());
+  // Split sizes count rows of dim 0; empty: equal splits.
+  auto bytes_per_peer = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    const uint64_t row_bytes = rows == 0 ? 0 : nbytes(t) / static_cast<uint64_t>(rows);
+    std::vector<uint64_t> out(w);
+    if (splits.empty()) {
+      TORCH_CHECK(rows % static_cast<int64_t>(w) == 0, "ProcessGroupShm::alltoall_base: the ", what, "'s ", rows,
+                  " rows do not split evenly among ", w, " ranks; pass split sizes");
+      for (auto& b : out) b = static_cast<uint64_t>(rows) / w * row_bytes;
+    } else {
+      TORCH_CHECK(splits.size() == w, "ProcessGroupShm::alltoall_base: ", w, " ", what, " split sizes expected, got ",
+                  splits.size());
+      int64_t sum = 0;
+      for (size_t r = 0; r < w; ++r) {
+        TORCH_CHECK(splits[r] >= 0, "ProcessGroupShm::alltoall_base: negative ", what, " split size");
+        sum += splits[r];
+        out[r] = static_cast<uint64_t>(splits[r]) * row_bytes;
+      }
+      TORCH_CHECK(sum == rows, "ProcessGroupShm::alltoall_base: the ", what, " split sizes add up to ", sum,
+                  " rows, the tensor has ", rows);
+    }
+    return out;
+  };
+  const std::vector<uint64_t> send = bytes_per_peer(input, inputSplitSizes, "input");
+  const std::vector<uint64_t> recv = bytes_per_peer(output, outputSplitSizes, "output");
+  return run_collective(
+      c10d::OpType::ALLTOALL_BASE, opts.timeout,
+      [&](detail::Deadline d) {
+        const Dense x(input);
+        const Dense o(output, false);
+        detail::shm_alltoall(*engine_, bytes_of(x.dense()), send, bytes_of(o.dense()), recv, d);
+        o.back();
+      },
+      {output});
+}
+
+}  // namespace tdshm

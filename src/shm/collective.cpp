@@ -1,0 +1,285 @@
+// Collectives over the segment's windows (collective.h).
+
+#include "shm/collective.h"
+
+#include <tdshm/errors.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace tdshm::detail {
+
+namespace {
+
+enum class Kind : uint8_t { kBarrier = 1, kBroadcast, kReduce, kGather, kScatter, kReduceScatter, kAlltoall };
+
+// What a step is, as every rank must agree: the collective, its parameters, the piece.
+uint64_t describe(Kind kind, uint64_t bytes, int root = -1, uint32_t extra = 0, uint64_t piece = 0) {
+  uint64_t x = (uint64_t{static_cast<uint8_t>(kind)} << 56) ^ (uint64_t{extra} << 24) ^
+               (static_cast<uint64_t>(static_cast<uint32_t>(root)) << 32);
+  x ^= bytes * 0xc2b2ae3d27d4eb4full;
+  x ^= piece * 0x165667b19e3779f9ull;
+  return x;
+}
+
+uint32_t reduce_code(at::ScalarType dtype, ReduceKind op) {
+  return (static_cast<uint32_t>(dtype) << 8) | static_cast<uint32_t>(op);
+}
+
+// Runs one step: `write` fills this rank's part, `read` takes what it needs once every peer
+// published; the part is released after `read`.
+template <class Write, class Read>
+void step(ShmEngine& e, uint64_t what, Deadline deadline, Write write, Read read) {
+  const uint64_t s = e.begin_step(what, deadline);
+  write(e.my_part(s));
+  e.publish_step(s);
+  e.await_step(s, deadline);
+  read(s);
+  e.end_step(s);
+}
+
+uint64_t pieces(uint64_t bytes, uint64_t per_piece) { return std::max<uint64_t>(1, (bytes + per_piece - 1) / per_piece); }
+
+// Bytes per rank within one part when it is cut into `world` equal pieces (cache-line multiples).
+uint64_t share(const ShmEngine& e, uint64_t unit) {
+  const uint64_t per = e.part_bytes() / static_cast<uint64_t>(e.size());
+  const uint64_t aligned = per >= 64 ? per / 64 * 64 : per;
+  const uint64_t out = aligned / unit * unit;
+  if (out == 0) {
+    throw TypeError("shm collective: a window of " + std::to_string(2 * e.part_bytes()) + " bytes cannot be split among " +
+                    std::to_string(e.size()) + " ranks; make ShmOptions::window_bytes larger");
+  }
+  return out;
+}
+
+// Reductions of more than this many bytes per piece are split: each rank reduces 1/world of it
+// (reduce-scatter), then every rank copies the others' results (all-gather). Smaller ones are
+// reduced whole by every rank, which costs one step instead of two.
+constexpr uint64_t kSplitBytes = uint64_t{32} << 10;
+
+}  // namespace
+
+void shm_barrier(ShmEngine& e, Deadline deadline) {
+  step(e, describe(Kind::kBarrier, 0), deadline, [](uint8_t*) {}, [](uint64_t) {});
+}
+
+void shm_broadcast(ShmEngine& e, uint8_t* data, uint64_t bytes, int root, Deadline deadline) {
+  const uint64_t part = e.part_bytes();
+  const bool is_root = e.rank() == root;
+  for (uint64_t k = 0, n = pieces(bytes, part); k < n; ++k) {
+    const uint64_t off = k * part, len = std::min(part, bytes - off);
+    step(
+        e, describe(Kind::kBroadcast, bytes, root, 0, k), deadline,
+        [&](uint8_t* mine) {
+          if (is_root && len) std::memcpy(mine, data + off, len);
+        },
+        [&](uint64_t s) {
+          if (!is_root && len) std::memcpy(data + off, e.part_of(root, s), len);
+        });
+  }
+}
+
+void shm_reduce(ShmEngine& e, uint8_t* data, uint64_t n, at::ScalarType dtype, ReduceKind op, int root,
+                Deadline deadline) {
+  const uint64_t es = c10::elementSize(dtype);
+  const int world = e.size(), me = e.rank();
+  const bool wants = root < 0 || root == me;
+  const uint64_t per_piece = e.part_bytes() / es;  // elements
+  const uint64_t total = n * es;
+  // rank r's result into `out` (m elements): r0 op r1 op ... in rank order.
+  auto reduce_all = [&](uint8_t* out, uint64_t s, uint64_t offset, uint64_t m) {
+    if (m == 0) return;
+    if (world == 1) {
+      std::memmove(out, e.part_of(0, s) + offset, m * es);
+    } else {
+      reduce_into(out, e.part_of(0, s) + offset, e.part_of(1, s) + offset, m, dtype, op);
+      for (int r = 2; r < world; ++r) reduce_into(out, out, e.part_of(r, s) + offset, m, dtype, op);
+    }
+    if (op == ReduceKind::kAvg) divide_by(out, m, dtype, world);
+  };
+  const uint32_t code = reduce_code(dtype, op);
+  for (uint64_t k = 0, np = pieces(n, per_piece); k < np; ++k) {
+    const uint64_t first = k * per_piece, m = std::min(per_piece, n - first);
+    uint8_t* piece = data + first * es;
+    const bool split = world > 2 && m * es > kSplitBytes;
+    const uint64_t what = describe(Kind::kReduce, total, root, code, k);
+    if (!split) {
+      step(
+          e, what, deadline, [&](uint8_t* mine) { std::memcpy(mine, piece, m * es); },
+          [&](uint64_t s) {
+            if (wants) reduce_all(piece, s, 0, m);
+          });
+      continue;
+    }
+    // Rank r owns elements [m * r / world, m * (r + 1) / world) of the piece.
+    auto lo = [&](int r) { return m * static_cast<uint64_t>(r) / static_cast<uint64_t>(world); };
+    const uint64_t a = e.begin_step(what, deadline);
+    std::memcpy(e.my_part(a), piece, m * es);
+    e.publish_step(a);
+    e.await_step(a, deadline);
+    // The owned slice goes to the same offset of the next half (free: a - 1 was read by all).
+    const uint64_t b = e.begin_step(what ^ 1, deadline);
+    {
+      const uint64_t off = lo(me) * es, len = lo(me + 1) - lo(me);
+      if (len != 0) {
+        uint8_t* out = e.my_part(b) + off;
+        reduce_into(out, e.part_of(0, a) + off, e.part_of(1, a) + off, len, dtype, op);
+        for (int r = 2; r < world; ++r) reduce_into(out, out, e.part_of(r, a) + off, len, dtype, op);
+        if (op == ReduceKind::kAvg) divide_by(out, len, dtype, world);
+      }
+    }
+    e.end_step(a);
+    e.publish_step(b);
+    e.await_step(b, deadline);
+    if (wants) {
+      for (int r = 0; r < world; ++r) {
+        const uint64_t off = lo(r) * es, len = (lo(r + 1) - lo(r)) * es;
+        if (len) std::memcpy(piece + off, e.part_of(r, b) + off, len);
+      }
+    }
+    e.end_step(b);
+  }
+}
+
+void shm_gather(ShmEngine& e, const uint8_t* in, uint64_t bytes, std::span<uint8_t* const> outs, int root,
+                Deadline deadline) {
+  const uint64_t part = e.part_bytes();
+  const int me = e.rank();
+  const bool wants = root < 0 || root == me;
+  for (uint64_t k = 0, n = pieces(bytes, part); k < n; ++k) {
+    const uint64_t off = k * part, len = std::min(part, bytes - off);
+    step(
+        e, describe(Kind::kGather, bytes, root, 0, k), deadline,
+        [&](uint8_t* mine) {
+          if (len) std::memcpy(mine, in + off, len);
+        },
+        [&](uint64_t s) {
+          if (!wants || len == 0) return;
+          for (int r = 0; r < e.size(); ++r) {
+            std::memcpy(outs[static_cast<size_t>(r)] + off, r == me ? in + off : e.part_of(r, s), len);
+          }
+        });
+  }
+}
+
+void shm_scatter(ShmEngine& e, std::span<const uint8_t* const> ins, uint8_t* out, uint64_t bytes, int root,
+                 Deadline deadline) {
+  const uint64_t per = share(e, 1);
+  const int me = e.rank(), world = e.size();
+  for (uint64_t k = 0, n = pieces(bytes, per); k < n; ++k) {
+    const uint64_t off = k * per, len = std::min(per, bytes - off);
+    step(
+        e, describe(Kind::kScatter, bytes, root, 0, k), deadline,
+        [&](uint8_t* mine) {
+          if (me != root || len == 0) return;
+          for (int r = 0; r < world; ++r) {
+            if (r != me) std::memcpy(mine + static_cast<uint64_t>(r) * per, ins[static_cast<size_t>(r)] + off, len);
+          }
+        },
+        [&](uint64_t s) {
+          if (len == 0) return;
+          std::memcpy(out + off,
+                      me == root ? ins[static_cast<size_t>(me)] + off : e.part_of(root, s) + static_cast<uint64_t>(me) * per,
+                      len);
+        });
+  }
+}
+
+void shm_reduce_scatter(ShmEngine& e, std::span<const uint8_t* const> ins, uint8_t* out, uint64_t n,
+                        at::ScalarType dtype, ReduceKind op, Deadline deadline) {
+  const uint64_t es = c10::elementSize(dtype);
+  const uint64_t per = share(e, es) / es;  // elements per rank per step
+  const int me = e.rank(), world = e.size();
+  for (uint64_t k = 0, np = pieces(n, per); k < np; ++k) {
+    const uint64_t first = k * per, m = std::min(per, n - first);
+    step(
+        e, describe(Kind::kReduceScatter, n * es, -1, reduce_code(dtype, op), k), deadline,
+        [&](uint8_t* mine) {
+          for (int r = 0; r < world; ++r) {
+            if (m) std::memcpy(mine + static_cast<uint64_t>(r) * per * es, ins[static_cast<size_t>(r)] + first * es, m * es);
+          }
+        },
+        [&](uint64_t s) {
+          if (m == 0) return;
+          const uint64_t off = static_cast<uint64_t>(me) * per * es;
+          uint8_t* dst = out + first * es;
+          if (world == 1) {
+            std::memcpy(dst, e.part_of(0, s) + off, m * es);
+          } else {
+            reduce_into(dst, e.part_of(0, s) + off, e.part_of(1, s) + off, m, dtype, op);
+            for (int r = 2; r < world; ++r) reduce_into(dst, dst, e.part_of(r, s) + off, m, dtype, op);
+          }
+          if (op == ReduceKind::kAvg) divide_by(dst, m, dtype, world);
+        });
+  }
+}
+
+void shm_alltoall(ShmEngine& e, const uint8_t* in, std::span<const uint64_t> send_bytes, uint8_t* out,
+                  std::span<const uint64_t> recv_bytes, Deadline deadline) {
+  const int world = e.size(), me = e.rank();
+  const auto w = static_cast<size_t>(world);
+  if (e.part_bytes() < 16 * w) {
+    throw TypeError("shm alltoall: a window of " + std::to_string(2 * e.part_bytes()) +
+                    " bytes cannot hold the sizes of " + std::to_string(world) +
+                    " ranks; make ShmOptions::window_bytes larger");
+  }
+  // First step: every rank's send and receive sizes, so that every rank checks every pair and
+  // knows how many steps the largest pair takes.
+  uint64_t longest = 0;
+  std::string problem;
+  step(
+      e, describe(Kind::kAlltoall, 0), deadline,
+      [&](uint8_t* mine) {
+        std::memcpy(mine, send_bytes.data(), 8 * w);
+        std::memcpy(mine + 8 * w, recv_bytes.data(), 8 * w);
+      },
+      [&](uint64_t s) {
+        std::vector<uint64_t> sends(w * w), recvs(w * w);
+        for (size_t r = 0; r < w; ++r) {
+          const uint8_t* p = r == static_cast<size_t>(me) ? nullptr : e.part_of(static_cast<int>(r), s);
+          std::memcpy(&sends[r * w], p ? p : reinterpret_cast<const uint8_t*>(send_bytes.data()), 8 * w);
+          std::memcpy(&recvs[r * w], p ? p + 8 * w : reinterpret_cast<const uint8_t*>(recv_bytes.data()), 8 * w);
+        }
+        for (size_t a = 0; a < w && problem.empty(); ++a) {
+          for (size_t b = 0; b < w; ++b) {
+            if (sends[a * w + b] != recvs[b * w + a]) {
+              problem = "shm alltoall: rank " + std::to_string(a) + " sends " + std::to_string(sends[a * w + b]) +
+                        " bytes to rank " + std::to_string(b) + ", which expects " + std::to_string(recvs[b * w + a]);
+              break;
+            }
+            longest = std::max(longest, sends[a * w + b]);
+          }
+        }
+      });
+  if (!problem.empty()) throw TransportError(problem);  // every rank found the same
+  std::vector<uint64_t> send_off(w + 1, 0), recv_off(w + 1, 0);
+  for (size_t r = 0; r < w; ++r) {
+    send_off[r + 1] = send_off[r] + send_bytes[r];
+    recv_off[r + 1] = recv_off[r] + recv_bytes[r];
+  }
+  const uint64_t per = share(e, 1);
+  for (uint64_t k = 0, n = pieces(longest, per); k < n && longest != 0; ++k) {
+    const uint64_t off = k * per;
+    auto chunk = [&](uint64_t total) { return off >= total ? 0 : std::min(per, total - off); };
+    step(
+        e, describe(Kind::kAlltoall, longest, -1, 0, k + 1), deadline,
+        [&](uint8_t* mine) {
+          for (size_t d = 0; d < w; ++d) {
+            const uint64_t len = chunk(send_bytes[d]);
+            if (len && d != static_cast<size_t>(me)) std::memcpy(mine + d * per, in + send_off[d] + off, len);
+          }
+        },
+        [&](uint64_t s) {
+          for (size_t r = 0; r < w; ++r) {
+            const uint64_t len = chunk(recv_bytes[r]);
+            if (len == 0) continue;
+            const uint8_t* src = r == static_cast<size_t>(me) ? in + send_off[r] + off
+                                                              : e.part_of(static_cast<int>(r), s) + static_cast<uint64_t>(me) * per;
+            std::memcpy(out + recv_off[r] + off, src, len);
+          }
+        });
+  }
+}
+
+}  // namespace tdshm::detail
