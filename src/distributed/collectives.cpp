@@ -253,7 +253,9 @@ std::vector<TensorDict> TensorDict::all_gather(const AllGatherOptions& o) const 
     for (size_t r = 0; r < n; ++r) {
       storage_views.push_back(storages.narrow(0, static_cast<int64_t>(r) * largest, largest));
     }
-    allgather_now(g, storage_views, padded(storage, largest));
+    // gloo divides by the message size (SIGFPE on 0 bytes): when every storage is empty (every
+    // rank knows it from the metadata) there is nothing to exchange.
+    if (largest > 0) allgather_now(g, storage_views, padded(storage, largest));
     std::vector<TensorDict> out;
     out.reserve(n);
     for (size_t r = 0; r < n; ++r) {
@@ -322,7 +324,7 @@ TensorDict TensorDict::scatter(const ScatterOptions& o) const {
                         " for a storage of " + std::to_string(total) + " bytes");
     }
     const at::Tensor storage = bytes_tensor(largest);
-    scatter_now(g, storage, std::move(storages), root);
+    if (largest > 0) scatter_now(g, storage, std::move(storages), root);  // as in all_gather
     return rebuild_consolidated(metadata, storage.narrow(0, 0, total), o.device);
   } catch (...) {
     rethrow_with_context("scatter: ");
