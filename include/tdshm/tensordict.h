@@ -290,7 +290,9 @@ class TensorDict {
   /// backend: gloo writes partial results into them). Non-tensor values take no part. Returns
   /// as Python's reduce: nothing, or with async_op and return_premature the Work handles (one
   /// per leaf, not waited); async_op alone waits for all of them. Errors of the backend become
-  /// TransportErrors naming the key.
+  /// TransportErrors naming the key. (tensordict's _reduce does not pass `group` on to nested
+  /// tensordicts, whose leaves then go over the default group; tdshm reduces every leaf over
+  /// `group`, which is the same for the default group.)
   Transfer reduce(const ReduceOptions& options);
   /// Reduces every tensor leaf in place on every rank, one all_reduce per leaf, in insertion
   /// order depth first (tensordict's _fast_apply order: every rank must hold its keys in the

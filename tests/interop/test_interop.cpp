@@ -977,6 +977,22 @@ struct Exchanges : InteropTest {
     };
     run(w);
   }
+  /// A world of all_gather or scatter (from `src`) where rank r holds trees[r] at salt + r and
+  /// is C++ for langs[r] == 'c', Python for 'p', Python reading the objects with torch's own
+  /// all_gather_object / scatter_object_list for 'P'.
+  void gather_scatter(const std::string& scenario, const std::string& langs, const std::vector<std::string>& trees,
+                      int64_t salt, int src = 0) {
+    World w{.backend = backend, .size = static_cast<int>(langs.size())};
+    for (int r = 0; r < w.size; ++r) {
+      if (langs[r] == 'c') {
+        w.cpp[r] = scenario == "scatter" ? cpp_scatter(src, trees, salt) : cpp_all_gather(trees, salt);
+      } else {
+        w.py[r] = py_gather_scatter(scenario, trees, salt, src);
+        if (langs[r] == 'P') w.py[r].push_back("--torch-object-list");
+      }
+    }
+    run(w);
+  }
   /// A 3-rank world: the root at rank `root`, C++ unless py_root; ranks alternate languages.
   void broadcast(bool py_root, const std::string& tree, bool via_init_remote) {
     World w{.backend = backend, .size = 3};
@@ -1064,40 +1080,10 @@ TEST_F(InteropGloo, ReduceMaxToCpp3Ranks) {
   w.py[2] = py_reduction(false, "max", Api::kSync, 4, /*dst=*/0);
   run(w);
 }
-TEST_F(InteropGloo, AllGather3Ranks) {
-  const std::vector<std::string> trees = {"mixed", "record", "seed"};
-  World w{.size = 3};
-  w.py[0] = py_gather_scatter("all_gather", trees, 6);
-  w.cpp[1] = cpp_all_gather(trees, 6);
-  w.py[2] = py_gather_scatter("all_gather", trees, 6);
-  w.py[2].push_back("--torch-object-list");
-  run(w);
-}
-TEST_F(InteropGloo, AllGatherCppMajority) {
-  const std::vector<std::string> trees = {"seed", "mixed", "record"};
-  World w{.size = 3};
-  w.cpp[0] = cpp_all_gather(trees, 7);
-  w.py[1] = py_gather_scatter("all_gather", trees, 7);
-  w.cpp[2] = cpp_all_gather(trees, 7);
-  run(w);
-}
-TEST_F(InteropGloo, ScatterFromCpp) {
-  const std::vector<std::string> trees = {"seed", "mixed", "record"};
-  World w{.size = 3};
-  w.cpp[0] = cpp_scatter(0, trees, 8);
-  w.py[1] = py_gather_scatter("scatter", trees, 8, 0);
-  w.py[2] = py_gather_scatter("scatter", trees, 8, 0);
-  w.py[2].push_back("--torch-object-list");
-  run(w);
-}
-TEST_F(InteropGloo, ScatterFromPy) {
-  const std::vector<std::string> trees = {"record", "seed", "mixed"};
-  World w{.size = 3};
-  w.cpp[0] = cpp_scatter(1, trees, 9);
-  w.py[1] = py_gather_scatter("scatter", trees, 9, 1);
-  w.cpp[2] = cpp_scatter(1, trees, 9);
-  run(w);
-}
+TEST_F(InteropGloo, AllGather3Ranks) { gather_scatter("all_gather", "pcP", {"mixed", "record", "seed"}, 6); }
+TEST_F(InteropGloo, AllGatherCppMajority) { gather_scatter("all_gather", "cpc", {"seed", "mixed", "record"}, 7); }
+TEST_F(InteropGloo, ScatterFromCpp) { gather_scatter("scatter", "cpP", {"seed", "mixed", "record"}, 8, /*src=*/0); }
+TEST_F(InteropGloo, ScatterFromPy) { gather_scatter("scatter", "cpc", {"record", "seed", "mixed"}, 9, /*src=*/1); }
 
 // Over gloo a tdshm receiver of a Python sender sees nothing but the message bytes (see the
 // file comment): int32 [2, 3] where it holds float32 [2, 3] arrives as the int32 bytes, and the
