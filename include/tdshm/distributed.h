@@ -231,6 +231,37 @@ struct BroadcastOptions {
   std::optional<c10::Device> device{};
 };
 
+/// reduce (dst, op, async_op, return_premature, group).
+struct ReduceOptions {
+  int dst = 0;  ///< global rank that receives the result
+  c10d::ReduceOp op = c10d::ReduceOp::SUM;  ///< Python's op=None is SUM
+  bool async_op = false;
+  bool return_premature = false;  ///< with async_op: return the Work handles without waiting
+  Group group{};
+};
+
+/// all_reduce (op, group, async_op).
+struct AllReduceOptions {
+  c10d::ReduceOp op = c10d::ReduceOp::SUM;
+  Group group{};
+  bool async_op = false;  ///< return the Work handles without waiting
+};
+
+/// all_gather (group).
+struct AllGatherOptions {
+  Group group{};
+};
+
+/// scatter (src, tensordicts, group, device).
+struct ScatterOptions {
+  int src = 0;  ///< global rank of the source
+  /// On the source: one tensordict per rank of the group, in group rank order. Ignored
+  /// elsewhere (Python's None).
+  std::optional<std::vector<TensorDict>> tensordicts{};
+  Group group{};
+  std::optional<c10::Device> device{};  ///< where the result lives (default CPU)
+};
+
 /// The pseudo-random tag of `seed` (tensordict's _int_generator): numpy default_rng(seed),
 /// .bytes(8) read big-endian, mod 10000. Bit-identical to numpy for every seed >= 0; throws
 /// Error for a negative seed.
@@ -269,6 +300,23 @@ Derived TensorClass<Derived>::from_remote_init(const FromRemoteInitOptions& opti
 template <class Derived>
 Derived TensorClass<Derived>::broadcast(const BroadcastOptions& options) const {
   return tensorclass_cast<Derived>(this->td_.broadcast(options));
+}
+
+template <class Derived>
+Transfer TensorClass<Derived>::reduce(const ReduceOptions& options) {
+  return this->td_.reduce(options);
+}
+template <class Derived>
+Transfer TensorClass<Derived>::all_reduce(const AllReduceOptions& options) {
+  return this->td_.all_reduce(options);
+}
+template <class Derived>
+std::vector<TensorDict> TensorClass<Derived>::all_gather(const AllGatherOptions& options) const {
+  return this->td_.all_gather(options);
+}
+template <class Derived>
+TensorDict TensorClass<Derived>::scatter(const ScatterOptions& options) const {
+  return this->td_.scatter(options);
 }
 
 }  // namespace tdshm

@@ -109,6 +109,13 @@ class TensorClass : public TensorClassBase {
   void init_remote(const InitRemoteOptions& options) const;
   static Derived from_remote_init(const FromRemoteInitOptions& options);
   Derived broadcast(const BroadcastOptions& options) const;
+  /// The collectives of the inner tensordict. As under tensordict (they are in its
+  /// _FALLBACK_METHOD_FROM_TD_NOWRAP list), all_gather and scatter return plain TensorDicts, not
+  /// Derived.
+  Transfer reduce(const ReduceOptions& options);
+  Transfer all_reduce(const AllReduceOptions& options);
+  std::vector<TensorDict> all_gather(const AllGatherOptions& options) const;
+  TensorDict scatter(const ScatterOptions& options) const;
 
   /// Registers Derived (TDSHM_TENSORCLASS does this at start-up).
   static bool register_type() {

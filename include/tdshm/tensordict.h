@@ -75,6 +75,10 @@ struct Transfer;
 struct InitRemoteOptions;
 struct FromRemoteInitOptions;
 struct BroadcastOptions;
+struct ReduceOptions;
+struct AllReduceOptions;
+struct AllGatherOptions;
+struct ScatterOptions;
 
 /// Options of TensorDict::consolidate.
 struct ConsolidateOptions {
@@ -268,6 +272,47 @@ class TensorDict {
   /// Collective: the root (options.src) broadcasts this tensordict; every rank returns the
   /// consolidated result (on non-root ranks `*this` is not used and may be empty).
   TensorDict broadcast(const BroadcastOptions& options) const;
+
+  // ---- collectives (declared in <tdshm/distributed.h>; tensordict's TensorDictBase.reduce,
+  // all_reduce, all_gather, scatter) ----
+  // Every rank of the group calls the method with the same options; each runs only the generic
+  // c10d collectives of the group's backend, so it works on any backend that implements them
+  // (gloo; "shm" once ProcessGroupShm does; until then the backend's refusal is a
+  // TransportError). Checked before any communication, each an Error naming the parameter: a
+  // rank outside `group` (new_group did not include it), `dst` / `src` not a member of the
+  // group (global ranks, as torch.distributed takes them); and for reduce / all_reduce every
+  // leaf must be able to take bytes in place (TypeError / MemmapError naming the key, as for
+  // irecv). Over a c10d backend a rank that fails these checks leaves its peers waiting until
+  // the group's timeout, as tensordict does.
+
+  /// Reduces every tensor leaf, one collective per leaf in sorted_leaf_keys() order, into the
+  /// leaves of rank `dst` (in place; what the other ranks' leaves hold afterwards is up to the
+  /// backend: gloo writes partial results into them). Non-tensor values take no part. Returns
+  /// as Python's reduce: nothing, or with async_op and return_premature the Work handles (one
+  /// per leaf, not waited); async_op alone waits for all of them. Errors of the backend become
+  /// TransportErrors naming the key. (tensordict's _reduce does not pass `group` on to nested
+  /// tensordicts, whose leaves then go over the default group; tdshm reduces every leaf over
+  /// `group`, which is the same for the default group.)
+  Transfer reduce(const ReduceOptions& options);
+  /// Reduces every tensor leaf in place on every rank, one all_reduce per leaf, in insertion
+  /// order depth first (tensordict's _fast_apply order: every rank must hold its keys in the
+  /// same insertion order). Returns nothing, or with async_op the Work handles (not waited).
+  Transfer all_reduce(const AllReduceOptions& options);
+  /// Every rank's tensordict, in group rank order: each rank consolidates its own (a copy unless
+  /// already consolidated), the metadata dicts are all-gathered as torch 1.13's
+  /// all_gather_object does, the storages (zero-padded to the largest) with one all_gather.
+  /// Each result is a consolidated tensordict viewing its own received storage (this rank's
+  /// too), a plain TensorDict (the root's tensorclass name does not travel, as under
+  /// tensordict). Ranks may differ in anything: keys, shapes, dtypes, batch sizes, non-tensor
+  /// values. Throws SchemaError for metadata a peer should not have sent.
+  std::vector<TensorDict> all_gather(const AllGatherOptions& options) const;
+  /// The source rank's options.tensordicts[r] arrives on group rank r (the source's own entry
+  /// too): metadata through scatter_object_list (torch 1.13's wire), then the storages,
+  /// zero-padded to the largest, with one scatter. Returns this rank's tensordict, consolidated,
+  /// on options.device (default CPU). On the source `tensordicts` must hold exactly one
+  /// tensordict per rank of the group (Error otherwise, before any communication); on the other
+  /// ranks it is ignored, as tensordict ignores it, and `*this` is not used on any rank.
+  TensorDict scatter(const ScatterOptions& options) const;
 
   /// Pretty, multi-line description (keys, dtypes, shapes, batch size).
   std::string repr() const;

@@ -27,10 +27,6 @@ using namespace detail;
 namespace {
 
 constexpr int kRemoteInitTag = 0;
-// Bounds on what a peer may announce (a corrupt or hostile peer makes the transfer fail, never an
-// absurd allocation): metadata is never this large; a storage is at most 1 TiB.
-constexpr int64_t kMaxPickleBytes = int64_t{1} << 30;
-constexpr uint64_t kMaxStorageBytes = uint64_t{1} << 40;
 
 /// The pickled metadata as send_object_list / broadcast_object_list carry it.
 struct ObjectList {
@@ -39,11 +35,9 @@ struct ObjectList {
 };
 
 ObjectList pickle_metadata(const TensorDict& consolidated, std::optional<std::string> storage_device) {
-  const std::vector<uint8_t> pickled = pickle::dumps(to_metadata(consolidated.schema(), std::move(storage_device)));
   ObjectList o;
-  o.sizes = int64_tensor({static_cast<int64_t>(pickled.size())});
-  o.bytes = bytes_tensor(static_cast<int64_t>(pickled.size()));
-  std::memcpy(o.bytes.data_ptr(), pickled.data(), pickled.size());
+  o.bytes = pickled_tensor(to_metadata(consolidated.schema(), std::move(storage_device)));
+  o.sizes = int64_tensor({o.bytes.numel()});
   return o;
 }
 
@@ -66,26 +60,9 @@ struct Received {
 
 Received read_metadata(const at::Tensor& bytes) {
   Received r;
-  r.metadata = pickle::loads(std::span<const uint8_t>(bytes.data_ptr<uint8_t>(), static_cast<size_t>(bytes.numel())),
-                             metadata_pickle_limits());
-  if (r.metadata.kind() != pickle::PyKind::kDict) {
-    throw SchemaError(std::string("from_remote_init: the sender's metadata is a ") + pickle::type_name(r.metadata) +
-                      ", not a dict");
-  }
-  const uint64_t total = metadata_total_bytes(r.metadata);
-  if (total > kMaxStorageBytes) {
-    throw SchemaError("from_remote_init: the sender's metadata announces a storage of " + std::to_string(total) +
-                      " bytes (more than 1 TiB)");
-  }
-  r.storage = bytes_tensor(static_cast<int64_t>(total));
+  r.metadata = load_metadata(bytes, "from_remote_init");
+  r.storage = bytes_tensor(static_cast<int64_t>(metadata_total_bytes(r.metadata)));
   return r;
-}
-
-TensorDict rebuild(const Received& r, const std::optional<c10::Device>& device) {
-  Schema schema = from_metadata(r.metadata, static_cast<uint64_t>(r.storage.numel()));
-  at::Tensor storage = r.storage;
-  if (device && *device != storage.device()) storage = storage.to(*device);
-  return TensorDict::from_consolidated(storage, std::move(schema));
 }
 
 /// The whole exchange as broadcasts from `root` (a group rank); `td` is used on the root only.
@@ -107,10 +84,47 @@ TensorDict broadcast_remote(const TensorDict* td, const Group& g, int root, cons
   // says so through its type (SchemaError) and message.
   const Received r = read_metadata(bytes);
   broadcast_now(g, r.storage, root);
-  return rebuild(r, device);
+  return rebuild_consolidated(r.metadata, r.storage, device);
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Shared with collectives.cpp (remote_metadata.h)
+
+namespace detail {
+
+at::Tensor pickled_tensor(const pickle::PyValue& metadata) {
+  const std::vector<uint8_t> pickled = pickle::dumps(metadata);
+  at::Tensor t = bytes_tensor(static_cast<int64_t>(pickled.size()));
+  if (!pickled.empty()) std::memcpy(t.data_ptr(), pickled.data(), pickled.size());
+  return t;
+}
+
+pickle::PyValue load_metadata(const at::Tensor& bytes, const char* method) {
+  pickle::PyValue metadata = pickle::loads(
+      std::span<const uint8_t>(bytes.data_ptr<uint8_t>(), static_cast<size_t>(bytes.numel())), metadata_pickle_limits());
+  if (metadata.kind() != pickle::PyKind::kDict) {
+    throw SchemaError(std::string(method) + ": the sender's metadata is a " + pickle::type_name(metadata) +
+                      ", not a dict");
+  }
+  const uint64_t total = metadata_total_bytes(metadata);
+  if (total > kMaxStorageBytes) {
+    throw SchemaError(std::string(method) + ": the sender's metadata announces a storage of " + std::to_string(total) +
+                      " bytes (more than 1 TiB)");
+  }
+  return metadata;
+}
+
+TensorDict rebuild_consolidated(const pickle::PyValue& metadata, const at::Tensor& storage,
+                                const std::optional<c10::Device>& device) {
+  Schema schema = from_metadata(metadata, static_cast<uint64_t>(storage.numel()));
+  at::Tensor s = storage;
+  if (device && *device != s.device()) s = s.to(*device);
+  return TensorDict::from_consolidated(s, std::move(schema));
+}
+
+}  // namespace detail
 
 void TensorDict::init_remote(const InitRemoteOptions& o) const {
   if (o.use_broadcast) {
@@ -152,7 +166,7 @@ TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
     throw;
   }
   recv_now(p.group, r.storage, p.rank, kRemoteInitTag);
-  return rebuild(r, o.device);
+  return rebuild_consolidated(r.metadata, r.storage, o.device);
 }
 
 TensorDict TensorDict::broadcast(const BroadcastOptions& o) const {

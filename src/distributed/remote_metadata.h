@@ -64,6 +64,9 @@
 #include "pickle/pickle.h"
 
 #include "tdshm/schema.h"
+#include "tdshm/tensordict.h"
+
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>
@@ -105,5 +108,26 @@ std::optional<std::string> metadata_storage_device(const pickle::PyValue& metada
 /// The pickle limits to read metadata with: the defaults plus class references (a nested
 /// tensorclass's type travels as a global; it is read as a name and never resolved).
 pickle::Limits metadata_pickle_limits();
+
+// ---------------------------------------------------------------------------------------------
+// Pickled metadata on the wire, shared by remote_init.cpp (which defines them) and
+// collectives.cpp: what a peer may announce is bounded (a corrupt or hostile peer makes the
+// transfer fail, never an absurd allocation).
+
+/// Metadata is never this large.
+inline constexpr int64_t kMaxPickleBytes = int64_t{1} << 30;
+/// A storage is at most 1 TiB.
+inline constexpr uint64_t kMaxStorageBytes = uint64_t{1} << 40;
+
+/// pickle::dumps(metadata) as a 1-D uint8 CPU tensor (what torch's _object_to_tensor makes).
+at::Tensor pickled_tensor(const pickle::PyValue& metadata);
+/// The metadata dict a peer pickled into `bytes` (1-D uint8 CPU), read with
+/// metadata_pickle_limits(); its "_total_bytes" is present and at most kMaxStorageBytes. Throws
+/// SchemaError (message starting with `method`) otherwise, or what pickle::loads throws.
+pickle::PyValue load_metadata(const at::Tensor& bytes, const char* method);
+/// The consolidated tensordict `metadata` describes over `storage` (from_metadata, then
+/// TensorDict::from_consolidated), moved to `device` when given. Throws SchemaError.
+TensorDict rebuild_consolidated(const pickle::PyValue& metadata, const at::Tensor& storage,
+                                const std::optional<c10::Device>& device);
 
 }  // namespace tdshm::detail

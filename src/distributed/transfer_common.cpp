@@ -9,18 +9,20 @@
 
 namespace tdshm::detail {
 
-/// Waits for every work (all of them) and rethrows the first error, its message prefixed with
-/// `verb` and the key of its leaf (works[i] moves keys[i]; the strings are built only on error).
-void wait_keyed(const std::vector<WorkPtr>& works, const std::vector<Key>& keys, const char* verb) {
+void wait_keyed(const std::vector<WorkPtr>& works, const std::function<Key(size_t)>& key_of, const char* verb) {
   std::exception_ptr first;
   for (size_t i = 0; i < works.size(); ++i) {
     try {
       works[i]->wait();
     } catch (...) {
-      if (!first) first = current_with_context(std::string(verb) + keys[i].str() + ": ");
+      if (!first) first = current_with_context(std::string(verb) + key_of(i).str() + ": ");
     }
   }
   if (first) std::rethrow_exception(first);
+}
+
+void wait_keyed(const std::vector<WorkPtr>& works, const std::vector<Key>& keys, const char* verb) {
+  wait_keyed(works, [&keys](size_t i) { return keys[i]; }, verb);
 }
 
 /// Waits for every work (all of them) and rethrows the first error.

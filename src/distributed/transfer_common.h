@@ -272,6 +272,8 @@ class TransferWork final : public c10d::Work {
 /// Waits for every work (all of them) and rethrows the first error, its message prefixed with
 /// `verb` and the key of its leaf (works[i] moves keys[i]; the strings are built only on error).
 void wait_keyed(const std::vector<WorkPtr>& works, const std::vector<Key>& keys, const char* verb);
+/// The same with the key of works[i] computed by key_of(i), only on error.
+void wait_keyed(const std::vector<WorkPtr>& works, const std::function<Key(size_t)>& key_of, const char* verb);
 /// Waits for every work (all of them) and rethrows the first error.
 void wait_all(const std::vector<WorkPtr>& works);
 

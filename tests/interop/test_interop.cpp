@@ -18,7 +18,9 @@
 //                  return_early/return_premature, init_tag, pseudo_rand, group_dst of a
 //                  new_group), consolidated, init_remote/from_remote_init (nested keys,
 //                  non-tensor values, a tensorclass), broadcast and init_remote(use_broadcast)
-//                  in a 3-rank mixed world; and what a gloo receiver cannot check
+//                  in a 3-rank mixed world; and what a gloo receiver cannot check; the
+//                  collectives reduce, all_reduce, all_gather and scatter in worlds of 2 and 3
+//                  (until ProcessGroupShm has them, over gloo only)
 //   InteropShm     the same exchanges with the Python ranks on tdshm's "shm" backend
 //                  (import tdshm), and mismatches a C++ receiver must report by key
 //
@@ -149,6 +151,10 @@ const TreeSpec& tree_spec(const std::string& name) {
             T({"a", "i32"}, kInt, {2}),
             N({"neg"}, int64_t{-5}),
         }}},
+      {"reducible",
+       {{2},
+        {T({"obs"}, kFloat, {2, 3}), T({"n", "x"}, kLong, {2, 5}), T({"_"}, kDouble, {2, 1}),
+         N({"label"}, std::string("r")), T({"n", "deep", "y"}, kInt, {2, 7}), T({"Z"}, kByte, {2, 3})}}},
       {"record", {{3}, {T({"obs"}, kFloat, {3, 4}), T({"action"}, kLong, {3}), T({"reward"}, kFloat, {3, 1})}}},
       {"probe", {{2}, {T({"alpha"}, kFloat, {2}), T({"nest", "victim_key"}, kFloat, {2, 3}), T({"omega"}, kFloat, {2})}}},
   };
@@ -652,6 +658,103 @@ std::vector<std::string> py_broadcast(const std::string& role, int src, const st
           "--salt", std::to_string(salt), "--via", via_init_remote ? "init_remote" : "broadcast"};
 }
 
+// ---- collectives: rank r holds its tree at salt + r; reductions run on tree "reducible" ----
+
+c10d::ReduceOp::RedOpType reduce_op(const std::string& op) {
+  static const std::map<std::string, c10d::ReduceOp::RedOpType> ops = {
+      {"sum", c10d::ReduceOp::SUM}, {"min", c10d::ReduceOp::MIN}, {"max", c10d::ReduceOp::MAX},
+      {"product", c10d::ReduceOp::PRODUCT}};
+  return ops.at(op);
+}
+
+/// Every tensor leaf of tree `name` in `got` holds the tree at each of `salts` reduced with `op`
+/// in the leaf's dtype (td_peer.check_reduced).
+void check_reduced(const TensorDict& got, const std::string& name, int64_t salt, int world, const std::string& op,
+                   const std::string& what) {
+  for (const Entry& e : tree_spec(name).entries) {
+    if (!e.dtype) continue;
+    at::Tensor want = pattern(e.path, *e.dtype, e.shape, salt);
+    for (int r = 1; r < world; ++r) {
+      const at::Tensor v = pattern(e.path, *e.dtype, e.shape, salt + r);
+      want = op == "sum" ? want + v : op == "min" ? at::minimum(want, v) : op == "max" ? at::maximum(want, v) : want * v;
+    }
+    const at::Tensor t = got.get(Key(e.path));
+    SHM_CHECK(t.scalar_type() == *e.dtype && at::equal(t, want),
+              what << ": " << dotted(e.path) << " = " << t.flatten().slice(0, 0, 6) << ", expected " << want.flatten().slice(0, 0, 6));
+  }
+}
+
+constexpr size_t kReducibleLeaves = 5;
+
+/// all_reduce (Api::kSync, or kAsync: async_op) or reduce to `dst` (kSync, kAsync: async_op,
+/// kEarly: async_op and return_premature) of "reducible" in a world of `world`.
+std::function<void(const Group&)> cpp_reduction(bool all, const std::string& op, Api api, int64_t salt, int world,
+                                                int dst = 0) {
+  return [=](const Group&) {
+    const int rank = get_rank();
+    TensorDict td = build_tree("reducible", salt + rank);
+    const Transfer t = all ? td.all_reduce({.op = reduce_op(op), .async_op = api != Api::kSync})
+                           : td.reduce({.dst = dst, .op = reduce_op(op), .async_op = api != Api::kSync,
+                                        .return_premature = api == Api::kEarly});
+    const bool works = all ? api != Api::kSync : api == Api::kEarly;
+    SHM_CHECK(t.has_works == works && t.works.size() == (works ? kReducibleLeaves : 0), t.works.size() << " works");
+    t.wait();
+    if (all || rank == dst) check_reduced(td, "reducible", salt, world, op, all ? "all_reduce" : "reduce");
+  };
+}
+
+std::vector<std::string> py_reduction(bool all, const std::string& op, Api api, int64_t salt, int dst = 0) {
+  return {"--scenario", all ? "all_reduce" : "reduce", "--op", op, "--api", api_arg(api), "--tree", "reducible",
+          "--salt", std::to_string(salt), "--dst", std::to_string(dst)};
+}
+
+std::string joined(const std::vector<std::string>& trees) {
+  std::string s;
+  for (const std::string& t : trees) s += (s.empty() ? "" : ",") + t;
+  return s;
+}
+
+/// Tree `name` at `salt`, as a tensorclass's tensordict for "record" (whose name must not travel).
+TensorDict collective_tree(const std::string& name, int64_t salt) {
+  const TensorDict td = build_tree(name, salt);
+  return name == "record" ? InteropRecord(td).tensordict() : td;
+}
+
+/// all_gather of trees[rank] at salt + rank (through the tensorclass for "record").
+std::function<void(const Group&)> cpp_all_gather(std::vector<std::string> trees, int64_t salt) {
+  return [=](const Group&) {
+    const int rank = get_rank();
+    const TensorDict mine = build_tree(trees[rank], salt + rank);
+    const std::vector<TensorDict> got =
+        trees[rank] == "record" ? InteropRecord(mine).all_gather({}) : mine.all_gather({});
+    SHM_CHECK(got.size() == trees.size(), got.size() << " tensordicts");
+    for (size_t r = 0; r < trees.size(); ++r) {
+      SHM_CHECK(got[r].class_name().empty(), "class_name '" << got[r].class_name() << "'");
+      check_tree(got[r], trees[r], salt + static_cast<int64_t>(r), "all_gather from rank " + std::to_string(r));
+    }
+  };
+}
+
+/// scatter from `src` of trees[r] at salt + r to rank r.
+std::function<void(const Group&)> cpp_scatter(int src, std::vector<std::string> trees, int64_t salt) {
+  return [=](const Group&) {
+    const int rank = get_rank();
+    std::optional<std::vector<TensorDict>> list;
+    if (rank == src) {
+      list.emplace();
+      for (size_t r = 0; r < trees.size(); ++r) list->push_back(collective_tree(trees[r], salt + static_cast<int64_t>(r)));
+    }
+    const TensorDict got = TensorDict().scatter({.src = src, .tensordicts = list});
+    SHM_CHECK(got.class_name().empty(), "class_name '" << got.class_name() << "'");
+    check_tree(got, trees[rank], salt + rank, "scatter");
+  };
+}
+
+std::vector<std::string> py_gather_scatter(const std::string& scenario, const std::vector<std::string>& trees,
+                                           int64_t salt, int src = 0) {
+  return {"--scenario", scenario, "--trees", joined(trees), "--salt", std::to_string(salt), "--src", std::to_string(src)};
+}
+
 const std::vector<std::string> kPyIdle = {"--scenario", "idle", "--role", "idle"};
 void cpp_idle(const Group&) {}
 
@@ -874,6 +977,22 @@ struct Exchanges : InteropTest {
     };
     run(w);
   }
+  /// A world of all_gather or scatter (from `src`) where rank r holds trees[r] at salt + r and
+  /// is C++ for langs[r] == 'c', Python for 'p', Python reading the objects with torch's own
+  /// all_gather_object / scatter_object_list for 'P'.
+  void gather_scatter(const std::string& scenario, const std::string& langs, const std::vector<std::string>& trees,
+                      int64_t salt, int src = 0) {
+    World w{.backend = backend, .size = static_cast<int>(langs.size())};
+    for (int r = 0; r < w.size; ++r) {
+      if (langs[r] == 'c') {
+        w.cpp[r] = scenario == "scatter" ? cpp_scatter(src, trees, salt) : cpp_all_gather(trees, salt);
+      } else {
+        w.py[r] = py_gather_scatter(scenario, trees, salt, src);
+        if (langs[r] == 'P') w.py[r].push_back("--torch-object-list");
+      }
+    }
+    run(w);
+  }
   /// A 3-rank world: the root at rank `root`, C++ unless py_root; ranks alternate languages.
   void broadcast(bool py_root, const std::string& tree, bool via_init_remote) {
     World w{.backend = backend, .size = 3};
@@ -932,6 +1051,40 @@ TEST_F(InteropGloo, BroadcastFromPy) { broadcast(true, "mixed", false); }
 TEST_F(InteropGloo, UseBroadcastFromCpp) { broadcast(false, "record", true); }
 TEST_F(InteropGloo, UseBroadcastFromPy) { broadcast(true, "mixed", true); }
 
+// ---- collectives (tensordict's reduce, all_reduce, all_gather, scatter), C++ and Python ranks
+// together; one Python rank of each 3-rank world reads objects with torch's own
+// all_gather_object / scatter_object_list ----
+TEST_F(InteropGloo, AllReduceSum) {
+  World w;
+  w.cpp[0] = cpp_reduction(true, "sum", Api::kSync, 3, 2);
+  w.py[1] = py_reduction(true, "sum", Api::kAsync, 3);
+  run(w);
+}
+TEST_F(InteropGloo, AllReduceProduct3Ranks) {
+  World w{.size = 3};
+  w.cpp[0] = cpp_reduction(true, "product", Api::kAsync, 1, 3);
+  w.py[1] = py_reduction(true, "product", Api::kSync, 1);
+  w.cpp[2] = cpp_reduction(true, "product", Api::kSync, 1, 3);
+  run(w);
+}
+TEST_F(InteropGloo, ReduceMinToPy) {
+  World w;
+  w.cpp[0] = cpp_reduction(false, "min", Api::kEarly, 2, 2, /*dst=*/1);
+  w.py[1] = py_reduction(false, "min", Api::kSync, 2, /*dst=*/1);
+  run(w);
+}
+TEST_F(InteropGloo, ReduceMaxToCpp3Ranks) {
+  World w{.size = 3};
+  w.cpp[0] = cpp_reduction(false, "max", Api::kAsync, 4, 3, /*dst=*/0);
+  w.py[1] = py_reduction(false, "max", Api::kEarly, 4, /*dst=*/0);
+  w.py[2] = py_reduction(false, "max", Api::kSync, 4, /*dst=*/0);
+  run(w);
+}
+TEST_F(InteropGloo, AllGather3Ranks) { gather_scatter("all_gather", "pcP", {"mixed", "record", "seed"}, 6); }
+TEST_F(InteropGloo, AllGatherCppMajority) { gather_scatter("all_gather", "cpc", {"seed", "mixed", "record"}, 7); }
+TEST_F(InteropGloo, ScatterFromCpp) { gather_scatter("scatter", "cpP", {"seed", "mixed", "record"}, 8, /*src=*/0); }
+TEST_F(InteropGloo, ScatterFromPy) { gather_scatter("scatter", "cpc", {"record", "seed", "mixed"}, 9, /*src=*/1); }
+
 // Over gloo a tdshm receiver of a Python sender sees nothing but the message bytes (see the
 // file comment): int32 [2, 3] where it holds float32 [2, 3] arrives as the int32 bytes, and the
 // transfer succeeds. This pins the documented limit; over shm the same is an error (below).
@@ -985,6 +1138,20 @@ TEST_F(InteropCppHalves, RemoteAndBroadcast) {
     cpp_broadcast_member(1, "mixed", 5, false)(Group{});
     cpp_send(0, {.tree = "seed", .api = Api::kSync})(g);
   };
+  run(w);
+}
+
+TEST_F(InteropCppHalves, Collectives) {
+  const std::vector<std::string> trees = {"mixed", "record", "seed"};
+  World w{.size = 3};
+  for (int r = 0; r < 3; ++r) {
+    w.cpp[r] = [trees](const Group& g) {
+      cpp_reduction(true, "product", Api::kAsync, 1, 3)(g);
+      cpp_reduction(false, "max", Api::kEarly, 4, 3, /*dst=*/2)(g);
+      cpp_all_gather(trees, 6)(g);
+      cpp_scatter(1, trees, 9)(g);
+    };
+  }
   run(w);
 }
 

@@ -161,10 +161,22 @@ def worlds():
                                  ["--scenario", "broadcast", "--role", "member", "--src", "1", "--via", via, "--tree", "mixed", "--torch-object-list"]]
     w["broadcast_record"] = [["--scenario", "broadcast", "--role", "root", "--src", "0", "--tree", "record", "--torch-object-list"],
                              ["--scenario", "broadcast", "--role", "member", "--src", "0", "--tree", "record"]]
+    for op in ("sum", "min", "max", "product"):
+        w[f"all_reduce_{op}"] = [["--scenario", "all_reduce", "--op", op, "--tree", "reducible", "--api", api]
+                                 for api in ("sync", "async", "sync")]
+        w[f"reduce_{op}"] = [["--scenario", "reduce", "--op", op, "--dst", "1", "--tree", "reducible", "--api", api]
+                             for api in ("early", "sync", "async")]
+    w["all_gather"] = [["--scenario", "all_gather", "--trees", "mixed,record,seed"],
+                       ["--scenario", "all_gather", "--trees", "mixed,record,seed", "--torch-object-list"],
+                       ["--scenario", "all_gather", "--trees", "mixed,record,seed"]]
+    w["scatter"] = [["--scenario", "scatter", "--src", "1", "--trees", "seed,mixed,record"],
+                    ["--scenario", "scatter", "--src", "1", "--trees", "seed,mixed,record"],
+                    ["--scenario", "scatter", "--src", "1", "--trees", "seed,mixed,record", "--torch-object-list"]]
     return w
 
 
-QUICK = ("perleaf_pseudo_rand", "perleaf_group_dst", "consolidated_mixed", "remote_record", "broadcast_init_remote")
+QUICK = ("perleaf_pseudo_rand", "perleaf_group_dst", "consolidated_mixed", "remote_record", "broadcast_init_remote",
+         "all_reduce_product", "reduce_min", "all_gather", "scatter")
 
 
 def main():

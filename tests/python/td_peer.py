@@ -37,6 +37,20 @@ function of tensordict's source:
 * ``broadcast`` (and ``init_remote(use_broadcast=True)``): metadata gets ``_total_bytes``, then
   ``_storage_device`` (then ``_tensorclass_type``), ``broadcast_object_list([metadata], src)``,
   ``broadcast(storage, src)``.
+* ``reduce`` (``TensorDictBase.reduce`` / ``_reduce``): one ``dist.reduce(leaf, dst, op, async_op,
+  group)`` per tensor leaf over ``sorted_keys``, depth first; the recursion into a nested
+  tensordict does not pass ``group`` on (kept here as tensordict has it). Returns the works
+  only with ``async_op`` and ``return_premature``; ``async_op`` alone waits for them.
+* ``all_reduce``: one ``dist.all_reduce(leaf, op, group, async_op)`` per leaf in ``_fast_apply``
+  order (insertion order, depth first); returns the works with ``async_op``.
+* ``all_gather``: consolidate(metadata=True), ``metadata["_total_bytes"]``,
+  ``all_gather_object`` of the metadata (torch 1.13's: an all_gather of the int64 pickle lengths,
+  then of the pickles padded to the longest), then ``dist.all_gather`` of the storages
+  zero-padded to the largest; one rebuilt tensordict per rank.
+* ``scatter``: the source consolidates each tensordict, adds ``_total_bytes``, ``_max_bytes``,
+  ``_storage_device`` to its metadata, ``scatter_object_list`` (torch 1.13's: broadcast of the
+  longest pickle's length, scatter of the padded pickles, scatter of their lengths), then
+  ``dist.scatter`` of the storages zero-padded to ``_max_bytes``.
 * torch 1.13 has no ``send_object_list`` / ``recv_object_list``: they are written here as torch
   writes them later (``_object_to_tensor``: ``pickle.Pickler(f).dump(obj)``, default protocol):
   an int64 tensor of the pickles' byte lengths, then one uint8 tensor of the pickles back to back,
@@ -51,7 +65,8 @@ identically by the C++ side, so each side checks what it received without a seco
 
 Usage (one rank):
   td_peer.py --rank R --world W --init-method file://PATH --backend gloo|shm \
-             --scenario perleaf|consolidated|remote|broadcast|idle --role send|recv|root|member ...
+             --scenario perleaf|consolidated|remote|broadcast|all_reduce|reduce|all_gather|scatter|idle
+             --role send|recv|root|member ...
   td_peer.py --dump-consolidated TREE[,TREE...]   (storage bytes and leaf offsets, for layout tests)
 Prints one JSON line {"ok": ...}; exits 0 on success, 1 on any mismatch or error, 3 when the
 environment lacks something (e.g. the tdshm package for --backend shm).
@@ -621,6 +636,184 @@ def broadcast(td, src, group=None, _tensorclass_type=None, use_torch=False, seen
 
 
 # ------------------------------------------------------------------------------------------
+# Collectives: reduce / all_reduce / all_gather / scatter
+
+
+def reduce(td, dst, op=None, async_op=False, return_premature=False, group=None):
+    if op is None:
+        op = dist.ReduceOp.SUM
+    return _reduce(td, dst, op, async_op, return_premature, group=group)
+
+
+def _reduce(td, dst, op=None, async_op=False, return_premature=False, _future_list=None, group=None):
+    if op is None:
+        op = dist.ReduceOp.SUM
+    root = False
+    if _future_list is None:
+        _future_list = []
+        root = True
+    for key in td.sorted_keys():
+        value = td.items[key]
+        if isinstance(value, TD):
+            # As tensordict: the nested call does not pass `group` on.
+            _future_list = _reduce(value, dst=dst, op=op, async_op=async_op, _future_list=_future_list)
+            continue
+        if isinstance(value, NonTensor):
+            continue  # a NonTensorData: a tensor collection with no tensor leaf
+        _future_list.append(dist.reduce(value, dst=dst, op=op, async_op=async_op, group=group))
+    if not root:
+        return _future_list
+    elif async_op and return_premature:
+        return _future_list
+    elif async_op:
+        for future in _future_list:
+            future.wait()
+        return
+
+
+def all_reduce(td, op=None, *, group=None, async_op=False):
+    if op is None:
+        op = dist.ReduceOp.SUM
+    futures = []
+    for _, value in td.leaves_in_order():  # _fast_apply: insertion order, depth first
+        futures.append(dist.all_reduce(value, op=op, group=group, async_op=async_op))
+    if async_op:
+        return futures
+    return
+
+
+def all_gather_object(object_list, obj, group=None, use_torch=False):
+    """torch 1.13's all_gather_object, with this file's plain unpickler."""
+    if use_torch:
+        dist.all_gather_object(object_list, obj, group=group)
+        for o in object_list:
+            _check_plain(o)
+        return
+    input_tensor, local_size = _object_to_tensor(obj)
+    group_size = dist.get_world_size(group=group)
+    object_sizes_tensor = torch.zeros(group_size, dtype=torch.long)
+    object_size_list = [object_sizes_tensor[i].unsqueeze(dim=0) for i in range(group_size)]
+    dist.all_gather(object_size_list, local_size, group=group)
+    max_object_size = int(max(object_size_list).item())
+    _sizes_checked(object_sizes_tensor)
+    padded = torch.zeros(max_object_size, dtype=torch.uint8)  # torch: input_tensor.resize_
+    padded[: input_tensor.numel()] = input_tensor
+    coalesced_output_tensor = torch.empty(max_object_size * group_size, dtype=torch.uint8)
+    output_tensors = [coalesced_output_tensor[max_object_size * i: max_object_size * (i + 1)] for i in range(group_size)]
+    dist.all_gather(output_tensors, padded, group=group)
+    for i, tensor in enumerate(output_tensors):
+        object_list[i] = _tensor_to_object(tensor[: int(object_size_list[i].item())])
+
+
+def scatter_object_list(scatter_object_output_list, scatter_object_input_list, src=0, group=None, use_torch=False):
+    """torch 1.13's scatter_object_list, with this file's plain unpickler."""
+    if use_torch:
+        dist.scatter_object_list(scatter_object_output_list, scatter_object_input_list, src=src, group=group)
+        _check_plain(scatter_object_output_list[0])
+        return
+    my_rank = dist.get_rank(group)
+    if my_rank == src:
+        tensor_list, tensor_sizes = zip(*[_object_to_tensor(obj) for obj in scatter_object_input_list])
+        tensor_list, tensor_sizes = list(tensor_list), list(tensor_sizes)
+        max_tensor_size = max(tensor_sizes)
+        padded_list = []
+        for tensor in tensor_list:  # torch: tensor.resize_(max_tensor_size)
+            buf = torch.zeros(int(max_tensor_size.item()), dtype=torch.uint8)
+            buf[: tensor.numel()] = tensor
+            padded_list.append(buf)
+    else:
+        max_tensor_size = torch.tensor([0], dtype=torch.long)
+    dist.broadcast(max_tensor_size, src=src, group=group)
+    _sizes_checked(max_tensor_size)
+    output_tensor = torch.empty(max_tensor_size.item(), dtype=torch.uint8)
+    dist.scatter(output_tensor, scatter_list=None if my_rank != src else padded_list, src=src, group=group)
+    obj_tensor_size = torch.tensor([0], dtype=torch.long)
+    dist.scatter(obj_tensor_size, scatter_list=None if my_rank != src else tensor_sizes, src=src, group=group)
+    n = int(obj_tensor_size.item())
+    if not 0 <= n <= output_tensor.numel():
+        raise ValueError(f"object size {n} out of range [0, {output_tensor.numel()}]")
+    scatter_object_output_list[0] = _tensor_to_object(output_tensor[:n])
+
+
+def all_gather(td, *, group=None, use_torch=False, seen=None):
+    world_size = dist.get_world_size(group=group)
+    td_c = td if td.consolidated is not None else consolidate(td)
+    storage = td_c.consolidated["storage"]
+    metadata = td_c.consolidated["metadata"]
+    metadata["_total_bytes"] = storage.numel()
+
+    all_meta = [None] * world_size
+    all_gather_object(all_meta, metadata, group=group, use_torch=use_torch)
+    if seen is not None:
+        seen.extend(dict(m) for m in all_meta)
+
+    all_sizes = [m["_total_bytes"] for m in all_meta]
+    for sz in all_sizes:
+        if not isinstance(sz, int) or not 0 <= sz <= (1 << 40):
+            raise ValueError(f"_total_bytes {sz!r} out of range")
+    max_size = max(all_sizes)
+    padded = torch.zeros(max_size, dtype=torch.uint8, device=storage.device)
+    padded[: storage.numel()] = storage
+    gathered = [torch.empty(max_size, dtype=torch.uint8, device=storage.device) for _ in range(world_size)]
+    dist.all_gather(gathered, padded, group=group)
+
+    result = []
+    for i in range(world_size):
+        m = all_meta[i]
+        sz = m.pop("_total_bytes")
+        result.append(from_consolidated(m, gathered[i][:sz]))
+    return result
+
+
+def scatter(src, tensordicts=None, *, group=None, use_torch=False, seen=None):
+    rank = dist.get_rank(group=group)
+    world_size = dist.get_world_size(group=group)
+    if rank == src:
+        consolidated = []
+        for td in tensordicts:
+            td = _tree_of(td)
+            consolidated.append(td if td.consolidated is not None else consolidate(td))
+        all_sizes = [td_c.consolidated["storage"].numel() for td_c in consolidated]
+        max_size = max(all_sizes)
+        storage_device = consolidated[0].consolidated["storage"].device
+        all_meta = [
+            {
+                **td_c.consolidated["metadata"],
+                "_total_bytes": td_c.consolidated["storage"].numel(),
+                "_max_bytes": max_size,
+                "_storage_device": str(storage_device),
+            }
+            for td_c in consolidated
+        ]
+        scatter_meta = [None] * world_size
+        scatter_object_list(scatter_meta, all_meta, src=src, group=group, use_torch=use_torch)
+        padded_list = []
+        for td_c, sz in zip(consolidated, all_sizes):
+            buf = torch.zeros(max_size, dtype=torch.uint8, device=storage_device)
+            buf[:sz] = td_c.consolidated["storage"]
+            padded_list.append(buf)
+        recv_buf = torch.empty(max_size, dtype=torch.uint8, device=storage_device)
+        dist.scatter(recv_buf, padded_list, src=src, group=group)
+    else:
+        scatter_meta = [None]
+        scatter_object_list(scatter_meta, None, src=src, group=group, use_torch=use_torch)
+        max_size = scatter_meta[0]["_max_bytes"]
+        if not isinstance(max_size, int) or not 0 <= max_size <= (1 << 40):
+            raise ValueError(f"_max_bytes {max_size!r} out of range")
+        if scatter_meta[0]["_storage_device"] != "cpu":
+            raise ValueError(f"_storage_device {scatter_meta[0]['_storage_device']!r}: this peer runs on CPU only")
+        recv_buf = torch.empty(max_size, dtype=torch.uint8)
+        dist.scatter(recv_buf, None, src=src, group=group)
+    metadata = scatter_meta[0]
+    if seen is not None:
+        seen.append(dict(metadata))
+    total_bytes = metadata.pop("_total_bytes")
+    metadata.pop("_max_bytes")
+    metadata.pop("_storage_device")
+    return from_consolidated(metadata, recv_buf[:total_bytes])
+
+
+# ------------------------------------------------------------------------------------------
 # The trees of the tests and their values (the C++ side builds the same: test_interop.cpp)
 
 DTYPES = {
@@ -664,6 +857,16 @@ TREES = {
         T(["bf"], "bfloat16", [2, 3]),
         T(["a", "i32"], "int32", [2]),
         N(["neg"], -5),
+    ]),
+    # For the reductions: the dtypes gloo reduces, nested keys, insertion order unlike sorted
+    # order, a non-tensor value.
+    "reducible": ([2], [
+        T(["obs"], "float32", [2, 3]),
+        T(["n", "x"], "int64", [2, 5]),
+        T(["_"], "float64", [2, 1]),
+        N(["label"], "r"),
+        T(["n", "deep", "y"], "int32", [2, 7]),
+        T(["Z"], "uint8", [2, 3]),
     ]),
     # The tensorclass td_peer_types.InteropRecord (fields obs, action, reward).
     "record": ([3], [T(["obs"], "float32", [3, 4]), T(["action"], "int64", [3]), T(["reward"], "float32", [3, 1])]),
@@ -758,6 +961,28 @@ def check_tree(got, name, salt, what):
     extra = [p for p, _ in got.leaves_in_order() if p not in want_leaves]
     if extra:
         errors.append(f"{what}: unexpected leaves {extra}")
+    return errors
+
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+              "product": dist.ReduceOp.PRODUCT}
+
+
+def check_reduced(got, name, salts, op, what):
+    """Every tensor leaf of tree `name` in `got` holds tree `name` at each of `salts`, reduced
+    with `op` (in the leaf's dtype, as the backend reduces it)."""
+    errors = []
+    for e in TREES[name][1]:
+        if e[0] != "t":
+            continue
+        path, dt = e[1], DTYPES[e[2]]
+        want = pattern(path, dt, e[3], salts[0])
+        for salt in salts[1:]:
+            v = pattern(path, dt, e[3], salt)
+            want = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "product": torch.mul}[op](want, v)
+        value = got.get(path)
+        if value.dtype != dt or not torch.equal(value, want):
+            errors.append(f"{what}: {'.'.join(path)} = {value.flatten().tolist()[:8]}..., expected {want.flatten().tolist()[:8]}...")
     return errors
 
 
@@ -948,6 +1173,59 @@ def run_scenario(args, result):
             _check(check_tree(got, args.tree, args.salt, "broadcast"))
         return
 
+    if args.scenario in ("all_reduce", "reduce"):
+        # Rank r holds tree `tree` at salt + r; the reference is computed here from every rank's.
+        td = _tree_of(build_tree(args.tree, args.salt + args.rank))
+        n = sum(1 for _ in td.leaves_in_order())
+        salts = [args.salt + r for r in range(args.world)]
+        op = REDUCE_OPS[args.op]
+        if args.scenario == "all_reduce":
+            out = all_reduce(td, op, async_op=args.api != "sync")
+            if args.api == "sync":
+                if out is not None:
+                    raise Mismatch("all_reduce without async_op returned something")
+            else:
+                result["works"] = len(out)
+                _wait_all(out)
+            _check(check_reduced(td, args.tree, salts, args.op, "all_reduce"))
+        else:
+            out = reduce(td, args.dst, op, async_op=args.api != "sync", return_premature=args.api == "early")
+            if args.api == "early":
+                result["works"] = len(out)
+                _wait_all(out)
+            elif out is not None:
+                raise Mismatch("reduce without return_premature returned something")
+            if args.rank == args.dst:
+                _check(check_reduced(td, args.tree, salts, args.op, f"reduce to {args.dst}"))
+        if "works" in result and result["works"] != n:
+            raise Mismatch(f"{result['works']} works, expected {n}")
+        return
+
+    if args.scenario in ("all_gather", "scatter"):
+        # Rank r's tree is trees[r] at salt + r.
+        trees = args.trees.split(",")
+        if len(trees) != args.world:
+            raise SystemExit("--trees needs one tree per rank")
+        seen, notes, errors = [], [], []
+        if args.scenario == "all_gather":
+            got = all_gather(_tree_of(build_tree(trees[args.rank], args.salt + args.rank)),
+                             use_torch=args.torch_object_list, seen=seen)
+            if len(got) != args.world:
+                raise Mismatch(f"{len(got)} tensordicts, expected {args.world}")
+            for r, name in enumerate(trees):
+                errors += check_metadata(seen[r], name, {}, notes)
+                errors += check_tree(got[r], name, args.salt + r, f"all_gather from rank {r}")
+        else:
+            tds = [build_tree(name, args.salt + r) for r, name in enumerate(trees)] if args.rank == args.src else None
+            got = scatter(args.src, tds, use_torch=args.torch_object_list, seen=seen)
+            largest = max(consolidate(_tree_of(build_tree(name))).consolidated["storage"].numel() for name in trees)
+            name = trees[args.rank]
+            errors += check_metadata(seen[0], name, {"_max_bytes": largest, "_storage_device": "cpu"}, notes)
+            errors += check_tree(got, name, args.salt + args.rank, "scatter")
+        result["metadata_notes"] = notes
+        _check(errors)
+        return
+
     if args.scenario == "idle":
         return
     raise SystemExit(f"unknown scenario {args.scenario!r}")
@@ -984,10 +1262,14 @@ def main(argv=None):
     p.add_argument("--world", type=int)
     p.add_argument("--init-method")
     p.add_argument("--backend", default="gloo", choices=["gloo", "shm"])
-    p.add_argument("--scenario", choices=["perleaf", "consolidated", "remote", "broadcast", "idle"])
+    p.add_argument("--scenario", choices=["perleaf", "consolidated", "remote", "broadcast", "all_reduce", "reduce",
+                                          "all_gather", "scatter", "idle"])
     p.add_argument("--role", choices=["send", "recv", "root", "member", "idle"])
     p.add_argument("--peer", type=int, help="dst/src (a group rank with --group-ranks)")
-    p.add_argument("--src", type=int, default=0, help="the root of a broadcast")
+    p.add_argument("--src", type=int, default=0, help="the root of a broadcast or scatter")
+    p.add_argument("--dst", type=int, default=0, help="the root of a reduce")
+    p.add_argument("--op", default="sum", choices=sorted(REDUCE_OPS), help="reduce / all_reduce operation")
+    p.add_argument("--trees", help="all_gather / scatter: comma-separated tree of each rank")
     p.add_argument("--tree", default="seed", choices=sorted(TREES))
     p.add_argument("--salt", type=int, default=0)
     p.add_argument("--then-tree", choices=sorted(TREES), help="send: then send this tree too (values at salt + 1)")
@@ -995,7 +1277,8 @@ def main(argv=None):
     p.add_argument("--init-tag", type=int, default=0)
     p.add_argument("--pseudo-rand", action="store_true")
     p.add_argument("--api", default="sync", choices=["sync", "async", "early"],
-                   help="send/recv, isend/irecv, or isend(return_early)/irecv(return_premature)")
+                   help="send/recv, isend/irecv, or isend(return_early)/irecv(return_premature); reduce: "
+                        "async_op, async_op with return_premature; all_reduce: async_op")
     p.add_argument("--via", default="broadcast", choices=["broadcast", "init_remote"])
     p.add_argument("--group-ranks", help="comma-separated global ranks of a new_group to address peers in")
     p.add_argument("--torch-object-list", action="store_true",
