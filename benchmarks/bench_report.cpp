@@ -185,19 +185,6 @@ std::string exact_number(double v) {
   return buf;
 }
 
-// "8 B", "64 KiB", "1 MiB"; a size that is no whole multiple stays in bytes.
-std::string size_label(double bytes) {
-  const auto b = static_cast<uint64_t>(bytes);
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  uint64_t v = b;
-  int u = 0;
-  while (u < 4 && v >= 1024 && v % 1024 == 0) {
-    v /= 1024;
-    ++u;
-  }
-  return std::to_string(v) + " " + units[u];
-}
-
 // ---- --compare ----
 
 // A row's identity and the one metric --compare looks at.
@@ -241,6 +228,14 @@ std::optional<Metric> metric_of(const Row& r) {
         m.informational = c.info;
         return m;
       }
+    }
+    // --collectives rows: a per-op time at a size.
+    if (const auto p50 = r.number("p50_us"); p50 && r.number("bytes")) {
+      m.key += " " + size_label(*r.number("bytes"));
+      m.name = "p50 us";
+      m.value = *p50;
+      m.higher_is_better = false;
+      return m;
     }
     return std::nullopt;
   }
@@ -389,6 +384,19 @@ struct Bars {
 };
 
 }  // namespace
+
+// "8 B", "64 KiB", "1 MiB"; a size that is no whole multiple stays in bytes.
+std::string size_label(double bytes) {
+  const auto b = static_cast<uint64_t>(bytes);
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  uint64_t v = b;
+  int u = 0;
+  while (u < 4 && v >= 1024 && v % 1024 == 0) {
+    v /= 1024;
+    ++u;
+  }
+  return std::to_string(v) + " " + units[u];
+}
 
 // ---- Row ----
 
@@ -612,9 +620,50 @@ std::string plot_rows(const std::string& file, const std::vector<PlotSource>& so
   }
   for (auto& [name, points] : lines) std::sort(points.begin(), points.end());
 
-  const int panels = (lines.empty() ? 0 : 2) + (loader.empty() ? 0 : 1) + (actor.empty() ? 0 : 1);
+  // --collectives: a panel per world size, GB/s against size, a line per (op, transport) and
+  // the memcpy reference (workers 1) in every panel.
+  using Series = std::vector<std::pair<std::string, std::vector<std::pair<double, double>>>>;
+  std::map<int, Series> collective_panels;
+  Series memcpy_lines;
+  int collective_sources = 0;
+  for (const auto& src : sources) {
+    bool has = false;
+    for (const auto& r : src.rows) {
+      if (r.str("scenario") != "collectives") continue;
+      const auto bytes = r.number("bytes");
+      const auto gbps = r.number("gbps");
+      const auto world = r.number("workers");
+      if (!bytes || !gbps || !world) continue;
+      has = true;
+    }
+    collective_sources += has ? 1 : 0;
+  }
+  for (const auto& src : sources) {
+    for (const auto& r : src.rows) {
+      if (r.str("scenario") != "collectives") continue;
+      const auto bytes = r.number("bytes");
+      const auto gbps = r.number("gbps");
+      const auto world = r.number("workers");
+      if (!bytes || !gbps || !world) continue;
+      const std::string transport = r.str("transport");
+      std::string name = transport == "memcpy" ? std::string("memcpy") : r.str("pattern") + " " + transport;
+      if (collective_sources > 1) name += " (" + src.label + ")";
+      Series& series = transport == "memcpy" ? memcpy_lines : collective_panels[static_cast<int>(*world)];
+      auto it = std::find_if(series.begin(), series.end(), [&](const auto& l) { return l.first == name; });
+      if (it == series.end()) it = series.insert(series.end(), {name, {}});
+      it->second.push_back({*bytes, *gbps});
+    }
+  }
+  for (auto& [world, series] : collective_panels) {
+    series.insert(series.end(), memcpy_lines.begin(), memcpy_lines.end());
+    for (auto& [name, points] : series) std::sort(points.begin(), points.end());
+  }
+
+  const int panels = (lines.empty() ? 0 : 2) + (loader.empty() ? 0 : 1) + (actor.empty() ? 0 : 1) +
+                     static_cast<int>(collective_panels.size());
   if (panels == 0) {
-    throw std::runtime_error("nothing to plot: no size-sweep rows (workload \"\") and no loader or actor-learner rows");
+    throw std::runtime_error(
+        "nothing to plot: no size-sweep rows (workload \"\"), no loader or actor-learner rows and no collectives rows");
   }
   const std::string gnuplot = find_in_path("gnuplot");
   if (gnuplot.empty()) {
@@ -703,6 +752,51 @@ std::string plot_rows(const std::string& file, const std::vector<PlotSource>& so
     gp += plot + "\n";
     gp += "set xtics norotate\nset style data lines\n";
   }
+  int panel = 0;
+  std::vector<std::string> ops;  // colour order of the collectives' ops
+  for (const auto& [world, series] : collective_panels) {
+    std::string plot = "plot ";
+    std::vector<double> sizes;
+    for (size_t i = 0; i < series.size(); ++i) {
+      const std::string data = dir.file("coll_" + std::to_string(panel) + "_" + std::to_string(i) + ".dat");
+      std::string text = "# bytes gbps\n";
+      for (const auto& p : series[i].second) {
+        text += exact_number(p.first) + " " + exact_number(p.second) + "\n";
+        // Tics at the sizes of the plain ops (a TD tree's total would crowd them).
+        if (series[i].first.rfind("td.", 0) != 0) sizes.push_back(p.first);
+      }
+      write_file(data, text);
+      // A colour per op, shm solid, gloo dashed with open points, memcpy black.
+      const std::string& name = series[i].first;
+      const std::string op = name.substr(0, name.find(' '));
+      static const char* const colours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+                                            "#e377c2", "#17becf"};
+      const auto known = std::find(ops.begin(), ops.end(), op);
+      const size_t colour = static_cast<size_t>(known - ops.begin()) % std::size(colours);
+      if (known == ops.end()) ops.push_back(op);
+      std::string style = "lc rgb '" + std::string(colours[colour]) + "' pt 7";
+      if (name.rfind("memcpy", 0) == 0) {
+        style = "dt 2 lc rgb 'black' pt 6";
+      } else if (name.find(" gloo") != std::string::npos) {
+        style = "dt 3 lc rgb '" + std::string(colours[colour]) + "' pt 6";
+      }
+      plot += (i ? ", " : "") + gp_quote(data) + " using 1:2 with linespoints " + style + " ps 0.6 title " +
+              gp_quote(name);
+    }
+    ++panel;
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    std::string tics = "set xtics (";
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      tics += (i ? ", " : "") + gp_quote(size_label(sizes[i])) + " " + exact_number(sizes[i]);
+    }
+    gp += tics + ")\n";
+    gp += "set title " + gp_quote("collectives, world " + std::to_string(world) + ": GB/s (bytes per rank / p50)") +
+          "\nset logscale xy\nset xlabel 'bytes per rank'\nset ylabel 'GB/s (10^9 bytes/s)'\n"
+          "set autoscale y\nset format y '%g'\nset key top left Left reverse font ',8'\n" +
+          plot + "\n";
+    gp += "unset logscale\nset xtics autofreq\nunset xlabel\nset key font ''\nset format y '% h'\n";
+  }
   gp += "unset multiplot\n";
   const std::string script = dir.file("plot.gp");
   write_file(script, gp);
@@ -719,6 +813,10 @@ std::string plot_rows(const std::string& file, const std::vector<PlotSource>& so
   if (!lines.empty()) what += std::to_string(lines.size()) + " size-sweep series (latency, bandwidth)";
   if (!loader.empty()) what += std::string(what.empty() ? "" : ", ") + "loader throughput";
   if (!actor.empty()) what += std::string(what.empty() ? "" : ", ") + "actor-learner throughput";
+  if (!collective_panels.empty()) {
+    what += std::string(what.empty() ? "" : ", ") + "collectives GB/s (" + std::to_string(collective_panels.size()) +
+            " world size(s))";
+  }
   return what;
 }
 

@@ -9,7 +9,8 @@
 /// Row identity (what --compare matches on) and the one metric compared:
 ///   scenario rows   scenario, pattern, transport and workers / actors / world; the metric is
 ///                   batches_per_s or steps_per_s (higher is better), or segment_bytes for
-///                   scenario "segment" (shown, never a regression)
+///                   scenario "segment" (shown, never a regression); "collectives" rows add
+///                   bytes to the identity, and their metric is p50_us (lower is better)
 ///   size sweep      transport and bytes (workload ""); p50_us (lower is better)
 ///   --td rows       transport and workload; p50_us (lower is better)
 
@@ -80,6 +81,9 @@ struct Comparison {
 /// rows found on one side only, to `out`.
 Comparison compare_rows(const std::vector<Row>& old_rows, const std::vector<Row>& new_rows, double threshold_pct,
                         const std::string& old_label, FILE* out);
+
+/// "8 B", "64 KiB", "1 MiB"; a size that is no whole multiple of a unit stays in the smaller one.
+std::string size_label(double bytes);
 
 /// Rows from one place (this run, or a file), named in the plot's legends when there are several.
 struct PlotSource {

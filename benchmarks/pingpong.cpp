@@ -4,6 +4,7 @@
 #include "pingpong.h"
 
 #include "pingpong_internal.h"
+#include "collectives.h"
 #include "scenarios.h"
 
 #include <ATen/Parallel.h>
@@ -687,6 +688,7 @@ void print_bench_usage(FILE* out) {
                "usage: tdshm bench [options]\n"
                "       tdshm bench --td [--workloads LIST] [options]\n"
                "       tdshm bench --scenario loader|actor-learner|all [options]\n"
+               "       tdshm bench --collectives [--world-sizes LIST] [--sizes LIST] [options]\n"
                "       tdshm bench --world LIST | --from FILES [--compare OLD] [--plot FILE]\n"
                "Two-process ping-pong: rank 0 sends a message, rank 1 sends it back; one-way latency is half\n"
                "the round trip. Ranks are pinned to the first two allowed CPUs. Prints a table per size (or\n"
@@ -757,19 +759,46 @@ void print_bench_usage(FILE* out) {
                "  --world LIST       print the shm segment size of each world size with default\n"
                "                     ShmOptions (tdshm::shm_segment_bytes), e.g. 2,5,9,17,65\n"
                "\n"
+               "collectives (not part of --scenario all):\n"
+               "  --collectives      all_reduce (SUM, float32), all_gather, broadcast (from rank 0) and scatter\n"
+               "                     (from rank 0) over shm against gloo in the same forked processes (each\n"
+               "                     rank holds both groups), per world size and message size, next to a\n"
+               "                     memcpy row per size (one copy, single thread); then the goal ratios\n"
+               "                     (all_reduce 1 MiB and 8 B over 4 ranks: gloo/shm >= 5 and >= 20; broadcast\n"
+               "                     64 MiB to 4 ranks: shm GB/s / memcpy GB/s >= 0.8). Bytes: each rank's\n"
+               "                     float32 tensor (scatter: what each rank receives). Timing: rank 0 times\n"
+               "                     rounds of ops from the end of a barrier to the end of a closing barrier\n"
+               "                     (the slowest rank's time plus one barrier) / ops; each (op, size,\n"
+               "                     transport) is checked once, warmed up and calibrated (ops doubling to\n"
+               "                     10 ms) to rounds of ~100 ms (1 to 100000 ops); --repeat rounds each\n"
+               "                     (default 3), median and min-max of the per-op time; GB/s = bytes / median\n"
+               "                     time; shm/gloo = gloo time / shm time. Worlds above the CPU count are\n"
+               "                     oversubscribed (said above the tables). TensorDict rows:\n"
+               "                     td.all_reduce and td.all_gather (TensorDict::all_reduce / all_gather)\n"
+               "                     of the seed tree (72 B, workload seed) and of 10 x 1 MiB float leaves\n"
+               "                     (workload 10x1MiB), bytes = the leaves' bytes per rank\n"
+               "  --world-sizes LIST world sizes, one process layout each (default 2,4,8)\n"
+               "  --sizes LIST       with --collectives: tensor sizes (default 8,1K,64K,1M,16M,64M)\n"
+               "\n"
                "reports (on this run's rows: the sweep's or the scenarios', plus those of --from):\n"
                "  --json FILE        scenario rows too: scenario, pattern, transport, workers (loader) or\n"
                "                     actors (actor-learner), batches or steps (per measurement), repeats,\n"
                "                     batches_per_s or steps_per_s (median) with _min and _max, gbps,\n"
                "                     seconds (median); --world rows: scenario \"segment\", world,\n"
-               "                     segment_bytes\n"
+               "                     segment_bytes; --collectives rows: scenario \"collectives\", pattern\n"
+               "                     (the op, td.all_reduce, td.all_gather or memcpy), transport (shm, gloo,\n"
+               "                     memcpy), workers (the world; 1 for memcpy), bytes, iters (ops per\n"
+               "                     round), repeats, p50_us, min_us, max_us (per-op time over the\n"
+               "                     rounds), gbps, speedup (shm rows: gloo p50 / shm p50), workload (TD)\n"
                "  --from LIST        read rows from these JSON Lines files (--plot-from is the same);\n"
                "                     without --scenario nothing is measured\n"
                "  --plot FILE        draw with gnuplot into FILE (.png or .svg): p50 latency and GB/s\n"
                "                     against size of every transport (size-sweep rows), and the\n"
-               "                     scenarios' throughput, shm next to gloo, min-max as error bars\n"
+               "                     scenarios' throughput, shm next to gloo, min-max as error bars, and\n"
+               "                     per world size the collectives' GB/s against size (memcpy dashed)\n"
                "  --compare OLD      compare this run's rows with OLD's (JSON Lines; matched on scenario,\n"
-               "                     pattern, transport, workers/actors, or transport and size/workload):\n"
+               "                     pattern, transport, workers/actors (and size for --collectives, whose\n"
+               "                     metric is p50_us), or transport and size/workload):\n"
                "                     prints old, new and %% change; exit 3 when a throughput dropped or a\n"
                "                     p50 latency rose by more than --threshold; rows on one side only are\n"
                "                     listed, not failures\n"
@@ -791,7 +820,7 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
   bool sizes_given = false;
   // Options of the size sweep, which does not run with a scenario, --world or --from.
   std::vector<std::string> sweep_flags;
-  bool workers_given = false, actors_given = false, threshold_given = false;
+  bool workers_given = false, actors_given = false, threshold_given = false, world_sizes_given = false;
   for (int i = 0; i < argc; ++i) {
     std::string arg = argv[i];
     std::optional<std::string> inline_value;
@@ -862,6 +891,13 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
           o.scenarios.push_back(name);
         }
       }
+    } else if (arg == "--collectives") {
+      if (std::find(o.scenarios.begin(), o.scenarios.end(), "collectives") == o.scenarios.end()) {
+        o.scenarios.push_back("collectives");
+      }
+    } else if (arg == "--world-sizes") {
+      o.world_sizes = parse_int_list(arg, value(), 1, 64);
+      world_sizes_given = true;
     } else if (arg == "--workers") {
       o.workers = parse_int_list(arg, value(), 1, 64);
       workers_given = true;
@@ -919,10 +955,16 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
   const auto wants = [&](const char* name) {
     return std::find(o.scenarios.begin(), o.scenarios.end(), name) != o.scenarios.end();
   };
+  // --sizes also chooses the sizes of --collectives.
+  if (wants("collectives")) {
+    sweep_flags.erase(std::remove(sweep_flags.begin(), sweep_flags.end(), std::string("--sizes")), sweep_flags.end());
+    if (!sizes_given) o.sizes = default_collective_sizes();
+  }
+  if (world_sizes_given && !wants("collectives")) throw std::invalid_argument("--world-sizes is an option of --collectives");
   if (!o.sweep() && !sweep_flags.empty()) {
     throw std::invalid_argument(sweep_flags.front() +
-                                " is an option of the size sweep, which does not run with --scenario, --world "
-                                "or --from");
+                                " is an option of the size sweep, which does not run with --scenario, "
+                                "--collectives, --world or --from");
   }
   if ((workers_given || batches) && !wants("loader")) {
     throw std::invalid_argument(std::string(workers_given ? "--workers" : "--batches") +
@@ -933,7 +975,8 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
                                 " is an option of --scenario actor-learner");
   }
   if ((repeat || o.progress) && !scenario) {
-    throw std::invalid_argument(std::string(repeat ? "--repeat" : "--progress") + " is an option of --scenario");
+    throw std::invalid_argument(std::string(repeat ? "--repeat" : "--progress") +
+                                " is an option of --scenario and --collectives");
   }
   if (threshold_given && o.compare_path.empty()) throw std::invalid_argument("--threshold is an option of --compare");
   o.batches = batches.value_or(o.quick ? 30 : o.batches);

@@ -83,7 +83,7 @@ struct BenchOptions {
   bool pin = true;
 
   // ---- workload scenarios (scenarios.h); when any is given, the size sweep does not run ----
-  /// Scenarios to run, in this order: "loader", "actor-learner".
+  /// Scenarios to run, in this order: "loader", "actor-learner", "collectives" (--collectives).
   std::vector<std::string> scenarios;
   /// loader: the numbers of worker processes, one process layout each.
   std::vector<int> workers{1, 2, 4, 8};
@@ -100,6 +100,10 @@ struct BenchOptions {
   bool progress = false;
   /// World sizes whose shm segment size (default ShmOptions) is printed.
   std::vector<int> worlds;
+  /// --collectives (scenario "collectives", never in --scenario all): the world sizes, one
+  /// layout each; the message sizes are `sizes` (parse_bench_options: default_collective_sizes()
+  /// unless --sizes is given).
+  std::vector<int> world_sizes{2, 4, 8};
 
   // ---- reports (bench_report.h) ----
   /// If not empty, draw the size sweep and the scenarios' throughput into this .png or .svg.

@@ -53,7 +53,8 @@
 
 namespace tdshm::bench {
 
-/// The scenario names, in the order `all` runs them: "loader", "actor-learner".
+/// The scenario names, in the order `all` runs them: "loader", "actor-learner" ("collectives",
+/// which `--collectives` runs, is not one of them).
 const std::vector<std::string>& all_scenarios();
 
 /// What run_scenarios measured: one row per (scenario, pattern, transport, N) with the median
