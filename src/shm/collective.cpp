@@ -53,6 +53,21 @@ uint64_t share(const ShmEngine& e, uint64_t unit) {
   return out;
 }
 
+// out (m elements) = the parts of every rank in step s at `offset`, reduced in rank order
+// (rank 0 op rank 1 op ...); AVG divided by the world. `out` may be any rank's part.
+void reduce_parts(ShmEngine& e, uint8_t* out, uint64_t s, uint64_t offset, uint64_t m, at::ScalarType dtype,
+                  ReduceKind op) {
+  if (m == 0) return;
+  const int world = e.size();
+  if (world == 1) {
+    std::memmove(out, e.part_of(0, s) + offset, m * c10::elementSize(dtype));
+  } else {
+    reduce_into(out, e.part_of(0, s) + offset, e.part_of(1, s) + offset, m, dtype, op);
+    for (int r = 2; r < world; ++r) reduce_into(out, out, e.part_of(r, s) + offset, m, dtype, op);
+  }
+  if (op == ReduceKind::kAvg) divide_by(out, m, dtype, world);
+}
+
 // Reductions of more than this many bytes per piece are split: each rank reduces 1/world of it
 // (reduce-scatter), then every rank copies the others' results (all-gather). Smaller ones are
 // reduced whole by every rank, which costs one step instead of two.
@@ -87,17 +102,6 @@ void shm_reduce(ShmEngine& e, uint8_t* data, uint64_t n, at::ScalarType dtype, R
   const bool wants = root < 0 || root == me;
   const uint64_t per_piece = e.part_bytes() / es;  // elements
   const uint64_t total = n * es;
-  // rank r's result into `out` (m elements): r0 op r1 op ... in rank order.
-  auto reduce_all = [&](uint8_t* out, uint64_t s, uint64_t offset, uint64_t m) {
-    if (m == 0) return;
-    if (world == 1) {
-      std::memmove(out, e.part_of(0, s) + offset, m * es);
-    } else {
-      reduce_into(out, e.part_of(0, s) + offset, e.part_of(1, s) + offset, m, dtype, op);
-      for (int r = 2; r < world; ++r) reduce_into(out, out, e.part_of(r, s) + offset, m, dtype, op);
-    }
-    if (op == ReduceKind::kAvg) divide_by(out, m, dtype, world);
-  };
   const uint32_t code = reduce_code(dtype, op);
   for (uint64_t k = 0, np = pieces(n, per_piece); k < np; ++k) {
     const uint64_t first = k * per_piece, m = std::min(per_piece, n - first);
@@ -108,7 +112,7 @@ void shm_reduce(ShmEngine& e, uint8_t* data, uint64_t n, at::ScalarType dtype, R
       step(
           e, what, deadline, [&](uint8_t* mine) { std::memcpy(mine, piece, m * es); },
           [&](uint64_t s) {
-            if (wants) reduce_all(piece, s, 0, m);
+            if (wants) reduce_parts(e, piece, s, 0, m, dtype, op);
           });
       continue;
     }
@@ -120,15 +124,7 @@ void shm_reduce(ShmEngine& e, uint8_t* data, uint64_t n, at::ScalarType dtype, R
     e.await_step(a, deadline);
     // The owned slice goes to the same offset of the next half (free: a - 1 was read by all).
     const uint64_t b = e.begin_step(what ^ 1, deadline);
-    {
-      const uint64_t off = lo(me) * es, len = lo(me + 1) - lo(me);
-      if (len != 0) {
-        uint8_t* out = e.my_part(b) + off;
-        reduce_into(out, e.part_of(0, a) + off, e.part_of(1, a) + off, len, dtype, op);
-        for (int r = 2; r < world; ++r) reduce_into(out, out, e.part_of(r, a) + off, len, dtype, op);
-        if (op == ReduceKind::kAvg) divide_by(out, len, dtype, world);
-      }
-    }
+    reduce_parts(e, e.my_part(b) + lo(me) * es, a, lo(me) * es, lo(me + 1) - lo(me), dtype, op);
     e.end_step(a);
     e.publish_step(b);
     e.await_step(b, deadline);
@@ -201,16 +197,7 @@ void shm_reduce_scatter(ShmEngine& e, std::span<const uint8_t* const> ins, uint8
           }
         },
         [&](uint64_t s) {
-          if (m == 0) return;
-          const uint64_t off = static_cast<uint64_t>(me) * per * es;
-          uint8_t* dst = out + first * es;
-          if (world == 1) {
-            std::memcpy(dst, e.part_of(0, s) + off, m * es);
-          } else {
-            reduce_into(dst, e.part_of(0, s) + off, e.part_of(1, s) + off, m, dtype, op);
-            for (int r = 2; r < world; ++r) reduce_into(dst, dst, e.part_of(r, s) + off, m, dtype, op);
-          }
-          if (op == ReduceKind::kAvg) divide_by(dst, m, dtype, world);
+          reduce_parts(e, out + first * es, s, static_cast<uint64_t>(me) * per * es, m, dtype, op);
         });
   }
 }

@@ -158,11 +158,13 @@ void ShmEngine::wait_collective(Ready ready, Clock::time_point deadline, uint64_
     }
     const Clock::time_point now = Clock::now();
     maybe_check_peers(now);
-    check_collective_peers();
+    // Ready first: a peer that published its part and then left (its last collective done) is
+    // gone, but what this rank waits for is there.
     if (ready()) {
       note_wait(now - start);
       return;
     }
+    check_collective_peers();
     if (now >= deadline) {
       auto error = make_error<TimeoutError>("segment '" + name_ + "', rank " + std::to_string(rank_) +
                                             ": timed out in a collective (step " + std::to_string(step) +
