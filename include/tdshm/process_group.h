@@ -92,8 +92,8 @@ struct ShmOptions {
   /// may have in flight towards one peer (memory: world² × ring_entries × 192 bytes).
   uint32_t ring_entries = 64;
   /// Bytes of each rank's collective window (memory: world × window_bytes): collectives move
-  /// their data through it in steps of window_bytes / 2 per rank, larger tensors in several steps.
-  /// A multiple of 128 in [128, 2^30].
+  /// their data through it in steps of window_bytes / 4 per rank, larger tensors in several steps.
+  /// A multiple of 256 in [256, 2^30].
   size_t window_bytes = size_t{1} << 20;
   /// How often a waiter checks that its peers are alive: a dead peer's transfers fail within
   /// about this long.

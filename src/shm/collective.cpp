@@ -27,16 +27,31 @@ uint32_t reduce_code(at::ScalarType dtype, ReduceKind op) {
   return (static_cast<uint32_t>(dtype) << 8) | static_cast<uint32_t>(op);
 }
 
-// Runs one step: `write` fills this rank's part, `read` takes what it needs once every peer
+// Whom a step waits for: every peer, one rank (>= 0), or nobody.
+constexpr int kEveryPeer = -1;
+constexpr int kNobody = -2;
+
+// Runs one step: `write` fills this rank's part, `read` takes what it needs once `from` has
 // published; the part is released after `read`.
 template <class Write, class Read>
-void step(ShmEngine& e, uint64_t what, Deadline deadline, Write write, Read read) {
+void step(ShmEngine& e, uint64_t what, Deadline deadline, Write write, Read read, int from = kEveryPeer) {
   const uint64_t s = e.begin_step(what, deadline);
   write(e.my_part(s));
   e.publish_step(s);
-  e.await_step(s, deadline);
+  if (from != kNobody) e.await_step(s, deadline, from);
   read(s);
   e.end_step(s);
+}
+
+// Whom piece k of a rooted collective waits for. The first piece waits for every peer, so that
+// every rank checks every other's description of the collective; once it matched, later pieces
+// of the same collective wait only for the ranks whose parts they read (with more ranks than
+// cores, a step that waits for everyone needs every rank scheduled). `to_root`: the others
+// write and the root reads (gather, reduce), else the root writes and the others read.
+int rooted_from(uint64_t piece, int me, int root, bool to_root) {
+  if (piece == 0) return kEveryPeer;
+  if (to_root) return me == root ? kEveryPeer : kNobody;
+  return me == root ? kNobody : root;
 }
 
 uint64_t pieces(uint64_t bytes, uint64_t per_piece) { return std::max<uint64_t>(1, (bytes + per_piece - 1) / per_piece); }
@@ -91,7 +106,8 @@ void shm_broadcast(ShmEngine& e, uint8_t* data, uint64_t bytes, int root, Deadli
         },
         [&](uint64_t s) {
           if (!is_root && len) std::memcpy(data + off, e.part_of(root, s), len);
-        });
+        },
+        rooted_from(k, e.rank(), root, /*to_root=*/false));
   }
 }
 
@@ -113,7 +129,8 @@ void shm_reduce(ShmEngine& e, uint8_t* data, uint64_t n, at::ScalarType dtype, R
           e, what, deadline, [&](uint8_t* mine) { std::memcpy(mine, piece, m * es); },
           [&](uint64_t s) {
             if (wants) reduce_parts(e, piece, s, 0, m, dtype, op);
-          });
+          },
+          root < 0 ? kEveryPeer : rooted_from(k, me, root, /*to_root=*/true));
       continue;
     }
     // Rank r owns elements [m * r / world, m * (r + 1) / world) of the piece.
@@ -122,7 +139,7 @@ void shm_reduce(ShmEngine& e, uint8_t* data, uint64_t n, at::ScalarType dtype, R
     std::memcpy(e.my_part(a), piece, m * es);
     e.publish_step(a);
     e.await_step(a, deadline);
-    // The owned slice goes to the same offset of the next half (free: a - 1 was read by all).
+    // The owned slice goes to the same offset of the next step's part.
     const uint64_t b = e.begin_step(what ^ 1, deadline);
     reduce_parts(e, e.my_part(b) + lo(me) * es, a, lo(me) * es, lo(me + 1) - lo(me), dtype, op);
     e.end_step(a);
@@ -155,7 +172,8 @@ void shm_gather(ShmEngine& e, const uint8_t* in, uint64_t bytes, std::span<uint8
           for (int r = 0; r < e.size(); ++r) {
             std::memcpy(outs[static_cast<size_t>(r)] + off, r == me ? in + off : e.part_of(r, s), len);
           }
-        });
+        },
+        root < 0 ? kEveryPeer : rooted_from(k, me, root, /*to_root=*/true));
   }
 }
 
@@ -178,7 +196,8 @@ void shm_scatter(ShmEngine& e, std::span<const uint8_t* const> ins, uint8_t* out
           std::memcpy(out + off,
                       me == root ? ins[static_cast<size_t>(me)] + off : e.part_of(root, s) + static_cast<uint64_t>(me) * per,
                       len);
-        });
+        },
+        rooted_from(k, me, root, /*to_root=*/false));
   }
 }
 

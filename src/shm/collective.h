@@ -1,17 +1,20 @@
 #pragma once
 // Collectives over the segment's windows (engine.h: the collective steps).
 //
-// Protocol. Each rank owns a window of the segment (ShmOptions::window_bytes) split in two
-// halves, its "parts", and three words in its RankSlot: `published`, `consumed` and
-// `step_check[2]`. Every rank runs the same numbered steps. In step s a rank
-//   1. waits until every peer's `consumed` >= s - 2 (the half s % 2 it is about to overwrite was
-//      last read in step s - 2), writes its part into half s % 2 and the step's word (what the
-//      collective is, its sizes, s) into step_check[s % 2];
+// Protocol. Each rank owns a window of the segment (ShmOptions::window_bytes) split in
+// kWindowParts (4) parts, and words in its RankSlot: `published`, `consumed` and
+// `step_check[4]`. Every rank runs the same numbered steps. In step s a rank
+//   1. waits until every peer's `consumed` >= s - 4 (the part s % 4 it is about to overwrite was
+//      last read in step s - 4), writes into part s % 4 and the step's word (what the collective
+//      is, its sizes, s) into step_check[s % 4];
 //   2. stores `published` = s (release) and wakes sleeping peers;
 //   3. waits until every peer's `published` >= s, and checks every peer's word against its own
-//      (TransportError: the ranks called different collectives or with other sizes);
+//      (TransportError: the ranks called different collectives or with other sizes); after the
+//      first step of a rooted collective has matched, its later steps wait only for the ranks
+//      whose parts they read (the root, or everyone on the root);
 //   4. reads the peers' parts it needs, straight from their windows, and stores `consumed` = s.
-// Two halves let step s + 1 be written while peers still read step s. A peer's part is read only
+// A writer may run up to 3 steps ahead of its slowest reader, so with more ranks than cores a
+// rank that gets the CPU can do several steps before it has to wait. A peer's part is read only
 // at fixed offsets of its own window, whatever the peer wrote in its words; values are data.
 // A step that fails (a peer lost, a timeout, a mismatch, a cut segment) leaves the group's steps
 // out of step: every later collective of the group fails with that error.

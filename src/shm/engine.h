@@ -134,23 +134,24 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
 
   // ---- Collective steps (engine_collective.cpp; the protocol is in collective.h) ----
   // Every rank runs the same steps in the same order. In step s a rank writes its part into its
-  // window half s % 2 (my_part), publishes it, waits until every peer has published step s with
+  // window part s % kWindowParts (my_part), publishes it, waits until every peer has published step s with
   // the same `what`, reads the parts it needs (part_of), and ends the step. Callers hold
   // collective_mutex() for a whole collective.
 
   std::mutex& collective_mutex() noexcept { return coll_mu_; }
-  /// Bytes of one part (half a window).
+  /// Bytes of one part (window_bytes / kWindowParts).
   uint64_t part_bytes() const noexcept;
   /// Starts the next step, describing it by `what` (the collective, its sizes, its step within
-  /// it): waits until every peer has ended the step that last used the same half. Throws the
+  /// it): waits until every peer has ended the step that last used the same part. Throws the
   /// error of an earlier collective that failed midway (the group's steps are out of step then).
   uint64_t begin_step(uint64_t what, std::chrono::steady_clock::time_point deadline);
   uint8_t* my_part(uint64_t step) const noexcept;
   const uint8_t* part_of(int rank, uint64_t step) const noexcept;
   void publish_step(uint64_t step);
-  /// Waits until every peer has published `step`; TransportError if one describes it otherwise
-  /// (the ranks called different collectives, or with other sizes), PeerLostError, TimeoutError.
-  void await_step(uint64_t step, std::chrono::steady_clock::time_point deadline);
+  /// Waits until every peer (or only rank `from`, when >= 0) has published `step`;
+  /// TransportError if one describes it otherwise (the ranks called different collectives, or
+  /// with other sizes), PeerLostError, TimeoutError.
+  void await_step(uint64_t step, std::chrono::steady_clock::time_point deadline, int from = -1);
   /// This rank has read everything it needs of `step` (TransportError if the segment was cut).
   void end_step(uint64_t step);
   /// Marks the group's collectives as failed with `error` (later collectives throw it).
@@ -238,7 +239,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   // Collective steps (engine_collective.cpp); under coll_mu_.
   std::mutex coll_mu_;
   uint64_t coll_step_ = 0;            // last step begun
-  uint64_t coll_what_[2] = {0, 0};    // `what` of the steps in each half
+  uint64_t coll_what_[shm::kWindowParts] = {};  // `what` of the step in each window part
   std::exception_ptr coll_error_;     // a collective failed midway: later ones fail with it
 
   std::mutex watch_mu_;

@@ -23,14 +23,16 @@ uint64_t step_word(uint64_t what, uint64_t step) noexcept {
 
 }  // namespace
 
-uint64_t ShmEngine::part_bytes() const noexcept { return segment_->geometry().window_bytes / 2; }
+using shm::kWindowParts;
+
+uint64_t ShmEngine::part_bytes() const noexcept { return segment_->geometry().window_bytes / kWindowParts; }
 
 uint8_t* ShmEngine::my_part(uint64_t step) const noexcept {
-  return segment_->window_memory(static_cast<uint32_t>(rank_)) + (step % 2) * part_bytes();
+  return segment_->window_memory(static_cast<uint32_t>(rank_)) + (step % kWindowParts) * part_bytes();
 }
 
 const uint8_t* ShmEngine::part_of(int rank, uint64_t step) const noexcept {
-  return segment_->window_memory(static_cast<uint32_t>(rank)) + (step % 2) * part_bytes();
+  return segment_->window_memory(static_cast<uint32_t>(rank)) + (step % kWindowParts) * part_bytes();
 }
 
 void ShmEngine::fail_collectives(std::exception_ptr error) noexcept {
@@ -45,13 +47,14 @@ uint64_t ShmEngine::begin_step(uint64_t what, Clock::time_point deadline) {
     if (check_poisoned()) std::rethrow_exception(poisoned_);
   }
   const uint64_t step = ++coll_step_;
-  if (step > 2) {
-    // Half step % 2 was last used by step - 2: every peer must have read it.
+  if (step > kWindowParts) {
+    // Part step % kWindowParts was last used by step - kWindowParts: every peer must have read it.
     wait_collective(
         [&] {
           for (int p = 0; p < size_; ++p) {
             if (p == rank_) continue;
-            if (segment_->rank_slot(static_cast<uint32_t>(p)).consumed.load(std::memory_order_acquire) + 2 < step) {
+            if (segment_->rank_slot(static_cast<uint32_t>(p)).consumed.load(std::memory_order_acquire) + kWindowParts <
+                step) {
               return false;
             }
           }
@@ -59,9 +62,10 @@ uint64_t ShmEngine::begin_step(uint64_t what, Clock::time_point deadline) {
         },
         deadline, step, "to finish reading its previous part");
   }
-  coll_what_[step % 2] = what;
-  segment_->rank_slot(static_cast<uint32_t>(rank_)).step_check[step % 2].store(step_word(what, step),
-                                                                                std::memory_order_relaxed);
+  coll_what_[step % kWindowParts] = what;
+  segment_->rank_slot(static_cast<uint32_t>(rank_))
+      .step_check[step % kWindowParts]
+      .store(step_word(what, step), std::memory_order_relaxed);
   return step;
 }
 
@@ -71,12 +75,13 @@ void ShmEngine::publish_step(uint64_t step) {
   notify_peers();
 }
 
-void ShmEngine::await_step(uint64_t step, Clock::time_point deadline) {
-  const uint64_t want = step_word(coll_what_[step % 2], step);
+void ShmEngine::await_step(uint64_t step, Clock::time_point deadline, int from) {
+  const uint64_t want = step_word(coll_what_[step % kWindowParts], step);
+  auto awaited = [&](int p) { return p != rank_ && (from < 0 || p == from); };
   wait_collective(
       [&] {
         for (int p = 0; p < size_; ++p) {
-          if (p == rank_) continue;
+          if (!awaited(p)) continue;
           const shm::RankSlot& slot = segment_->rank_slot(static_cast<uint32_t>(p));
           if (slot.published.load(std::memory_order_acquire) < step) return false;
         }
@@ -84,11 +89,11 @@ void ShmEngine::await_step(uint64_t step, Clock::time_point deadline) {
       },
       deadline, step, "to publish its part");
   for (int p = 0; p < size_; ++p) {
-    if (p == rank_) continue;
+    if (!awaited(p)) continue;
     const shm::RankSlot& slot = segment_->rank_slot(static_cast<uint32_t>(p));
     // Read once; published >= step was loaded with acquire above, and the peer cannot reuse this
-    // half before this rank ends the step.
-    if (slot.step_check[step % 2].load(std::memory_order_relaxed) != want) {
+    // part before this rank ends the step.
+    if (slot.step_check[step % kWindowParts].load(std::memory_order_relaxed) != want) {
       auto error = make_error<TransportError>(
           "shm collective: " + segment_->describe_rank(static_cast<uint32_t>(p)) + " of segment '" + name_ +
           "' is in another collective, or in the same one with other sizes, dtype, op or root (collective step " +

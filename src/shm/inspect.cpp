@@ -642,6 +642,7 @@ constexpr uint32_t kVersion6 = 6;
 constexpr size_t kWindowAt = 120;
 constexpr size_t kWindowBytesAt = 128;
 constexpr uint64_t kMaxWindowBytes = uint64_t{1} << 30;
+constexpr uint64_t kWindowUnit = 256;  // four parts of whole cache lines
 constexpr uint64_t kHeaderBytes = 256;
 constexpr uint64_t kRankSlotBytes = 128;
 constexpr uint64_t kCacheLineBytes = 64;
@@ -747,11 +748,12 @@ constexpr bool same_geometry(uint32_t world, uint64_t slot_bytes, uint32_t entri
          want.arena_offset == arena && want.window_offset == arena + region * world &&
          want.segment_bytes == arena + region * world + window * world;
 }
-static_assert(kLayoutVersion != 6 || (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 128)),
+static_assert(kLayoutVersion != 6 || (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 256)),
               "version 6 geometry");
 static_assert(kLayoutVersion != 6 || (offsetof(SegmentHeader, window_offset) == kWindowAt &&
                                       offsetof(SegmentHeader, window_bytes) == kWindowBytesAt &&
-                                      kMaxWindowBytes == shm::kMaxWindowBytes),
+                                      kMaxWindowBytes == shm::kMaxWindowBytes &&
+                                      kWindowUnit == shm::kWindowParts * shm::kCacheLine),
               "version 6 window constants");
 
 /// What read_indices found.
@@ -821,7 +823,8 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
   }
   if (ring_entries < 1 || ring_entries > kMaxRingEntries || slot_bytes < 1 || slot_bytes > kMaxSlotBytes ||
       slots < 1 || slots > kMaxSlotsPerRank || world < 1 || world > kMaxWorldSize ||
-      (version == kVersion6 && (window_bytes < 128 || window_bytes > kMaxWindowBytes || window_bytes % 128 != 0))) {
+      (version == kVersion6 && (window_bytes < kWindowUnit || window_bytes > kMaxWindowBytes ||
+                                window_bytes % kWindowUnit != 0))) {
     d.note = "version " + to_s(version) + " header out of range (ring_entries " + to_s(ring_entries) + ", slot_bytes " + to_s(slot_bytes) +
              ", slots_per_rank " + to_s(slots) + ", world size " + to_s(world) + ")";
     return d;

@@ -467,10 +467,11 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
   if (params.slots_per_rank < 1 || params.slots_per_rank > kMaxSlotsPerRank) {
     throw SegmentError("slots_per_rank " + std::to_string(params.slots_per_rank) + " must be in [1, 2^16]");
   }
-  if (params.window_bytes < 2 * kCacheLine || params.window_bytes > kMaxWindowBytes ||
-      params.window_bytes % (2 * kCacheLine) != 0) {
-    throw SegmentError("window_bytes " + std::to_string(params.window_bytes) +
-                       " must be a multiple of 128 in [128, 2^30]");
+  if (params.window_bytes < kWindowParts * kCacheLine || params.window_bytes > kMaxWindowBytes ||
+      params.window_bytes % (kWindowParts * kCacheLine) != 0) {
+    throw SegmentError("window_bytes " + std::to_string(params.window_bytes) + " must be a multiple of " +
+                       std::to_string(kWindowParts * kCacheLine) + " in [" + std::to_string(kWindowParts * kCacheLine) +
+                       ", 2^30]");
   }
 
   std::unique_ptr<Segment> seg(new Segment(params, rank));

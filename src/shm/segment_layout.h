@@ -6,8 +6,8 @@
 //   0                 256                 rings_offset                      arena_offset               window_offset
 //   +-----------------+-------------------+---------------------------------+--------------------------+-----------------+
 //   | SegmentHeader   | RankSlot[world]   | Ring[src*world + dst] ...       | Region[owner] ...        | Window[owner]...|
-//   | magic, version, | pid, start time,  |  RingControl (128 B)            |  ArenaSlot[slots] (state)|  two halves of  |
-//   | sizes, creator  | state, collective |  Entry[ring_entries] (192 B):   |  slot 0 | slot 1 | ...   |  window_bytes/2 |
+//   | magic, version, | pid, start time,  |  RingControl (128 B)            |  ArenaSlot[slots] (state)|  four parts of  |
+//   | sizes, creator  | state, collective |  Entry[ring_entries] (192 B):   |  slot 0 | slot 1 | ...   |  window_bytes/4 |
 //   |                 | steps, futex word |   header, inline bytes, shape   |                          |                 |
 //   +-----------------+-------------------+---------------------------------+--------------------------+-----------------+
 //
@@ -18,7 +18,7 @@
 // allocation needs no atomic read-modify-write and one sender can never starve another); each
 // slot carries its state, the rank it was handed to, which the receiver resets once it has
 // copied the chunk out. Collectives go through each rank's collective window (window_bytes,
-// two halves used by alternate steps): a rank writes its part of a step into its own window and
+// kWindowParts parts used by consecutive steps in turn): a rank writes its part of a step into its own window and
 // every peer reads it there directly (collective.h). With the defaults (64 entries of 192 B per
 // ordered pair, 64 slots of 64 KiB and a 1 MiB window per rank) world 9 takes 46 MiB and world
 // 64 takes 369 MiB (world 64 in layout 4: 16.9 GiB).
@@ -102,18 +102,22 @@ enum RankState : uint32_t {
   kRankAbandoned = 3,  // left before its rendezvous completed (timed out or failed)
 };
 
+/// A collective window is this many parts, used by consecutive steps in turn (step s writes part
+/// s % kWindowParts): a rank may be that many steps ahead of the slowest reader.
+inline constexpr uint32_t kWindowParts = 4;
+
 /// One per rank, at rank_table_offset + rank * sizeof(RankSlot). pid and start_time are written
 /// once, before state becomes Live (release): a reader that loads Live (acquire) reads them.
-/// The collective step words are written by their rank only (collective.h): `step_check[s % 2]`
-/// (relaxed) before `published` = s (release), which peers read with acquire.
+/// The collective step words are written by their rank only (collective.h):
+/// `step_check[s % kWindowParts]` (relaxed) before `published` = s (release), which peers read
+/// with acquire.
 struct RankSlot {
   std::atomic<uint32_t> state;          // 0   RankState
   uint32_t pid;                         // 4
   uint64_t start_time;                  // 8   with pid: identifies the process (pid reuse)
   std::atomic<uint64_t> published;      // 16  last collective step whose part is in the window
   std::atomic<uint64_t> consumed;       // 24  last collective step this rank finished reading
-  std::atomic<uint64_t> step_check[2];  // 32  what step s (in half s % 2) is: collective, sizes, step
-  uint8_t reserved0[16];                // 48
+  std::atomic<uint64_t> step_check[kWindowParts];  // 32  what step s (in part s % 4) is: collective, sizes, step
   // Second cache line: written by every peer that wakes this rank.
   std::atomic<uint32_t> wake_seq;       // 64  futex word: bumped after each event for this rank
   std::atomic<uint32_t> sleepers;       // 68  > 0 while a thread of the rank sleeps on wake_seq
@@ -263,7 +267,7 @@ struct SegmentGeometry {
   uint64_t region_bytes;
   uint64_t arena_offset;
   uint64_t window_offset;
-  uint64_t window_bytes;  // per rank, a multiple of 2 cache lines
+  uint64_t window_bytes;  // per rank, a multiple of kWindowParts cache lines
   uint64_t segment_bytes;
 };
 
@@ -281,7 +285,7 @@ constexpr SegmentGeometry segment_geometry(uint32_t world_size, uint64_t slot_by
   g.region_bytes = g.slot_table_bytes + g.slot_stride * slots_per_rank;
   g.arena_offset = g.rings_offset + g.ring_bytes * world_size * world_size;
   g.window_offset = g.arena_offset + g.region_bytes * world_size;
-  g.window_bytes = round_up(window_bytes, 2 * kCacheLine);
+  g.window_bytes = round_up(window_bytes, kWindowParts * kCacheLine);
   g.segment_bytes = g.window_offset + g.window_bytes * world_size;
   return g;
 }

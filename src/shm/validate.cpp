@@ -66,7 +66,8 @@ HeaderCheck check_header(const HeaderFields& h, uint64_t file_bytes) {
   if (h.slots_per_rank < 1 || h.slots_per_rank > kMaxSlotsPerRank) {
     return fail(HeaderVerdict::kCorrupt, "slots per rank " + std::to_string(h.slots_per_rank));
   }
-  if (h.window_bytes < 2 * kCacheLine || h.window_bytes > kMaxWindowBytes || h.window_bytes % (2 * kCacheLine) != 0) {
+  if (h.window_bytes < kWindowParts * kCacheLine || h.window_bytes > kMaxWindowBytes ||
+      h.window_bytes % (kWindowParts * kCacheLine) != 0) {
     return fail(HeaderVerdict::kCorrupt, "collective window bytes " + std::to_string(h.window_bytes));
   }
   if (h.creator_rank >= h.world_size) {

@@ -647,7 +647,7 @@ TEST_F(ShmCollectiveThreads, ReductionsMatchTheReference_World2) {
 
 TEST_F(ShmCollectiveThreads, ReductionsMatchTheReference_World3) {
   // A window whose half (704 bytes) is no power of two: pieces end at odd element counts.
-  run_reductions(unique_name(), Peers::kThreads, small_window_spec(3, kAllReduceDtypes, 1408), kValidPairs * 5);
+  run_reductions(unique_name(), Peers::kThreads, small_window_spec(3, kAllReduceDtypes, 1280), kValidPairs * 5);
 }
 
 TEST_F(ShmCollectiveThreads, ReductionsMatchTheReference_World4) {
@@ -680,7 +680,7 @@ TEST_F(ShmCollectiveThreads, DataMovementMatchesTheReference_World2) {
 }
 
 TEST_F(ShmCollectiveThreads, DataMovementMatchesTheReference_World3) {
-  run_movement(unique_name(), Peers::kThreads, small_window_spec(3, kMovementDtypes, 1408), 6 * 5 * 2);
+  run_movement(unique_name(), Peers::kThreads, small_window_spec(3, kMovementDtypes, 1280), 6 * 5 * 2);
 }
 
 TEST_F(ShmCollectiveThreads, DataMovementMatchesTheReference_World4) {

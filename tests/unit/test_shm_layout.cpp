@@ -54,6 +54,7 @@ TEST(ShmLayout, RankSlotV3) {
   EXPECT_EQ(offsetof(RankSlot, published), 16u);
   EXPECT_EQ(offsetof(RankSlot, consumed), 24u);
   EXPECT_EQ(offsetof(RankSlot, step_check), 32u);
+  EXPECT_EQ(sizeof(RankSlot::step_check), 32u);
   EXPECT_EQ(offsetof(RankSlot, wake_seq), 64u);
   EXPECT_EQ(offsetof(RankSlot, sleepers), 68u);
   EXPECT_EQ(kRankFree, 0u);
@@ -122,12 +123,12 @@ TEST(ShmLayout, GeometryOfAKnownSegment) {
   EXPECT_EQ(g.window_offset, g.arena_offset + 2u * g.region_bytes);
   EXPECT_EQ(g.window_bytes, 1024u);
   EXPECT_EQ(g.segment_bytes, g.window_offset + 2u * 1024u);
-  // A window is two cache-line-aligned halves.
-  EXPECT_EQ(segment_geometry(2, 4096, 4, 8, 100).window_bytes, 128u);
+  // A window is four cache-line-aligned parts.
+  EXPECT_EQ(segment_geometry(2, 4096, 4, 8, 100).window_bytes, 256u);
   // A slot size that is not a multiple of a cache line is padded to one; 9 slots take 2 lines of states.
-  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 128).slot_stride, 128u);
-  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 128).slot_table_bytes, 128u);
-  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 128).rings_offset, 640u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256).slot_stride, 128u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256).slot_table_bytes, 128u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256).rings_offset, 640u);
   // The first 8 inline payload bytes share the header's cache line.
   EXPECT_EQ(sizeof(EntryHeader) + 8, kCacheLine);
 }

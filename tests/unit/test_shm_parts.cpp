@@ -481,7 +481,7 @@ struct TestRegion {
   static constexpr uint8_t kGuardByte = 0x5a;
 
   TestRegion(uint64_t slot_bytes_, uint32_t slots)
-      : g(segment_geometry(3, slot_bytes_, 4, slots, 128)),
+      : g(segment_geometry(3, slot_bytes_, 4, slots, 256)),
         slot_bytes(slot_bytes_),
         buffer(kGuard + g.region_bytes + kGuard),
         view(buffer.data() + kGuard, slots, g.slot_table_bytes, g.slot_stride) {
