@@ -68,7 +68,8 @@ void fuzz_header(InputReader& r) {
   expect(h.creator_rank < h.world_size, "check_header accepted a creator rank outside the world");
   expect(h.slots_per_rank >= 1 && h.slots_per_rank <= shm::kMaxSlotsPerRank,
          "check_header accepted a number of arena slots out of range");
-  expect(h.window_bytes >= 128 && h.window_bytes <= shm::kMaxWindowBytes && h.window_bytes % 128 == 0,
+  constexpr uint64_t kWindowUnit = uint64_t{shm::kWindowParts} * shm::kCacheLine;
+  expect(h.window_bytes >= kWindowUnit && h.window_bytes <= shm::kMaxWindowBytes && h.window_bytes % kWindowUnit == 0,
          "check_header accepted a collective window size out of range");
   const shm::SegmentGeometry g =
       shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes);
