@@ -1173,6 +1173,31 @@ TEST_F(InteropShm, InitTagPyToCpp) { perleaf_py_to_cpp({.tree = "seed", .api = A
 TEST_F(InteropShm, PseudoRandCppToPy) { perleaf_cpp_to_py({.api = Api::kAsync, .init_tag = 1, .pseudo = true}, Api::kSync); }
 TEST_F(InteropShm, GroupDstPyToCpp) { group_dst(false); }
 TEST_F(InteropShm, ConsolidatedOneDtypePyToCpp) { consolidated(false, "u8only"); }
+// Collectives over shm: the same worlds as over gloo (ProcessGroupShm's collectives under
+// tensordict's reduce, all_reduce, all_gather and scatter on both sides).
+TEST_F(InteropShm, AllReduceSum) {
+  World w;
+  w.cpp[0] = cpp_reduction(true, "sum", Api::kSync, 3, 2);
+  w.py[1] = py_reduction(true, "sum", Api::kAsync, 3);
+  run(w);
+}
+TEST_F(InteropShm, AllReduceProduct3Ranks) {
+  World w{.size = 3};
+  w.cpp[0] = cpp_reduction(true, "product", Api::kAsync, 1, 3);
+  w.py[1] = py_reduction(true, "product", Api::kSync, 1);
+  w.cpp[2] = cpp_reduction(true, "product", Api::kSync, 1, 3);
+  run(w);
+}
+TEST_F(InteropShm, ReduceMaxToCpp3Ranks) {
+  World w{.size = 3};
+  w.cpp[0] = cpp_reduction(false, "max", Api::kAsync, 4, 3, /*dst=*/0);
+  w.py[1] = py_reduction(false, "max", Api::kEarly, 4, /*dst=*/0);
+  w.py[2] = py_reduction(false, "max", Api::kSync, 4, /*dst=*/0);
+  run(w);
+}
+TEST_F(InteropShm, AllGather3Ranks) { gather_scatter("all_gather", "pcP", {"mixed", "record", "seed"}, 6); }
+TEST_F(InteropShm, ScatterFromPy) { gather_scatter("scatter", "cpc", {"record", "seed", "mixed"}, 9, /*src=*/1); }
+TEST_F(InteropShm, ScatterFromCpp) { gather_scatter("scatter", "cpP", {"seed", "mixed", "record"}, 8, /*src=*/0); }
 TEST_F(InteropShm, RemotePyToCpp) { remote(false, "mixed"); }
 TEST_F(InteropShm, RemoteTensorClassCppToPy) { remote(true, "record"); }
 TEST_F(InteropShm, BroadcastFromCpp) { broadcast(false, "mixed", false); }
