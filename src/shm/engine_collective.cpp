@@ -146,15 +146,29 @@ void ShmEngine::check_collective_peers() {
 // Spins while waits are short (the budget adapts as for transfers), checks liveness and the
 // deadline at every clock read, then sleeps on this rank's futex word, which every peer bumps
 // when it publishes or ends a step.
+// A wait that slept is judged by how soon after falling asleep it was woken, not by its whole
+// length, which includes the wake-up itself (30-60 us here): woken within 4 x `spin`, the peer was
+// close behind and spinning would have served it, so the budget grows again. Judged by the whole length, a
+// budget that once shrank (a long wait for a slow peer) stayed small, and every later step paid a
+// sleep and a wake-up.
 template <class Ready>
 void ShmEngine::wait_collective(Ready ready, Clock::time_point deadline, uint64_t step, const char* what) {
   if (ready()) return;
   constexpr unsigned kClockEvery = 32, kYieldEvery = 1024;
   const Clock::time_point start = Clock::now();
   const Clock::time_point spin_end = start + std::chrono::nanoseconds(spin_budget_ns_.load(std::memory_order_relaxed));
+  Clock::time_point first_sleep{};
+  auto served = [&](Clock::time_point now) {
+    if (first_sleep == Clock::time_point{}) {
+      note_wait(now - start);
+    } else {
+      const auto slept = now - first_sleep;
+      note_wait(slept <= 4 * options_.spin ? Clock::duration::zero() : slept);
+    }
+  };
   for (unsigned spins = 1;; ++spins) {
     if (ready()) {
-      note_wait(Clock::now() - start);
+      served(Clock::now());
       return;
     }
     if (spins % kClockEvery != 0) {
@@ -166,7 +180,7 @@ void ShmEngine::wait_collective(Ready ready, Clock::time_point deadline, uint64_
     // Ready first: a peer that published its part and then left (its last collective done) is
     // gone, but what this rank waits for is there.
     if (ready()) {
-      note_wait(now - start);
+      served(now);
       return;
     }
     check_collective_peers();
@@ -181,6 +195,7 @@ void ShmEngine::wait_collective(Ready ready, Clock::time_point deadline, uint64_
       if (spins % kYieldEvery == 0) sched_yield();
       continue;
     }
+    if (first_sleep == Clock::time_point{}) first_sleep = now;
     shm::RankSlot& slot = segment_->rank_slot(static_cast<uint32_t>(rank_));
     slot.sleepers.fetch_add(1, std::memory_order_seq_cst);  // announce, then re-check (see notify)
     std::atomic_thread_fence(std::memory_order_seq_cst);

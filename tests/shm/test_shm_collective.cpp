@@ -1174,6 +1174,10 @@ void timeout_scenario(const std::string& name, int rank, const ShmOptions& opts,
   SHM_CHECK(c2.is<tdshm::Error>(), "the barrier after the timeout threw " << c2.describe());
   SHM_CHECK(Clock::now() - again < 1s, "the barrier after the timeout took too long");
   sit_out.done.fetch_add(1);
+  // Leave only once the other waiter has timed out too: a rank that left is a lost peer, and the
+  // other one would rightly see a PeerLostError instead of its timeout.
+  const auto give_up = Clock::now() + 20s;
+  while (sit_out.done.load() < 2 && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
 }
 
 TEST_F(ShmCollectiveThreads, OneRankAbsentTimesOutAtTheGroupTimeout) {
