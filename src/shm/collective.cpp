@@ -4,6 +4,8 @@
 
 #include <tdshm/errors.h>
 
+#include <ATen/ops/from_blob.h>
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -83,6 +85,38 @@ void reduce_parts(ShmEngine& e, uint8_t* out, uint64_t s, uint64_t offset, uint6
   if (op == ReduceKind::kAvg) divide_by(out, m, dtype, world);
 }
 
+// A scatter or gather whose share per rank takes more than one step goes point to point
+// instead: through the window, the root's part is cut into world shares, so each step moves only
+// part / world bytes per rank and every step is a rendezvous of all ranks (64 MiB to 8 ranks:
+// 2048 of them). One step still checks that every rank is in the same collective; then the
+// shares travel as control messages (matched apart from user tags, tagged with that step's
+// number, which every rank knows), one copy in at the sender and one out at the receiver.
+bool goes_point_to_point(const ShmEngine& e, uint64_t bytes) {
+  return e.size() > 1 && bytes > e.part_bytes() / static_cast<uint64_t>(e.size());
+}
+
+at::Tensor bytes_view(const uint8_t* data, uint64_t bytes) {
+  // Sends never write through it.
+  return at::from_blob(const_cast<uint8_t*>(data), {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+}
+
+// Waits for `ops` (point-to-point control messages of a collective); their first error fails
+// the group's collectives and is thrown.
+void finish_ops(ShmEngine& e, const std::vector<std::shared_ptr<ShmOp>>& ops, Deadline deadline) {
+  try {
+    e.wait(ops, deadline);
+  } catch (...) {
+    e.fail_collectives(std::current_exception());
+    throw;
+  }
+  for (const auto& op : ops) {
+    if (op && op->error) {
+      e.fail_collectives(op->error);
+      std::rethrow_exception(op->error);
+    }
+  }
+}
+
 // Reductions of more than this many bytes per piece are split: each rank reduces 1/world of it
 // (reduce-scatter), then every rank copies the others' results (all-gather). Smaller ones are
 // reduced whole by every rank, which costs one step instead of two.
@@ -160,6 +194,21 @@ void shm_gather(ShmEngine& e, const uint8_t* in, uint64_t bytes, std::span<uint8
   const uint64_t part = e.part_bytes();
   const int me = e.rank();
   const bool wants = root < 0 || root == me;
+  if (root >= 0 && goes_point_to_point(e, bytes)) {
+    step(e, describe(Kind::kGather, bytes, root, 1), deadline, [](uint8_t*) {}, [](uint64_t) {});
+    const auto tag = static_cast<int64_t>(e.last_step());
+    std::vector<std::shared_ptr<ShmOp>> ops;
+    if (me == root) {
+      for (int r = 0; r < e.size(); ++r) {
+        if (r != me) ops.push_back(e.post_recv(bytes_view(outs[static_cast<size_t>(r)], bytes), r, tag, true));
+      }
+      std::memcpy(outs[static_cast<size_t>(me)], in, bytes);
+    } else {
+      ops.push_back(e.post_send(bytes_view(in, bytes), root, tag, true));
+    }
+    finish_ops(e, ops, deadline);
+    return;
+  }
   for (uint64_t k = 0, n = pieces(bytes, part); k < n; ++k) {
     const uint64_t off = k * part, len = std::min(part, bytes - off);
     step(
@@ -179,8 +228,23 @@ void shm_gather(ShmEngine& e, const uint8_t* in, uint64_t bytes, std::span<uint8
 
 void shm_scatter(ShmEngine& e, std::span<const uint8_t* const> ins, uint8_t* out, uint64_t bytes, int root,
                  Deadline deadline) {
-  const uint64_t per = share(e, 1);
   const int me = e.rank(), world = e.size();
+  if (goes_point_to_point(e, bytes)) {
+    step(e, describe(Kind::kScatter, bytes, root, 1), deadline, [](uint8_t*) {}, [](uint64_t) {});
+    const auto tag = static_cast<int64_t>(e.last_step());
+    std::vector<std::shared_ptr<ShmOp>> ops;
+    if (me == root) {
+      for (int r = 0; r < world; ++r) {
+        if (r != me) ops.push_back(e.post_send(bytes_view(ins[static_cast<size_t>(r)], bytes), r, tag, true));
+      }
+      std::memcpy(out, ins[static_cast<size_t>(me)], bytes);
+    } else {
+      ops.push_back(e.post_recv(bytes_view(out, bytes), root, tag, true));
+    }
+    finish_ops(e, ops, deadline);
+    return;
+  }
+  const uint64_t per = share(e, 1);
   for (uint64_t k = 0, n = pieces(bytes, per); k < n; ++k) {
     const uint64_t off = k * per, len = std::min(per, bytes - off);
     step(

@@ -154,6 +154,8 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   void await_step(uint64_t step, std::chrono::steady_clock::time_point deadline, int from = -1);
   /// This rank has read everything it needs of `step` (TransportError if the segment was cut).
   void end_step(uint64_t step);
+  /// The last step begun (the same number on every rank that runs the same collectives).
+  uint64_t last_step() const noexcept { return coll_step_; }
   /// Marks the group's collectives as failed with `error` (later collectives throw it).
   void fail_collectives(std::exception_ptr error) noexcept;
 
