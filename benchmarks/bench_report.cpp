@@ -398,6 +398,21 @@ std::string size_label(double bytes) {
   return std::to_string(v) + " " + units[u];
 }
 
+namespace {
+
+// A gnuplot x tic at every size, labelled as the tables label sizes.
+std::string size_tics(std::vector<double> sizes) {
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  std::string tics = "set xtics (";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    tics += (i ? ", " : "") + gp_quote(size_label(sizes[i])) + " " + exact_number(sizes[i]);
+  }
+  return tics + ")\n";
+}
+
+}  // namespace
+
 // ---- Row ----
 
 Row& Row::set_value(const std::string& key, JsonValue value) {
@@ -702,13 +717,7 @@ std::string plot_rows(const std::string& file, const std::vector<PlotSource>& so
     for (const auto& [name, points] : lines) {
       for (const auto& p : points) sizes.push_back(p[0]);
     }
-    std::sort(sizes.begin(), sizes.end());
-    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
-    std::string tics = "set xtics (";
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      tics += (i ? ", " : "") + gp_quote(size_label(sizes[i])) + " " + exact_number(sizes[i]);
-    }
-    gp += tics + ")\n";
+    gp += size_tics(std::move(sizes));
     gp += "set title 'p50 one-way latency against message size'\n"
           "set logscale xy\nset xlabel 'message size'\n"
           "set ylabel 'p50 one-way latency (us)'\nset key top left Left reverse\n" +
@@ -784,13 +793,7 @@ std::string plot_rows(const std::string& file, const std::vector<PlotSource>& so
               gp_quote(name);
     }
     ++panel;
-    std::sort(sizes.begin(), sizes.end());
-    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
-    std::string tics = "set xtics (";
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      tics += (i ? ", " : "") + gp_quote(size_label(sizes[i])) + " " + exact_number(sizes[i]);
-    }
-    gp += tics + ")\n";
+    gp += size_tics(std::move(sizes));
     gp += "set title " + gp_quote("collectives, world " + std::to_string(world) + ": GB/s (bytes per rank / p50)") +
           "\nset logscale xy\nset xlabel 'bytes per rank'\nset ylabel 'GB/s (10^9 bytes/s)'\n"
           "set autoscale y\nset format y '%g'\nset key top left Left reverse font ',8'\n" +
