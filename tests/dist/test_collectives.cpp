@@ -7,10 +7,6 @@
 // reference computed in that one process. Every wait has a deadline (kGroupTimeout, the groups'
 // own timeout, the fixture's watchdog); rendezvous points are unique to the test.
 //
-// The shm backend refuses every c10d collective but broadcast and barrier today (c10::Error
-// "ProcessGroup shm does not support <op>"): a probe world finds out which it refuses, and the shm
-// instances of these tests skip, saying so, until it has the ones they need.
-//
 //   DistCollectives/ReduceAndAllReduceEveryOp  SUM, MIN, MAX, PRODUCT on float and int leaves,
 //                                              nested keys, odd sizes, a non-contiguous leaf;
 //                                              worlds of 2 and 3 (and 4 on gloo over file://)
@@ -156,12 +152,6 @@ void check_gathered(const TensorDict& got, int r, const std::string& what) {
 // ---------------------------------------------------------------------------------------------
 // The fixture
 
-enum Need : int { kAllreduce = 1, kReduce = 2, kAllgather = 4, kScatter = 8 };
-
-struct Probe {
-  std::atomic<int> missing;
-};
-
 class DistCollectives : public DistTest, public ::testing::WithParamInterface<Method> {
  protected:
   /// Runs scenario(rank) in `world` forked ranks of a default group of the test's method.
@@ -174,62 +164,12 @@ class DistCollectives : public DistTest, public ::testing::WithParamInterface<Me
       finish(*flags, world);
     })));
   }
-
-  /// On shm: the collectives of `needed` (Need bits) that ProcessGroupShm refuses, by name
-  /// (empty when it has them all, and on gloo). Found once per test binary, in a world of 2.
-  std::string shm_missing(int needed) {
-    if (GetParam() != Method::kShm) return "";
-    static int missing = -1;
-    if (missing < 0) {
-      const Rendezvous rv = rendezvous(Method::kShm);
-      Shared<Flags> flags;
-      Shared<Probe> probe;
-      SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
-        init_process_group("shm", init_options(rv, rank, 2));
-        c10d::ProcessGroup& pg = default_group().backend();
-        const auto attempt = [&](int bit, const std::function<WorkPtr()>& post) {
-          try {
-            post()->wait(kGroupTimeout);
-          } catch (const c10::Error& e) {
-            SHM_CHECK(std::string(e.what()).find("does not support") != std::string::npos,
-                      "the shm backend failed otherwise: " << e.what());
-            probe->missing.fetch_or(bit);
-          }
-        };
-        std::vector<at::Tensor> one{at::ones({3})};
-        attempt(kAllreduce, [&] { return pg.allreduce(one); });
-        attempt(kReduce, [&] { return pg.reduce(one); });
-        std::vector<std::vector<at::Tensor>> outs{{at::zeros({3}), at::zeros({3})}};
-        attempt(kAllgather, [&] { return pg.allgather(outs, one); });
-        std::vector<std::vector<at::Tensor>> ins;
-        if (rank == 0) ins.push_back({at::ones({3}), at::ones({3})});
-        attempt(kScatter, [&] { return pg.scatter(one, ins); });
-        finish(*flags, 2);
-      })));
-      missing = probe->missing.load();
-    }
-    std::string names;
-    for (const auto& [bit, name] : {std::pair{kAllreduce, "allreduce"}, std::pair{kReduce, "reduce"},
-                                    std::pair{kAllgather, "allgather"}, std::pair{kScatter, "scatter"}}) {
-      if ((missing & needed & bit) != 0) names += (names.empty() ? "" : ", ") + std::string(name);
-    }
-    return names;
-  }
 };
-
-#define SKIP_UNLESS_SHM_HAS(needed)                                                                     \
-  do {                                                                                                \
-    if (const std::string missing_ = shm_missing(needed); !missing_.empty()) {                        \
-      GTEST_SKIP() << "ProcessGroupShm does not support " << missing_                                 \
-                   << " yet (c10::Error \"does not support\"); this test runs once the backend has it"; \
-    }                                                                                                 \
-  } while (false)
 
 // ---------------------------------------------------------------------------------------------
 // Reductions
 
 TEST_P(DistCollectives, ReduceAndAllReduceEveryOp) {
-  SKIP_UNLESS_SHM_HAS(kAllreduce | kReduce);
   std::vector<int> worlds{2, 3};
   if (GetParam() == Method::kGlooFile) worlds.push_back(4);
   for (const int world : worlds) {
@@ -259,7 +199,6 @@ TEST_P(DistCollectives, ReduceAndAllReduceEveryOp) {
 }
 
 TEST_P(DistCollectives, AsyncHandles) {
-  SKIP_UNLESS_SHM_HAS(kAllreduce | kReduce);
   run_world(3, [](int rank) {
     const std::vector<int> ranks = all_ranks(3);
     // all_reduce(async_op): one Work per leaf, not waited.
@@ -288,7 +227,6 @@ TEST_P(DistCollectives, AsyncHandles) {
 // all_gather and scatter
 
 TEST_P(DistCollectives, AllGatherOfDifferentTrees) {
-  SKIP_UNLESS_SHM_HAS(kAllgather);
   for (const int world : {2, 3}) {
     run_world(world, [world](int rank) {
       // Rank 1 gives a consolidated tree (gathered without a copy), the others plain ones.
@@ -306,7 +244,6 @@ TEST_P(DistCollectives, AllGatherOfDifferentTrees) {
 }
 
 TEST_P(DistCollectives, Scatter) {
-  SKIP_UNLESS_SHM_HAS(kScatter);
   for (const auto& [world, src] : {std::pair{3, 1}, std::pair{2, 0}}) {
     run_world(world, [world = world, src = src](int rank) {
       // Group rank r gets gather_tree(world - 1 - r); a non-source's list is ignored.
@@ -336,7 +273,6 @@ TEST_P(DistCollectives, Scatter) {
 // World of 3, sub = new_group({2, 0}): group rank 0 is global rank 2. dst and src are global
 // ranks; all_gather's results come in group rank order; rank 1 is not a member.
 TEST_P(DistCollectives, Subgroup) {
-  SKIP_UNLESS_SHM_HAS(kAllreduce | kReduce | kAllgather | kScatter);
   run_world(3, [](int rank) {
     const Group sub = new_group({2, 0});
     if (rank == 1) {
@@ -378,7 +314,6 @@ CollRecord record(int rank) {
 }
 
 TEST_P(DistCollectives, TensorClass) {
-  SKIP_UNLESS_SHM_HAS(kAllreduce | kReduce | kAllgather | kScatter);
   run_world(2, [](int rank) {
     CollRecord a = record(rank);
     a.all_reduce({});
@@ -409,7 +344,6 @@ TEST_P(DistCollectives, TensorClass) {
 
 // World of 2: every refused call posts nothing, so the ranks are still in step afterwards.
 TEST_P(DistCollectives, Errors) {
-  SKIP_UNLESS_SHM_HAS(kAllreduce);
   run_world(2, [this](int rank) {
     TensorDict td = reduce_tree(rank);
     // dst / src: global ranks of the group.
