@@ -76,9 +76,20 @@ void reduce_typed(T* out, const T* a, const T* b, size_t n, ReduceKind op) {
     switch (op) {
       case ReduceKind::kSum:
       case ReduceKind::kAvg:
-        return loop(out, a, b, n, [](T x, T y) { return static_cast<T>(static_cast<W>(x) + static_cast<W>(y)); });
+        if constexpr (std::is_integral_v<T>) {
+          // Integers wrap around, as torch's do: computed in uint64_t, where overflow is defined.
+          return loop(out, a, b, n,
+                      [](T x, T y) { return static_cast<T>(static_cast<uint64_t>(x) + static_cast<uint64_t>(y)); });
+        } else {
+          return loop(out, a, b, n, [](T x, T y) { return static_cast<T>(static_cast<W>(x) + static_cast<W>(y)); });
+        }
       case ReduceKind::kProduct:
-        return loop(out, a, b, n, [](T x, T y) { return static_cast<T>(static_cast<W>(x) * static_cast<W>(y)); });
+        if constexpr (std::is_integral_v<T>) {
+          return loop(out, a, b, n,
+                      [](T x, T y) { return static_cast<T>(static_cast<uint64_t>(x) * static_cast<uint64_t>(y)); });
+        } else {
+          return loop(out, a, b, n, [](T x, T y) { return static_cast<T>(static_cast<W>(x) * static_cast<W>(y)); });
+        }
       case ReduceKind::kMin:
       case ReduceKind::kMax:
         if constexpr (!kComplex<T>) {

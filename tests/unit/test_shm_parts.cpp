@@ -7,11 +7,14 @@
 
 #include "shm/arena.h"
 #include "shm/buffer_pool.h"
+#include "shm/reduce.h"
 #include "shm/ring.h"
 #include "shm/segment_layout.h"
 #include "shm/validate.h"
 
 #include <atomic>
+#include <climits>
+#include <cmath>
 #include <bit>
 #include <chrono>
 #include <cstdint>
@@ -742,6 +745,44 @@ TEST(ShmBufferPool, AnEmptyBufferGivenBackIsIgnored) {
   EXPECT_EQ(b.capacity, 4096u);
   pool.give_back(std::move(b));
   EXPECT_EQ(pool.kept(), 4096u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions of the collectives (reduce.h)
+
+TEST(ShmReduce, IntegersWrapAroundAsTorchDoes) {
+  using tdshm::detail::ReduceKind;
+  const int32_t a[3] = {INT32_MAX, INT32_MIN, 7};
+  const int32_t b[3] = {1, -1, -3};
+  int32_t out[3];
+  tdshm::detail::reduce_into(out, a, b, 3, at::kInt, ReduceKind::kSum);
+  EXPECT_EQ(out[0], INT32_MIN);
+  EXPECT_EQ(out[1], INT32_MAX);
+  EXPECT_EQ(out[2], 4);
+  const int16_t c[2] = {300, -300}, d[2] = {300, 300};
+  int16_t prod[2];
+  tdshm::detail::reduce_into(prod, c, d, 2, at::kShort, ReduceKind::kProduct);
+  EXPECT_EQ(prod[0], static_cast<int16_t>(90000 - 65536 * 1));  // 90000 mod 2^16, as int16
+  EXPECT_EQ(prod[1], static_cast<int16_t>(-90000 + 65536 * 1));
+}
+
+TEST(ShmReduce, MinMaxLetNaNWinAndBitwiseOpsNeedIntegers) {
+  using tdshm::detail::ReduceKind;
+  const float a[3] = {1.f, NAN, -2.f}, b[3] = {NAN, 3.f, 5.f};
+  float mn[3], mx[3];
+  tdshm::detail::reduce_into(mn, a, b, 3, at::kFloat, ReduceKind::kMin);
+  tdshm::detail::reduce_into(mx, a, b, 3, at::kFloat, ReduceKind::kMax);
+  EXPECT_TRUE(std::isnan(mn[0]) && std::isnan(mn[1]) && mn[2] == -2.f);
+  EXPECT_TRUE(std::isnan(mx[0]) && std::isnan(mx[1]) && mx[2] == 5.f);
+  EXPECT_NE(tdshm::detail::reduce_problem(ReduceKind::kBand, at::kFloat).find("BAND"), std::string::npos);
+  EXPECT_NE(tdshm::detail::reduce_problem(ReduceKind::kMin, at::kComplexFloat).find("complex"), std::string::npos);
+  EXPECT_NE(tdshm::detail::reduce_problem(ReduceKind::kAvg, at::kLong).find("AVG"), std::string::npos);
+  EXPECT_TRUE(tdshm::detail::reduce_problem(ReduceKind::kBxor, at::kBool).empty());
+  EXPECT_TRUE(tdshm::detail::reduce_problem(ReduceKind::kAvg, at::kBFloat16).empty());
+  const bool p[4] = {true, true, false, false}, q[4] = {true, false, true, false};
+  bool x[4];
+  tdshm::detail::reduce_into(x, p, q, 4, at::kBool, ReduceKind::kBxor);
+  EXPECT_EQ(std::vector<bool>(x, x + 4), (std::vector<bool>{false, true, true, false}));
 }
 
 }  // namespace
