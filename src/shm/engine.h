@@ -6,7 +6,8 @@
 // (arena.h), the early-message buffers (buffer_pool.h), the futex words (futex.h). Its own code
 // is split by job: engine.cpp (construction, posting, progress), engine_receive.cpp (matching
 // and landing incoming messages), engine_peers.cpp (liveness), engine_wait.cpp (waiting, wake-ups,
-// the helper thread); engine_internal.h holds what they share.
+// the helper thread), engine_collective.cpp (the collective windows' steps, used by collective.h's
+// algorithms); engine_internal.h holds what they share.
 //
 // Protocol (one SPSC metadata ring per ordered pair of ranks, one slot region per rank, see
 // segment_layout.h):
@@ -133,10 +134,10 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   void watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done);
 
   // ---- Collective steps (engine_collective.cpp; the protocol is in collective.h) ----
-  // Every rank runs the same steps in the same order. In step s a rank writes its part into its
-  // window part s % kWindowParts (my_part), publishes it, waits until every peer has published step s with
-  // the same `what`, reads the parts it needs (part_of), and ends the step. Callers hold
-  // collective_mutex() for a whole collective.
+  // Every rank runs the same steps in the same order. In step s a rank writes into part
+  // s % kWindowParts of its window (my_part), publishes it, waits until the peers have published
+  // step s with the same `what`, reads the parts it needs (part_of), and ends the step. Callers
+  // hold collective_mutex() for a whole collective.
 
   std::mutex& collective_mutex() noexcept { return coll_mu_; }
   /// Bytes of one part (window_bytes / kWindowParts).
