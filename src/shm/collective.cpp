@@ -160,7 +160,10 @@ void shm_reduce(ShmEngine& e, uint8_t* data, uint64_t n, at::ScalarType dtype, R
     const uint64_t what = describe(Kind::kReduce, total, root, code, k);
     if (!split) {
       step(
-          e, what, deadline, [&](uint8_t* mine) { std::memcpy(mine, piece, m * es); },
+          e, what, deadline,
+          [&](uint8_t* mine) {
+            if (m) std::memcpy(mine, piece, m * es);  // an empty tensor's data pointer may be null
+          },
           [&](uint64_t s) {
             if (wants) reduce_parts(e, piece, s, 0, m, dtype, op);
           },
