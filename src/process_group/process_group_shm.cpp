@@ -15,13 +15,16 @@ using detail::ShmOp;
 
 namespace {
 
-const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
-  TORCH_CHECK(tensors.size() == 1, "ProcessGroupShm::", op, " takes exactly one tensor, got ", tensors.size());
-  const at::Tensor& t = tensors[0];
+void check_tensor(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.defined(), "ProcessGroupShm::", op, ": the tensor is undefined");
   TORCH_CHECK(t.device().is_cpu(), "ProcessGroupShm::", op, ": only CPU tensors are supported, got ", t.device());
   TORCH_CHECK(t.layout() == at::kStrided, "ProcessGroupShm::", op, ": only dense (strided) tensors are supported");
-  return t;
+}
+
+const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
+  TORCH_CHECK(tensors.size() == 1, "ProcessGroupShm::", op, " takes exactly one tensor, got ", tensors.size());
+  check_tensor(tensors[0], op);
+  return tensors[0];
 }
 
 /// A c10d Work over one or more engine ops; completes when all of them are done.
@@ -182,12 +185,13 @@ std::vector<c10::intrusive_ptr<c10d::Work>> shm_batch_messages(const c10d::Work&
 
 namespace {
 
-// Checks a batch's arguments as single_tensor does each tensor; the tags as c10d's int.
+// Checks a batch's arguments as single_tensor does each tensor (without building a vector per
+// tensor: this runs for every leaf of every per-leaf transfer); the tags as c10d's int.
 void check_batch(const std::vector<at::Tensor>& tensors, const std::vector<int>& tags,
                  const std::vector<MessageCheck>& checks, const char* op) {
   TORCH_CHECK(tags.size() == tensors.size() && checks.size() == tensors.size(), "ProcessGroupShm::", op, ": ",
               tensors.size(), " tensors, ", tags.size(), " tags and ", checks.size(), " checks");
-  for (const auto& t : tensors) single_tensor({t}, op);
+  for (const auto& t : tensors) check_tensor(t, op);
 }
 
 }  // namespace
