@@ -41,20 +41,22 @@ void wait_all(const std::vector<WorkPtr>& works) {
 /// Resolves exactly one of `global` / `in_group` (SEMANTICS.md, Peers), before any message.
 Peer resolve_peer(const char* global_name, const char* group_name, std::optional<int> global,
                   std::optional<int> in_group, const Group& given) {
-  const std::string g = global_name, gg = group_name;
+  // Runs for every transfer: the names become strings only in an error message.
+  const auto g = [global_name] { return std::string(global_name); };
+  const auto gg = [group_name] { return std::string(group_name); };
   if (given.is_non_member()) throw Error("this rank is not a member of `group` (new_group did not include it)");
-  if (in_group && !given.defined()) throw Error("`" + gg + "` requires `group` to be passed.");
-  if (global && in_group) throw Error("`" + g + "` and `" + gg + "` are mutually exclusive.");
-  if (!global && !in_group) throw Error("Exactly one of `" + g + "` and `" + gg + "` must be provided.");
+  if (in_group && !given.defined()) throw Error("`" + gg() + "` requires `group` to be passed.");
+  if (global && in_group) throw Error("`" + g() + "` and `" + gg() + "` are mutually exclusive.");
+  if (!global && !in_group) throw Error("Exactly one of `" + g() + "` and `" + gg() + "` must be provided.");
   Peer p;
   p.group = given.defined() ? given : default_group();
   p.rank = in_group ? *in_group : p.group.group_rank(*global);
   if (p.rank < 0 || p.rank >= p.group.size()) {
-    throw Error("`" + (in_group ? gg : g) + "` = " + std::to_string(in_group ? *in_group : *global) +
+    throw Error("`" + (in_group ? gg() : g()) + "` = " + std::to_string(in_group ? *in_group : *global) +
                 " is not a rank of the group (size " + std::to_string(p.group.size()) + ")");
   }
   if (p.rank == p.group.rank()) {
-    throw Error("`" + (in_group ? gg : g) + "` = " + std::to_string(in_group ? *in_group : *global) +
+    throw Error("`" + (in_group ? gg() : g()) + "` = " + std::to_string(in_group ? *in_group : *global) +
                 " is this process's own rank: a tensordict cannot be sent to itself");
   }
   return p;
