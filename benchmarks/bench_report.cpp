@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
@@ -640,33 +641,33 @@ std::string plot_rows(const std::string& file, const std::vector<PlotSource>& so
   using Series = std::vector<std::pair<std::string, std::vector<std::pair<double, double>>>>;
   std::map<int, Series> collective_panels;
   Series memcpy_lines;
-  int collective_sources = 0;
+  // A plottable collectives row: its bytes, GB/s and world size.
+  struct CollectivePoint {
+    double bytes, gbps, world;
+  };
+  auto collective_point = [](const auto& r) -> std::optional<CollectivePoint> {
+    if (r.str("scenario") != "collectives") return std::nullopt;
+    const auto bytes = r.number("bytes");
+    const auto gbps = r.number("gbps");
+    const auto world = r.number("workers");
+    if (!bytes || !gbps || !world) return std::nullopt;
+    return CollectivePoint{*bytes, *gbps, *world};
+  };
+  // Line names carry their source's label only when several sources have collectives rows.
+  const auto collective_sources = std::count_if(sources.begin(), sources.end(), [&](const auto& src) {
+    return std::any_of(src.rows.begin(), src.rows.end(), [&](const auto& r) { return collective_point(r).has_value(); });
+  });
   for (const auto& src : sources) {
-    bool has = false;
     for (const auto& r : src.rows) {
-      if (r.str("scenario") != "collectives") continue;
-      const auto bytes = r.number("bytes");
-      const auto gbps = r.number("gbps");
-      const auto world = r.number("workers");
-      if (!bytes || !gbps || !world) continue;
-      has = true;
-    }
-    collective_sources += has ? 1 : 0;
-  }
-  for (const auto& src : sources) {
-    for (const auto& r : src.rows) {
-      if (r.str("scenario") != "collectives") continue;
-      const auto bytes = r.number("bytes");
-      const auto gbps = r.number("gbps");
-      const auto world = r.number("workers");
-      if (!bytes || !gbps || !world) continue;
+      const auto point = collective_point(r);
+      if (!point) continue;
       const std::string transport = r.str("transport");
       std::string name = transport == "memcpy" ? std::string("memcpy") : r.str("pattern") + " " + transport;
       if (collective_sources > 1) name += " (" + src.label + ")";
-      Series& series = transport == "memcpy" ? memcpy_lines : collective_panels[static_cast<int>(*world)];
+      Series& series = transport == "memcpy" ? memcpy_lines : collective_panels[static_cast<int>(point->world)];
       auto it = std::find_if(series.begin(), series.end(), [&](const auto& l) { return l.first == name; });
       if (it == series.end()) it = series.insert(series.end(), {name, {}});
-      it->second.push_back({*bytes, *gbps});
+      it->second.push_back({point->bytes, point->gbps});
     }
   }
   for (auto& [world, series] : collective_panels) {
