@@ -4,7 +4,10 @@
 /// named shared-memory segment (/dev/shm/tdshm.<name>).
 ///
 /// Supported: send, recv, recvAnysource of one dense CPU tensor (any dtype, contiguous or not)
-/// with integer tags; broadcast; barrier. Every other collective throws c10::Error saying the
+/// with integer tags; the collectives broadcast, barrier, allreduce, allreduce_coalesced,
+/// reduce, allgather, _allgather_base, gather, scatter, reduce_scatter, _reduce_scatter_base
+/// and alltoall_base (see "Collectives" below). What else torch 1.13's ProcessGroup declares
+/// (alltoall of tensor lists, allgather_coalesced, monitoredBarrier) throws c10::Error saying the
 /// "shm" backend does not support it.
 ///
 /// Matching follows MPI: messages from one sender to one receiver with the same tag are received
@@ -215,6 +218,11 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  /// torch's reduce_scatter_tensor: the input holds world size blocks of output.numel()
+  /// elements, block r is rank r's share.
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
   /// Split sizes count rows of dim 0 (empty: equal); every rank checks every pair's sizes.
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
                                                std::vector<int64_t>& outputSplitSizes,

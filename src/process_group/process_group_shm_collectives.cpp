@@ -342,6 +342,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::T
       {out});
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                    const c10d::ReduceScatterOptions& opts) {
+  // torch's reduce_scatter_tensor: rank r's share of the input is its r-th block of
+  // output.numel() elements, which is reduce_scatter over views of one buffer.
+  check_tensor(input, "_reduce_scatter_base");
+  check_tensor(output, "_reduce_scatter_base");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type() && input.numel() == output.numel() * getSize(),
+              "ProcessGroupShm::_reduce_scatter_base: the input must have the output's dtype and world size (",
+              getSize(), ") times its elements");
+  const ReduceKind op = reduce_kind(opts.reduceOp, output.scalar_type(), "_reduce_scatter_base");
+  return run_collective(
+      c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout,
+      [&](detail::Deadline d) {
+        const Dense x(input);
+        const Dense o(output, false);
+        std::vector<const uint8_t*> ptrs;
+        for (int r = 0; r < getSize(); ++r) ptrs.push_back(bytes_of(x.dense()) + static_cast<uint64_t>(r) * nbytes(output));
+        detail::shm_reduce_scatter(*engine_, ptrs, bytes_of(o.dense()), static_cast<uint64_t>(output.numel()),
+                                   output.scalar_type(), op, d);
+        o.back();
+      },
+      {output});
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                               std::vector<int64_t>& outputSplitSizes,
                                                               std::vector<int64_t>& inputSplitSizes,

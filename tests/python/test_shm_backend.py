@@ -143,6 +143,14 @@ def _worker(scenario, rank, world, init_method, outdir):
         t = torch.empty(4)
         dist.reduce_scatter(t, [torch.full((4,), float(rank * world + d)) for d in range(world)])
         expect_equal("reduce_scatter", t, torch.full((4,), float(sum(r * world + rank for r in range(world)))))
+        # The tensor forms: one buffer of world blocks (c10d's _reduce_scatter_base, _allgather_base).
+        t = torch.empty(5, dtype=torch.int64)
+        dist.reduce_scatter_tensor(t, torch.arange(world * 5, dtype=torch.int64) * (rank + 1), op=dist.ReduceOp.SUM)
+        expect_equal("reduce_scatter_tensor", t,
+                     torch.arange(rank * 5, rank * 5 + 5, dtype=torch.int64) * sum(r + 1 for r in range(world)))
+        big = torch.empty(world, 3)
+        dist.all_gather_into_tensor(big, torch.full((3,), float(rank)))
+        expect_equal("all_gather_into_tensor", big, torch.arange(world, dtype=torch.float32).repeat_interleave(3).reshape(world, 3))
         send = torch.arange(world * 2, dtype=torch.int64) + 100 * rank
         recv = torch.empty(world * 2, dtype=torch.int64)
         dist.all_to_all_single(recv, send)

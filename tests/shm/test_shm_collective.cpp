@@ -498,6 +498,17 @@ void reductions_scenario(const std::string& name, int rank, const MatrixSpec& sp
             SHM_CHECK(same_bytes(mine[static_cast<size_t>(d)], rank_input(dtype, numel, rank, piece_seed(d), values)),
                       case_name("reduce_scatter", dtype, op, numel, world) << ": input " << d << " changed");
           }
+          // The same reduction through _reduce_scatter_base (torch's reduce_scatter_tensor): one
+          // input buffer whose block d is the input for rank d; an output of the other layout.
+          std::vector<at::Tensor> blocks;
+          for (const auto& m : mine) blocks.push_back(m.reshape({-1}));
+          at::Tensor whole = at::cat(blocks);
+          const at::Tensor whole_before = whole.clone();
+          at::Tensor out_base = blank_like(want_me, other);
+          pg._reduce_scatter_base(out_base, whole, o)->wait();
+          check_result(out_base, want_me, exact, case_name("_reduce_scatter_base", dtype, op, numel, world));
+          SHM_CHECK(same_bytes(whole, whole_before),
+                    case_name("_reduce_scatter_base", dtype, op, numel, world) << ": the input changed");
         }
         if (spec.coalesced && numel < 1000) {
           // Three tensors of one dtype: the case's, a transposed 3 x 5, a single element.
@@ -952,6 +963,14 @@ void bad_arguments_scenario(const std::string& name, int rank) {
       std::vector<std::vector<at::Tensor>> ins{{f.clone(), at::ones({3}), f.clone()}};
       pg.reduce_scatter(one, ins);
     });
+    expect_call_error("_reduce_scatter_base of an input that is not world size blocks", [&] {
+      at::Tensor in = at::ones({8}), out = at::ones({3});
+      pg._reduce_scatter_base(out, in);
+    });
+    expect_call_error("_reduce_scatter_base into another dtype", [&] {
+      at::Tensor in = at::ones({9}), out = at::ones({3}, at::kDouble);
+      pg._reduce_scatter_base(out, in);
+    });
     expect_call_error("alltoall_base of 4 rows among 3 ranks without splits", [&] {
       at::Tensor in = at::ones({4, 2}), out = at::ones({4, 2});
       std::vector<int64_t> none_splits;
@@ -999,6 +1018,9 @@ void bad_arguments_scenario(const std::string& name, int rank) {
         c10d::ReduceScatterOptions rso;
         rso.reduceOp = op;
         expect_type_error("reduce_scatter " + what, [&] { pg.reduce_scatter(v, ins, rso); });
+        at::Tensor whole = at::cat({t.reshape({-1}), t.reshape({-1}), t.reshape({-1})});
+        at::Tensor share = t.reshape({-1}).clone();
+        expect_type_error("_reduce_scatter_base " + what, [&] { pg._reduce_scatter_base(share, whole, rso); });
       }
     }
   }
@@ -1418,7 +1440,6 @@ TEST_F(ShmCollectiveThreads, UnsupportedCollectivesSayShm) {
   std::vector<std::vector<at::Tensor>> nested{{out}};
   const std::vector<std::tuple<const char*, const char*, std::function<void()>>> calls = {
       {"allgather_coalesced", "allgather_coalesced", [&] { pg.allgather_coalesced(nested, ts); }},
-      {"_reduce_scatter_base", "_reduce_scatter_base", [&] { pg._reduce_scatter_base(out, t); }},
       {"alltoall", "alltoall", [&] { pg.alltoall(outs, ts); }},
       {"monitoredBarrier", "monitoredBarrier", [&] { pg.monitoredBarrier(c10d::BarrierOptions()); }},
   };
