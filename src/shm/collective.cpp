@@ -58,15 +58,19 @@ int rooted_from(uint64_t piece, int me, int root, bool to_root) {
 
 uint64_t pieces(uint64_t bytes, uint64_t per_piece) { return std::max<uint64_t>(1, (bytes + per_piece - 1) / per_piece); }
 
+// The error for a window whose parts are too small for `what` among the group's ranks.
+TypeError window_too_small(const ShmEngine& e, const std::string& what) {
+  return TypeError("shm collective: a window of " + std::to_string(e.part_bytes() * shm::kWindowParts) +
+                   " bytes (" + std::to_string(shm::kWindowParts) + " parts) cannot " + what + " of " +
+                   std::to_string(e.size()) + " ranks; make ShmOptions::window_bytes larger");
+}
+
 // Bytes per rank within one part when it is cut into `world` equal pieces (cache-line multiples).
 uint64_t share(const ShmEngine& e, uint64_t unit) {
   const uint64_t per = e.part_bytes() / static_cast<uint64_t>(e.size());
   const uint64_t aligned = per >= 64 ? per / 64 * 64 : per;
   const uint64_t out = aligned / unit * unit;
-  if (out == 0) {
-    throw TypeError("shm collective: a window of " + std::to_string(2 * e.part_bytes()) + " bytes cannot be split among " +
-                    std::to_string(e.size()) + " ranks; make ShmOptions::window_bytes larger");
-  }
+  if (out == 0) throw window_too_small(e, "hold a share for each");
   return out;
 }
 
@@ -292,11 +296,7 @@ void shm_alltoall(ShmEngine& e, const uint8_t* in, std::span<const uint64_t> sen
                   std::span<const uint64_t> recv_bytes, Deadline deadline) {
   const int world = e.size(), me = e.rank();
   const auto w = static_cast<size_t>(world);
-  if (e.part_bytes() < 16 * w) {
-    throw TypeError("shm alltoall: a window of " + std::to_string(2 * e.part_bytes()) +
-                    " bytes cannot hold the sizes of " + std::to_string(world) +
-                    " ranks; make ShmOptions::window_bytes larger");
-  }
+  if (e.part_bytes() < 16 * w) throw window_too_small(e, "hold the alltoall sizes");
   // First step: every rank's send and receive sizes, so that every rank checks every pair and
   // knows how many steps the largest pair takes.
   uint64_t longest = 0;

@@ -827,6 +827,32 @@ TEST_F(ShmCollectiveProcs, AlltoallWithUnevenSplits) {
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 3, [&](int r) { alltoall_uneven_scenario(name, r, 3, opts); }));
 }
 
+// A window too small for the group's ranks: every rank gets a TypeError that gives the window's
+// size and the option to change; nothing was stepped, so the group's collectives work on.
+TEST_F(ShmCollectiveThreads, WindowTooSmallForTheWorldIsATypeErrorNamingTheOption) {
+  const std::string name = unique_name();
+  ShmOptions opts = small_options();
+  opts.window_bytes = 256;  // 4 parts of 64 B: 12 B per rank of 5, less than one complex128
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 5, [&](int r) {
+    ProcessGroupShm pg(name, r, 5, opts);
+    auto expect_window_error = [](const char* what, const std::function<void()>& call) {
+      const Caught c = catch_any(call);
+      SHM_CHECK(c.is<TypeError>(), what << " threw " << c.describe() << ", not a tdshm::TypeError");
+      SHM_CHECK(contains_nocase(c.what, "a window of 256 bytes") && contains_nocase(c.what, "of 5 ranks") &&
+                    contains_nocase(c.what, "ShmOptions::window_bytes"),
+                what << ": " << c.what);
+    };
+    at::Tensor in = at::ones({10}), out = at::empty({10});
+    std::vector<int64_t> equal_splits;
+    expect_window_error("alltoall_base", [&] { pg.alltoall_base(out, in, equal_splits, equal_splits)->wait(); });
+    at::Tensor blocks = at::ones({5}, at::kComplexDouble), share = at::empty({1}, at::kComplexDouble);
+    expect_window_error("_reduce_scatter_base of complex128", [&] { pg._reduce_scatter_base(share, blocks)->wait(); });
+    std::vector<at::Tensor> v{at::full({3}, static_cast<float>(r))};
+    pg.allreduce(v)->wait();
+    SHM_CHECK(at::equal(v[0], at::full({3}, 10.0f)), "allreduce after the refused calls is wrong on rank " << r);
+  }));
+}
+
 TEST_F(ShmCollectiveThreads, AlltoallSplitsThatDisagreeFailEveryRank) {
   // Rank 0 sends 2 rows to rank 1, which expects 1 from it (and 2 from rank 2, which sends 1).
   const std::string name = unique_name();
