@@ -2,6 +2,7 @@
 
 #include <tdshm/process_group.h>
 
+#include "process_group/tensor_checks.h"
 #include "shm/engine.h"
 
 #include <ATen/core/ivalue.h>
@@ -15,15 +16,9 @@ using detail::ShmOp;
 
 namespace {
 
-void check_tensor(const at::Tensor& t, const char* op) {
-  TORCH_CHECK(t.defined(), "ProcessGroupShm::", op, ": the tensor is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "ProcessGroupShm::", op, ": only CPU tensors are supported, got ", t.device());
-  TORCH_CHECK(t.layout() == at::kStrided, "ProcessGroupShm::", op, ": only dense (strided) tensors are supported");
-}
-
 const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
   TORCH_CHECK(tensors.size() == 1, "ProcessGroupShm::", op, " takes exactly one tensor, got ", tensors.size());
-  check_tensor(tensors[0], op);
+  detail::check_cpu_dense(tensors[0], op);
   return tensors[0];
 }
 
@@ -191,7 +186,7 @@ void check_batch(const std::vector<at::Tensor>& tensors, const std::vector<int>&
                  const std::vector<MessageCheck>& checks, const char* op) {
   TORCH_CHECK(tags.size() == tensors.size() && checks.size() == tensors.size(), "ProcessGroupShm::", op, ": ",
               tensors.size(), " tensors, ", tags.size(), " tags and ", checks.size(), " checks");
-  for (const auto& t : tensors) check_tensor(t, op);
+  for (const auto& t : tensors) detail::check_cpu_dense(t, op);
 }
 
 }  // namespace

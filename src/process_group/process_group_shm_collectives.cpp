@@ -4,6 +4,7 @@
 
 #include <tdshm/process_group.h>
 
+#include "process_group/tensor_checks.h"
 #include "shm/collective.h"
 #include "shm/engine.h"
 
@@ -42,10 +43,9 @@ class DoneWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
 };
 
+// Collectives also refuse a tensor whose elements overlap: most of them write their tensors in place.
 void check_tensor(const at::Tensor& t, const char* op) {
-  TORCH_CHECK(t.defined(), "ProcessGroupShm::", op, ": a tensor is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "ProcessGroupShm::", op, ": only CPU tensors are supported, got ", t.device());
-  TORCH_CHECK(t.layout() == at::kStrided, "ProcessGroupShm::", op, ": only dense (strided) tensors are supported");
+  detail::check_cpu_dense(t, op);
   if (t.numel() > 1) {
     TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "ProcessGroupShm::", op,
                 ": a tensor's elements overlap in memory (an expanded view); pass a tensor of its own");
