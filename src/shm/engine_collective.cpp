@@ -154,7 +154,6 @@ void ShmEngine::check_collective_peers() {
 template <class Ready>
 void ShmEngine::wait_collective(Ready ready, Clock::time_point deadline, uint64_t step, const char* what) {
   if (ready()) return;
-  constexpr unsigned kClockEvery = 32, kYieldEvery = 1024;
   const Clock::time_point start = Clock::now();
   const Clock::time_point spin_end = start + std::chrono::nanoseconds(spin_budget_ns_.load(std::memory_order_relaxed));
   Clock::time_point first_sleep{};
@@ -171,7 +170,7 @@ void ShmEngine::wait_collective(Ready ready, Clock::time_point deadline, uint64_
       served(Clock::now());
       return;
     }
-    if (spins % kClockEvery != 0) {
+    if (!SpinChecks::clock_read(spins)) {  // spins, then yields now and then (SpinChecks)
       cpu_relax();
       continue;
     }
@@ -192,7 +191,7 @@ void ShmEngine::wait_collective(Ready ready, Clock::time_point deadline, uint64_
       std::rethrow_exception(error);
     }
     if (now < spin_end && options_.spin.count() > 0) {
-      if (spins % kYieldEvery == 0) sched_yield();
+      sched_yield();
       continue;
     }
     if (first_sleep == Clock::time_point{}) first_sleep = now;

@@ -58,13 +58,10 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
   };
   auto failed_later = [&] { return stop_on_error && std::any_of(ops.begin() + first_pending, ops.end(), failed); };
   if (all_done()) return;
-  // Checks are cheap (one pause between them, ~30 ns here); the clock is read every 32 checks
-  // and the core is offered to others (sched_yield) every 1024 (~30-50 us), so a peer that
-  // shares this core with us (more ranks than cores) still runs.
-  // The spin budget starts at the first clock read (after kClockEvery checks, ~1 us): a wait
-  // that ends sooner never reads the clock. Blocking-only waits (spin 0) never spin. The budget
-  // adapts (note_wait): spinning only pays while waits are short.
-  constexpr unsigned kClockEvery = 32, kYieldEvery = 1024;
+  // Checks follow SpinChecks (engine_internal.h): pauses, then a clock read and a yield every
+  // few checks. The spin budget starts at the first clock read: a wait that ends sooner never
+  // reads the clock. Blocking-only waits (spin 0) never spin. The budget adapts (note_wait):
+  // spinning only pays while waits are short.
   const bool spinning = options_.spin.count() > 0;
   Clock::time_point now{}, start{}, spin_end{};
   auto done = [&] {
@@ -80,7 +77,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     }
     if (done()) return;
     if (moved) continue;
-    if (spinning && spins % kClockEvery != 0 && (spin_end == Clock::time_point{} || now < spin_end)) {
+    if (spinning && !SpinChecks::clock_read(spins) && (spin_end == Clock::time_point{} || now < spin_end)) {
       cpu_relax();
       continue;
     }
@@ -112,7 +109,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
       std::rethrow_exception(error);
     }
     if (now < spin_end) {
-      if (spins % kYieldEvery == 0) sched_yield();
+      sched_yield();
       continue;
     }
     const auto next_check = from_ticks(next_peer_check_.load(std::memory_order_relaxed));
