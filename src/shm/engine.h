@@ -196,7 +196,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   void check_peers();
   void maybe_check_peers(std::chrono::steady_clock::time_point now);
   void notify(int r);
-  void sleep_until_event(std::chrono::steady_clock::time_point until);
+  void sleep_until_event(std::chrono::steady_clock::time_point until, bool drain_all = true);
   void note_wait(std::chrono::steady_clock::duration elapsed) noexcept;
   template <class Ready>
   void wait_collective(Ready ready, std::chrono::steady_clock::time_point deadline, uint64_t step, const char* what);

@@ -25,7 +25,7 @@ void ShmEngine::notify(int r) {
   }
 }
 
-void ShmEngine::sleep_until_event(Clock::time_point until) {
+void ShmEngine::sleep_until_event(Clock::time_point until, bool drain_all) {
   shm::RankSlot& slot = segment_->rank_slot(static_cast<uint32_t>(rank_));
   slot.sleepers.fetch_add(1, std::memory_order_seq_cst);  // announce, then re-check (see notify)
   // The re-check below reads ring words with acquire loads, which the C++ model may order before
@@ -35,7 +35,7 @@ void ShmEngine::sleep_until_event(Clock::time_point until) {
   bool moved;
   {
     std::lock_guard lk(mu_);
-    moved = progress_locked();
+    moved = progress_locked(drain_all);
   }
   if (!moved) shm::futex_wait(slot.wake_seq, seen, until - Clock::now());
   slot.sleepers.fetch_sub(1, std::memory_order_seq_cst);
@@ -63,7 +63,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
   // reads the clock. Blocking-only waits (spin 0) never spin. The budget adapts (note_wait):
   // spinning only pays while waits are short.
   const bool spinning = options_.spin.count() > 0;
-  Clock::time_point now{}, start{}, spin_end{};
+  Clock::time_point now{}, start{}, spin_end{}, first_sleep{};
   auto done = [&] {
     if (!all_done()) return false;
     if (spinning) note_wait(start == Clock::time_point{} ? Clock::duration::zero() : Clock::now() - start);
@@ -112,8 +112,21 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
       sched_yield();
       continue;
     }
+    // Before sleeping, messages from sources nobody waits on are drained into process memory
+    // (early messages), so that a sender blocked on room that this rank waits for indirectly
+    // (two ranks that both send more than the arena holds before they receive) goes on. Not at
+    // once, though: a data loader's main rank that sleeps a few microseconds for worker 1 would
+    // otherwise copy the batches that workers 2-4 have queued (they run ahead by design) out of
+    // their slots into fresh buffers, and copy them again when it posts their receives (4
+    // workers, consolidated: that double copy was half of the main rank's memcpy time). After
+    // kDrainOthersAfter of sleeping (a deadlock costs that much once), every sleep drains.
+    constexpr auto kDrainOthersAfter = std::chrono::milliseconds(1);
+    if (first_sleep == Clock::time_point{}) first_sleep = now;
+    const bool drain_others = now - first_sleep >= kDrainOthersAfter;
     const auto next_check = from_ticks(next_peer_check_.load(std::memory_order_relaxed));
-    sleep_until_event(std::min({deadline, std::max(next_check, now), now + std::chrono::milliseconds(100)}));
+    auto until = std::min({deadline, std::max(next_check, now), now + std::chrono::milliseconds(100)});
+    if (!drain_others) until = std::min(until, first_sleep + kDrainOthersAfter);
+    sleep_until_event(until, drain_others);
   }
 }
 

@@ -269,6 +269,25 @@ void slow_receiver_scenario(const std::string& name, int rank, const ShmOptions&
   }
 }
 
+/// Scenario: both ranks send a message larger than the whole arena and wait for the send to
+/// complete before they post the receive (a blocking send each way). Each rank's send can only
+/// finish if the other drains it into process memory as an early message while it waits for its
+/// own send (the waiter drains sources nobody waits on once it has slept a while): the documented
+/// "both send before they receive never deadlock" guarantee, with blocking sends.
+void blocking_sends_both_ways_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  const int peer = 1 - rank;
+  const int64_t bytes = 4 * static_cast<int64_t>(opts.slot_bytes) * opts.slots_per_rank + 123;
+  auto values = [&](int from, int round) { return pattern(at::kByte, bytes, 900 + static_cast<uint64_t>(from * 10 + round)); };
+  for (int round = 0; round < 3; ++round) {
+    post_send(pg, values(rank, round), peer, 21)->wait();
+    const at::Tensor got = at::zeros({bytes}, at::kByte);
+    recv_wait(pg, got, peer, 21);
+    SHM_CHECK(checksum(got) == checksum(values(peer, round)),
+              "round " << round << ": the message from rank " << peer << " has another checksum than the one sent");
+  }
+}
+
 /// Scenario: both ranks send 256 MiB to each other at the same time (send, then recv, then wait
 /// on both): nothing may deadlock, and the bytes must arrive.
 void bidirectional_large_scenario(const std::string& name, int rank, const ShmOptions& opts) {
@@ -532,6 +551,14 @@ TEST_F(ShmP2PProcs, MemmapTravelsByReference) {
   const std::string name = unique_name();
   const std::string file = segment_path(name) + ".memmap";
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) { memmap_reference_scenario(name, r, file); }));
+}
+
+TEST_F(ShmP2PProcs, BlockingSendsBothWaysLargerThanTheArena) {
+  for (const auto spin : {50us, 0us}) {
+    const std::string name = unique_name();
+    SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2,
+                                  [&](int r) { blocking_sends_both_ways_scenario(name, r, small_options(spin)); }));
+  }
 }
 
 TEST_F(ShmP2PProcs, Bidirectional256MiBAtOnce) {
