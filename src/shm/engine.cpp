@@ -80,7 +80,11 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
   const std::string where = "segment '" + name_ + "', rank " + std::to_string(rank_) + ": ";
   auto check_alive = [&] {
     for (uint32_t r = 0; r < static_cast<uint32_t>(size_); ++r) {
-      if (segment_->rank_slot(r).state.load(std::memory_order_acquire) == shm::kRankLive && !segment_->rank_alive(r)) {
+      // rank_alive() is false for a rank that has left too: the state is read again after it,
+      // so a peer that completed its own rendezvous and left cleanly in between (its state is
+      // "left" before its process ends) is not taken for a dead one.
+      auto live = [&] { return segment_->rank_slot(r).state.load(std::memory_order_acquire) == shm::kRankLive; };
+      if (live() && !segment_->rank_alive(r) && live()) {
         give_up(PeerLostError(where + segment_->describe_rank(r) + " died before the group formed"));
       }
     }
