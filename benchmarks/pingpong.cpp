@@ -42,8 +42,9 @@ using Clock = std::chrono::steady_clock;
 // trip (64 MiB through gloo takes well under a second), short enough that a peer that failed
 // on its own is noticed before a CI job times out.
 constexpr std::chrono::milliseconds kTransportTimeout{std::chrono::seconds(30)};
-// ShmOptions::spin of the spinning mode; the blocking-only mode uses 0.
-constexpr std::chrono::microseconds kShmSpin{50};
+// ShmOptions::spin of the spinning mode (the default, what users get); the blocking-only mode
+// uses 0.
+const std::chrono::microseconds kShmSpin = default_shm_spin();
 
 // The directory of the memmap workloads' files.
 constexpr const char* kMemmapDir = "/dev/shm";
@@ -64,7 +65,7 @@ struct TransportInfo {
 constexpr TransportInfo kTransports[] = {
     {"spin", "spinning", "floor: sequence word on a shared cache line, peer spins; payload copied in and out", true, true},
     {"futex", "blocking", "floor: the same, every wait sleeps in FUTEX_WAIT, every post calls FUTEX_WAKE", true, false},
-    {"shm", "spinning", "tdshm::ProcessGroupShm, waiters spin 50 us then sleep on a futex", true, false},
+    {"shm", "spinning", "tdshm::ProcessGroupShm, waiters spin (default ShmOptions::spin, 250 us) then sleep on a futex", true, false},
     {"shm-blocking", "blocking", "tdshm::ProcessGroupShm with spin = 0 (waiters only sleep)", true, false},
     {"td-shm", "spinning", "TensorDict send/recv over tdshm::ProcessGroupShm (\"shm\") as a standalone Group", false, true},
     {"gloo", "tcp-loopback", "c10d::ProcessGroupGloo over TCP on 127.0.0.1", true, false},

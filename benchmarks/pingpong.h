@@ -14,7 +14,7 @@
 /// is bytes / p50 one-way time in decimal units (10^9 bytes per second).
 ///
 /// Transports (names as `--transports` spells them):
-///   shm           ProcessGroupShm, waiters spin 50 us then sleep on a futex   mode "spinning"
+///   shm           ProcessGroupShm, waiters spin (250 us) then sleep on a futex mode "spinning"
 ///   shm-blocking  ProcessGroupShm with spin = 0: waiters only sleep          mode "blocking"
 ///   gloo          c10d::ProcessGroupGloo over TCP on 127.0.0.1                mode "tcp-loopback"
 ///   spin          floor: a sequence word per direction on its own cache line of a shared

@@ -171,6 +171,8 @@ std::unique_ptr<PingPong> make_c10d_pingpong(c10::intrusive_ptr<c10d::ProcessGro
 /// Calls link.sync() exactly once on both ranks, whatever fails.
 c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(Link& link, std::chrono::milliseconds timeout);
 
+/// ShmOptions::spin by default (what users get; the bench's spinning mode uses it).
+std::chrono::microseconds default_shm_spin();
 /// tdshm::ProcessGroupShm on segment `name`; `spin` is ShmOptions::spin (0: blocking only).
 c10::intrusive_ptr<c10d::ProcessGroup> make_shm_group(const std::string& name, int rank,
                                                       std::chrono::microseconds spin,

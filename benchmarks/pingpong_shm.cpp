@@ -6,6 +6,8 @@
 
 namespace tdshm::bench::detail {
 
+std::chrono::microseconds default_shm_spin() { return ShmOptions{}.spin; }
+
 c10::intrusive_ptr<c10d::ProcessGroup> make_shm_group(const std::string& name, int rank,
                                                       std::chrono::microseconds spin,
                                                       std::chrono::milliseconds timeout) {

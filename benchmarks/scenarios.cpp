@@ -6,6 +6,7 @@
 
 #include "bench_ranks.h"
 #include "collectives.h"
+#include "copy_channel.h"
 
 #include <tdshm/distributed.h>
 #include <tdshm/process_group.h>
@@ -14,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 
+#include <sys/mman.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -40,7 +42,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-const char* const kTransports[] = {"shm", "gloo"};
+const char* const kTransports[] = {"shm", "gloo", "memcpy"};
+
+// The memcpy reference (copy_channel.h) streams through ProcessGroupShm's default arena: 64
+// slots of 64 KiB per sender.
+constexpr size_t kCopySlotBytes = size_t{64} << 10;
+constexpr uint32_t kCopySlots = 64;
+const size_t kCopyChannelBytes = (CopyChannel::bytes_needed(kCopySlotBytes, kCopySlots) + 63) / 64 * 64;
 
 // ---- the loader's batch ----
 
@@ -146,6 +154,11 @@ struct Layout {
   std::string fault;
   int progress_done = 0;
   int progress_total = 0;
+  // The memcpy reference's channels (made before fork, shared by the ranks): loader: one per
+  // worker (worker -> main); actor-learner: two per actor (weights out, trajectory back).
+  uint8_t* copy_memory = nullptr;
+  size_t channels() const { return scenario == "loader" ? static_cast<size_t>(peers) : 2 * static_cast<size_t>(peers); }
+  CopyChannel channel(size_t i) const { return {copy_memory + i * kCopyChannelBytes, kCopySlotBytes, kCopySlots}; }
 };
 
 std::vector<std::string> patterns_of(const std::string& scenario) {
@@ -156,19 +169,14 @@ std::vector<std::string> patterns_of(const std::string& scenario) {
 std::vector<Step> make_schedule(const std::string& scenario, int repeat, int count) {
   std::vector<Step> s;
   const int warm = std::max(2, count / 10);
+  constexpr size_t kCount = std::size(kTransports);
   for (const auto& p : patterns_of(scenario)) {
     for (const char* t : kTransports) s.push_back({p, t, -1, warm});
   }
   for (int r = 0; r < repeat; ++r) {
     for (const auto& p : patterns_of(scenario)) {
-      // The order alternates, so that neither transport always runs right after the other.
-      if (r % 2 == 0) {
-        s.push_back({p, "shm", r, count});
-        s.push_back({p, "gloo", r, count});
-      } else {
-        s.push_back({p, "gloo", r, count});
-        s.push_back({p, "shm", r, count});
-      }
+      // The order rotates, so that no transport always runs right after the same other one.
+      for (size_t i = 0; i < kCount; ++i) s.push_back({p, kTransports[(i + static_cast<size_t>(r)) % kCount], r, count});
     }
   }
   return s;
@@ -196,16 +204,53 @@ void show_progress(const Layout& layout, int done, const Step& s) {
   std::fflush(stderr);
 }
 
+// ---- the memcpy reference (copy_channel.h) ----
+
+// What the reference moves of a tensordict, in a fixed order: its consolidated storage, or its
+// leaves in sorted key order. Resolved before a timed loop: the reference has no bookkeeping.
+std::vector<at::Tensor> copied_tensors(const TensorDict& td) {
+  if (td.is_consolidated()) return {td.consolidated_storage()};
+  std::vector<at::Tensor> out;
+  for (const auto& key : td.sorted_leaf_keys()) out.push_back(td.get(key));
+  return out;
+}
+
+size_t byte_size(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
+
+void copy_send(CopyChannel ch, const std::vector<at::Tensor>& tensors) {
+  const auto deadline = Clock::now() + kGroupTimeout;
+  for (const auto& t : tensors) ch.send(t.data_ptr(), byte_size(t), deadline);
+}
+
+void copy_recv(CopyChannel ch, const std::vector<at::Tensor>& tensors) {
+  const auto deadline = Clock::now() + kGroupTimeout;
+  for (const auto& t : tensors) ch.recv(t.data_ptr(), byte_size(t), deadline);
+}
+
+// The group a step synchronizes on (the memcpy reference uses the shm group's barrier).
+const Group& step_group(const Groups& groups, const Step& s) { return s.transport == "gloo" ? groups.gloo : groups.shm; }
+
 // Rank 0 of the loader: receives `s.count` batches of every worker; returns the loop's seconds.
+// Over the memcpy reference, irecv-ahead is blocking (the reference has no asynchronous receive).
 double loader_main(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0,
                    std::vector<TensorDict>& plain, std::vector<TensorDict>& consolidated) {
-  const Group& g = groups[s.transport];
+  const Group& g = step_group(groups, s);
   const std::string where = "loader " + s.pattern + " " + s.transport + " N=" + std::to_string(layout.peers);
   std::vector<Transfer> pending(static_cast<size_t>(layout.peers) + 1);
+  const bool by_copy = s.transport == "memcpy";
+  std::vector<std::vector<at::Tensor>> copied(static_cast<size_t>(layout.peers) + 1);
+  for (int w = 1; by_copy && w <= layout.peers; ++w) {
+    copied[w] = copied_tensors(s.pattern == "consolidated" ? consolidated[w] : plain[w]);
+  }
   const auto start = Clock::now();
   for (int b = 0; b < s.count; ++b) {
     const int64_t seq = seq0 + b;
-    if (s.pattern == "blocking") {
+    if (by_copy) {
+      for (int w = 1; w <= layout.peers; ++w) {
+        copy_recv(layout.channel(static_cast<size_t>(w - 1)), copied[w]);
+        check_batch(s.pattern == "consolidated" ? consolidated[w] : plain[w], w, seq, where);
+      }
+    } else if (s.pattern == "blocking") {
       for (int w = 1; w <= layout.peers; ++w) {
         plain[w].recv({.group = g, .group_src = w});
         check_batch(plain[w], w, seq, where);
@@ -237,11 +282,17 @@ void inject_fault(const std::string& fault, int rank, int64_t seq, const TensorD
 
 void loader_worker(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, int w,
                    const TensorDict& batch) {
-  const Group& g = groups[s.transport];
+  const Group& g = step_group(groups, s);
+  const bool by_copy = s.transport == "memcpy";
+  const std::vector<at::Tensor> leaves = copied_tensors(batch);
   for (int b = 0; b < s.count; ++b) {
     fill_batch(batch, w, seq0 + b);
     inject_fault(layout.fault, w, seq0 + b, &batch);
-    if (s.pattern == "consolidated") {
+    if (by_copy) {
+      // The consolidated pattern pays its consolidate() per batch here too.
+      copy_send(layout.channel(static_cast<size_t>(w - 1)),
+                s.pattern == "consolidated" ? copied_tensors(batch.consolidate()) : leaves);
+    } else if (s.pattern == "consolidated") {
       batch.consolidate().send({.group = g, .group_dst = 0, .consolidated = true});
     } else {
       batch.send({.group = g, .group_dst = 0});
@@ -251,11 +302,17 @@ void loader_worker(const Layout& layout, const Groups& groups, const Step& s, in
 
 double learner(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, const TensorDict& weights,
                std::vector<TensorDict>& trajectories) {
-  const Group& g = groups[s.transport];
+  const Group& g = step_group(groups, s);
   const std::string where = "actor-learner " + s.transport + " actors=" + std::to_string(layout.peers);
   float* first = weights.get("w0").data_ptr<float>();
   float* last = weights.get("w" + std::to_string(kWeightLeaves - 1)).data_ptr<float>() + (kWeightFloats - 1);
   std::vector<Transfer> sends, recvs;
+  // The memcpy reference: actor a's weights go through channel 2(a-1), its trajectory comes
+  // back through 2(a-1)+1.
+  const bool by_copy = s.transport == "memcpy";
+  const std::vector<at::Tensor> weight_bytes = copied_tensors(weights);
+  std::vector<std::vector<at::Tensor>> trajectory_leaves;
+  for (const auto& tr : trajectories) trajectory_leaves.push_back(copied_tensors(tr));
   const auto start = Clock::now();
   for (int i = 0; i < s.count; ++i) {
     const int64_t seq = seq0 + i;
@@ -263,15 +320,20 @@ double learner(const Layout& layout, const Groups& groups, const Step& s, int64_
     *last = static_cast<float>(2 * seq);
     sends.clear();
     recvs.clear();
-    for (int a = 1; a <= layout.peers; ++a) {
+    for (int a = 1; by_copy && a <= layout.peers; ++a) copy_send(layout.channel(2 * static_cast<size_t>(a - 1)), weight_bytes);
+    for (int a = 1; !by_copy && a <= layout.peers; ++a) {
       sends.push_back(weights.isend({.group = g, .group_dst = a, .return_early = true, .consolidated = true}));
     }
-    for (int a = 1; a <= layout.peers; ++a) {
+    for (int a = 1; !by_copy && a <= layout.peers; ++a) {
       recvs.push_back(trajectories[a].irecv({.group = g, .group_src = a, .return_premature = true}));
     }
     for (const auto& t : sends) t.wait();
     for (int a = 1; a <= layout.peers; ++a) {
-      recvs[static_cast<size_t>(a - 1)].wait();
+      if (by_copy) {
+        copy_recv(layout.channel(2 * static_cast<size_t>(a - 1) + 1), trajectory_leaves[static_cast<size_t>(a)]);
+      } else {
+        recvs[static_cast<size_t>(a - 1)].wait();
+      }
       const TensorDict& tr = trajectories[a];
       const float obs = tr.get("obs").data_ptr<float>()[0];
       const float reward = tr.get("reward").data_ptr<float>()[kSteps - 1];
@@ -289,11 +351,17 @@ double learner(const Layout& layout, const Groups& groups, const Step& s, int64_
 
 void actor(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, int a, TensorDict& weights,
            const TensorDict& traj) {
-  const Group& g = groups[s.transport];
+  const Group& g = step_group(groups, s);
+  const bool by_copy = s.transport == "memcpy";
+  const std::vector<at::Tensor> weight_bytes = copied_tensors(weights), trajectory_leaves = copied_tensors(traj);
   for (int i = 0; i < s.count; ++i) {
     const int64_t seq = seq0 + i;
     inject_fault(layout.fault, a, seq, nullptr);
-    weights.recv({.group = g, .group_src = 0, .consolidated = true});
+    if (by_copy) {
+      copy_recv(layout.channel(2 * static_cast<size_t>(a - 1)), weight_bytes);
+    } else {
+      weights.recv({.group = g, .group_src = 0, .consolidated = true});
+    }
     const float first = weights.get("w0").data_ptr<float>()[0];
     const float last = weights.get("w" + std::to_string(kWeightLeaves - 1)).data_ptr<float>()[kWeightFloats - 1];
     if (first != static_cast<float>(seq) || last != static_cast<float>(2 * seq)) {
@@ -304,7 +372,11 @@ void actor(const Layout& layout, const Groups& groups, const Step& s, int64_t se
     traj.get("reward").data_ptr<float>()[kSteps - 1] = static_cast<float>(seq + a);
     int64_t* action = traj.get("action").data_ptr<int64_t>();
     for (int64_t k = 0; k < kSteps; ++k) action[k] = a;
-    traj.send({.group = g, .group_dst = 0});
+    if (by_copy) {
+      copy_send(layout.channel(2 * static_cast<size_t>(a - 1) + 1), trajectory_leaves);
+    } else {
+      traj.send({.group = g, .group_dst = 0});
+    }
   }
 }
 
@@ -338,7 +410,7 @@ int run_rank(const Layout& layout, int rank, Control& control, const Reporter& r
     int done = layout.progress_done;
     for (const Step& s : layout.schedule) {
       if (rank == 0) show_progress(layout, done, s);
-      barrier(groups[s.transport]);
+      barrier(step_group(groups, s));
       double seconds = 0;
       if (loader) {
         if (rank == 0) {
@@ -406,7 +478,19 @@ void handle_line(const std::string& line, LayoutResult& result) {
 }
 
 // Forks every rank of `layout`, collects rank 0's measurements, reaps every rank (bench_ranks.h).
-LayoutResult run_layout(const Layout& layout, std::chrono::seconds deadline_after) {
+LayoutResult run_layout(Layout layout, std::chrono::seconds deadline_after) {
+  // The memcpy reference's channels, shared by the ranks forked below (zero-filled).
+  const size_t copy_bytes = layout.channels() * kCopyChannelBytes;
+  void* copy_memory = ::mmap(nullptr, copy_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (copy_memory == MAP_FAILED) {
+    throw std::system_error(errno, std::generic_category(), "mmap of the memcpy reference's channels");
+  }
+  struct Unmap {
+    void* p;
+    size_t n;
+    ~Unmap() { ::munmap(p, n); }
+  } unmap{copy_memory, copy_bytes};
+  layout.copy_memory = static_cast<uint8_t*>(copy_memory);
   RankJob job;
   job.world = layout.world();
   job.segment = layout.segment;
@@ -466,16 +550,21 @@ void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
                 "  irecv-ahead   main: irecv from every worker, then waits for each\n"
                 "  consolidated  workers consolidate() each batch and send it as one message; main receives into\n"
                 "                a consolidated tensordict per worker, round-robin\n"
+                "  memcpy        the same processes and bytes through plain memcpy into shared memory and out\n"
+                "                (the bench's copy_channel.h: no tags, matching or checks), in every pattern\n"
+                "                (irecv-ahead is blocking there); what two copies per byte cost here\n"
                 "  batches/s = batches main received / seconds of its receive loop; GB/s = batches/s x %zu B;\n"
-                "  median of %d measurement(s), min-max beside it; shm/gloo = ratio of the medians\n",
+                "  median of %d measurement(s), min-max beside it; shm/gloo and shm/memcpy = ratios of the medians\n",
                 kBatchBytes, o.batches, kBatchBytes, o.repeat);
   } else {
     std::printf("\nscenario actor-learner: 1 learner, %d actor process(es), over shm and gloo in the same processes\n"
                 "  per step: the learner isends 4 MiB of weights (consolidated: 4 float leaves of 1 MiB) to every\n"
                 "  actor and irecvs each actor's trajectory {\"obs\": float [64,16], \"action\": int64 [64],\n"
                 "  \"reward\": float [64]} (per-leaf, %zu B); %d steps per measurement, both sides check every step\n"
+                "  memcpy: the same processes and bytes through plain memcpy into shared memory and out (the\n"
+                "  bench's copy_channel.h: no tags, matching or checks): what two copies per byte cost here\n"
                 "  steps/s = steps / seconds of the learner's loop; GB/s counts both directions;\n"
-                "  median of %d measurement(s), min-max beside it; shm/gloo = ratio of the medians\n",
+                "  median of %d measurement(s), min-max beside it; shm/gloo and shm/memcpy = ratios of the medians\n",
                 o.actors, kTrajectoryBytes, o.steps, o.repeat);
   }
   std::fflush(stdout);
@@ -483,11 +572,11 @@ void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
 
 void print_columns(const std::string& scenario) {
   if (scenario == "loader") {
-    std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s\n", "workers", "pattern", "transport", "batches/s", "  min - max",
-                "GB/s", "shm/gloo");
+    std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s %11s\n", "workers", "pattern", "transport", "batches/s",
+                "  min - max", "GB/s", "shm/gloo", "shm/memcpy");
   } else {
-    std::printf("\n%7s  %-19s %-9s %11s  %-23s %8s %9s\n", "actors", "pattern", "transport", "steps/s", "  min - max",
-                "GB/s", "shm/gloo");
+    std::printf("\n%7s  %-19s %-9s %11s  %-23s %8s %9s %11s\n", "actors", "pattern", "transport", "steps/s",
+                "  min - max", "GB/s", "shm/gloo", "shm/memcpy");
   }
   std::fflush(stdout);
 }
@@ -589,8 +678,10 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
       for (const auto& pattern : patterns_of(scenario)) {
         const Stats shm = stats_of(result, pattern, "shm", items);
         const Stats gloo = stats_of(result, pattern, "gloo", items);
+        const Stats copy = stats_of(result, pattern, "memcpy", items);
         for (const char* transport : kTransports) {
-          const Stats& st = std::string(transport) == "shm" ? shm : gloo;
+          const std::string t = transport;
+          const Stats& st = t == "shm" ? shm : t == "gloo" ? gloo : copy;
           const std::string peers_text = first ? std::to_string(peers) : "";
           first = false;
           if (st.n < options.repeat) {
@@ -603,13 +694,16 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
             continue;
           }
           const double gbps = st.median * static_cast<double>(item_bytes) / 1e9;
-          char spread[64], ratio[32] = "";
+          char spread[64], ratio[32] = "", of_copy[32] = "";
           std::snprintf(spread, sizeof spread, "%9.1f - %-9.1f", st.min, st.max);
-          if (std::string(transport) == "shm" && gloo.n > 0 && gloo.median > 0) {
+          if (t == "shm" && gloo.n > 0 && gloo.median > 0) {
             std::snprintf(ratio, sizeof ratio, "%8.2fx", shm.median / gloo.median);
           }
-          std::printf("%7s  %-*s %-9s %11.1f  %-23s %8.3f %9s\n", peers_text.c_str(), loader ? 13 : 19,
-                      pattern.c_str(), transport, st.median, spread, gbps, ratio);
+          if (t == "shm" && copy.n > 0 && copy.median > 0) {
+            std::snprintf(of_copy, sizeof of_copy, "%10.2fx", shm.median / copy.median);
+          }
+          std::printf("%7s  %-*s %-9s %11.1f  %-23s %8.3f %9s %11s\n", peers_text.c_str(), loader ? 13 : 19,
+                      pattern.c_str(), transport, st.median, spread, gbps, ratio, of_copy);
           Row r;
           r.set("scenario", scenario).set("pattern", pattern).set("transport", transport);
           const std::string rate = loader ? "batches_per_s" : "steps_per_s";

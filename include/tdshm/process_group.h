@@ -84,7 +84,10 @@ struct ShmOptions {
   /// Deadline of every wait, including the rendezvous of the constructor.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   /// How long a waiter spins before it sleeps on a futex. 0: blocking only (never spins).
-  std::chrono::microseconds spin{std::chrono::microseconds(50)};
+  /// Spinning yields the core every few checks, so a longer budget costs a co-scheduled peer
+  /// little; 250 us lets a rank that waits a few hundred microseconds (an actor waiting for its
+  /// weights) avoid a futex wake-up per wait. The budget adapts (see "Waiting" above).
+  std::chrono::microseconds spin{std::chrono::microseconds(250)};
   /// Payload bytes of one arena slot; larger messages are cut into chunks of this size (a chunk
   /// of up to 72 bytes travels inline in its ring entry and takes no slot).
   size_t slot_bytes = size_t{64} << 10;

@@ -3,10 +3,11 @@
 #   cmake -DTDSHM=<path of the tdshm tool> -DDIR=<scratch folder> -P bench_scenarios.cmake
 #
 #  1. --scenario loader --quick --workers 1,2 --progress --json: exit 0; one row per pattern
-#     (blocking, irecv-ahead, consolidated), transport (shm, gloo) and N with positive
+#     (blocking, irecv-ahead, consolidated), transport (shm, gloo, memcpy) and N with positive
 #     batches_per_s and gbps, batches = 30 N; the progress lines go to stderr, stdout has no \r;
 #     the oversubscription note for N=2 on a machine with fewer than 3 CPUs.
-#  2. --scenario actor-learner --quick --json: exit 0; a row per transport, positive steps_per_s.
+#  2. --scenario actor-learner --quick --json: exit 0; a row per transport (shm, gloo, memcpy),
+#     positive steps_per_s.
 #  3. --compare: a file against itself exits 0 with every row matched; against a doctored copy
 #     whose throughputs are doubled exits 3 and says REGRESSION, but 0 with --threshold 60; rows
 #     on one side only are listed, not failures.
@@ -87,8 +88,8 @@ if(cpus LESS 3)
 endif()
 rows_of("${loader_json}" loader rows)
 list(LENGTH rows n)
-if(NOT n EQUAL 12)
-  message(FATAL_ERROR "loader: ${n} rows in ${loader_json}, expected 12 (3 patterns x 2 transports x 2 N)")
+if(NOT n EQUAL 18)
+  message(FATAL_ERROR "loader: ${n} rows in ${loader_json}, expected 18 (3 patterns x 3 transports x 2 N)")
 endif()
 set(seen "")
 foreach(row IN LISTS rows)
@@ -108,7 +109,7 @@ foreach(row IN LISTS rows)
   list(APPEND seen "${pattern}/${transport}/${workers}")
 endforeach()
 foreach(pattern blocking irecv-ahead consolidated)
-  foreach(transport shm gloo)
+  foreach(transport shm gloo memcpy)
     foreach(workers 1 2)
       if(NOT "${pattern}/${transport}/${workers}" IN_LIST seen)
         message(FATAL_ERROR "loader: no row for ${pattern} ${transport} N=${workers} (rows: ${seen})")
@@ -133,14 +134,14 @@ foreach(row IN LISTS rows)
   endif()
   list(APPEND seen "${transport}")
 endforeach()
-if(NOT "shm" IN_LIST seen OR NOT "gloo" IN_LIST seen)
-  message(FATAL_ERROR "actor-learner: rows for shm and gloo expected, got: ${seen}")
+if(NOT "shm" IN_LIST seen OR NOT "gloo" IN_LIST seen OR NOT "memcpy" IN_LIST seen)
+  message(FATAL_ERROR "actor-learner: rows for shm, gloo and memcpy expected, got: ${seen}")
 endif()
 
 # ---- 3. --compare ----
 bench(same --from "${loader_json}" --compare "${loader_json}")
 expect_rc("compare with itself" "${same_rc}" 0)
-expect_in("compare with itself" "${same_out}" "12 matched, 0 regression(s)")
+expect_in("compare with itself" "${same_out}" "18 matched, 0 regression(s)")
 
 # The old run twice as fast: every matched throughput dropped by 50 %.
 file(STRINGS "${loader_json}" lines)
@@ -158,7 +159,7 @@ endforeach()
 bench(worse --from "${loader_json}" --compare "${doctored}")
 expect_rc("compare with a doctored run" "${worse_rc}" 3)
 expect_in("compare with a doctored run" "${worse_out}" "REGRESSION")
-expect_in("compare with a doctored run" "${worse_out}" "12 matched, 12 regression(s)")
+expect_in("compare with a doctored run" "${worse_out}" "18 matched, 18 regression(s)")
 bench(lenient --from "${loader_json}" --compare "${doctored}" --threshold 60)
 expect_rc("compare with --threshold 60" "${lenient_rc}" 0)
 bench(disjoint --from "${actor_json}" --compare "${loader_json}")

@@ -1,0 +1,77 @@
+// The scenarios' memcpy reference channel (copy_channel.h).
+
+#include "copy_channel.h"
+
+#include <sched.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+namespace tdshm::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Waits until `ready()`: 32 pauses, then a clock read and a sched_yield every 8 checks (the
+// policy of tdshm's waits, so that the reference is not helped or hurt by another one).
+template <class Ready>
+void spin_until(Ready ready, Clock::time_point deadline, const char* what) {
+  for (unsigned checks = 1; !ready(); ++checks) {
+    if (checks <= 32 || checks % 8 != 0) {
+#if defined(__x86_64__)
+      _mm_pause();
+#endif
+      continue;
+    }
+    if (Clock::now() > deadline) throw std::runtime_error(std::string("memcpy reference: timed out waiting ") + what);
+    sched_yield();
+  }
+}
+
+}  // namespace
+
+size_t CopyChannel::bytes_needed(size_t slot_bytes, uint32_t slots) noexcept {
+  return 2 * sizeof(Counter) + slot_bytes * slots;
+}
+
+CopyChannel::CopyChannel(void* memory, size_t slot_bytes, uint32_t slots) noexcept
+    : produced_(static_cast<Counter*>(memory)),
+      consumed_(static_cast<Counter*>(memory) + 1),
+      slots_(static_cast<uint8_t*>(memory) + 2 * sizeof(Counter)),
+      slot_bytes_(slot_bytes),
+      slots_count_(slots) {}
+
+void CopyChannel::send(const void* data, size_t bytes, Clock::time_point deadline) {
+  const auto* from = static_cast<const uint8_t*>(data);
+  uint64_t next = produced_->value.load(std::memory_order_relaxed);
+  for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += slot_bytes_) {
+    // A free slot: the receiver has consumed the chunk that used it last (acquire: its copy
+    // out is over before this copy in starts).
+    spin_until([&] { return next - consumed_->value.load(std::memory_order_acquire) < slots_count_; }, deadline,
+               "for a free slot");
+    const size_t chunk = std::min(slot_bytes_, bytes - off);
+    if (chunk != 0) std::memcpy(slots_ + (next % slots_count_) * slot_bytes_, from + off, chunk);
+    produced_->value.store(++next, std::memory_order_release);
+    if (bytes == 0) break;
+  }
+}
+
+void CopyChannel::recv(void* data, size_t bytes, Clock::time_point deadline) {
+  auto* to = static_cast<uint8_t*>(data);
+  uint64_t next = consumed_->value.load(std::memory_order_relaxed);
+  for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += slot_bytes_) {
+    spin_until([&] { return produced_->value.load(std::memory_order_acquire) > next; }, deadline, "for a chunk");
+    const size_t chunk = std::min(slot_bytes_, bytes - off);
+    if (chunk != 0) std::memcpy(to + off, slots_ + (next % slots_count_) * slot_bytes_, chunk);
+    consumed_->value.store(++next, std::memory_order_release);
+    if (bytes == 0) break;
+  }
+}
+
+}  // namespace tdshm::bench
