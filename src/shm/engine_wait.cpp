@@ -61,7 +61,11 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
   // Checks follow SpinChecks (engine_internal.h): pauses, then a clock read and a yield every
   // few checks. The spin budget starts at the first clock read: a wait that ends sooner never
   // reads the clock. Blocking-only waits (spin 0) never spin. The budget adapts (note_wait):
-  // spinning only pays while waits are short.
+  // spinning only pays while waits are short. What counts is the time without progress: every
+  // chunk this rank moves starts the budget again, so a message that streams through the arena
+  // for milliseconds keeps both ends spinning while bytes flow (judged by the whole wait, the
+  // budget of a 64 MiB transfer fell to 1 us and each side slept between chunks, waiting for a
+  // futex wake-up with the pipeline stalled).
   const bool spinning = options_.spin.count() > 0;
   Clock::time_point now{}, start{}, spin_end{}, first_sleep{};
   auto done = [&] {
@@ -76,7 +80,10 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
       moved = progress_locked(/*drain_all=*/false);
     }
     if (done()) return;
-    if (moved) continue;
+    if (moved) {
+      start = spin_end = Clock::time_point{};
+      continue;
+    }
     if (spinning && !SpinChecks::clock_read(spins) && (spin_end == Clock::time_point{} || now < spin_end)) {
       cpu_relax();
       continue;
