@@ -2,11 +2,9 @@
 
 #include "copy_channel.h"
 
-#include <sched.h>
+#include "shm/spin.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include <sched.h>
 
 #include <algorithm>
 #include <cstring>
@@ -18,15 +16,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Waits until `ready()`: 32 pauses, then a clock read and a sched_yield every 8 checks (the
-// policy of tdshm's waits, so that the reference is not helped or hurt by another one).
+// Waits until `ready()`, spinning as tdshm's waits do (shm/spin.h), so that the reference is
+// neither helped nor hurt by another policy; it never sleeps.
 template <class Ready>
 void spin_until(Ready ready, Clock::time_point deadline, const char* what) {
   for (unsigned checks = 1; !ready(); ++checks) {
-    if (checks <= 32 || checks % 8 != 0) {
-#if defined(__x86_64__)
-      _mm_pause();
-#endif
+    if (!tdshm::detail::SpinChecks::clock_read(checks)) {
+      tdshm::detail::cpu_relax();
       continue;
     }
     if (Clock::now() > deadline) throw std::runtime_error(std::string("memcpy reference: timed out waiting ") + what);

@@ -3,6 +3,8 @@
 
 #include "pingpong_internal.h"
 
+#include "shm/spin.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -20,23 +22,13 @@
 #include <new>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 namespace tdshm::bench::detail {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
+using tdshm::detail::cpu_relax;  // shm/spin.h
 
 // Non-private futex operations: the word lives in a MAP_SHARED mapping of two processes.
 long futex_wait(uint32_t* word, uint32_t seen, std::chrono::nanoseconds timeout) noexcept {

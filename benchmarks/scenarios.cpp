@@ -158,6 +158,11 @@ struct Layout {
   // worker (worker -> main); actor-learner: two per actor (weights out, trajectory back).
   uint8_t* copy_memory = nullptr;
   size_t channels() const { return scenario == "loader" ? static_cast<size_t>(peers) : 2 * static_cast<size_t>(peers); }
+  CopyChannel worker_channel(int w) const { return channel(static_cast<size_t>(w - 1)); }
+  CopyChannel weights_channel(int a) const { return channel(2 * static_cast<size_t>(a - 1)); }
+  CopyChannel trajectory_channel(int a) const { return channel(2 * static_cast<size_t>(a - 1) + 1); }
+
+ private:
   CopyChannel channel(size_t i) const { return {copy_memory + i * kCopyChannelBytes, kCopySlotBytes, kCopySlots}; }
 };
 
@@ -238,17 +243,16 @@ double loader_main(const Layout& layout, const Groups& groups, const Step& s, in
   const std::string where = "loader " + s.pattern + " " + s.transport + " N=" + std::to_string(layout.peers);
   std::vector<Transfer> pending(static_cast<size_t>(layout.peers) + 1);
   const bool by_copy = s.transport == "memcpy";
+  const std::vector<TensorDict>& copy_into = s.pattern == "consolidated" ? consolidated : plain;
   std::vector<std::vector<at::Tensor>> copied(static_cast<size_t>(layout.peers) + 1);
-  for (int w = 1; by_copy && w <= layout.peers; ++w) {
-    copied[w] = copied_tensors(s.pattern == "consolidated" ? consolidated[w] : plain[w]);
-  }
+  for (int w = 1; by_copy && w <= layout.peers; ++w) copied[w] = copied_tensors(copy_into[w]);
   const auto start = Clock::now();
   for (int b = 0; b < s.count; ++b) {
     const int64_t seq = seq0 + b;
     if (by_copy) {
       for (int w = 1; w <= layout.peers; ++w) {
-        copy_recv(layout.channel(static_cast<size_t>(w - 1)), copied[w]);
-        check_batch(s.pattern == "consolidated" ? consolidated[w] : plain[w], w, seq, where);
+        copy_recv(layout.worker_channel(w), copied[w]);
+        check_batch(copy_into[w], w, seq, where);
       }
     } else if (s.pattern == "blocking") {
       for (int w = 1; w <= layout.peers; ++w) {
@@ -290,7 +294,7 @@ void loader_worker(const Layout& layout, const Groups& groups, const Step& s, in
     inject_fault(layout.fault, w, seq0 + b, &batch);
     if (by_copy) {
       // The consolidated pattern pays its consolidate() per batch here too.
-      copy_send(layout.channel(static_cast<size_t>(w - 1)),
+      copy_send(layout.worker_channel(w),
                 s.pattern == "consolidated" ? copied_tensors(batch.consolidate()) : leaves);
     } else if (s.pattern == "consolidated") {
       batch.consolidate().send({.group = g, .group_dst = 0, .consolidated = true});
@@ -320,7 +324,7 @@ double learner(const Layout& layout, const Groups& groups, const Step& s, int64_
     *last = static_cast<float>(2 * seq);
     sends.clear();
     recvs.clear();
-    for (int a = 1; by_copy && a <= layout.peers; ++a) copy_send(layout.channel(2 * static_cast<size_t>(a - 1)), weight_bytes);
+    for (int a = 1; by_copy && a <= layout.peers; ++a) copy_send(layout.weights_channel(a), weight_bytes);
     for (int a = 1; !by_copy && a <= layout.peers; ++a) {
       sends.push_back(weights.isend({.group = g, .group_dst = a, .return_early = true, .consolidated = true}));
     }
@@ -330,7 +334,7 @@ double learner(const Layout& layout, const Groups& groups, const Step& s, int64_
     for (const auto& t : sends) t.wait();
     for (int a = 1; a <= layout.peers; ++a) {
       if (by_copy) {
-        copy_recv(layout.channel(2 * static_cast<size_t>(a - 1) + 1), trajectory_leaves[static_cast<size_t>(a)]);
+        copy_recv(layout.trajectory_channel(a), trajectory_leaves[static_cast<size_t>(a)]);
       } else {
         recvs[static_cast<size_t>(a - 1)].wait();
       }
@@ -358,7 +362,7 @@ void actor(const Layout& layout, const Groups& groups, const Step& s, int64_t se
     const int64_t seq = seq0 + i;
     inject_fault(layout.fault, a, seq, nullptr);
     if (by_copy) {
-      copy_recv(layout.channel(2 * static_cast<size_t>(a - 1)), weight_bytes);
+      copy_recv(layout.weights_channel(a), weight_bytes);
     } else {
       weights.recv({.group = g, .group_src = 0, .consolidated = true});
     }
@@ -373,7 +377,7 @@ void actor(const Layout& layout, const Groups& groups, const Step& s, int64_t se
     int64_t* action = traj.get("action").data_ptr<int64_t>();
     for (int64_t k = 0; k < kSteps; ++k) action[k] = a;
     if (by_copy) {
-      copy_send(layout.channel(2 * static_cast<size_t>(a - 1) + 1), trajectory_leaves);
+      copy_send(layout.trajectory_channel(a), trajectory_leaves);
     } else {
       traj.send({.group = g, .group_dst = 0});
     }

@@ -4,6 +4,7 @@
 // engine_wait.cpp: waiting, wake-ups and the helper thread). Private to src/shm.
 
 #include "shm/engine.h"
+#include "shm/spin.h"
 
 #include <tdshm/memmap.h>
 
@@ -14,10 +15,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 namespace tdshm::detail {
 
@@ -49,28 +46,6 @@ inline constexpr uint64_t kStreamingMessageBytes = uint64_t{8} << 20;
 
 // A message larger than this is refused as corrupt (1 TiB): it cannot be a real tensor here.
 inline constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;
-
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__)
-  _mm_pause();
-#endif
-}
-
-// How a spinning wait checks (engine_wait.cpp, engine_collective.cpp). Checks are cheap (one
-// pause between them, ~30 ns here). The first kQuietChecks only pause: a reply in a ping-pong
-// arrives within them (~1 us) and never pays a clock read or a system call. After them, every
-// kYieldEvery-th check reads the clock and offers the core to others (sched_yield, which returns
-// at once when nobody else wants it): with more ranks than cores (a data loader's workers), the
-// rank a waiter waits for often runs on the waiter's own core, and spinning without yielding left
-// it queued for the whole spin (4 workers: 48k batches/s when waiters yielded every ~30 us,
-// 80-88k when every ~250 ns after the first ~1 us, in the same run; ping-pong unchanged).
-struct SpinChecks {
-  static constexpr unsigned kQuietChecks = 32, kYieldEvery = 8;
-  /// True when check number `spins` (from 1) reads the clock (and, spinning, yields).
-  static bool clock_read(unsigned spins) noexcept {
-    return spins % (spins <= kQuietChecks ? kQuietChecks : kYieldEvery) == 0;
-  }
-};
 
 template <class E>
 std::exception_ptr make_error(const std::string& what) {

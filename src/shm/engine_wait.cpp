@@ -58,7 +58,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
   };
   auto failed_later = [&] { return stop_on_error && std::any_of(ops.begin() + first_pending, ops.end(), failed); };
   if (all_done()) return;
-  // Checks follow SpinChecks (engine_internal.h): pauses, then a clock read and a yield every
+  // Checks follow SpinChecks (shm/spin.h): pauses, then a clock read and a yield every
   // few checks. The spin budget starts at the first clock read: a wait that ends sooner never
   // reads the clock. Blocking-only waits (spin 0) never spin. The budget adapts (note_wait):
   // spinning only pays while waits are short. What counts is the time without progress: every
