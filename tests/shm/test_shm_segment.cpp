@@ -632,14 +632,17 @@ TEST_F(ShmSegmentProcs, SenderKilledMidTransferFailsTheReceiver) { peer_killed_m
 
 TEST_F(ShmSegmentProcs, PeerKilledWhileAnUnreapedChildOfTheWaiter) {
   // The survivor forked the victim itself and does not reap it while it waits: the dead victim is
-  // a zombie (its pid and /proc entry remain) and must still count as dead.
+  // a zombie (its pid and /proc entry remain) and must still count as dead. The victim sends and
+  // the survivor receives: a sending victim writes what fits in the 4-entry ring and sleeps before
+  // it dies, so the 256-chunk message cannot complete first (a receiving victim could take the
+  // whole message within one progress call while the survivor streams it).
   const std::string name = unique_name();
   Shared<KillRecord> record;
   Child survivor_process([&] {
     pid_t victim_pid = ::fork();
     if (victim_pid == 0) {
       try {
-        victim(name, true, *record);
+        victim(name, /*victim_receives=*/false, *record);
       } catch (...) {
       }
       ::_exit(1);
@@ -649,9 +652,10 @@ TEST_F(ShmSegmentProcs, PeerKilledWhileAnUnreapedChildOfTheWaiter) {
     std::string failure;
     try {
       ProcessGroupShm pg(name, 0, 2, kill_options());
-      const at::Tensor buffer = pattern(at::kByte, kMessageBytes, 99);
-      auto work = post_send(pg, buffer, 1, 1);
+      const at::Tensor buffer = at::zeros({kMessageBytes}, at::kByte);
+      auto work = post_recv(pg, buffer, 1, 1);
       const Caught c = catch_any([&] { work->wait(); });
+      SHM_CHECK(record->completed_before_kill.load() == 0, "the transfer completed before the victim died");
       const auto latency = std::chrono::nanoseconds(monotonic_ns() - record->kill_ns.load());
       std::fprintf(stderr, "[zombie peer] wait threw %s, %.0f ms after the kill\n", c.describe().c_str(),
                    std::chrono::duration<double, std::milli>(latency).count());
