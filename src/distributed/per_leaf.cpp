@@ -127,6 +127,74 @@ struct LeafCountRepair {
   }
 };
 
+/// The Work of one leaf whose message is one backend work already posted (a shm receive or a
+/// send without a descriptor): what TransferWork does for it, built for every leaf of every
+/// irecv, so it holds only the backend work, the leaf's index and what the transfer's leaves
+/// share. The error names the key and the leaf-count repair runs, once, only when the work
+/// fails; a success costs no string, lock or callback.
+class LeafWork final : public c10d::Work {
+ public:
+  LeafWork(WorkPtr inner, std::shared_ptr<const SortedLeaves> leaves, size_t index, const char* verb,
+           c10d::OpType type, std::shared_ptr<LeafCountRepair> repair = {})
+      : c10d::Work(-1, type),
+        inner_(std::move(inner)),
+        leaves_(std::move(leaves)),
+        index_(index),
+        verb_(verb),
+        repair_(std::move(repair)) {}
+
+  /// Only polls (the backend work's isCompleted never waits).
+  bool isCompleted() override {
+    if (!inner_->isCompleted()) return false;
+    if (!inner_->isSuccess()) keyed(inner_->exception());
+    return true;
+  }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override {
+    const std::exception_ptr e = inner_->exception();
+    return e ? keyed(e) : nullptr;
+  }
+  std::vector<at::Tensor> result() override { return {}; }
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override {
+    try {
+      inner_->wait(timeout);
+    } catch (...) {
+      std::rethrow_exception(keyed(std::current_exception()));
+    }
+    return true;
+  }
+  void abort() override { inner_->abort(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+
+ private:
+  /// The backend's error `e` with the key in front (the same object at every call), after the
+  /// repair ran.
+  std::exception_ptr keyed(const std::exception_ptr& e) const {
+    std::call_once(failed_, [&] {
+      try {
+        std::rethrow_exception(e);
+      } catch (...) {
+        error_ = current_with_context(std::string(verb_) + leaves_->keys[index_].str() + ": ");
+      }
+      if (repair_) {
+        try {
+          repair_->run(index_);
+        } catch (...) {  // a repair that failed leaves the error as it is
+        }
+      }
+    });
+    return error_;
+  }
+
+  const WorkPtr inner_;
+  const std::shared_ptr<const SortedLeaves> leaves_;
+  const size_t index_;
+  const char* const verb_;  // a literal: "recv of key "
+  const std::shared_ptr<LeafCountRepair> repair_;
+  mutable std::once_flag failed_;
+  mutable std::exception_ptr error_;  // written once, under failed_
+};
+
 /// What the stages of a per-leaf receive share.
 struct PerLeafRecv {
   Group group;
@@ -215,6 +283,11 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
     if (l.keys().empty()) wait_all(descriptor);
     out.has_works = true;
     for (size_t i = 0; i < l.keys().size(); ++i) {
+      if (descriptor.empty()) {
+        out.works.push_back(c10::make_intrusive<LeafWork>(std::move(sends[i]), l.sorted, i, "send of key ",
+                                                          c10d::OpType::SEND));
+        continue;
+      }
       std::vector<WorkPtr> inner = i == 0 ? std::move(descriptor) : std::vector<WorkPtr>{};
       inner.push_back(std::move(sends[i]));
       out.works.push_back(c10::make_intrusive<TransferWork>("send of key " + l.keys()[i].str() + ": ", std::move(inner),
@@ -333,6 +406,10 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
   }
   out.has_works = true;
   for (size_t i = 0; i < l.keys().size(); ++i) {
+    if (!deferred && targets[i].is_same(l.tensors[i])) {  // received in place: nothing to do after it
+      out.works.push_back(c10::make_intrusive<LeafWork>(recvs[i], l.sorted, i, "recv of key ", c10d::OpType::RECV, repair));
+      continue;
+    }
     std::function<void()> copy_back;
     if (!targets[i].is_same(l.tensors[i])) {
       copy_back = [leaf = l.tensors[i], target = targets[i]]() mutable { leaf.copy_(target); };
