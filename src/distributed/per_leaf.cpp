@@ -22,6 +22,7 @@
 
 #include "distributed/layout_descriptor.h"
 #include "distributed/transfer_common.h"
+#include "process_group/shm_batch.h"
 
 #include <mutex>
 
@@ -32,11 +33,48 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Per-leaf transfers
 
+}  // namespace
+
+/// The per-leaf wire of a tree's leaves for one init_tag and pseudo_rand: the tags (checked as
+/// c10d takes them) and the shm key checks, which every transfer of an unchanged tree repeats.
+struct PerLeafWire {
+  int64_t init_tag = 0;
+  bool pseudo_rand = false;
+  std::vector<int64_t> tags;
+  std::vector<int> c10d_tags;
+  std::vector<MessageCheck> checks;  // the shm key check of each leaf
+};
+
+namespace {
+
+/// `sorted`'s wire for init_tag / pseudo_rand, from its cache when those were the last used.
+std::shared_ptr<const PerLeafWire> wire_of(const SortedLeaves& sorted, int64_t init_tag, bool pseudo_rand) {
+  if (auto cached = sorted.wire.load(std::memory_order_acquire);
+      cached && cached->init_tag == init_tag && cached->pseudo_rand == pseudo_rand) {
+    return cached;
+  }
+  auto fresh = std::make_shared<PerLeafWire>();
+  fresh->init_tag = init_tag;
+  fresh->pseudo_rand = pseudo_rand;
+  fresh->tags = transfer_tags(init_tag, sorted.keys.size(), pseudo_rand);
+  fresh->c10d_tags.reserve(fresh->tags.size());
+  fresh->checks.reserve(fresh->tags.size());
+  for (size_t i = 0; i < fresh->tags.size(); ++i) {
+    fresh->c10d_tags.push_back(c10d_tag(fresh->tags[i]));
+    fresh->checks.push_back(key_check_of_hash(sorted.key_hashes[i], sorted.keys.size()));
+  }
+  sorted.wire.store(fresh, std::memory_order_release);
+  return fresh;
+}
+
 struct Leaves {
   std::shared_ptr<const SortedLeaves> sorted;  // keys and key hashes, cached by the tensordict
+  std::shared_ptr<const PerLeafWire> wire;     // tags and checks, cached with them
   std::vector<at::Tensor> tensors;
-  std::vector<int64_t> tags;
   const std::vector<Key>& keys() const noexcept { return sorted->keys; }
+  const std::vector<int64_t>& tags() const noexcept { return wire->tags; }
+  /// The last tag of the transfer (init_tag - 1 without leaves), what send and recv return.
+  int64_t last_tag() const noexcept { return wire->tags.empty() ? wire->init_tag - 1 : wire->tags.back(); }
 };
 
 /// The leaves of `td` and their tags; the leaves themselves are checked by the caller (a sender
@@ -44,28 +82,15 @@ struct Leaves {
 Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
   Leaves l;
   l.sorted = sorted_leaves(td);
+  l.wire = wire_of(*l.sorted, init_tag, pseudo_rand);
   l.tensors.reserve(l.keys().size());
   for (const auto& k : l.keys()) l.tensors.push_back(td.get(k));
-  l.tags = transfer_tags(init_tag, l.keys().size(), pseudo_rand);
-  for (int64_t t : l.tags) c10d_tag(t);
   return l;
-}
-
-/// A shm batch's tags and key checks, leaf by leaf.
-std::pair<std::vector<int>, std::vector<MessageCheck>> batch_tags_and_checks(const Leaves& l) {
-  std::pair<std::vector<int>, std::vector<MessageCheck>> out;
-  out.first.reserve(l.keys().size());
-  out.second.reserve(l.keys().size());
-  for (size_t i = 0; i < l.keys().size(); ++i) {
-    out.first.push_back(static_cast<int>(l.tags[i]));  // checked by collect (c10d_tag)
-    out.second.push_back(key_check_of_hash(l.sorted->key_hashes[i], l.keys().size()));
-  }
-  return out;
 }
 
 /// The tag the descriptor travels with: the first leaf's (or the one it would have).
 int descriptor_tag(const Leaves& l, int64_t init_tag, bool pseudo_rand) {
-  return c10d_tag(l.tags.empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags[0]);
+  return c10d_tag(l.tags().empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags()[0]);
 }
 
 /// The last stage of a refused per-leaf transfer: receives of every leaf the sender sends (its
@@ -94,14 +119,14 @@ struct LeafCountRepair {
   int peer = -1;
   int64_t init_tag = 0;
   bool pseudo_rand = false;
-  std::vector<WorkPtr> recvs;  // this receiver's, one per leaf
+  WorkPtr batch;  // this receiver's (ProcessGroupShm::recv_batch), one message per leaf
+  size_t mine = 0;
   std::once_flag once;
 
   /// Called once the receive of leaf `failed` failed.
   void run(size_t failed) {
-    const size_t theirs = shm_sender_leaf_count(*recvs[failed]);
+    const size_t theirs = shm_batch::sender_leaves(*batch, failed);
     if (theirs == 0) return;  // another failure
-    const size_t mine = recvs.size();
     std::call_once(once, [&] {
       if (theirs > mine) {
         const std::vector<int64_t> tags = transfer_tags(init_tag, theirs, pseudo_rand);
@@ -118,7 +143,7 @@ struct LeafCountRepair {
       } else {
         for (size_t i = theirs; i < mine; ++i) {
           try {
-            recvs[i]->abort();
+            shm_batch::abort(*batch, i);
           } catch (...) {  // completed meanwhile
           }
         }
@@ -127,46 +152,66 @@ struct LeafCountRepair {
   }
 };
 
-/// The Work of one leaf whose message is one backend work already posted (a shm receive or a
-/// send without a descriptor): what TransferWork does for it, built for every leaf of every
-/// irecv, so it holds only the backend work, the leaf's index and what the transfer's leaves
-/// share. The error names the key and the leaf-count repair runs, once, only when the work
-/// fails; a success costs no string, lock or callback.
+/// The Work of one leaf whose message is already posted: one backend work (a send without a
+/// descriptor, a receive on another backend), or message `index` of a shm batch (an irecv over
+/// shm; shm_batch.h). What TransferWork does for it, built for every leaf of every irecv, so it
+/// holds only the work, the leaf's index and what the transfer's leaves share. The error names
+/// the key and the leaf-count repair runs, once, only when the message fails; a success costs no
+/// string, lock or callback.
 class LeafWork final : public c10d::Work {
  public:
-  LeafWork(WorkPtr inner, std::shared_ptr<const SortedLeaves> leaves, size_t index, const char* verb,
+  enum class Of { kWork, kShmBatch };
+  LeafWork(Of of, WorkPtr inner, std::shared_ptr<const SortedLeaves> leaves, size_t index, const char* verb,
            c10d::OpType type, std::shared_ptr<LeafCountRepair> repair = {})
       : c10d::Work(-1, type),
+        batch_(of == Of::kShmBatch),
         inner_(std::move(inner)),
         leaves_(std::move(leaves)),
         index_(index),
         verb_(verb),
         repair_(std::move(repair)) {}
 
-  /// Only polls (the backend work's isCompleted never waits).
+  /// Only polls (neither a backend work's isCompleted nor shm_batch::completed waits).
   bool isCompleted() override {
-    if (!inner_->isCompleted()) return false;
-    if (!inner_->isSuccess()) keyed(inner_->exception());
+    if (!(batch_ ? shm_batch::completed(*inner_, index_) : inner_->isCompleted())) return false;
+    if (const std::exception_ptr e = inner_error()) keyed(e);
     return true;
   }
-  bool isSuccess() const override { return inner_->isSuccess(); }
+  bool isSuccess() const override {
+    return batch_ ? shm_batch::succeeded(*inner_, index_) : inner_->isSuccess();
+  }
   std::exception_ptr exception() const override {
-    const std::exception_ptr e = inner_->exception();
+    const std::exception_ptr e = inner_error();
     return e ? keyed(e) : nullptr;
   }
   std::vector<at::Tensor> result() override { return {}; }
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override {
     try {
-      inner_->wait(timeout);
+      if (batch_) {
+        shm_batch::wait(*inner_, index_, timeout);
+      } else {
+        inner_->wait(timeout);
+      }
     } catch (...) {
       std::rethrow_exception(keyed(std::current_exception()));
     }
     return true;
   }
-  void abort() override { inner_->abort(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+  void abort() override {
+    if (batch_) {
+      shm_batch::abort(*inner_, index_);
+    } else {
+      inner_->abort();
+    }
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return batch_ ? shm_batch_messages(*inner_).at(index_)->getFuture() : inner_->getFuture();
+  }
 
  private:
+  std::exception_ptr inner_error() const {
+    return batch_ ? shm_batch::error(*inner_, index_) : inner_->exception();
+  }
   /// The backend's error `e` with the key in front (the same object at every call), after the
   /// repair ran.
   std::exception_ptr keyed(const std::exception_ptr& e) const {
@@ -186,7 +231,8 @@ class LeafWork final : public c10d::Work {
     return error_;
   }
 
-  const WorkPtr inner_;
+  const bool batch_;
+  const WorkPtr inner_;  // the work, or the shm batch
   const std::shared_ptr<const SortedLeaves> leaves_;
   const size_t index_;
   const char* const verb_;  // a literal: "recv of key "
@@ -219,7 +265,7 @@ Stage per_leaf_check(const PerLeafRecv& r, const int64_t* desc, int64_t words) {
     if (problem.empty()) {
       Stage s;
       for (size_t i = 0; i < r.targets.size(); ++i) {
-        s.pending.push_back(recv_one(r.group, r.targets[i], r.peer, static_cast<int>(r.leaves->tags[i])));
+        s.pending.push_back(recv_one(r.group, r.targets[i], r.peer, r.leaves->wire->c10d_tags[i]));
       }
       return s;
     }
@@ -260,8 +306,7 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
   if (shm_pg != nullptr && descriptor.empty() && !o.return_early) {
     // The blocking send over shm: every leaf written, then one wake-up of the receiver and at
     // most one Work (none when every leaf is already in the segment).
-    const auto [tags, checks] = batch_tags_and_checks(l);
-    if (WorkPtr batch = shm_pg->send_batch(l.tensors, p.rank, tags, checks)) {
+    if (WorkPtr batch = shm_pg->send_batch(l.tensors, p.rank, l.wire->c10d_tags, l.wire->checks)) {
       try {
         batch->wait();
       } catch (...) {
@@ -269,23 +314,22 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
         throw;
       }
     }
-    out.last_tag = l.tags.empty() ? o.init_tag - 1 : l.tags.back();
+    out.last_tag = l.last_tag();
     return out;
   }
   std::vector<WorkPtr> sends;
   for (size_t i = 0; i < l.keys().size(); ++i) {
     // Over shm a strided leaf is packed by the transport; other backends want contiguous bytes.
     at::Tensor t = shm || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
-    sends.push_back(send_one(p.group, t, p.rank, static_cast<int>(l.tags[i]),
-                             shm ? key_check_of_hash(l.sorted->key_hashes[i], l.keys().size()) : MessageCheck{}));
+    sends.push_back(send_one(p.group, t, p.rank, l.wire->c10d_tags[i], shm ? l.wire->checks[i] : MessageCheck{}));
   }
   if (o.return_early) {
     if (l.keys().empty()) wait_all(descriptor);
     out.has_works = true;
     for (size_t i = 0; i < l.keys().size(); ++i) {
       if (descriptor.empty()) {
-        out.works.push_back(c10::make_intrusive<LeafWork>(std::move(sends[i]), l.sorted, i, "send of key ",
-                                                          c10d::OpType::SEND));
+        out.works.push_back(c10::make_intrusive<LeafWork>(LeafWork::Of::kWork, std::move(sends[i]), l.sorted, i,
+                                                          "send of key ", c10d::OpType::SEND));
         continue;
       }
       std::vector<WorkPtr> inner = i == 0 ? std::move(descriptor) : std::vector<WorkPtr>{};
@@ -298,13 +342,13 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
   // Waited here: no user-facing Work per leaf.
   wait_all(descriptor);
   wait_keyed(sends, l.keys(), "send of key ");
-  out.last_tag = l.tags.empty() ? o.init_tag - 1 : l.tags.back();
+  out.last_tag = l.last_tag();
   return out;
 }
 
-Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o) {
-  auto shared = std::make_shared<const Leaves>(collect(td, o.init_tag, o.pseudo_rand));
-  const Leaves& l = *shared;
+Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag) {
+  const Leaves l = collect(td, o.init_tag, o.pseudo_rand);
+  if (last_tag != nullptr) *last_tag = l.last_tag();
   // Every leaf is checked before any receive is posted; a refused transfer still consumes the
   // sender's messages, so the next transfer on the pair is in step.
   std::exception_ptr refusal;
@@ -318,20 +362,26 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
   const bool shm = is_shm(p.group);
   // Over shm a strided leaf is staged by the transport; others receive contiguous bytes, copied
   // into the leaf once they are in.
-  std::vector<at::Tensor> targets;
-  for (const auto& leaf : l.tensors) {
-    targets.push_back(!shm && !refusal && !leaf.is_contiguous() ? at::empty(leaf.sizes(), leaf.options()) : leaf);
+  std::vector<at::Tensor> staged;
+  if (!shm && !refusal &&
+      std::any_of(l.tensors.begin(), l.tensors.end(), [](const at::Tensor& t) { return !t.is_contiguous(); })) {
+    for (const auto& leaf : l.tensors) {
+      staged.push_back(leaf.is_contiguous() ? leaf : at::empty(leaf.sizes(), leaf.options()));
+    }
   }
+  const std::vector<at::Tensor>& targets = staged.empty() ? l.tensors : staged;
 
-  // The receives whose completion completes each leaf: posted now (the plain wire), or by the
-  // last stage of a Deferred (the checked protocol, or a refusal's drains).
+  // The receives whose completion completes each leaf: posted now (the plain wire: one batch
+  // over shm, one work per leaf on other backends), or by the last stage of a Deferred (the
+  // checked protocol, or a refusal's drains).
+  WorkPtr batch;
   std::vector<WorkPtr> recvs;
   std::shared_ptr<Deferred> deferred;
   if (p.group.checked_wire_with(p.rank)) {
     auto r = std::make_shared<PerLeafRecv>();
     r->group = p.group;
     r->peer = p.rank;
-    r->leaves = shared;
+    r->leaves = std::make_shared<const Leaves>(l);
     r->descriptor_tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
     r->init_tag = o.init_tag;
     r->pseudo_rand = o.pseudo_rand;
@@ -349,14 +399,13 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
     drain.error = refusal;
     for (size_t i = 0; i < l.keys().size(); ++i) {
       drain.pending.push_back(recv_one(p.group, at::empty(l.tensors[i].sizes(), at::TensorOptions().dtype(l.tensors[i].scalar_type())),
-                                       p.rank, static_cast<int>(l.tags[i])));
+                                       p.rank, l.wire->c10d_tags[i]));
     }
     deferred = std::make_shared<Deferred>("leaves", std::move(drain));
   } else if (auto* shm_pg = shm ? dynamic_cast<ProcessGroupShm*>(&p.group.backend()) : nullptr) {
     // Over shm every receive is posted under one lock. The blocking receive waits for all of
     // them at once; only a failure (or return_premature) needs a Work per leaf.
-    const auto [tags, checks] = batch_tags_and_checks(l);
-    WorkPtr batch = shm_pg->recv_batch(targets, p.rank, tags, checks);
+    batch = shm_pg->recv_batch(targets, p.rank, l.wire->c10d_tags, l.wire->checks);
     if (!o.return_premature) {
       bool ok = false;
       try {
@@ -366,59 +415,64 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
       }
       if (ok) return Transfer{};  // shm received strided leaves in place
     }
-    recvs = shm_batch_messages(*batch);
   } else {
     for (size_t i = 0; i < l.keys().size(); ++i) {
-      recvs.push_back(recv_one(p.group, targets[i], p.rank, static_cast<int>(l.tags[i]), MessageCheck{}));
+      recvs.push_back(recv_one(p.group, targets[i], p.rank, l.wire->c10d_tags[i], MessageCheck{}));
     }
   }
+  // Over shm, the Work of leaf i is message i of the batch, with the repair of a leaf count
+  // that differs.
   std::shared_ptr<LeafCountRepair> repair;
-  if (shm && !deferred) {
+  if (batch) {
     repair = std::make_shared<LeafCountRepair>();
     repair->group = p.group;
     repair->peer = p.rank;
     repair->init_tag = o.init_tag;
     repair->pseudo_rand = o.pseudo_rand;
-    repair->recvs = recvs;
+    repair->batch = batch;
+    repair->mine = l.keys().size();
   }
-  const auto on_failure = [&repair](size_t i) -> std::function<void()> {
-    if (!repair) return {};
-    return [r = repair, i] { r->run(i); };
+  const auto shm_leaf = [&](size_t i) {
+    return c10::make_intrusive<LeafWork>(LeafWork::Of::kShmBatch, batch, l.sorted, i, "recv of key ",
+                                         c10d::OpType::RECV, repair);
   };
 
   Transfer out;
   if (!o.return_premature) {
-    // Waited here: no user-facing Work per leaf (the TransferWorks carry the repair).
-    std::vector<WorkPtr> leaf_works;
+    // Waited here: no user-facing Work per leaf.
     if (deferred) {
-      leaf_works = wait_last(*deferred);
+      wait_keyed(wait_last(*deferred), l.keys(), "recv of key ");
+    } else if (batch) {  // it failed: each leaf's error, the repair, the first error named by its key
+      std::vector<WorkPtr> leaf_works;
+      for (size_t i = 0; i < l.keys().size(); ++i) leaf_works.push_back(shm_leaf(i));
+      wait_all(leaf_works);
     } else {
-      for (size_t i = 0; i < recvs.size(); ++i) {
-        leaf_works.push_back(c10::make_intrusive<TransferWork>("", std::vector<WorkPtr>{recvs[i]}, c10d::OpType::RECV,
-                                                               std::function<void()>{}, on_failure(i)));
-      }
+      wait_keyed(recvs, l.keys(), "recv of key ");
     }
-    wait_keyed(leaf_works, l.keys(), "recv of key ");
     for (size_t i = 0; i < targets.size(); ++i) {
       if (!targets[i].is_same(l.tensors[i])) l.tensors[i].copy_(targets[i]);
     }
     return out;
   }
   out.has_works = true;
+  out.works.reserve(l.keys().size());
   for (size_t i = 0; i < l.keys().size(); ++i) {
-    if (!deferred && targets[i].is_same(l.tensors[i])) {  // received in place: nothing to do after it
-      out.works.push_back(c10::make_intrusive<LeafWork>(recvs[i], l.sorted, i, "recv of key ", c10d::OpType::RECV, repair));
-      continue;
+    if (batch) {
+      out.works.push_back(shm_leaf(i));
+    } else if (!deferred && targets[i].is_same(l.tensors[i])) {  // received in place: nothing to do after it
+      out.works.push_back(
+          c10::make_intrusive<LeafWork>(LeafWork::Of::kWork, recvs[i], l.sorted, i, "recv of key ", c10d::OpType::RECV));
+    } else {
+      std::function<void()> copy_back;
+      if (!targets[i].is_same(l.tensors[i])) {
+        copy_back = [leaf = l.tensors[i], target = targets[i]]() mutable { leaf.copy_(target); };
+      }
+      std::string context = "recv of key " + l.keys()[i].str() + ": ";
+      out.works.push_back(deferred ? c10::make_intrusive<TransferWork>(std::move(context), deferred, i,
+                                                                       c10d::OpType::RECV, std::move(copy_back))
+                                   : c10::make_intrusive<TransferWork>(std::move(context), std::vector<WorkPtr>{recvs[i]},
+                                                                       c10d::OpType::RECV, std::move(copy_back)));
     }
-    std::function<void()> copy_back;
-    if (!targets[i].is_same(l.tensors[i])) {
-      copy_back = [leaf = l.tensors[i], target = targets[i]]() mutable { leaf.copy_(target); };
-    }
-    std::string context = "recv of key " + l.keys()[i].str() + ": ";
-    out.works.push_back(deferred ? c10::make_intrusive<TransferWork>(std::move(context), deferred, i, c10d::OpType::RECV,
-                                                                     std::move(copy_back))
-                                 : c10::make_intrusive<TransferWork>(std::move(context), std::vector<WorkPtr>{recvs[i]},
-                                                                     c10d::OpType::RECV, std::move(copy_back), on_failure(i)));
   }
   if (l.keys().empty() && deferred) wait_last(*deferred);  // the descriptor is consumed (and checked) all the same
   return out;

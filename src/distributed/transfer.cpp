@@ -31,10 +31,14 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
 int64_t TensorDict::recv(const RecvOptions& o) {
   RecvOptions waited = o;
   waited.return_premature = false;
-  irecv(waited);
-  if (o.consolidated) return 0;  // tensordict's consolidated transfers use tag 0
-  const auto n = sorted_leaf_keys().size();
-  return n == 0 ? o.init_tag - 1 : transfer_tags(o.init_tag, n, o.pseudo_rand).back();
+  const Peer p = resolve_peer("src", "group_src", o.src, o.group_src, o.group);
+  if (o.consolidated) {
+    detail::irecv_consolidated(*this, p, waited);
+    return 0;  // tensordict's consolidated transfers use tag 0
+  }
+  int64_t last_tag = 0;
+  detail::irecv_per_leaf(*this, p, waited, &last_tag);
+  return last_tag;
 }
 
 }  // namespace tdshm

@@ -351,7 +351,8 @@ void check_receive_target(const at::Tensor& t, const Name& what) {
 // The protocols (one file each), called by TensorDict's methods once the peer is resolved.
 
 Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o);
-Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o);
+/// `last_tag`, when given, is set to the transfer's last tag (what recv returns).
+Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag = nullptr);
 Transfer isend_consolidated(const TensorDict& td, const Peer& p, const SendOptions& o);
 Transfer irecv_consolidated(const TensorDict& td, const Peer& p, const RecvOptions& o);
 

@@ -2,10 +2,13 @@
 
 #include <tdshm/process_group.h>
 
+#include "process_group/shm_batch.h"
 #include "process_group/tensor_checks.h"
 #include "shm/engine.h"
 
 #include <ATen/core/ivalue.h>
+#include <algorithm>
+#include <span>
 #include <c10/util/SmallVector.h>
 
 namespace tdshm {
@@ -110,6 +113,20 @@ class ShmWork : public c10d::Work {
     return future_;
   }
 
+  /// Message j of a batch: its op, or null when it completed as it was posted.
+  const ShmOp* message(size_t j) const {
+    if (!batch_ || j >= batch_size_) throw TypeError("shm_batch: the Work is not a batch of that many messages");
+    if (positions_.empty()) return ops_[j].get();  // op j is message j
+    const auto it = std::find(positions_.begin(), positions_.end(), static_cast<uint32_t>(j));
+    return it == positions_.end() ? nullptr : ops_[static_cast<size_t>(it - positions_.begin())].get();
+  }
+  const std::shared_ptr<ShmOp>& message_op(size_t j) const {
+    if (positions_.empty()) return ops_[j];
+    return ops_[static_cast<size_t>(std::find(positions_.begin(), positions_.end(), static_cast<uint32_t>(j)) -
+                                    positions_.begin())];
+  }
+  ShmEngine& engine() const { return *engine_; }
+
   /// What shm_sender_leaf_count returns.
   uint16_t sender_leaves() const {
     for (const auto& op : ops_) {
@@ -171,6 +188,53 @@ uint16_t shm_sender_leaf_count(const c10d::Work& work) {
   const auto* shm = dynamic_cast<const ShmWork*>(&work);
   return shm ? shm->sender_leaves() : 0;
 }
+
+namespace detail::shm_batch {
+
+namespace {
+const ShmWork& of(const c10d::Work& batch) { return static_cast<const ShmWork&>(batch); }  // see shm_batch.h
+bool done(const ShmOp* op) { return op == nullptr || op->done.load(std::memory_order_acquire); }  // pairs with finish
+}  // namespace
+
+bool completed(c10d::Work& batch, size_t i) {
+  const ShmOp* op = of(batch).message(i);
+  if (!done(op)) of(batch).engine().poll();
+  return done(op);
+}
+
+bool succeeded(const c10d::Work& batch, size_t i) {
+  const ShmOp* op = of(batch).message(i);
+  return done(op) && (op == nullptr || !op->error);
+}
+
+std::exception_ptr error(const c10d::Work& batch, size_t i) {
+  const ShmOp* op = of(batch).message(i);
+  return done(op) && op != nullptr ? op->error : nullptr;
+}
+
+void wait(c10d::Work& batch, size_t i, std::chrono::milliseconds timeout) {
+  const ShmWork& w = of(batch);
+  const ShmOp* op = w.message(i);
+  if (!done(op)) {
+    const auto limit = timeout == kNoTimeout ? w.engine().options().timeout : timeout;
+    w.engine().wait(std::span(&w.message_op(i), 1), std::chrono::steady_clock::now() + limit, /*stop_on_error=*/false);
+  }
+  if (auto e = error(batch, i)) std::rethrow_exception(e);
+}
+
+void abort(c10d::Work& batch, size_t i) {
+  const ShmWork& w = of(batch);
+  if (w.message(i) == nullptr) return;
+  w.engine().cancel(std::span(&w.message_op(i), 1),
+                    std::make_exception_ptr(TransportError("the operation was aborted (Work::abort) before it completed")));
+}
+
+uint16_t sender_leaves(const c10d::Work& batch, size_t i) {
+  const ShmOp* op = of(batch).message(i);
+  return done(op) && op != nullptr ? op->sender_leaves : 0;
+}
+
+}  // namespace detail::shm_batch
 
 std::vector<c10::intrusive_ptr<c10d::Work>> shm_batch_messages(const c10d::Work& work) {
   const auto* shm = dynamic_cast<const ShmWork*>(&work);

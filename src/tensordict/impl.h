@@ -31,12 +31,17 @@ inline uint64_t key_path_hash(const Key& key) {
   return h.finish();
 }
 
+struct PerLeafWire;  // distributed/per_leaf.cpp
+
 /// A tensordict's tensor leaves in transfer order (sorted_leaf_keys()) and their key hashes,
 /// computed once per keys_epoch: repeated transfers of an unchanged tree reuse them.
 struct SortedLeaves {
   uint64_t epoch = 0;
   std::vector<Key> keys;
   std::vector<uint64_t> key_hashes;  // key_path_hash of each key
+  /// The per-leaf transfers' tags and checks for these keys, for the init_tag and pseudo_rand
+  /// last used (per_leaf.cpp): kept with the keys, so they are computed once per tree too.
+  mutable std::atomic<std::shared_ptr<const PerLeafWire>> wire;
 };
 
 /// The cache slot in TensorDictImpl: atomic, since several threads may transfer one tensordict.
