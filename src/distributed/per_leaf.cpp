@@ -37,6 +37,7 @@ namespace {
 
 /// The per-leaf wire of a tree's leaves for one init_tag and pseudo_rand: the tags (checked as
 /// c10d takes them) and the shm key checks, which every transfer of an unchanged tree repeats.
+/// Outside the anonymous namespace: SortedLeaves (tensordict/impl.h) holds it by its name.
 struct PerLeafWire {
   int64_t init_tag = 0;
   bool pseudo_rand = false;
