@@ -21,7 +21,8 @@
 //                       memory maps); the next transfer after each
 //   TransferEarly       isend(return_early) whose works are waited after the receiver received
 //   TransferTwoSenders  two senders with pseudo-random tags to one receiver
-//   TransferPolling     Work::isCompleted of irecv's works never waits for a message
+//   TransferPolling     Work::isCompleted of irecv's works never waits for a message; the plain
+//                       wire's works used by polling and futures alone
 //   TransferErrors      (no processes) context added to an error keeps its type
 //   TransferLayout      (no processes) the layout descriptor: key hashes, checks, hostile input
 
@@ -1364,6 +1365,72 @@ TEST_P(TransferPolling, IsCompletedNeverWaits) {
     SHM_CHECK(all_equal(other, 0), values(other));
     expect_per_leaf_mismatch(other, {"'d'"}, "phase 1, the next bad tree");
     expect_good(0, "polled transfers");
+  });
+}
+
+/// Rank 0: polls every work until it completes (isCompleted only), at most kGroupTimeout.
+void poll_until_complete(const Transfer& t, const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + kGroupTimeout;
+  for (const WorkPtr& w : t.works) {
+    while (!w->isCompleted()) {
+      SHM_CHECK(std::chrono::steady_clock::now() < deadline, what << ": a work did not complete by polling");
+      std::this_thread::yield();
+    }
+  }
+}
+
+// The works of a plain-wire irecv(return_premature) (over shm: one message of the batch per leaf)
+// used without wait(): polled with isCompleted before and after the sender sent (phase 0), or
+// through their futures (phase 1); a receiver of another shape for 'c' (phase 2) sees, by polling
+// alone, exactly the leaf that differs fail with a TransportError naming 'c' (the same error at
+// every exception() call, and from wait()), the other leaves arrive, and the next transfer on the
+// pair arrives whole.
+TEST_P(TransferPolling, PlainWireWorksWithoutWait) {
+  if (GetParam() != Method::kShm) GTEST_SKIP() << "over gloo two tdshm ranks use the checked protocol (IsCompletedNeverWaits)";
+  run_world(2, [&](int rank, Flags& flags) {
+    if (rank == 1) {
+      wait_until(flags.step[0], 1, "the receiver to post and poll", &flags.failed);
+      seed_tree(7).send({.dst = 0});
+      seed_tree(8).send({.dst = 0});
+      send_bad_then_good(1);
+      return;
+    }
+    TensorDict polled = seed_tree(0);
+    const Transfer t = polled.irecv({.src = 1, .return_premature = true});
+    SHM_CHECK(t.has_works && t.works.size() == 3, t.works.size() << " works");
+    poll_incomplete(t, "phase 0 (nothing sent yet)");
+    flags.step[0].store(1, std::memory_order_release);
+    poll_until_complete(t, "phase 0");
+    for (const WorkPtr& w : t.works) SHM_CHECK(w->isSuccess() && !w->exception(), "phase 0");
+    SHM_CHECK(all_equal(polled, 7), values(polled));
+
+    TensorDict futured = seed_tree(0);
+    const Transfer f = futured.irecv({.src = 1, .return_premature = true});
+    for (const WorkPtr& w : f.works) {
+      auto future = w->getFuture();
+      SHM_CHECK(future, "getFuture() returned null");
+      future->wait();
+      SHM_CHECK(!future->hasError(), "phase 1: " << (future->hasError() ? future->tryRetrieveErrorMessage() : ""));
+    }
+    SHM_CHECK(all_equal(futured, 8), values(futured));
+    f.wait();  // already complete
+
+    TensorDict bad = seed_tree(0);
+    bad.set("c", at::zeros({2, 4}));
+    const Transfer b = bad.irecv({.src = 1, .return_premature = true});
+    poll_until_complete(b, "phase 2");
+    size_t failed = 0;
+    for (size_t i = 0; i < b.works.size(); ++i) {
+      const WorkPtr& w = b.works[i];
+      if (w->isSuccess()) continue;
+      ++failed;
+      const std::exception_ptr e = w->exception();
+      SHM_CHECK(e && e == w->exception(), "phase 2: the failed work's exception() changes or is null");
+      CHECK_EXACT_THROWS(TransportError, [&] { std::rethrow_exception(e); }, "recv of key 'c'");
+      CHECK_EXACT_THROWS(TransportError, [&] { w->wait(); }, "recv of key 'c'");
+    }
+    SHM_CHECK(failed == 1, "phase 2: " << failed << " of " << b.works.size() << " works failed");
+    expect_good(0, "polled mismatch");
   });
 }
 
