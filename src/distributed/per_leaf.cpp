@@ -205,8 +205,12 @@ class LeafWork final : public c10d::Work {
       inner_->abort();
     }
   }
+  /// The backend's future (the same one at every call); over shm that of message i's own Work.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    return batch_ ? shm_batch_messages(*inner_).at(index_)->getFuture() : inner_->getFuture();
+    std::call_once(future_once_, [&] {
+      future_ = batch_ ? shm_batch_messages(*inner_).at(index_)->getFuture() : inner_->getFuture();
+    });
+    return future_;
   }
 
  private:
@@ -238,6 +242,8 @@ class LeafWork final : public c10d::Work {
   const size_t index_;
   const char* const verb_;  // a literal: "recv of key "
   const std::shared_ptr<LeafCountRepair> repair_;
+  std::once_flag future_once_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // written once, under future_once_
   mutable std::once_flag failed_;
   mutable std::exception_ptr error_;  // written once, under failed_
 };

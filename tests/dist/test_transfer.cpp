@@ -1409,6 +1409,7 @@ TEST_P(TransferPolling, PlainWireWorksWithoutWait) {
     for (const WorkPtr& w : f.works) {
       auto future = w->getFuture();
       SHM_CHECK(future, "getFuture() returned null");
+      SHM_CHECK(future == w->getFuture(), "a second getFuture() returned another future");
       future->wait();
       SHM_CHECK(!future->hasError(), "phase 1: " << (future->hasError() ? future->tryRetrieveErrorMessage() : ""));
     }
