@@ -132,14 +132,12 @@ inline const std::vector<WorkPtr>& wait_last(Deferred& d) {
 // read, and is never held across a wait.
 class TransferWork final : public c10d::Work {
  public:
-  /// `on_failure` runs once if the work fails (it may not throw; what it throws is dropped).
   TransferWork(std::string context, std::vector<WorkPtr> inner, c10d::OpType type,
-               std::function<void()> on_success = {}, std::function<void()> on_failure = {})
+               std::function<void()> on_success = {})
       : c10d::Work(-1, type),
         context_(std::move(context)),
         inner_(std::move(inner)),
-        on_success_(std::move(on_success)),
-        on_failure_(std::move(on_failure)) {}
+        on_success_(std::move(on_success)) {}
   TransferWork(std::string context, std::shared_ptr<Deferred> deferred, size_t index, c10d::OpType type,
                std::function<void()> on_success = {})
       : c10d::Work(-1, type),
@@ -243,12 +241,6 @@ class TransferWork final : public c10d::Work {
         error = current_with_context(context_);
       }
     }
-    if (error && on_failure_) {
-      try {
-        on_failure_();
-      } catch (...) {  // a repair that failed leaves the error as it is
-      }
-    }
     std::lock_guard lk(mu_);
     error_ = error;
     finished_ = true;
@@ -259,7 +251,6 @@ class TransferWork final : public c10d::Work {
   const std::shared_ptr<Deferred> deferred_;
   const size_t index_ = 0;
   const std::function<void()> on_success_;
-  const std::function<void()> on_failure_;
   std::mutex progress_mu_;
   bool resolved_ = false;       // progress_mu_
   std::exception_ptr refusal_;  // progress_mu_

@@ -114,16 +114,11 @@ class ShmWork : public c10d::Work {
   }
 
   /// Message j of a batch: its op, or null when it completed as it was posted.
-  const ShmOp* message(size_t j) const {
+  const std::shared_ptr<ShmOp>* message(size_t j) const {
     if (!batch_ || j >= batch_size_) throw TypeError("shm_batch: the Work is not a batch of that many messages");
-    if (positions_.empty()) return ops_[j].get();  // op j is message j
+    if (positions_.empty()) return &ops_[j];  // op j is message j
     const auto it = std::find(positions_.begin(), positions_.end(), static_cast<uint32_t>(j));
-    return it == positions_.end() ? nullptr : ops_[static_cast<size_t>(it - positions_.begin())].get();
-  }
-  const std::shared_ptr<ShmOp>& message_op(size_t j) const {
-    if (positions_.empty()) return ops_[j];
-    return ops_[static_cast<size_t>(std::find(positions_.begin(), positions_.end(), static_cast<uint32_t>(j)) -
-                                    positions_.begin())];
+    return it == positions_.end() ? nullptr : &ops_[static_cast<size_t>(it - positions_.begin())];
   }
   ShmEngine& engine() const { return *engine_; }
 
@@ -193,44 +188,49 @@ namespace detail::shm_batch {
 
 namespace {
 const ShmWork& of(const c10d::Work& batch) { return static_cast<const ShmWork&>(batch); }  // see shm_batch.h
+/// Message i's op, null when it completed as it was posted.
+const ShmOp* op_of(const c10d::Work& batch, size_t i) {
+  const std::shared_ptr<ShmOp>* op = of(batch).message(i);
+  return op != nullptr ? op->get() : nullptr;
+}
 bool done(const ShmOp* op) { return op == nullptr || op->done.load(std::memory_order_acquire); }  // pairs with finish
 }  // namespace
 
 bool completed(c10d::Work& batch, size_t i) {
-  const ShmOp* op = of(batch).message(i);
+  const ShmOp* op = op_of(batch, i);
   if (!done(op)) of(batch).engine().poll();
   return done(op);
 }
 
 bool succeeded(const c10d::Work& batch, size_t i) {
-  const ShmOp* op = of(batch).message(i);
+  const ShmOp* op = op_of(batch, i);
   return done(op) && (op == nullptr || !op->error);
 }
 
 std::exception_ptr error(const c10d::Work& batch, size_t i) {
-  const ShmOp* op = of(batch).message(i);
+  const ShmOp* op = op_of(batch, i);
   return done(op) && op != nullptr ? op->error : nullptr;
 }
 
 void wait(c10d::Work& batch, size_t i, std::chrono::milliseconds timeout) {
   const ShmWork& w = of(batch);
-  const ShmOp* op = w.message(i);
-  if (!done(op)) {
+  if (const std::shared_ptr<ShmOp>* op = w.message(i); op != nullptr && !done(op->get())) {
     const auto limit = timeout == kNoTimeout ? w.engine().options().timeout : timeout;
-    w.engine().wait(std::span(&w.message_op(i), 1), std::chrono::steady_clock::now() + limit, /*stop_on_error=*/false);
+    w.engine().wait(std::span(op, 1), std::chrono::steady_clock::now() + limit, /*stop_on_error=*/false);
   }
   if (auto e = error(batch, i)) std::rethrow_exception(e);
 }
 
 void abort(c10d::Work& batch, size_t i) {
   const ShmWork& w = of(batch);
-  if (w.message(i) == nullptr) return;
-  w.engine().cancel(std::span(&w.message_op(i), 1),
-                    std::make_exception_ptr(TransportError("the operation was aborted (Work::abort) before it completed")));
+  if (const std::shared_ptr<ShmOp>* op = w.message(i); op != nullptr) {
+    w.engine().cancel(std::span(op, 1),
+                      std::make_exception_ptr(TransportError("the operation was aborted (Work::abort) before it completed")));
+  }
 }
 
 uint16_t sender_leaves(const c10d::Work& batch, size_t i) {
-  const ShmOp* op = of(batch).message(i);
+  const ShmOp* op = op_of(batch, i);
   return done(op) && op != nullptr ? op->sender_leaves : 0;
 }
 
