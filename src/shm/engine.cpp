@@ -245,12 +245,12 @@ OpList ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src, std::
                       "'), so it cannot receive bytes; open it writable or receive into another tensor");
     }
   }
-  OpList ops(tensors.size());
+  OpList ops = tensors.size() == 1 ? OpList{std::make_shared<ShmOp>()} : make_ops(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     // A strided destination receives into a contiguous staging tensor, copied over at the end.
     const at::Tensor& tensor = tensors[i];
-    ops[i] = make_op(ShmOp::Kind::kRecv, src, tags[i], control, tensor,
-                     tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options()));
+    init_op(ops[i].get(), ShmOp::Kind::kRecv, src, tags[i], control, tensor,
+            tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options()));
     ops[i]->check = checks[i];
   }
   std::lock_guard lk(mu_);
@@ -414,6 +414,7 @@ bool ShmEngine::progress_receives(int src) {
   shm::RingConsumer& ring = rx_[s];
   const shm::RegionView& region = regions_[s];
   bool moved = false;
+  completed_posted_ = false;
   for (;;) {
     shm::EntryFields fields;
     if (!ring.peek(fields)) break;  // read once: only this copy is used below
@@ -447,15 +448,12 @@ bool ShmEngine::progress_receives(int src) {
     ring.consume();
     moved = true;
     ++consumed_since_wake_[s];
-    // A posted receive just completed: return, so that a waiter that now has what it waited
-    // for stops here instead of draining later messages into process memory ("unexpected", a
-    // second copy) before their receives are posted. A waiter that still waits calls again.
-    if (std::exchange(completed_posted_, false)) break;
   }
+  completed_posted_ = false;
   // The sender may sleep waiting for room: wake it once a quarter of its room is back, or when
   // its ring is empty, rather than for every entry (a producer woken per freed slot copies one
   // chunk and sleeps again: with more ranks than cores, a data loader's workers thrashed so).
-  if (moved && (consumed_since_wake_[s] >= wake_batch_ || ring.depth() == 0)) {
+  if (moved && (consumed_since_wake_[s] >= wake_batch_ || ring.empty())) {
     consumed_since_wake_[s] = 0;
     notify(src);
   }

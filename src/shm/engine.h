@@ -229,7 +229,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   uint64_t unexpected_bytes_ = 0;     // process memory held by unexpected messages
   shm::BufferPool unexpected_pool_;   // their buffers, kept for reuse (buffer_pool.h)
   uint64_t arrivals_ = 0;
-  bool completed_posted_ = false;  // progress_receives: a posted receive completed (stop draining)
+  bool completed_posted_ = false;  // progress_receives: a posted receive completed (take no unexpected message)
   bool drain_all_ = true;          // progress_locked's argument, for start_message
   std::exception_ptr shut_down_;  // set by shutdown(): the error of later posts
   std::exception_ptr poisoned_;   // set once the segment's mapping was lost (bus_guard.h)

@@ -96,9 +96,9 @@ inline bool is_done(const std::shared_ptr<ShmOp>& op) noexcept {
   return !op || op->done.load(std::memory_order_acquire);  // pairs with the release store in finish
 }
 
-inline std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user,
-                               at::Tensor buffer) {
-  auto op = std::make_shared<ShmOp>();
+// Fills a fresh op.
+inline void init_op(ShmOp* op, ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user,
+                    at::Tensor buffer) {
   op->kind = kind;
   op->peer = peer;
   op->tag = tag;
@@ -107,7 +107,23 @@ inline std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, b
   op->buffer = std::move(buffer);
   op->data = static_cast<uint8_t*>(op->buffer.data_ptr());
   op->bytes = static_cast<uint64_t>(op->buffer.numel()) * op->buffer.element_size();
+}
+
+inline std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user,
+                                      at::Tensor buffer) {
+  auto op = std::make_shared<ShmOp>();
+  init_op(op.get(), kind, peer, tag, control, user, std::move(buffer));
   return op;
+}
+
+// `n` fresh ops in one array: each is an aliasing shared_ptr into it, so a tree of 100 leaves
+// costs two allocations (the array and its control block) rather than 100 (the array, and the
+// tensors its ops hold, live until the last of them is released).
+inline OpList make_ops(size_t n) {
+  std::shared_ptr<ShmOp[]> block(new ShmOp[n]);  // (make_shared<T[]> would need a copyable ShmOp)
+  OpList ops(n);
+  for (size_t i = 0; i < n; ++i) ops[i] = std::shared_ptr<ShmOp>(block, &block[i]);
+  return ops;
 }
 
 }  // namespace tdshm::detail

@@ -27,22 +27,22 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
   const auto dtype = static_cast<c10::ScalarType>(msg->dtype);
   // Checks first: they say why the rest differs (another key, another schema).
   const bool checked = op->check.kind != MessageCheck::Kind::kNone && msg->check.kind == op->check.kind;
-  const std::string from = op->peer < 0 ? " (from rank " + std::to_string(msg->src) + ")" : "";
+  auto from = [&] { return op->peer < 0 ? " (from rank " + std::to_string(msg->src) + ")" : std::string(); };
   if (checked && msg->check.leaves != 0 && op->check.leaves != 0 && msg->check.leaves != op->check.leaves) {
     op->sender_leaves = msg->check.leaves;  // published by finish's release of done
-    finish(op, make_error<TransportError>(op->what() + from + ": the sender's tree has " +
+    finish(op, make_error<TransportError>(op->what() + from() + ": the sender's tree has " +
                                           std::to_string(msg->check.leaves) + " leaves but this receiving tree has " +
                                           std::to_string(op->check.leaves) + "; nothing was written"));
     return false;
   }
   if (checked && msg->check.value != op->check.value) {
     if (op->check.kind == MessageCheck::Kind::kSchema) {
-      finish(op, make_error<SchemaError>(op->what() + from + ": the sender's consolidated schema (hash " +
+      finish(op, make_error<SchemaError>(op->what() + from() + ": the sender's consolidated schema (hash " +
                                          hex32(msg->check.value) + ") differs from this tensordict's (hash " +
                                          hex32(op->check.value) + "): tensorclass names, keys, dtypes, shapes or "
                                          "layout differ; nothing was written"));
     } else {
-      finish(op, make_error<TransportError>(op->what() + from + ": the sender's leaf at this position has another key "
+      finish(op, make_error<TransportError>(op->what() + from() + ": the sender's leaf at this position has another key "
                                             "(key hash " + hex32(msg->check.value) + ", this leaf's is " +
                                             hex32(op->check.value) + "): the two trees' keys differ; nothing was "
                                             "written"));
@@ -64,7 +64,7 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
               shape_str(op->buffer.sizes());
   }
   if (problem.empty()) return true;
-  finish(op, make_error<TransportError>(op->what() + from + ": " + problem));
+  finish(op, make_error<TransportError>(op->what() + from() + ": " + problem));
   return false;
 }
 
@@ -189,6 +189,11 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   auto posted = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<ShmOp>& op) {
     return (op->peer < 0 || op->peer == src) && op->tag == e.tag && op->control == control;
   });
+  // Once a posted receive completed in this pass, the messages after it go on landing in their
+  // posted receives, but one that has none stays in the ring: a waiter that now has what it
+  // waited for returns instead of draining later messages into process memory ("unexpected", a
+  // second copy) before their receives are posted. A waiter that still waits calls again.
+  if (posted == posted_.end() && completed_posted_) return false;
   if (posted == posted_.end() && !drain_all_ &&
       std::none_of(posted_.begin(), posted_.end(), [&](const std::shared_ptr<ShmOp>& op) { return op->peer < 0 || op->peer == src; })) {
     return false;  // nobody waits on this source yet: it stays in the ring for now (progress_locked)
@@ -214,14 +219,14 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(dims, dims + e.ndim, msg->dims);
   msg->arrival = arrivals_++;
   if (posted != posted_.end()) {
-    auto op = *posted;
+    std::shared_ptr<ShmOp> op = std::move(*posted);
     posted_.erase(posted);
-    current_[s] = msg;
     if (try_match(msg, op)) {
-      msg->op = op;
+      msg->op = std::move(op);
     } else {
       msg->discard = true;  // that receive failed on a mismatch; the message is dropped
     }
+    current_[s] = std::move(msg);
     return true;
   }
   msg->heap = unexpected_pool_.take(need);
