@@ -52,6 +52,7 @@
 #include <thread>
 #include <vector>
 
+#include "process_group/shm_batch.h"
 #include "shm/inspect.h"
 #include "shm/segment_layout.h"
 #include "shm_test_support.h"
@@ -818,6 +819,57 @@ std::vector<uint8_t> v5_segment(uint32_t dead) {
   state(0, 2, 77);
   state(2, 1, 1);
   return b;
+}
+
+// A receiving pass lands every message that has a posted receive, past the first one to complete,
+// and leaves a message that has none in its ring (not copied into process memory before its
+// recv): rank 1 sends tags 1, 2, 3 (4 KiB each, one slot each) before rank 0 posts anything;
+// rank 0 posts tags 1 and 2 as one batch. The batch's own progress pass takes both (message 2
+// is done without any wait or poll), and the ring still holds message 3, whole, until its recv.
+TEST_F(ShmTools, ReceivingPassTakesEveryPostedMessageAndLeavesTheRest) {
+  if (shm::kLayoutVersion < 5) GTEST_SKIP() << "this build's layout is version " << shm::kLayoutVersion;
+  const std::string name = unique_name();
+  struct State {
+    std::atomic<bool> sent{false};
+    std::atomic<bool> done{false};
+  };
+  Shared<State> state;
+  constexpr int64_t kFloats = 1024;  // 4 KiB: a slot each (more than an entry's inline bytes)
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) {
+    ShmOptions opts = default_slot_options();
+    opts.timeout = 30s;
+    ProcessGroupShm pg(name, r, 2, opts);
+    const auto deadline = Clock::now() + 40s;
+    if (r == 1) {
+      for (int tag = 1; tag <= 3; ++tag) {
+        SHM_CHECK(post_send(pg, pattern(at::kFloat, kFloats, static_cast<uint64_t>(tag)), 0, tag)->wait(), "send " << tag);
+      }
+      state->sent.store(true);
+      while (!state->done.load() && Clock::now() < deadline) std::this_thread::sleep_for(2ms);
+      SHM_CHECK(state->done.load(), "rank 0 never finished");
+      return;
+    }
+    while (!state->sent.load() && Clock::now() < deadline) std::this_thread::sleep_for(2ms);
+    SHM_CHECK(state->sent.load(), "rank 1 never sent");
+    const std::vector<at::Tensor> got{at::zeros({kFloats}), at::zeros({kFloats})};
+    const auto batch = pg.recv_batch(got, 1, {1, 2}, {MessageCheck{}, MessageCheck{}});
+    SHM_CHECK(detail::shm_batch::succeeded(*batch, 0), "message 1 did not land when its receive was posted");
+    SHM_CHECK(detail::shm_batch::succeeded(*batch, 1), "the pass stopped after message 1: message 2 is still in the ring");
+    const SegmentInfo info = shm::inspect_segment(name, {.details = true});
+    SHM_CHECK(info.details.has_value() && info.details->available, "no layout details: " << info.problem);
+    const shm::PairInfo& p10 = info.details->pairs.at(2);  // rank 1 -> rank 0
+    SHM_CHECK(p10.src == 1 && p10.dst == 0, "pair " << p10.src << "->" << p10.dst);
+    SHM_CHECK(p10.depth == 1 && p10.messages == 1 && p10.bytes_in_flight == 4096,
+              "message 3 is not (only) in the ring: depth " << p10.depth << ", messages " << p10.messages << ", "
+                                                            << p10.bytes_in_flight << " bytes");
+    SHM_CHECK(batch->wait(), "batch");
+    const at::Tensor third = at::zeros({kFloats});
+    SHM_CHECK(post_recv(pg, third, 1, 3)->wait(), "recv 3");
+    SHM_CHECK(same_bytes(got[0], pattern(at::kFloat, kFloats, 1)) && same_bytes(got[1], pattern(at::kFloat, kFloats, 2)) &&
+                  same_bytes(third, pattern(at::kFloat, kFloats, 3)),
+              "wrong bytes");
+    state->done.store(true);
+  }));
 }
 
 TEST_F(ShmTools, LayoutVersion5DetailsOfASyntheticSegment) {
