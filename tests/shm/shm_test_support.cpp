@@ -535,6 +535,12 @@ class Watchdog {
   explicit Watchdog(std::string test) : test_(std::move(test)) {
     deadline_ = Clock::now() + 120s;
     thread_ = std::thread([this] { run(); });
+    // Returns once the thread waits on its condition variable. Tests fork right after SetUp, and
+    // under ASan a thread that is still starting (its allocations) can hold an allocator lock at
+    // fork(): the child inherits it locked, and its first new thread (a TCPStore's server) then
+    // blocks on it forever (seen: DistErrors.MissingPeerTimesOut/gloo_env, 1 run in 3 to 5).
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [this] { return started_; });
   }
   ~Watchdog() {
     {
@@ -553,6 +559,8 @@ class Watchdog {
  private:
   void run() {
     std::unique_lock lock(mutex_);
+    started_ = true;
+    cv_.notify_all();
     for (;;) {
       if (stop_) return;
       if (Clock::now() >= deadline_) {
@@ -568,6 +576,7 @@ class Watchdog {
   std::condition_variable cv_;
   Clock::time_point deadline_;
   bool stop_ = false;
+  bool started_ = false;
   std::thread thread_;
 };
 
