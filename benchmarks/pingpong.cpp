@@ -65,6 +65,7 @@ struct TransportInfo {
 constexpr TransportInfo kTransports[] = {
     {"spin", "spinning", "floor: sequence word on a shared cache line, peer spins; payload copied in and out", true, true},
     {"futex", "blocking", "floor: the same, every wait sleeps in FUTEX_WAIT, every post calls FUTEX_WAKE", true, false},
+    {"c10d-spin", "spinning", "floor through c10d: the spin floor's wire behind a c10d::ProcessGroup (send, recv, Work, wait)", true, false},
     {"shm", "spinning", "tdshm::ProcessGroupShm, waiters spin (default ShmOptions::spin, 250 us) then sleep on a futex", true, false},
     {"shm-blocking", "blocking", "tdshm::ProcessGroupShm with spin = 0 (waiters only sleep)", true, false},
     {"td-shm", "spinning", "TensorDict send/recv over tdshm::ProcessGroupShm (\"shm\") as a standalone Group", false, true},
@@ -262,6 +263,7 @@ struct Session {
   Link& link;
   uint8_t* payload0;
   uint8_t* payload1;
+  size_t payload_bytes;  // capacity of each payload buffer
   std::string run_id;  // unique per run: names the shm segments and the memmap files
   // Rank 0 only.
   std::vector<Measurement> results;
@@ -276,6 +278,9 @@ std::unique_ptr<PingPong> make_transport(const std::string& name, Session& s) {
   if (name == "spin") return make_floor_pingpong(s.link, WaitMode::spin, s.payload0, s.payload1);
   if (name == "futex") return make_floor_pingpong(s.link, WaitMode::futex, s.payload0, s.payload1);
   if (name == "memcpy") return make_memcpy_pingpong();
+  if (name == "c10d-spin") {
+    return make_c10d_pingpong(make_spin_floor_group(s.link, s.payload0, s.payload1, s.payload_bytes));
+  }
   if (name == "gloo") return make_c10d_pingpong(make_gloo_group(s.link, kTransportTimeout));
   if (name == "shm") {
     return make_c10d_pingpong(make_shm_group(s.segment("spin"), s.link.rank(), kShmSpin, kTransportTimeout));
@@ -547,6 +552,19 @@ void print_goals(const std::vector<Measurement>& results, bool td) {
     std::printf("  %-*s %-*s %9.3f  %-7s %s\n", label_width, g.label.c_str(), what_width, g.what.c_str(), ratio, limit,
                 pass ? "PASS" : "MISS");
   }
+  if (td) return;
+  // Where the 8 B gap goes: c10d's API by itself, and what tdshm adds to it.
+  const Measurement* spin = find(results, {"spin", "", 8});
+  const Measurement* c10d = find(results, {"c10d-spin", "", 8});
+  const Measurement* shm = find(results, {"shm", "", 8});
+  if (spin != nullptr && c10d != nullptr) {
+    std::printf("  %-*s %-*s %9.3f  (the floor through c10d's API)\n", label_width, "8 B", what_width,
+                "c10d-spin p50 / spin p50", c10d->p50_us / spin->p50_us);
+  }
+  if (shm != nullptr && c10d != nullptr) {
+    std::printf("  %-*s %-*s %9.3f  (tdshm's own share)\n", label_width, "8 B", what_width, "shm p50 / c10d-spin p50",
+                shm->p50_us / c10d->p50_us);
+  }
 }
 
 std::string json_number(double v) {
@@ -722,7 +740,7 @@ void print_bench_usage(FILE* out) {
                "  --rounds N         split each row's iterations into N rounds that interleave the\n"
                "                     transports, each with its share of the warm-up (default 5), so that\n"
                "                     load changing during a row hits all transports alike\n"
-               "  --transports LIST  any of spin,futex,shm,shm-blocking,gloo,memcpy (default: all); with\n"
+               "  --transports LIST  any of spin,futex,c10d-spin,shm,shm-blocking,gloo,memcpy (default: all); with\n"
                "                     --td any of spin,td-shm,td-gloo,memcpy (default: all four)\n"
                "  --json FILE        write one JSON object per measurement per line (JSON Lines) with the\n"
                "                     fields transport, mode, workload (\"\" in the size sweep), leaves (1 in\n"
@@ -1040,8 +1058,17 @@ int run_pingpong_bench(const BenchOptions& options, std::vector<std::string>* js
     reaper.watch(child);
   }
   Link link(block, rank, rank == 0 ? child : parent, pin, rank == 0 ? &g_child_status : nullptr);
-  Session s{options, transports, rows, link, mapping.data() + control_bytes,
-            mapping.data() + control_bytes + payload_bytes, run_id, {}, {}, {}};
+  Session s{options,
+            transports,
+            rows,
+            link,
+            mapping.data() + control_bytes,
+            mapping.data() + control_bytes + payload_bytes,
+            payload_bytes,
+            run_id,
+            {},
+            {},
+            {}};
 
   at::set_num_threads(1);
   std::string pinning = "ranks not pinned";

@@ -250,6 +250,72 @@ class FloorPingPong final : public PingPong {
   PageBuffer src_, dst_;
 };
 
+// The spin floor behind c10d's API. Messages go in order (a ping-pong has one in flight each
+// way), so tags are not matched; the sequence words are c10d_seq, apart from the spin floor's
+// (each transport counts its own round trips from 0).
+class SpinFloorGroup final : public c10d::ProcessGroup {
+ public:
+  SpinFloorGroup(Link& link, uint8_t* payload0, uint8_t* payload1, size_t capacity)
+      : c10d::ProcessGroup(link.rank(), 2), link_(link), out_(link.rank() == 0 ? payload0 : payload1),
+        in_(link.rank() == 0 ? payload1 : payload0), capacity_(capacity),
+        out_seq_(&link.block().c10d_seq[link.rank()].value), in_seq_(&link.block().c10d_seq[1 - link.rank()].value) {}
+
+  const std::string getBackendName() const override { return "c10d-spin"; }
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int, int) override {
+    const at::Tensor& t = tensors.at(0);
+    const size_t bytes = t.nbytes();
+    TORCH_CHECK(bytes <= capacity_, "c10d-spin: a message of ", bytes, " bytes does not fit the ", capacity_,
+                "-byte payload buffer");
+    std::memcpy(out_, t.data_ptr(), bytes);
+    post_word(*out_seq_, ++sent_, WaitMode::spin);
+    return c10::make_intrusive<DoneWork>();
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int, int) override {
+    return c10::make_intrusive<RecvWork>(*this, tensors.at(0), ++posted_);
+  }
+
+ private:
+  class DoneWork final : public c10d::Work {
+   public:
+    DoneWork() : c10d::Work(-1, c10d::OpType::SEND) {}
+    bool isCompleted() override { return true; }
+    bool isSuccess() const override { return true; }
+    bool wait(std::chrono::milliseconds) override { return true; }
+  };
+
+  class RecvWork final : public c10d::Work {
+   public:
+    RecvWork(SpinFloorGroup& group, at::Tensor dst, uint32_t seq)
+        : c10d::Work(-1, c10d::OpType::RECV), group_(group), dst_(std::move(dst)), seq_(seq) {}
+    bool isCompleted() override { return done_; }
+    bool isSuccess() const override { return done_; }
+    bool wait(std::chrono::milliseconds) override {
+      if (!done_) {
+        wait_for_word(*group_.in_seq_, seq_, WaitMode::spin, group_.link_);
+        std::memcpy(dst_.data_ptr(), group_.in_, dst_.nbytes());
+        done_ = true;
+      }
+      return true;
+    }
+
+   private:
+    SpinFloorGroup& group_;
+    at::Tensor dst_;
+    uint32_t seq_;
+    bool done_ = false;
+  };
+
+  Link& link_;
+  uint8_t* out_;
+  uint8_t* in_;
+  size_t capacity_;
+  uint32_t* out_seq_;
+  uint32_t* in_seq_;
+  uint32_t sent_ = 0, posted_ = 0;
+};
+
 class MemcpyPingPong final : public PingPong {
  public:
   void prepare(const Workload& workload) override {
@@ -308,6 +374,11 @@ class C10dPingPong final : public PingPong {
 
 std::unique_ptr<PingPong> make_floor_pingpong(Link& link, WaitMode mode, uint8_t* payload0, uint8_t* payload1) {
   return std::make_unique<FloorPingPong>(link, mode, payload0, payload1);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_spin_floor_group(Link& link, uint8_t* payload0, uint8_t* payload1,
+                                                             size_t capacity) {
+  return c10::make_intrusive<SpinFloorGroup>(link, payload0, payload1, capacity);
 }
 
 std::unique_ptr<PingPong> make_memcpy_pingpong() { return std::make_unique<MemcpyPingPong>(); }

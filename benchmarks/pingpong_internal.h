@@ -48,7 +48,8 @@ static_assert(std::atomic_ref<uint32_t>::is_always_lock_free, "futex words must 
 ///   +320   spin_seq[0..1]          spin floor: [0] rank 0 -> 1, [1] rank 1 -> 0
 ///   +448   futex_seq[0..1]         futex floor, same roles
 ///   +576   gloo_port               TCPStore port chosen by rank 0
-///   +640   error[2][1024]          last error message of each rank, NUL-terminated
+///   +640   c10d_seq[0..1]          the spin floor through c10d (c10d-spin), same roles
+///   +768   error[2][1024]          last error message of each rank, NUL-terminated
 ///   ...    (page aligned) payload buffers of the floors: [0] rank 0 -> 1, [1] rank 1 -> 0
 struct ControlBlock {
   SharedWord arrived[2][2];
@@ -56,11 +57,12 @@ struct ControlBlock {
   SharedWord spin_seq[2];
   SharedWord futex_seq[2];
   SharedWord gloo_port;
+  SharedWord c10d_seq[2];
   char error[2][1024];
 };
 static_assert(offsetof(ControlBlock, aborted) == 256 && offsetof(ControlBlock, spin_seq) == 320 &&
                   offsetof(ControlBlock, futex_seq) == 448 && offsetof(ControlBlock, gloo_port) == 576 &&
-                  offsetof(ControlBlock, error) == 640,
+                  offsetof(ControlBlock, c10d_seq) == 640 && offsetof(ControlBlock, error) == 768,
               "ControlBlock layout as drawn above");
 static_assert(std::is_trivially_copyable_v<ControlBlock> && std::is_standard_layout_v<ControlBlock>,
               "ControlBlock lives in a mapping both processes use");
@@ -162,6 +164,12 @@ class PingPong {
 };
 
 std::unique_ptr<PingPong> make_floor_pingpong(Link& link, WaitMode mode, uint8_t* payload0, uint8_t* payload1);
+/// The spin floor's wire behind c10d's API: a two-rank c10d::ProcessGroup whose send copies the
+/// tensor into the payload buffer and bumps a sequence word, and whose recv's Work spins on that
+/// word and copies out. What any ProcessGroup pays for c10d's calls and Work objects on top of
+/// the spin floor (messages must fit the payload buffers, as the floor's do).
+c10::intrusive_ptr<c10d::ProcessGroup> make_spin_floor_group(Link& link, uint8_t* payload0, uint8_t* payload1,
+                                                             size_t capacity);
 std::unique_ptr<PingPong> make_memcpy_pingpong();
 /// Ping-pong with send/recv of a uint8 tensor over a two-rank c10d group; rank 1 receives into
 /// its buffer and sends that buffer back.

@@ -82,7 +82,7 @@ function(check_rows json transports keys)
 endfunction()
 
 # The size sweep.
-set(transports spin futex memcpy shm shm-blocking gloo)
+set(transports spin futex c10d-spin memcpy shm shm-blocking gloo)
 set(sizes 8 65536)
 list(JOIN transports "," transport_list)
 list(JOIN sizes "," size_list)
