@@ -138,13 +138,11 @@ void ShmEngine::shutdown() noexcept {
       for (auto& op : q) finish(op, shut_down_);
       q.clear();
     }
-    for (auto& op : posted_) finish(op, shut_down_);
-    posted_.clear();
+    matcher_.clear([&](const std::shared_ptr<ShmOp>& op) { finish(op, shut_down_); });
     for (auto& msg : current_) {
       if (msg && msg->op) finish(msg->op, shut_down_);
       msg.reset();
     }
-    unexpected_.clear();
     unexpected_bytes_ = 0;
   }
   {
@@ -271,11 +269,7 @@ bool ShmEngine::post_recv_locked(const std::shared_ptr<ShmOp>& op, int src) {
   }
   // Messages drained earlier (unexpected) are older than what is still in the rings: match them
   // first; otherwise post, then drain the rings, so a message already there lands in place.
-  for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
-    const auto& msg = *it;
-    if ((src >= 0 && msg->src != src) || msg->tag != tag || msg->control != control) continue;
-    const std::shared_ptr<Incoming> keep = msg;
-    unexpected_.erase(it);
+  if (const std::shared_ptr<Incoming> keep = matcher_.take_early(src, tag, control)) {
     if (!try_match(keep, op)) {
       // The receive failed with a clear error and the message is dropped (as MPI drops a
       // truncated one), so that what follows on this tag stays in step.
@@ -304,7 +298,7 @@ bool ShmEngine::post_recv_locked(const std::shared_ptr<ShmOp>& op, int src) {
     finish(op, peer_error_[static_cast<size_t>(src)]);
     return false;
   }
-  posted_.push_back(op);
+  matcher_.post(op);
   return true;
 }
 
@@ -490,7 +484,7 @@ void ShmEngine::cancel(std::span<const std::shared_ptr<ShmOp>> ops, const std::e
 void ShmEngine::withdraw(const std::shared_ptr<ShmOp>& op, const std::exception_ptr& error) {
   if (!op || op->done.load(std::memory_order_relaxed)) return;
   if (op->kind == ShmOp::Kind::kRecv) {
-    std::erase(posted_, op);
+    matcher_.withdraw(op);
     for (auto& msg : current_) {
       if (msg && msg->op == op) {
         msg->op.reset();

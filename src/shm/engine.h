@@ -3,7 +3,8 @@
 // operations, messages that arrived early, ring positions) and the progress and wait loops.
 // ProcessGroupShm and its Work objects are thin c10d wrappers around it. It composes the
 // segment's parts, each in its own header: the SPSC metadata ring (ring.h), the slot arena
-// (arena.h), the early-message buffers (buffer_pool.h), the futex words (futex.h). Its own code
+// (arena.h), the matching of receives with messages (matcher.h), the early-message buffers
+// (buffer_pool.h), the futex words (futex.h). Its own code
 // is split by job: engine.cpp (construction, posting, progress), engine_receive.cpp (matching
 // and landing incoming messages), engine_peers.cpp (liveness), engine_wait.cpp (waiting, wake-ups,
 // the helper thread), engine_collective.cpp (the collective windows' steps, used by collective.h's
@@ -45,6 +46,7 @@
 
 #include "shm/arena.h"
 #include "shm/buffer_pool.h"
+#include "shm/matcher.h"
 #include "shm/ring.h"
 #include "shm/segment.h"
 #include "shm/validate.h"
@@ -220,8 +222,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   shm::SlotAllocator slots_;                                     // this rank's own region
   std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
   std::vector<std::shared_ptr<Incoming>> spare_;                 // per source: a finished one, for reuse
-  std::deque<std::shared_ptr<ShmOp>> posted_;                    // unmatched receives, posting order
-  std::deque<std::shared_ptr<Incoming>> unexpected_;             // unmatched messages, arrival order
+  shm::Matcher<ShmOp, Incoming> matcher_;                        // unmatched receives and early messages
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
   std::vector<uint64_t> held_bytes_;  // per source: size of a first entry left in the ring (budget), else 0
   std::vector<uint32_t> consumed_since_wake_;  // per source: entries taken since it was last woken

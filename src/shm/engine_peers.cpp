@@ -18,20 +18,14 @@ void ShmEngine::fail_peer(int peer, std::exception_ptr error) {
   auto& cur = current_[static_cast<size_t>(peer)];
   if (cur) {
     if (cur->op) finish(cur->op, slot);
-    if (std::erase(unexpected_, cur) != 0) release_unexpected(*cur);  // nobody will ever finish it
+    if (matcher_.remove_early(cur)) release_unexpected(*cur);  // nobody will ever finish it
     cur.reset();
   }
   held_bytes_[static_cast<size_t>(peer)] = 0;
   bool someone_alive = false;
   for (int p = 0; p < size_; ++p) someone_alive |= (p != rank_ && !peer_error_[static_cast<size_t>(p)]);
-  for (auto it = posted_.begin(); it != posted_.end();) {
-    if ((*it)->peer == peer || ((*it)->peer < 0 && !someone_alive)) {
-      finish(*it, slot);
-      it = posted_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  matcher_.drop_posted_if([&](const ShmOp& op) { return op.peer == peer || (op.peer < 0 && !someone_alive); },
+                          [&](const std::shared_ptr<ShmOp>& op) { finish(op, slot); });
   // The rings with `peer` are not reset: they belong to this incarnation only, and `peer` (if it
   // still runs) may still be writing to them. Nothing more is read from or written to them.
 }
@@ -53,13 +47,11 @@ void ShmEngine::fail_all(const std::exception_ptr& error) {
     for (auto& op : q) finish(op, error);
     q.clear();
   }
-  for (auto& op : posted_) finish(op, error);
-  posted_.clear();
+  matcher_.clear([&](const std::shared_ptr<ShmOp>& op) { finish(op, error); });
   for (auto& msg : current_) {
     if (msg && msg->op) finish(msg->op, error);
     msg.reset();
   }
-  unexpected_.clear();
   unexpected_bytes_ = 0;
   for (auto& p : peer_error_) {
     if (!p) p = error;

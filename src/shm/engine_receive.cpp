@@ -186,21 +186,19 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   const auto s = static_cast<size_t>(src);
   const bool control = (e.flags & shm::kEntryControl) != 0;
   const bool reference = (e.flags & shm::kEntryReference) != 0;
-  auto posted = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<ShmOp>& op) {
-    return (op->peer < 0 || op->peer == src) && op->tag == e.tag && op->control == control;
-  });
+  const auto found = matcher_.find_posted(src, e.tag, control);
+  const bool posted = found != matcher_.none();
   // Once a posted receive completed in this pass, the messages after it go on landing in their
   // posted receives, but one that has none stays in the ring: a waiter that now has what it
   // waited for returns instead of draining later messages into process memory ("unexpected", a
   // second copy) before their receives are posted. A waiter that still waits calls again.
-  if (posted == posted_.end() && completed_posted_) return false;
-  if (posted == posted_.end() && !drain_all_ &&
-      std::none_of(posted_.begin(), posted_.end(), [&](const std::shared_ptr<ShmOp>& op) { return op->peer < 0 || op->peer == src; })) {
+  if (!posted && completed_posted_) return false;
+  if (!posted && !drain_all_ && !matcher_.waits_on(src)) {
     return false;  // nobody waits on this source yet: it stays in the ring for now (progress_locked)
   }
   // An unexpected reference keeps the reference, not the bytes.
-  const uint64_t need = posted != posted_.end() ? 0 : reference ? e.chunk_bytes : e.total_bytes;
-  if (posted == posted_.end() && need > options_.max_unexpected_bytes - std::min<uint64_t>(unexpected_bytes_, options_.max_unexpected_bytes)) {
+  const uint64_t need = posted ? 0 : reference ? e.chunk_bytes : e.total_bytes;
+  if (!posted && need > options_.max_unexpected_bytes - std::min<uint64_t>(unexpected_bytes_, options_.max_unexpected_bytes)) {
     held_bytes_[s] = std::max<uint64_t>(need, 1);
     return false;
   }
@@ -218,9 +216,8 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   msg->ndim = e.ndim;
   if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(dims, dims + e.ndim, msg->dims);
   msg->arrival = arrivals_++;
-  if (posted != posted_.end()) {
-    std::shared_ptr<ShmOp> op = std::move(*posted);
-    posted_.erase(posted);
+  if (posted) {
+    std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
     if (try_match(msg, op)) {
       msg->op = std::move(op);
     } else {
@@ -233,7 +230,7 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   msg->heap_bytes = need;
   unexpected_bytes_ += need;
   current_[s] = msg;
-  unexpected_.push_back(msg);
+  matcher_.add_early(msg);
   return true;
 }
 

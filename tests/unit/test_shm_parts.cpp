@@ -1,12 +1,14 @@
 // The parts of a segment (layout 5) on plain buffers, without OS shared memory or processes: the
 // metadata ring (ring.h) and what its consumer does with an entry (validate.h: read_entry,
-// check_entry), the slot arena (arena.h) and the pool of early-message buffers (buffer_pool.h).
+// check_entry), the slot arena (arena.h), the matcher of receives and messages (matcher.h) and
+// the pool of early-message buffers (buffer_pool.h).
 // Both ends of a ring or an arena are driven from one thread, except in
 // ShmRingThreads.MillionEntriesThroughEightSlots, which runs a producer and a consumer thread
 // against each other (the acquire/release pairs; it also runs under the tsan preset).
 
 #include "shm/arena.h"
 #include "shm/buffer_pool.h"
+#include "shm/matcher.h"
 #include "shm/reduce.h"
 #include "shm/ring.h"
 #include "shm/segment_layout.h"
@@ -649,6 +651,124 @@ TEST(ShmArena, SlotsDoNotOverlapAndStayInTheRegion) {
     // The last slot ends within slot_stride of the region's end (no slack beyond padding).
     EXPECT_EQ(r.view.data(slots - 1) + r.g.slot_stride, r.base() + r.g.region_bytes);
   }
+}
+
+// ---- matcher ---------------------------------------------------------------------------------
+
+struct TestOp {
+  int peer;  // -1: any source
+  int64_t tag;
+  bool control;
+  int id;
+};
+struct TestMsg {
+  int src;
+  int64_t tag;
+  bool control;
+  int id;
+};
+using TestMatcher = Matcher<TestOp, TestMsg>;
+
+std::shared_ptr<TestOp> recv_op(int peer, int64_t tag, int id, bool control = false) {
+  return std::make_shared<TestOp>(TestOp{peer, tag, control, id});
+}
+std::shared_ptr<TestMsg> early_msg(int src, int64_t tag, int id, bool control = false) {
+  return std::make_shared<TestMsg>(TestMsg{src, tag, control, id});
+}
+int id_of(const auto& p) { return p ? p->id : 0; }
+// What the engine does for a message: the oldest receive that accepts it, taken out of the queue.
+std::shared_ptr<TestOp> take_posted(TestMatcher& m, int src, int64_t tag, bool control) {
+  const auto found = m.find_posted(src, tag, control);
+  return found == m.none() ? nullptr : m.take_posted(found);
+}
+
+TEST(ShmMatcher, ReceivesOnOneTagCompleteInPostingOrder) {
+  TestMatcher m;
+  m.post(recv_op(1, 5, 1));
+  m.post(recv_op(1, 7, 2));
+  m.post(recv_op(1, 5, 3));
+  EXPECT_EQ(m.posted_count(), 3u);
+  EXPECT_EQ(id_of(take_posted(m, 1, 5, false)), 1);
+  EXPECT_EQ(id_of(take_posted(m, 1, 5, false)), 3);
+  EXPECT_EQ(take_posted(m, 1, 5, false), nullptr);
+  EXPECT_EQ(id_of(take_posted(m, 1, 7, false)), 2);
+  EXPECT_EQ(m.posted_count(), 0u);
+}
+
+TEST(ShmMatcher, SourceTagAndControlMustAllMatch) {
+  TestMatcher m;
+  m.post(recv_op(1, 5, 1));
+  m.post(recv_op(2, 5, 2, /*control=*/true));
+  EXPECT_EQ(take_posted(m, 2, 5, false), nullptr) << "a receive from rank 1 took rank 2's message";
+  EXPECT_EQ(take_posted(m, 1, 6, false), nullptr) << "a receive on tag 5 took tag 6";
+  EXPECT_EQ(take_posted(m, 1, 5, true), nullptr) << "a user receive took a control message";
+  EXPECT_EQ(id_of(take_posted(m, 2, 5, true)), 2);
+  EXPECT_EQ(id_of(take_posted(m, 1, 5, false)), 1);
+
+  m.add_early(early_msg(1, 5, 10, /*control=*/true));
+  m.add_early(early_msg(2, 5, 11));
+  EXPECT_EQ(m.take_early(1, 5, false), nullptr) << "a user receive took a control message";
+  EXPECT_EQ(m.take_early(3, 5, false), nullptr) << "a receive from rank 3 took another rank's message";
+  EXPECT_EQ(m.take_early(2, 4, false), nullptr) << "a receive on tag 4 took tag 5";
+  EXPECT_EQ(id_of(m.take_early(2, 5, false)), 11);
+  EXPECT_EQ(id_of(m.take_early(1, 5, true)), 10);
+  EXPECT_EQ(m.early_count(), 0u);
+}
+
+TEST(ShmMatcher, AnySourceReceivesTakeMessagesInArrivalOrder) {
+  TestMatcher m;
+  m.add_early(early_msg(2, 3, 1));
+  m.add_early(early_msg(1, 3, 2));
+  m.add_early(early_msg(2, 3, 3));
+  EXPECT_EQ(id_of(m.take_early(-1, 3, false)), 1);
+  EXPECT_EQ(id_of(m.take_early(2, 3, false)), 3) << "rank 2's next message, past rank 1's";
+  EXPECT_EQ(id_of(m.take_early(-1, 3, false)), 2);
+  EXPECT_EQ(m.take_early(-1, 3, false), nullptr);
+
+  // A message takes the oldest receive that accepts it: an any-source receive posted first.
+  m.post(recv_op(-1, 3, 4));
+  m.post(recv_op(1, 3, 5));
+  EXPECT_EQ(id_of(take_posted(m, 1, 3, false)), 4);
+  EXPECT_EQ(id_of(take_posted(m, 1, 3, false)), 5);
+}
+
+TEST(ShmMatcher, WaitsOnSeesReceivesFromTheSourceOrFromAny) {
+  TestMatcher m;
+  EXPECT_FALSE(m.waits_on(1));
+  m.post(recv_op(2, 9, 1));
+  EXPECT_FALSE(m.waits_on(1));
+  EXPECT_TRUE(m.waits_on(2));
+  auto any = recv_op(-1, 9, 2);
+  m.post(any);
+  EXPECT_TRUE(m.waits_on(1));
+  EXPECT_TRUE(m.withdraw(any));
+  EXPECT_FALSE(m.withdraw(any)) << "withdrawn twice";
+  EXPECT_FALSE(m.waits_on(1));
+}
+
+TEST(ShmMatcher, DroppedAndClearedReceivesAreHandedBackOnceInOrder) {
+  TestMatcher m;
+  for (int i = 1; i <= 6; ++i) m.post(recv_op(i % 3 == 0 ? -1 : i % 3, 1, i));  // peers 1, 2, -1, 1, 2, -1
+  std::vector<int> dropped;
+  m.drop_posted_if([](const TestOp& op) { return op.peer == 1; },
+                   [&](const std::shared_ptr<TestOp>& op) { dropped.push_back(op->id); });
+  EXPECT_EQ(dropped, (std::vector<int>{1, 4}));
+  EXPECT_EQ(m.posted_count(), 4u);
+  EXPECT_EQ(take_posted(m, 1, 1, false)->id, 3) << "the any-source receives stay";
+
+  auto kept = early_msg(1, 1, 20);
+  m.add_early(early_msg(2, 1, 21));
+  m.add_early(kept);
+  EXPECT_TRUE(m.remove_early(kept));
+  EXPECT_FALSE(m.remove_early(kept));
+  EXPECT_EQ(m.early_count(), 1u);
+
+  dropped.clear();
+  m.clear([&](const std::shared_ptr<TestOp>& op) { dropped.push_back(op->id); });
+  EXPECT_EQ(dropped, (std::vector<int>{2, 5, 6}));
+  EXPECT_EQ(m.posted_count(), 0u);
+  EXPECT_EQ(m.early_count(), 0u);
+  EXPECT_EQ(m.take_early(2, 1, false), nullptr);
 }
 
 // ---- buffer pool -----------------------------------------------------------------------------
