@@ -55,7 +55,10 @@ class ShmWork : public c10d::Work {
   }
 
   std::vector<at::Tensor> result() override {
-    return output_.defined() ? std::vector<at::Tensor>{output_} : std::vector<at::Tensor>{};
+    if (output_.defined()) return {output_};
+    // A recv's result is its tensor, which its op holds already (no second reference to keep).
+    if (!batch_ && ops_.size() == 1 && ops_[0]->kind == ShmOp::Kind::kRecv) return {ops_[0]->user};
+    return {};
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
@@ -157,6 +160,14 @@ class ShmWork : public c10d::Work {
 c10::intrusive_ptr<c10d::Work> make_work(const std::shared_ptr<ShmEngine>& engine, OpList ops, c10d::OpType type,
                                          at::Tensor output = {}) {
   return c10::make_intrusive<ShmWork>(engine, std::move(ops), type, std::move(output));
+}
+
+// The ops of a single message (none when it completed as it was posted). Moved in: an
+// initializer list would copy the shared_ptr, two atomic reference-count operations per message.
+OpList one_op(std::shared_ptr<ShmOp> op) {
+  OpList ops;
+  if (op) ops.push_back(std::move(op));
+  return ops;
 }
 
 }  // namespace
@@ -298,21 +309,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_checked(std::vector<at::Ten
                                                              MessageCheck check) {
   const at::Tensor& t = single_tensor(tensors, "send");
   auto op = engine_->post_send(t, dstRank, tag, /*control=*/false, check);
-  return make_work(engine_, op ? OpList{op} : OpList{}, c10d::OpType::SEND);
+  return make_work(engine_, one_op(std::move(op)), c10d::OpType::SEND);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_checked(std::vector<at::Tensor>& tensors, int srcRank, int tag,
                                                              MessageCheck check) {
   const at::Tensor& t = single_tensor(tensors, "recv");
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv: source rank must be >= 0 (use recvAnysource)");
-  auto op = engine_->post_recv(t, srcRank, tag, /*control=*/false, check);
-  return make_work(engine_, {op}, c10d::OpType::RECV, t);
+  return make_work(engine_, one_op(engine_->post_recv(t, srcRank, tag, /*control=*/false, check)), c10d::OpType::RECV);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const at::Tensor& t = single_tensor(tensors, "recvAnysource");
-  auto op = engine_->post_recv(t, -1, tag, /*control=*/false);
-  return make_work(engine_, {op}, c10d::OpType::RECVANYSOURCE, t);
+  return make_work(engine_, one_op(engine_->post_recv(t, -1, tag, /*control=*/false)), c10d::OpType::RECVANYSOURCE);
 }
 
 }  // namespace tdshm

@@ -243,7 +243,12 @@ OpList ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src, std::
                       "'), so it cannot receive bytes; open it writable or receive into another tensor");
     }
   }
-  OpList ops = tensors.size() == 1 ? OpList{std::make_shared<ShmOp>()} : make_ops(tensors.size());
+  OpList ops;
+  if (tensors.size() == 1) {
+    ops.push_back(std::make_shared<ShmOp>());  // (an initializer list would copy the shared_ptr)
+  } else {
+    ops = make_ops(tensors.size());
+  }
   for (size_t i = 0; i < tensors.size(); ++i) {
     // A strided destination receives into a contiguous staging tensor, copied over at the end.
     const at::Tensor& tensor = tensors[i];

@@ -1661,7 +1661,7 @@ TEST_F(ShmWorkThreads, RecvIntoAnExpandedTensorIsRefusedAndThePairStaysInStep) {
   }));
 }
 
-TEST_F(ShmWorkThreads, AnySourceReportsTheSender) {
+TEST_F(ShmWorkThreads, AnySourceReportsTheSenderAndResultIsTheTensor) {
   const std::string name = unique_name();
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 3, [&](int r) {
     ProcessGroupShm pg(name, r, 3, small_options());
@@ -1673,11 +1673,27 @@ TEST_F(ShmWorkThreads, AnySourceReportsTheSender) {
         work->wait();
         SHM_CHECK(work->sourceRank() == sender, "sourceRank() " << work->sourceRank() << ", sent by " << sender);
         SHM_CHECK(t.item<int64_t>() == sender * 11, "value " << t.item<int64_t>());
+        // c10d: a receive's result() is the tensor it received into (the same storage).
+        const auto result = work->result();
+        SHM_CHECK(result.size() == 1 && result[0].is_same(t), "recvAnysource result() is not the received tensor");
       }
+      const at::Tensor t = at::zeros({1}, at::kLong);
+      std::vector<at::Tensor> v{t};
+      auto work = pg.recv(v, 1, 9);
+      work->wait();
+      const auto result = work->result();
+      SHM_CHECK(result.size() == 1 && result[0].is_same(t) && t.item<int64_t>() == 99,
+                "recv result() is not the received tensor, or the value " << t.item<int64_t>() << " is not 99");
     } else {
       // Rank 2 first, then rank 1 once rank 2's message is surely in.
       if (r == 1) std::this_thread::sleep_for(200ms);
       post_send(pg, at::full({1}, r * 11, at::kLong), 0, 8)->wait();
+      if (r == 1) {
+        std::vector<at::Tensor> v{at::full({1}, 99, at::kLong)};
+        auto work = pg.send(v, 0, 9);
+        work->wait();
+        SHM_CHECK(work->result().empty(), "a send's result() has " << work->result().size() << " tensors");
+      }
     }
   }));
 }
