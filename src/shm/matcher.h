@@ -31,6 +31,7 @@ class Matcher {
   /// The oldest early message that a receive from `src` (-1: any) with `tag` accepts, removed
   /// from the queue; null if none.
   MsgPtr take_early(int src, int64_t tag, bool control) {
+    if (early_.empty()) return nullptr;  // the common case: no scan, no call
     auto it = std::find_if(early_.begin(), early_.end(), [&](const MsgPtr& m) {
       return (src < 0 || m->src == src) && m->tag == tag && m->control == control;
     });
