@@ -771,6 +771,40 @@ TEST(ShmMatcher, DroppedAndClearedReceivesAreHandedBackOnceInOrder) {
   EXPECT_EQ(m.take_early(2, 1, false), nullptr);
 }
 
+TEST(ShmMatcher, ThousandsOfEarlyMessagesKeepTheirOrderPerSourceAndTag) {
+  // What a data loader's main rank can hold after draining its workers: 4 sources x 8 tags,
+  // 12,000 messages in all. Receives from a source take its messages per tag in sending order;
+  // any-source receives take, per tag, the oldest arrival over every source.
+  TestMatcher m;
+  constexpr int kSources = 4, kTags = 8, kEach = 375;
+  std::vector<std::vector<std::vector<int>>> sent(kSources + 1, std::vector<std::vector<int>>(kTags));
+  std::vector<std::vector<int>> arrival_per_tag(kTags);  // ids in arrival order, per tag
+  int id = 0;
+  for (int round = 0; round < kEach; ++round) {
+    for (int t = 0; t < kTags; ++t) {
+      for (int s = 1; s <= kSources; ++s) {
+        const int src = (s + round) % kSources + 1;  // the sources interleave differently per round
+        m.add_early(early_msg(src, t, ++id));
+        sent[src][t].push_back(id);
+        arrival_per_tag[t].push_back(id);
+      }
+    }
+  }
+  ASSERT_EQ(m.early_count(), static_cast<size_t>(kSources * kTags * kEach));
+  // Tags 0-3 by source; tags 4-7 any-source.
+  for (int t = 0; t < 4; ++t) {
+    for (int s = kSources; s >= 1; --s) {
+      for (int want : sent[s][t]) ASSERT_EQ(id_of(m.take_early(s, t, false)), want) << "source " << s << ", tag " << t;
+      ASSERT_EQ(m.take_early(s, t, false), nullptr);
+    }
+  }
+  for (int t = 4; t < kTags; ++t) {
+    for (int want : arrival_per_tag[t]) ASSERT_EQ(id_of(m.take_early(-1, t, false)), want) << "tag " << t;
+    ASSERT_EQ(m.take_early(-1, t, false), nullptr);
+  }
+  EXPECT_EQ(m.early_count(), 0u);
+}
+
 // ---- buffer pool -----------------------------------------------------------------------------
 
 TEST(ShmBufferPool, TakeGivesAPowerOfTwoOfAtLeastAPage) {
