@@ -200,6 +200,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   void notify(int r);
   void sleep_until_event(std::chrono::steady_clock::time_point until, bool drain_all = true);
   void note_wait(std::chrono::steady_clock::duration elapsed) noexcept;
+  bool waited_ranks_asleep(std::span<const std::shared_ptr<ShmOp>> ops) const;
   template <class Ready>
   void wait_collective(Ready ready, std::chrono::steady_clock::time_point deadline, uint64_t step, const char* what);
   void check_collective_peers();

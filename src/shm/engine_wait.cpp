@@ -126,15 +126,48 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     // otherwise copy the batches that workers 2-4 have queued (they run ahead by design) out of
     // their slots into fresh buffers, and copy them again when it posts their receives (4
     // workers, consolidated: that double copy was half of the main rank's memcpy time). After
-    // kDrainOthersAfter of sleeping (a deadlock costs that much once), every sleep drains.
+    // kDrainOthersAfter of sleeping (a deadlock costs that much once), a sleep drains if every
+    // rank this wait depends on sleeps too: one that runs is not blocked on this rank and will
+    // deliver (more ranks than cores: a descheduled worker). Draining then only made copies: a
+    // loader's main rank that waited for one worker past 1 ms took the other workers' queued
+    // batches out of their rings every time, fell behind, and in 2 of 6 runs of 80,000 batches
+    // held 7,000-10,000 early messages and ran at 44-53k batches/s instead of 78-83k. A rank
+    // that waits on room without sleeping (a caller polling isCompleted()) is not seen asleep:
+    // after kDrainAnywayAfter every sleep drains, so such a cycle costs that much once.
     constexpr auto kDrainOthersAfter = std::chrono::milliseconds(1);
+    constexpr auto kDrainAnywayAfter = std::chrono::milliseconds(20);
     if (first_sleep == Clock::time_point{}) first_sleep = now;
-    const bool drain_others = now - first_sleep >= kDrainOthersAfter;
+    const auto slept = now - first_sleep;
+    const bool drain_others =
+        slept >= kDrainAnywayAfter || (slept >= kDrainOthersAfter && waited_ranks_asleep(ops));
     const auto next_check = from_ticks(next_peer_check_.load(std::memory_order_relaxed));
     auto until = std::min({deadline, std::max(next_check, now), now + std::chrono::milliseconds(100)});
-    if (!drain_others) until = std::min(until, first_sleep + kDrainOthersAfter);
+    if (slept < kDrainOthersAfter) until = std::min(until, first_sleep + kDrainOthersAfter);
+    if (!drain_others) until = std::min(until, first_sleep + kDrainAnywayAfter);
     sleep_until_event(until, drain_others);
   }
+}
+
+// Whether every rank that one of `ops` still waits on (its peer; every peer for an any-source
+// receive) announces a sleeper in its RankSlot: whether this wait may be part of a cycle of
+// ranks blocked on each other. The counts are read without trust: a peer that lies only makes
+// this rank drain sooner or later (kDrainAnywayAfter bounds it). A lost peer's ops fail through
+// the liveness checks, whatever this says.
+bool ShmEngine::waited_ranks_asleep(std::span<const std::shared_ptr<ShmOp>> ops) const {
+  auto asleep = [&](int p) {
+    return segment_->rank_slot(static_cast<uint32_t>(p)).sleepers.load(std::memory_order_relaxed) != 0;
+  };
+  for (const auto& op : ops) {
+    if (!op || op->done.load(std::memory_order_acquire)) continue;
+    if (op->peer >= 0) {
+      if (!asleep(op->peer)) return false;
+      continue;
+    }
+    for (int p = 0; p < size_; ++p) {
+      if (p != rank_ && !asleep(p)) return false;
+    }
+  }
+  return true;
 }
 
 // Adapts the spin budget to how long waits take: a wait that ended within ShmOptions::spin would

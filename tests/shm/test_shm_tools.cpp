@@ -872,6 +872,77 @@ TEST_F(ShmTools, ReceivingPassTakesEveryPostedMessageAndLeavesTheRest) {
   }));
 }
 
+// A waiter drains other sources into process memory (early messages) only when the rank it
+// waits for is blocked too (asleep in tdshm), or after 20 ms: rank 2 runs (a busy loop in user
+// code) for 5 ms before it sends what rank 0 waits for, and rank 1's three messages stay in the
+// ring meanwhile. With the former rule (drain after 1 ms of sleeping, whoever runs) the ring was
+// empty after the wait.
+TEST_F(ShmTools, AWaiterLeavesOtherSourcesInTheRingWhileTheRankItWaitsForRuns) {
+  if (shm::kLayoutVersion < 5) GTEST_SKIP() << "this build's layout is version " << shm::kLayoutVersion;
+  const std::string name = unique_name();
+  struct State {
+    std::atomic<bool> sent{false};
+    std::atomic<bool> waiting{false};
+    std::atomic<bool> done{false};
+  };
+  Shared<State> state;
+  constexpr int64_t kFloats = 1024;  // 4 KiB: a slot each
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 3, [&](int r) {
+    ShmOptions opts = default_slot_options();
+    opts.timeout = 30s;
+    ProcessGroupShm pg(name, r, 3, opts);
+    const auto deadline = Clock::now() + 40s;
+    auto wait_for = [&](const std::atomic<bool>& flag, const char* what) {
+      while (!flag.load() && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
+      SHM_CHECK(flag.load(), what);
+    };
+    if (r == 1) {
+      for (int tag = 1; tag <= 3; ++tag) {
+        SHM_CHECK(post_send(pg, pattern(at::kFloat, kFloats, static_cast<uint64_t>(tag)), 0, tag)->wait(), "send " << tag);
+      }
+      state->sent.store(true);
+      wait_for(state->done, "rank 0 never finished");
+      return;
+    }
+    if (r == 2) {
+      wait_for(state->waiting, "rank 0 never waited");
+      const auto until = Clock::now() + 5ms;
+      while (Clock::now() < until) {
+      }
+      SHM_CHECK(post_send(pg, pattern(at::kFloat, kFloats, 9), 0, 9)->wait(), "send 9");
+      wait_for(state->done, "rank 0 never finished");
+      return;
+    }
+    wait_for(state->sent, "rank 1 never sent");
+    const at::Tensor from2 = at::zeros({kFloats});
+    auto work = post_recv(pg, from2, 2, 9);
+    state->waiting.store(true);
+    const auto start = Clock::now();
+    SHM_CHECK(work->wait(), "recv from rank 2");
+    const auto waited = Clock::now() - start;
+    const SegmentInfo info = shm::inspect_segment(name, {.details = true});
+    SHM_CHECK(info.details.has_value() && info.details->available, "no layout details: " << info.problem);
+    const auto pair = std::find_if(info.details->pairs.begin(), info.details->pairs.end(),
+                                   [](const shm::PairInfo& p) { return p.src == 1 && p.dst == 0; });
+    SHM_CHECK(pair != info.details->pairs.end(), "no pair 1 -> 0");
+    if (waited < 15ms) {
+      SHM_CHECK(pair->depth == 3 && pair->messages == 3 && pair->bytes_in_flight == 3 * 4096,
+                "rank 1's messages left the ring while rank 0 waited for a running rank 2: depth "
+                    << pair->depth << ", messages " << pair->messages << ", " << pair->bytes_in_flight << " bytes");
+    } else {
+      std::fprintf(stderr, "[drain] the wait took %.1f ms (a loaded machine): the ring check is skipped\n",
+                   std::chrono::duration<double, std::milli>(waited).count());
+    }
+    SHM_CHECK(same_bytes(from2, pattern(at::kFloat, kFloats, 9)), "wrong bytes from rank 2");
+    for (int tag = 1; tag <= 3; ++tag) {
+      const at::Tensor t = at::zeros({kFloats});
+      SHM_CHECK(post_recv(pg, t, 1, tag)->wait(), "recv " << tag);
+      SHM_CHECK(same_bytes(t, pattern(at::kFloat, kFloats, static_cast<uint64_t>(tag))), "wrong bytes, tag " << tag);
+    }
+    state->done.store(true);
+  }));
+}
+
 TEST_F(ShmTools, LayoutVersion5DetailsOfASyntheticSegment) {
   if (shm::kLayoutVersion == 5) {
     // The numbers above are this build's geometry.
