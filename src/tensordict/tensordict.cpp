@@ -96,7 +96,9 @@ void replace_entry(TensorDictImpl& node, const std::string& key, Value value) {
     node.append(key, std::move(value));
   } else {
     Value& old = node.entries[it->second].second;
-    if (old.is_tensor() != value.is_tensor() || old.is_tensordict() != value.is_tensordict()) detail::keys_changed();
+    // A tensor replaced by a tensor keeps the keys; anything else may change them, a tensordict
+    // replaced by another one too (built earlier, its keys were never announced under this key).
+    if (!(old.is_tensor() && value.is_tensor())) detail::keys_changed();
     old = std::move(value);
   }
 }

@@ -257,6 +257,13 @@ TEST(TensorDictKeys, SortedLeafKeysFollowsEveryChange) {
   EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{Key{"a", "0"}, Key{"a", "b"}}));
   td.set({"a", "b"}, at::ones({2}));  // a tensor replaced by a tensor: same keys
   EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{Key{"a", "0"}, Key{"a", "b"}}));
+  // A nested tensordict replaced by one built before the keys were last read: its keys were
+  // never announced, the replacement must be (this returned the old keys from the cache).
+  TensorDict other({{"y", at::zeros({2})}, {"z", at::zeros({2})}}, Shape{2});
+  EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{Key{"a", "0"}, Key{"a", "b"}}));
+  td.set("a", other);
+  EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{Key{"a", "y"}, Key{"a", "z"}}));
+  EXPECT_EQ(td.get({"a", "y"}).numel(), 2);
 }
 
 TEST(TensorDictAccess, ContainsPlainAndNested) {
