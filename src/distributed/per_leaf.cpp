@@ -85,7 +85,7 @@ Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
   l.sorted = sorted_leaves(td);
   l.wire = wire_of(*l.sorted, init_tag, pseudo_rand);
   l.tensors.reserve(l.keys().size());
-  for (const auto& k : l.keys()) l.tensors.push_back(td.get(k));
+  for (size_t i = 0; i < l.keys().size(); ++i) l.tensors.push_back(leaf_tensor(td, *l.sorted, i));
   return l;
 }
 

@@ -39,6 +39,12 @@ struct SortedLeaves {
   uint64_t epoch = 0;
   std::vector<Key> keys;
   std::vector<uint64_t> key_hashes;  // key_path_hash of each key
+  /// Where each leaf sits: leaf i is entries[p0] of the root, entries[p1] of that tensordict, ...
+  /// for p in positions[path_begin[i], path_begin[i + 1]). Positions only move when keys change
+  /// (an erase rebuilds the index, and bumps keys_epoch), so leaf_tensor() finds the current
+  /// tensor of an unchanged tree without hashing a key.
+  std::vector<uint32_t> positions;
+  std::vector<uint32_t> path_begin;  // keys.size() + 1 offsets into positions
   /// The per-leaf transfers' tags and checks for these keys, for the init_tag and pseudo_rand
   /// last used (per_leaf.cpp): kept with the keys, so they are computed once per tree too.
   mutable std::atomic<std::shared_ptr<const PerLeafWire>> wire;
@@ -93,6 +99,10 @@ struct TensorDictImpl {
 /// `td`'s leaves in transfer order with their key hashes, from the cache while no tensordict's
 /// keys changed since it was computed.
 std::shared_ptr<const SortedLeaves> sorted_leaves(const TensorDict& td);
+
+/// The tensor of leaf `i` of `leaves` (which sorted_leaves(td) returned, for this `td`), as
+/// td.get(leaves.keys[i]) would return it, found by position.
+at::Tensor leaf_tensor(const TensorDict& td, const SortedLeaves& leaves, size_t i);
 
 
 }  // namespace tdshm::detail

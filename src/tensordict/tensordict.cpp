@@ -185,15 +185,22 @@ std::vector<size_t> sorted_positions(const TensorDictImpl& node) {
   return pos;
 }
 
-void collect_sorted_leaves(const TensorDictImpl& node, const Key* prefix, std::vector<Key>& out) {
+// `path` holds the positions of the tensordicts above `node`; each leaf's path is appended to
+// out.positions (SortedLeaves).
+void collect_sorted_leaves(const TensorDictImpl& node, const Key* prefix, std::vector<uint32_t>& path,
+                           detail::SortedLeaves& out) {
   for (size_t i : sorted_positions(node)) {
     const auto& [k, v] = node.entries[i];
     Key key = prefix ? *prefix / k : Key(k);
+    path.push_back(static_cast<uint32_t>(i));
     if (v.is_tensor()) {
-      out.push_back(std::move(key));
+      out.keys.push_back(std::move(key));
+      out.positions.insert(out.positions.end(), path.begin(), path.end());
+      out.path_begin.push_back(static_cast<uint32_t>(out.positions.size()));
     } else if (v.is_tensordict()) {
-      collect_sorted_leaves(*v.tensordict().impl(), &key, out);
+      collect_sorted_leaves(*v.tensordict().impl(), &key, path, out);
     }
+    path.pop_back();
   }
 }
 
@@ -557,11 +564,20 @@ std::shared_ptr<const detail::SortedLeaves> detail::sorted_leaves(const TensorDi
   if (auto cached = slot.load(std::memory_order_acquire); cached && cached->epoch == epoch) return cached;
   auto fresh = std::make_shared<SortedLeaves>();
   fresh->epoch = epoch;
-  collect_sorted_leaves(*td.impl(), nullptr, fresh->keys);
+  std::vector<uint32_t> path;
+  fresh->path_begin.push_back(0);
+  collect_sorted_leaves(*td.impl(), nullptr, path, *fresh);
   fresh->key_hashes.reserve(fresh->keys.size());
   for (const Key& k : fresh->keys) fresh->key_hashes.push_back(key_path_hash(k));
   slot.store(fresh, std::memory_order_release);
   return fresh;
+}
+
+at::Tensor detail::leaf_tensor(const TensorDict& td, const SortedLeaves& leaves, size_t i) {
+  const TensorDictImpl* node = td.impl().get();
+  const uint32_t end = leaves.path_begin[i + 1];
+  for (uint32_t p = leaves.path_begin[i]; p + 1 < end; ++p) node = node->entries[leaves.positions[p]].second.tensordict().impl().get();
+  return node->entries[leaves.positions[end - 1]].second.tensor();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 
 #include <tdshm/tensordict.h>
 
+#include "tensordict/impl.h"
+
 #include <ostream>
 #include <stdexcept>
 #include <string>
@@ -264,6 +266,31 @@ TEST(TensorDictKeys, SortedLeafKeysFollowsEveryChange) {
   td.set("a", other);
   EXPECT_EQ(td.sorted_leaf_keys(), (std::vector<Key>{Key{"a", "y"}, Key{"a", "z"}}));
   EXPECT_EQ(td.get({"a", "y"}).numel(), 2);
+}
+
+// The transfers find each leaf by its position in the cached sorted leaves: the same tensor as
+// get(key), in trees nested three deep, after an erase moved positions and after a leaf was
+// replaced by another tensor (kept positions, new tensor).
+TEST(TensorDictKeys, LeafTensorByPositionIsGetOfTheKey) {
+  auto same_as_get = [](const TensorDict& td) {
+    const auto sorted = tdshm::detail::sorted_leaves(td);
+    ASSERT_EQ(sorted->path_begin.size(), sorted->keys.size() + 1);
+    for (size_t i = 0; i < sorted->keys.size(); ++i) {
+      EXPECT_TRUE(tdshm::detail::leaf_tensor(td, *sorted, i).is_same(td.get(sorted->keys[i]))) << sorted->keys[i].str();
+    }
+  };
+  TensorDict td({{"z", at::zeros({2})}, {Key{"b", "y"}, at::ones({2})}, {Key{"b", "a", "q"}, at::zeros({2, 3})},
+                 {Key{"b", "a", "c"}, at::full({2}, 7.0)}, {"m", "text"}, {"a", at::zeros({2}, at::kLong)}},
+                Shape{2});
+  EXPECT_EQ(td.sorted_leaf_keys(),
+            (std::vector<Key>{"a", Key{"b", "a", "c"}, Key{"b", "a", "q"}, Key{"b", "y"}, "z"}));
+  same_as_get(td);
+  td.erase("z");
+  td.get_tensordict({"b", "a"}).erase("c");  // positions move in a nested tensordict
+  same_as_get(td);
+  td.set({"b", "y"}, at::full({2}, 3.0));  // a new tensor at the same position
+  same_as_get(td);
+  EXPECT_EQ(tdshm::detail::leaf_tensor(td, *tdshm::detail::sorted_leaves(td), 2)[0].item<float>(), 3.0F);
 }
 
 TEST(TensorDictAccess, ContainsPlainAndNested) {
