@@ -219,7 +219,8 @@ std::string json_segment(const SegmentInfo& info) {
     std::vector<std::string> ranks;
     for (const shm::RankInfo& r : info.ranks) {
       ranks.push_back(
-          JsonObject().num("rank", r.rank).str("state", r.state_name()).num("pid", r.pid).boolean("alive", r.alive).done());
+          JsonObject().num("rank", r.rank).str("state", r.state_name()).num("pid", r.pid).boolean("alive", r.alive)
+              .num("pid_namespace", r.pid_ns).boolean("other_pid_namespace", r.foreign).done());
     }
     o.add("ranks", json_array(ranks));
   }
@@ -323,7 +324,8 @@ void print_inspect(const SegmentInfo& info) {
     std::printf("\nranks\n  %-6s %-10s %-10s %s\n", "RANK", "STATE", "PID", "ALIVE");
     for (const shm::RankInfo& r : info.ranks) {
       std::printf("  %-6u %-10s %-10s %s\n", r.rank, r.state_name().c_str(),
-                  r.state == shm::kRankFree ? "-" : std::to_string(r.pid).c_str(), r.alive ? "yes" : "no");
+                  r.state == shm::kRankFree ? "-" : std::to_string(r.pid).c_str(),
+                  r.foreign ? "unknown (another PID namespace: kept)" : r.alive ? "yes" : "no");
     }
   }
   if (!info.details) return;

@@ -178,7 +178,7 @@ void read_lock(const std::string& path, LockInfo& lock, SegmentInfo* owner_stat)
     CreatorRecord rec;
     std::memcpy(&rec, bytes.data(), sizeof rec);
     if (rec.magic == CreatorRecord::kMagic) {
-      lock.creator = LockProcess{rec.pid, rec.rank, rec.start_time, process_alive({rec.pid, rec.start_time})};
+      lock.creator = LockProcess{rec.pid, rec.rank, rec.start_time, process_alive({rec.pid, rec.start_time, rec.pid_ns})};
       lock.creating = rec.creating != 0;
     }
   }
@@ -186,7 +186,7 @@ void read_lock(const std::string& path, LockInfo& lock, SegmentInfo* owner_stat)
     JoinRecord rec;
     std::memcpy(&rec, bytes.data() + at, sizeof rec);
     if (rec.magic != JoinRecord::kMagic || rec.rank != r) continue;
-    lock.joiners.push_back({rec.pid, rec.rank, rec.start_time, process_alive({rec.pid, rec.start_time})});
+    lock.joiners.push_back({rec.pid, rec.rank, rec.start_time, process_alive({rec.pid, rec.start_time, rec.pid_ns})});
   }
 }
 
@@ -211,8 +211,10 @@ bool read_ranks(int fd, uint64_t offset, uint32_t world, uint64_t file_bytes, Se
     if (ri.state != kRankFree) {  // pid and start time are meaningful once claimed
       ri.pid = load<uint32_t>(slot + offsetof(RankSlot, pid));
       ri.start_time = load<uint64_t>(slot + offsetof(RankSlot, start_time));
+      ri.pid_ns = load<uint32_t>(slot + offsetof(RankSlot, pid_ns));  // zeros in layout 5's reserved bytes
     }
-    ri.alive = ri.state == kRankLive && process_alive({ri.pid, ri.start_time});
+    ri.foreign = foreign_pid_namespace({ri.pid, ri.start_time, ri.pid_ns});
+    ri.alive = ri.state == kRankLive && process_alive({ri.pid, ri.start_time, ri.pid_ns});
     info.ranks.push_back(ri);
   }
   info.ranks_read = true;

@@ -69,7 +69,10 @@ struct RankInfo {
   uint32_t state = kRankFree;  // RankState as stored
   uint32_t pid = 0;
   uint64_t start_time = 0;
-  bool alive = false;  // state is Live and the process (pid + start time) still runs
+  uint32_t pid_ns = 0;  // its PID namespace (RankSlot::pid_ns; 0: not recorded)
+  bool alive = false;  // state is Live and the process (pid + start time) still runs, or runs in
+                       // another PID namespace (foreign_pid_namespace: not checkable, so kept)
+  bool foreign = false;  // recorded by a process of another PID namespace than the reader's
   /// "free", "live", "dead" (Live but its process is gone), "left", "abandoned" or "state N".
   std::string state_name() const;
 };

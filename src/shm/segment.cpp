@@ -33,7 +33,10 @@
 //    and then the lock file. A dead rank leaves its slot Live with its pid: peers see it dead
 //    (process_alive compares pid and start time, so a reused pid is not mistaken for it), and the
 //    next group under the name replaces the segment. tdshm::remove_stale_segment removes one by
-//    hand.
+//    hand;
+//  * pids are only meaningful in one PID namespace: each record carries its process's namespace
+//    (pid_ns), a process of another namespace is never taken for dead (foreign_pid_namespace),
+//    and the rendezvous refuses a group that spans namespaces (ShmEngine::rendezvous).
 
 #include "shm/segment.h"
 
@@ -198,7 +201,7 @@ class LockFile {
       }
       if (joining) {
         const ProcessId me = self_process();
-        const JoinRecord rec{JoinRecord::kMagic, me.pid, *joining, me.start_time, 0};
+        const JoinRecord rec{JoinRecord::kMagic, me.pid, *joining, me.start_time, me.pid_ns, 0};
         (void)!::pwrite(fd_, &rec, sizeof rec, join_record_offset(*joining));
       }
       while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
@@ -246,7 +249,8 @@ class LockFile {
   void clear_join(uint32_t rank) const noexcept {
     JoinRecord rec;
     if (::pread(fd_, &rec, sizeof rec, join_record_offset(rank)) == static_cast<ssize_t>(sizeof rec) &&
-        rec.magic == JoinRecord::kMagic && rec.pid == self_process().pid) {
+        rec.magic == JoinRecord::kMagic && rec.pid == self_process().pid &&
+        !foreign_pid_namespace({rec.pid, rec.start_time, rec.pid_ns})) {
       const JoinRecord zero{};
       (void)!::pwrite(fd_, &zero, sizeof zero, join_record_offset(rank));
     }
@@ -323,8 +327,9 @@ class Inspection {
 
 bool slot_alive(const RankSlot& slot) {
   if (slot.state.load(std::memory_order_acquire) != kRankLive) return false;  // pairs with the claim's release
-  if (slot.pid == self_process().pid) return true;  // threads-as-ranks of this process
-  return process_alive({slot.pid, slot.start_time});
+  const ProcessId id{slot.pid, slot.start_time, slot.pid_ns};
+  if (slot.pid == self_process().pid && !foreign_pid_namespace(id)) return true;  // threads-as-ranks of this process
+  return process_alive(id);
 }
 
 int Inspection::live_rank() const {
@@ -335,7 +340,8 @@ int Inspection::live_rank() const {
 }
 
 bool creator_alive(const std::optional<CreatorRecord>& rec) {
-  return rec && (rec->pid == self_process().pid || process_alive({rec->pid, rec->start_time}));
+  return rec && ((rec->pid == self_process().pid && !foreign_pid_namespace({rec->pid, rec->start_time, rec->pid_ns})) ||
+                 process_alive({rec->pid, rec->start_time, rec->pid_ns}));
 }
 
 void check_capacity(uint64_t bytes, const std::string& name) {
@@ -368,16 +374,32 @@ std::string hex(uint64_t v) {
 
 }  // namespace
 
+// The inode of this process's PID namespace (the same for all its threads; a fork keeps it), 0 if
+// /proc does not say.
+uint32_t read_pid_namespace() {
+  struct stat st {};
+  if (::stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return static_cast<uint32_t>(st.st_ino);  // namespace inodes are 32-bit (proc_inum)
+}
+
 ProcessId self_process() {
-  static const ProcessId id{static_cast<uint32_t>(::getpid()), read_start_time(static_cast<uint32_t>(::getpid()))};
-  // A forked child has another pid: recompute then.
+  static const ProcessId id{static_cast<uint32_t>(::getpid()), read_start_time(static_cast<uint32_t>(::getpid())),
+                            read_pid_namespace()};
+  // A forked child has another pid, and may be in another PID namespace (its parent unshared
+  // one): recompute then.
   if (id.pid != static_cast<uint32_t>(::getpid())) {
-    return {static_cast<uint32_t>(::getpid()), read_start_time(static_cast<uint32_t>(::getpid()))};
+    return {static_cast<uint32_t>(::getpid()), read_start_time(static_cast<uint32_t>(::getpid())), read_pid_namespace()};
   }
   return id;
 }
 
+bool foreign_pid_namespace(const ProcessId& id) {
+  const uint32_t mine = self_process().pid_ns;
+  return id.pid_ns != 0 && mine != 0 && id.pid_ns != mine;
+}
+
 bool process_alive(const ProcessId& id) {
+  if (foreign_pid_namespace(id)) return true;  // cannot be checked from here: never taken for dead
   if (id.pid == 0) return false;
   if (::kill(static_cast<pid_t>(id.pid), 0) != 0 && errno == ESRCH) return false;
   const uint64_t start = read_start_time(id.pid);
@@ -421,10 +443,10 @@ Segment::SlotView Segment::read_slot(uint32_t r) const noexcept {
     const RankSlot& slot = rank_slot(r);
     const uint32_t state = slot.state.load(std::memory_order_acquire);  // pairs with the claim's release
     if (state == kRankFree) return {};  // pid and start time are being written, or never were
-    return {state, slot.pid, slot.start_time};
+    return {state, slot.pid, slot.start_time, slot.pid_ns};
   }
   // The mapping is gone (private zeros, or a cut file): read what is left of the file itself.
-  uint8_t bytes[16] = {};
+  uint8_t bytes[offsetof(RankSlot, pid_ns) + sizeof(uint32_t)] = {};
   if (fd_ < 0 || ::pread(fd_, bytes, sizeof bytes, static_cast<off_t>(offset)) != static_cast<ssize_t>(sizeof bytes)) {
     return {};
   }
@@ -432,6 +454,7 @@ Segment::SlotView Segment::read_slot(uint32_t r) const noexcept {
   std::memcpy(&v.state, bytes + offsetof(RankSlot, state), sizeof v.state);
   std::memcpy(&v.pid, bytes + offsetof(RankSlot, pid), sizeof v.pid);
   std::memcpy(&v.start_time, bytes + offsetof(RankSlot, start_time), sizeof v.start_time);
+  std::memcpy(&v.pid_ns, bytes + offsetof(RankSlot, pid_ns), sizeof v.pid_ns);
   return v;
 }
 
@@ -576,15 +599,15 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
       if (!record) lock.remove_file();  // no segment of this name exists: leave no lock file behind either
       throw;
     }
-    lock.write_record({CreatorRecord::kMagic, me.pid, rank, me.start_time, 1, 0});
+    lock.write_record({CreatorRecord::kMagic, me.pid, rank, me.start_time, 1, me.pid_ns});
     auto undo = [&] {
       ::unlink(path.c_str());
-      lock.write_record({CreatorRecord::kMagic, me.pid, rank, me.start_time, 0, 0});
+      lock.write_record({CreatorRecord::kMagic, me.pid, rank, me.start_time, 0, me.pid_ns});
     };
     const int raw = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (raw < 0) {
       const int err = errno;
-      lock.write_record({CreatorRecord::kMagic, me.pid, rank, me.start_time, 0, 0});
+      lock.write_record({CreatorRecord::kMagic, me.pid, rank, me.start_time, 0, me.pid_ns});
       if (err == EEXIST) continue;  // someone (not tdshm: we hold the lock) created it: look at it again
       throw open_error(path, "segment", err);
     }
@@ -631,6 +654,7 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
       RankSlot& dead = seg->rank_slot(record->rank);
       dead.pid = record->pid;
       dead.start_time = record->start_time;
+      dead.pid_ns = record->pid_ns;
       dead.state.store(kRankLive, std::memory_order_release);
     }
     hdr->layout_version.store(kLayoutVersion, std::memory_order_release);  // pairs with read_header
@@ -641,10 +665,11 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
   RankSlot& slot = seg->rank_slot(rank);
   slot.pid = me.pid;
   slot.start_time = me.start_time;
+  slot.pid_ns = me.pid_ns;
   slot.state.store(kRankLive, std::memory_order_release);  // pairs with the acquire loads of state
   if (auto r = lock.record(); r && r->creating != 0) {
     try {
-      lock.write_record({CreatorRecord::kMagic, r->pid, r->rank, r->start_time, 0, 0});  // creation complete
+      lock.write_record({CreatorRecord::kMagic, r->pid, r->rank, r->start_time, 0, r->pid_ns});  // creation complete
     } catch (const SegmentError& e) {
       detail::log().warn("{}", e.what());  // the next attacher still sees a live, valid incarnation
     }
@@ -697,8 +722,8 @@ void Segment::leave(bool abandoned) noexcept {
 bool Segment::rank_alive(uint32_t r) const {
   const SlotView v = read_slot(r);
   if (v.state != kRankLive) return false;
-  if (v.pid == self_process().pid) return true;  // threads-as-ranks of this process
-  return process_alive({v.pid, v.start_time});
+  if (v.pid == self_process().pid && !foreign_pid_namespace(v.process())) return true;  // threads-as-ranks of this process
+  return process_alive(v.process());
 }
 
 bool Segment::all_arrived() const {
@@ -722,7 +747,15 @@ std::optional<Segment::DeadJoiner> Segment::dead_joiner() const {
         rec.magic != JoinRecord::kMagic || rec.rank != r || rec.pid == me) {
       continue;
     }
-    if (!process_alive({rec.pid, rec.start_time})) return DeadJoiner{r, rec.pid};
+    if (!process_alive({rec.pid, rec.start_time, rec.pid_ns})) return DeadJoiner{r, rec.pid};
+  }
+  return std::nullopt;
+}
+
+std::optional<Segment::ForeignRank> Segment::foreign_rank() const {
+  for (uint32_t r = 0; r < params_.world_size; ++r) {
+    const SlotView v = read_slot(r);
+    if (v.state != kRankFree && foreign_pid_namespace(v.process())) return ForeignRank{r, v.process()};
   }
   return std::nullopt;
 }

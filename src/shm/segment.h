@@ -17,15 +17,22 @@
 
 namespace tdshm::shm {
 
-/// Identity of a live process: pid plus its start time, so a reused pid is not mistaken for it.
+/// Identity of a live process: pid plus its start time, so a reused pid is not mistaken for it,
+/// and the PID namespace the pid belongs to (0: not known).
 struct ProcessId {
   uint32_t pid = 0;
   uint64_t start_time = 0;
+  uint32_t pid_ns = 0;  // inode of /proc/<pid>/ns/pid
 };
 
 /// This process's identity.
 ProcessId self_process();
-/// Whether the process `id` still runs (false once it exited or its pid was reused).
+/// Whether `id` was recorded by a process of another PID namespace (another container, say):
+/// its pid means another process here, or none, so its liveness cannot be checked from here.
+bool foreign_pid_namespace(const ProcessId& id);
+/// Whether the process `id` still runs (false once it exited or its pid was reused). A process of
+/// another PID namespace counts as running: nothing here can prove it dead, so nothing of it is
+/// replaced or removed (the rendezvous refuses such a peer; see ShmEngine::rendezvous).
 bool process_alive(const ProcessId& id);
 
 /// Parameters every rank of a segment must agree on.
@@ -89,6 +96,12 @@ class Segment {
   /// Whether every rank has arrived in this incarnation: it is live, or it has left after its
   /// own rendezvous completed (a fast peer may send and leave before this rank looks).
   bool all_arrived() const;
+  /// The first rank whose process runs in another PID namespace than this one, or nullopt.
+  struct ForeignRank {
+    uint32_t rank;
+    ProcessId process;
+  };
+  std::optional<ForeignRank> foreign_rank() const;
   /// The first rank that abandoned this incarnation's rendezvous (left before it completed), or
   /// -1.
   int first_abandoned() const;
@@ -110,6 +123,8 @@ class Segment {
     uint32_t state = kRankFree;
     uint32_t pid = 0;
     uint64_t start_time = 0;
+    uint32_t pid_ns = 0;
+    ProcessId process() const noexcept { return {pid, start_time, pid_ns}; }
   };
   SlotView read_slot(uint32_t r) const noexcept;
   /// Stores this rank's state (through the file when the mapping is lost).

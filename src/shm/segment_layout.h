@@ -121,10 +121,14 @@ struct RankSlot {
   // Second cache line: written by every peer that wakes this rank.
   std::atomic<uint32_t> wake_seq;       // 64  futex word: bumped after each event for this rank
   std::atomic<uint32_t> sleepers;       // 68  > 0 while a thread of the rank sleeps on wake_seq
-  uint8_t reserved1[56];                // 72
+  // Written with pid and start_time (before state becomes live). Added in layout 6's reserved
+  // bytes, so 0 (a build that did not write it) means "not known": that rank's liveness is then
+  // judged by pid alone, as before.
+  uint32_t pid_ns;                      // 72  inode of the process's PID namespace (its pid is valid there)
+  uint8_t reserved1[52];                // 76
 };
 static_assert(sizeof(RankSlot) == 128);
-static_assert(offsetof(RankSlot, wake_seq) == 64);
+static_assert(offsetof(RankSlot, wake_seq) == 64 && offsetof(RankSlot, pid_ns) == 72);
 static_assert(offsetof(RankSlot, published) == 16 && offsetof(RankSlot, consumed) == 24 &&
               offsetof(RankSlot, step_check) == 32);
 
@@ -237,7 +241,7 @@ struct CreatorRecord {
   uint32_t rank = 0;        // 12
   uint64_t start_time = 0;  // 16
   uint32_t creating = 0;    // 24
-  uint32_t reserved = 0;    // 28
+  uint32_t pid_ns = 0;      // 28  PID namespace inode (0: not known, written by an older build)
 };
 static_assert(sizeof(CreatorRecord) == 32);
 
@@ -251,7 +255,8 @@ struct JoinRecord {
   uint32_t pid = 0;         // 8
   uint32_t rank = 0;        // 12
   uint64_t start_time = 0;  // 16
-  uint64_t reserved = 0;    // 24
+  uint32_t pid_ns = 0;      // 24  PID namespace inode (0: not known, written by an older build)
+  uint32_t reserved = 0;    // 28
 };
 static_assert(sizeof(JoinRecord) == 32);
 inline constexpr uint64_t kJoinRecordsOffset = 64;

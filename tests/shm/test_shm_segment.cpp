@@ -13,6 +13,7 @@
 #include <tdshm/process_group.h>
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/statvfs.h>
@@ -32,6 +33,8 @@
 #include <thread>
 #include <vector>
 
+#include "shm/inspect.h"
+#include "shm/segment.h"
 #include "shm/segment_layout.h"
 #include "shm/validate.h"
 #include "shm_test_support.h"
@@ -833,6 +836,97 @@ TEST_F(ShmSegmentThreads, APeerThatGaveUpEndsTheRendezvousAtOnce) {
     ProcessGroupShm pg(name, r, 3, opts);
     pg.barrier()->wait();
   }));
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
+}
+
+// A rank recorded by a process of another PID namespace (another container sharing /dev/shm):
+// its pid means nothing here. The rendezvous refuses it with a SegmentError that says so (before
+// this, each side took the other for dead, or waited), and nothing of it counts as dead: gc and
+// remove_stale_segment keep the segment. The foreign rank is forged here (a live pid of this
+// namespace, another namespace inode), so the test needs no privileges.
+TEST_F(ShmSegmentProcs, ARankOfAnotherPidNamespaceIsRefusedAndNeverTakenForDead) {
+  const std::string name = unique_name();
+  ShmOptions opts = small_options();
+  opts.timeout = 20s;
+  Child rank0([&] {
+    const auto start = Clock::now();
+    const Caught c = catch_any([&] { ProcessGroupShm pg(name, 0, 2, opts); });
+    SHM_CHECK(c.is<SegmentError>(), "rank 0's rendezvous threw " << c.describe());
+    SHM_CHECK(contains_nocase(c.what, "rank 1") && contains_nocase(c.what, "another PID namespace"),
+              "unclear: " << c.what);
+    SHM_CHECK(Clock::now() - start < 10s, "the foreign rank was noticed only at the timeout");
+  });
+  ASSERT_TRUE(wait_segment_ready(name, {0}, 10s));
+  const shm::ProcessId me = shm::self_process();
+  ASSERT_NE(me.pid_ns, 0u) << "/proc/self/ns/pid is not readable here";
+  {
+    RawSegment raw(name);
+    shm::RankSlot& slot = raw.rank_slot(1);
+    slot.pid = me.pid;  // a live process here, but the slot says it is another namespace's pid
+    slot.start_time = me.start_time;
+    slot.pid_ns = me.pid_ns ^ 0x5a5a;
+    slot.state.store(shm::kRankLive, std::memory_order_release);
+  }
+  ASSERT_TRUE(rank0.wait(30s)) << rank0.describe();
+  EXPECT_TRUE(rank0.ok()) << rank0.describe();
+  // Rank 0 abandoned the incarnation; rank 1 cannot be proven dead from here.
+  const shm::SegmentInfo info = shm::inspect_segment(name);
+  ASSERT_EQ(info.ranks.size(), 2u);
+  EXPECT_TRUE(info.ranks[1].foreign);
+  EXPECT_TRUE(info.ranks[1].alive);
+  EXPECT_FALSE(info.ranks[0].foreign);
+  EXPECT_FALSE(shm::gc_decision(info).first) << shm::gc_decision(info).second;
+  const Caught removal = catch_any([&] { remove_stale_segment(name); });
+  EXPECT_TRUE(removal.is<SegmentError>()) << removal.describe();
+  EXPECT_NE(shm_entries_of(name), std::vector<std::string>{});
+  remove_shm_entries_of(name);
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
+}
+
+// The same with a real PID namespace, where the kernel allows one (root, or a container that
+// permits unshare): rank 1 runs as pid 1 of a new namespace. Both ranks fail with the
+// SegmentError, and the last to leave removes the segment.
+TEST_F(ShmSegmentProcs, RanksInTwoRealPidNamespacesBothGetTheSegmentError) {
+  const std::string name = unique_name();
+  ShmOptions opts = small_options();
+  opts.timeout = 20s;
+  auto expect_refused = [&](int rank) {
+    const Caught c = catch_any([&] { ProcessGroupShm pg(name, rank, 2, opts); });
+    SHM_CHECK(c.is<SegmentError>(), "rank " << rank << " threw " << c.describe());
+    SHM_CHECK(contains_nocase(c.what, "another PID namespace"), "unclear: " << c.what);
+  };
+  // The middle process makes the namespace; its child, pid 1 there, is rank 1. Exit 77: the
+  // kernel refused the namespace.
+  Child rank1([&] {
+    if (::unshare(CLONE_NEWPID) != 0) ::_exit(77);
+    const pid_t inner = ::fork();
+    if (inner == 0) {
+      int code = 0;
+      try {
+        expect_refused(1);
+      } catch (...) {
+        code = 1;
+      }
+      ::_exit(code);
+    }
+    SHM_CHECK(inner > 0, "fork in the new namespace failed: " << std::strerror(errno));
+    int status = 0;
+    SHM_CHECK(::waitpid(inner, &status, 0) == inner, "waitpid failed");
+    SHM_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank 1 (in the new namespace) failed: status " << status);
+  });
+  // Rank 0 starts once rank 1 is there, or not at all when the namespace was refused.
+  const auto until = Clock::now() + 10s;
+  while (!rank1.poll() && Clock::now() < until && shm_entries_of(name).empty()) std::this_thread::sleep_for(1ms);
+  if (rank1.exited() && !rank1.ok()) {
+    const std::string why = rank1.describe();
+    if (why.find("exited with 77") != std::string::npos) GTEST_SKIP() << "unshare(CLONE_NEWPID) is not permitted here";
+    FAIL() << why;
+  }
+  Child rank0([&] { expect_refused(0); });
+  EXPECT_TRUE(rank0.wait(30s)) << rank0.describe();
+  EXPECT_TRUE(rank0.ok()) << rank0.describe();
+  EXPECT_TRUE(rank1.wait(30s)) << rank1.describe();
+  EXPECT_TRUE(rank1.ok()) << rank1.describe();
   EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
 }
 

@@ -57,6 +57,7 @@ TEST(ShmLayout, RankSlotV3) {
   EXPECT_EQ(sizeof(RankSlot::step_check), 32u);
   EXPECT_EQ(offsetof(RankSlot, wake_seq), 64u);
   EXPECT_EQ(offsetof(RankSlot, sleepers), 68u);
+  EXPECT_EQ(offsetof(RankSlot, pid_ns), 72u);  // in layout 6's reserved bytes: 0 = not recorded
   EXPECT_EQ(kRankFree, 0u);
   EXPECT_EQ(kRankLive, 1u);
   EXPECT_EQ(kRankLeft, 2u);
