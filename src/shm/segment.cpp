@@ -47,6 +47,7 @@
 
 #include "common/log.h"
 #include "shm/bus_guard.h"
+#include "shm/inspect.h"
 #include "shm/validate.h"
 
 #include <fcntl.h>
@@ -344,6 +345,27 @@ bool creator_alive(const std::optional<CreatorRecord>& rec) {
                  process_alive({rec->pid, rec->start_time, rec->pid_ns}));
 }
 
+// What segments that `tdshm gc` would remove hold in /dev/shm, for an error about its free space
+// ("" when none): groups whose processes were all killed leave theirs behind, and a job whose
+// names are fresh each run (the Python backend's are random) never replaces them. Only read
+// (inspect.h): nothing is removed without the user's say.
+std::string stale_segments_hint(const std::string& except) {
+  uint64_t count = 0, held = 0;
+  try {
+    for (const SegmentInfo& info : list_segments()) {
+      if (info.name == except || !gc_decision(info).first) continue;
+      ++count;
+      held += info.file_bytes;
+    }
+  } catch (...) {
+    return "";  // a hint only
+  }
+  if (count == 0) return "";
+  return "; " + std::to_string(count) + " stale tdshm segment" + (count == 1 ? "" : "s") +
+         " (every rank dead) hold " + std::to_string(held >> 20) + " MiB there: `tdshm gc` removes " +
+         (count == 1 ? "it" : "them") + " (tdshm::remove_stale_segment(name) from code)";
+}
+
 void check_capacity(uint64_t bytes, const std::string& name) {
   struct statvfs fs {};
   if (::statvfs(kShmDir, &fs) != 0) return;  // not measurable: fallocate below still guards
@@ -353,7 +375,8 @@ void check_capacity(uint64_t bytes, const std::string& name) {
                        std::to_string(bytes >> 20) + " MiB) but " + kShmDir + " has " + std::to_string(avail) +
                        " bytes free: enlarge it (docker run --shm-size=" + std::to_string((bytes >> 20) + 64) +
                        "m, or mount -o remount,size=... " + kShmDir +
-                       ") or make ShmOptions::slot_bytes / slots_per_rank / ring_entries smaller");
+                       ") or make ShmOptions::slot_bytes / slots_per_rank / ring_entries smaller" +
+                       stale_segments_hint(name));
   }
 }
 
@@ -619,7 +642,8 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
       undo();
       throw SegmentError("cannot reserve " + std::to_string(bytes) + " bytes for segment '" + params.name + "' in " +
                          kShmDir + ": " + std::strerror(err) +
-                         "; enlarge /dev/shm or make ShmOptions::slot_bytes / slots_per_rank / ring_entries smaller");
+                         "; enlarge /dev/shm or make ShmOptions::slot_bytes / slots_per_rank / ring_entries smaller" +
+                         (err == ENOSPC ? stale_segments_hint(params.name) : std::string()));
     }
     try {
       seg->map(raw, bytes);

@@ -348,6 +348,36 @@ TEST_F(ShmSegmentProcs, SegmentLargerThanDevShmIsRefused) {
   EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
 }
 
+// A group whose processes were all killed leaves its segment behind, and a job with fresh names
+// never replaces it: when /dev/shm is too small, the error counts what such stale segments hold
+// and names `tdshm gc` (it removes nothing itself).
+TEST_F(ShmSegmentProcs, TooLittleRoomNamesTheStaleSegmentsGcWouldRemove) {
+  const std::string stale = unique_name();
+  ShmOptions opts = small_options();
+  opts.timeout = 5s;
+  Child dies([&] {
+    new ProcessGroupShm(stale, 0, 1, opts);  // never destroyed: the process ends as if killed
+    ::_exit(0);
+  });
+  ASSERT_TRUE(dies.wait(20s)) << dies.describe();
+  ASSERT_TRUE(shm::gc_decision(shm::inspect_segment(stale)).first) << "the segment of a dead group is not stale";
+  const auto [total, free_bytes] = dev_shm_space();
+  ASSERT_GT(total, 0u);
+  ShmOptions huge = small_options();
+  huge.timeout = 3s;
+  huge.slot_bytes = size_t{1} << 30;
+  huge.slots_per_rank = static_cast<uint32_t>(std::min<uint64_t>(total / huge.slot_bytes + 1, shm::kMaxSlotsPerRank));
+  ASSERT_GT(shm_segment_bytes(2, huge), free_bytes);
+  const std::string name = unique_name();
+  const Caught c = catch_any([&] { ProcessGroupShm pg(name, 0, 2, huge); });
+  EXPECT_TRUE(c.is<SegmentError>()) << c.describe();
+  EXPECT_TRUE(contains_nocase(c.what, "stale tdshm segment") && contains_nocase(c.what, "tdshm gc")) << c.what;
+  EXPECT_EQ(shm::inspect_segment(stale).status, shm::SegmentStatus::kValid) << "the error must not remove anything";
+  EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
+  EXPECT_TRUE(remove_stale_segment(stale));
+  EXPECT_EQ(shm_entries_of(stale), std::vector<std::string>{});
+}
+
 TEST_F(ShmSegmentProcs, SegmentSizeOverflowIsRefused) {
   // world^2 * entries * slot overflows 64 bits: must not wrap to a small segment.
   ShmOptions opts = small_options();
