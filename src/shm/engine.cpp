@@ -78,7 +78,24 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
     throw error;
   };
   const std::string where = "segment '" + name_ + "', rank " + std::to_string(rank_) + ": ";
+  // Before anything else on every turn, and once more after the last rank arrived (a peer claims
+  // its slot at any moment): a peer of another namespace that already gave up must still be
+  // reported as what it is, not as a peer that gave up.
+  auto check_namespaces = [&] {
+    if (const auto foreign = segment_->foreign_rank()) {
+      // Its pid names another process here, or none: liveness (and so every recovery guarantee)
+      // could not be kept, and both ranks would soon take each other for dead.
+      give_up(SegmentError(where + "rank " + std::to_string(foreign->rank) + " (pid " +
+                           std::to_string(foreign->process.pid) + " in its PID namespace) runs in another PID namespace (inode " +
+                           std::to_string(foreign->process.pid_ns) + ", this rank's " +
+                           std::to_string(shm::self_process().pid_ns) +
+                           "), another container for instance: tdshm checks its peers through /proc, so every rank "
+                           "of a group must run in one PID namespace (docker run --pid=host or "
+                           "--pid=container:NAME; Kubernetes: shareProcessNamespace: true)"));
+    }
+  };
   auto check_alive = [&] {
+    check_namespaces();
     for (uint32_t r = 0; r < static_cast<uint32_t>(size_); ++r) {
       // rank_alive() is false for a rank that has left too: the state is read again after it,
       // so a peer that completed its own rendezvous and left cleanly in between (its state is
@@ -94,17 +111,7 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
     }
   };
   for (;;) {
-    if (const auto foreign = segment_->foreign_rank()) {
-      // Its pid names another process here, or none: liveness (and so every recovery guarantee)
-      // could not be kept, and both ranks would soon take each other for dead.
-      give_up(SegmentError(where + "rank " + std::to_string(foreign->rank) + " (pid " + std::to_string(foreign->process.pid) +
-                           " in its PID namespace) runs in another PID namespace (inode " +
-                           std::to_string(foreign->process.pid_ns) + ", this rank's " +
-                           std::to_string(shm::self_process().pid_ns) +
-                           "), another container for instance: tdshm checks its peers through /proc, so every rank "
-                           "of a group must run in one PID namespace (docker run --pid=host or "
-                           "--pid=container:NAME; Kubernetes: shareProcessNamespace: true)"));
-    }
+    check_namespaces();
     if (const int r = segment_->first_abandoned(); r >= 0) {
       give_up(PeerLostError(where + segment_->describe_rank(static_cast<uint32_t>(r)) +
                             " gave up this group's rendezvous (it timed out or failed): construct the group again"));

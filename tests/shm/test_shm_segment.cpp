@@ -934,7 +934,8 @@ TEST_F(ShmSegmentProcs, RanksInTwoRealPidNamespacesBothGetTheSegmentError) {
       int code = 0;
       try {
         expect_refused(1);
-      } catch (...) {
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank 1 in the new PID namespace: %s\n", e.what());
         code = 1;
       }
       ::_exit(code);
