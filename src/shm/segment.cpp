@@ -527,7 +527,7 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
   const ProcessId me = self_process();
 
   LockFile lock(params.name, deadline, rank);
-  // This rank's JoinRecord goes once it has claimed its slot, or when attach throws.
+  // This rank's JoinRecord goes right before it claims its slot (below), or when attach throws.
   const struct ClearJoin {
     const LockFile& lock;
     uint32_t rank;
@@ -690,6 +690,12 @@ std::unique_ptr<Segment> Segment::attach(const SegmentParams& params, uint32_t r
   slot.pid = me.pid;
   slot.start_time = me.start_time;
   slot.pid_ns = me.pid_ns;
+  // The JoinRecord goes before the slot is claimed, not after: a process killed between the two
+  // left a dead joiner for its rank behind, and the next incarnation's rendezvous failed at once
+  // with "rank N died while joining" (ShmSegmentProcs.StaleSegmentOfWaitingRankIsReplaced, under
+  // load). Killed in the instant between clear and claim, it is neither: the others wait for it
+  // up to their timeout.
+  lock.clear_join(rank);
   slot.state.store(kRankLive, std::memory_order_release);  // pairs with the acquire loads of state
   if (auto r = lock.record(); r && r->creating != 0) {
     try {
