@@ -665,6 +665,67 @@ class ChildReaper {
   bool restored_ = false;
 };
 
+// ---- the run's segments, removed on a stop signal ----
+// A stop signal (Ctrl-C, kill) ends rank 0 by its default action and rank 1 with it (its death
+// signal), so neither reaches the removal at the end of the run, and the segments stayed in
+// /dev/shm. Rank 0's handler unlinks them and their lock files (paths made beforehand: a handler
+// may only call async-signal-safe functions), puts back the previous action and re-raises, so the
+// process still ends by the signal. The memmap workloads' handler (pingpong_td.cpp) chains here.
+
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+constexpr size_t kMaxCleanupPaths = 8;
+char g_cleanup_paths[kMaxCleanupPaths][256];
+std::atomic<size_t> g_cleanup_count{0};
+struct sigaction g_stop_previous[std::size(kStopSignals)];
+
+extern "C" void remove_segments_on_signal(int sig) {
+  const size_t n = g_cleanup_count.load(std::memory_order_acquire);  // pairs with the release in the guard
+  for (size_t i = 0; i < n; ++i) ::unlink(g_cleanup_paths[i]);
+  for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+    if (kStopSignals[i] == sig) ::sigaction(sig, &g_stop_previous[i], nullptr);
+  }
+  ::raise(sig);  // blocked while this runs: delivered with the previous action once it returns
+}
+
+/// While alive, a stop signal removes the files of `names` (segments as ProcessGroupShm names
+/// them: /dev/shm/tdshm.<name> and its .lock) before the process ends by it.
+class SegmentsRemovedOnSignal {
+ public:
+  explicit SegmentsRemovedOnSignal(const std::vector<std::string>& names) {
+    size_t n = 0;
+    for (const std::string& name : names) {
+      for (const char* suffix : {"", ".lock"}) {
+        const std::string path = "/dev/shm/tdshm." + name + suffix;
+        if (n == kMaxCleanupPaths || path.size() >= sizeof g_cleanup_paths[0]) {
+          throw std::logic_error("too many or too long segment names to remove on a signal: " + path);
+        }
+        std::memcpy(g_cleanup_paths[n++], path.c_str(), path.size() + 1);
+      }
+    }
+    g_cleanup_count.store(n, std::memory_order_release);
+    struct sigaction action {};
+    action.sa_handler = remove_segments_on_signal;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+      ::sigaction(kStopSignals[i], nullptr, &g_stop_previous[i]);
+      // An ignored signal stays ignored (a shell's background job ignores SIGINT): it stops nothing.
+      installed_[i] = g_stop_previous[i].sa_handler != SIG_IGN;
+      if (installed_[i]) ::sigaction(kStopSignals[i], &action, nullptr);
+    }
+  }
+  ~SegmentsRemovedOnSignal() {
+    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+      if (installed_[i]) ::sigaction(kStopSignals[i], &g_stop_previous[i], nullptr);
+    }
+    g_cleanup_count.store(0, std::memory_order_release);
+  }
+  SegmentsRemovedOnSignal(const SegmentsRemovedOnSignal&) = delete;
+  SegmentsRemovedOnSignal& operator=(const SegmentsRemovedOnSignal&) = delete;
+
+ private:
+  bool installed_[std::size(kStopSignals)] = {};
+};
+
 }  // namespace
 
 const std::vector<std::string>& all_transports() {
@@ -1093,6 +1154,7 @@ int run_pingpong_bench(const BenchOptions& options, std::vector<std::string>* js
     ::_exit(rc);
   }
 
+  const SegmentsRemovedOnSignal on_signal({s.segment("spin"), s.segment("blocking"), s.segment("td")});
   print_header(s, pinning);
   bool aborted = false;
   try {

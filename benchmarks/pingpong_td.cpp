@@ -136,11 +136,16 @@ std::atomic<bool> g_file_set{false};
 static_assert(std::atomic<bool>::is_always_lock_free, "the signal handler may only touch lock-free atomics");
 constexpr int kCleanupSignals[] = {SIGINT, SIGTERM, SIGHUP};
 struct sigaction g_previous[std::size(kCleanupSignals)];
+bool g_installed[std::size(kCleanupSignals)];  // false: the signal was ignored, and stays so
 
 extern "C" void unlink_file_on_signal(int sig) {
   // Acquire: pairs with the release store in WorkloadFile's constructor (the path is complete).
   if (g_file_set.load(std::memory_order_acquire)) ::unlink(g_file_path);
-  // SA_RESETHAND restored the default action: the signal, blocked while this runs, then ends us.
+  // The previous action back (the run's segment removal, pingpong.cpp, which then ends us), and
+  // the signal again: blocked while this runs, it is delivered to that action once this returns.
+  for (size_t i = 0; i < std::size(kCleanupSignals); ++i) {
+    if (kCleanupSignals[i] == sig) ::sigaction(sig, &g_previous[i], nullptr);
+  }
   ::raise(sig);
 }
 
@@ -216,8 +221,12 @@ WorkloadFile::WorkloadFile(const std::string& path, size_t bytes) {
   struct sigaction action {};
   action.sa_handler = unlink_file_on_signal;
   sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESETHAND;
-  for (size_t i = 0; i < std::size(kCleanupSignals); ++i) ::sigaction(kCleanupSignals[i], &action, &g_previous[i]);
+  action.sa_flags = 0;
+  for (size_t i = 0; i < std::size(kCleanupSignals); ++i) {
+    ::sigaction(kCleanupSignals[i], nullptr, &g_previous[i]);
+    g_installed[i] = g_previous[i].sa_handler != SIG_IGN;
+    if (g_installed[i]) ::sigaction(kCleanupSignals[i], &action, nullptr);
+  }
   try {
     // Sized with posix_fallocate by MemoryMappedTensor: a full /dev/shm is a MemmapError now.
     const MemoryMappedTensor file = MemoryMappedTensor::empty({static_cast<int64_t>(bytes)}, at::kByte, path);
@@ -243,7 +252,9 @@ WorkloadFile& WorkloadFile::operator=(WorkloadFile&& other) noexcept {
 
 void WorkloadFile::remove() noexcept {
   if (path_.empty()) return;
-  for (size_t i = 0; i < std::size(kCleanupSignals); ++i) ::sigaction(kCleanupSignals[i], &g_previous[i], nullptr);
+  for (size_t i = 0; i < std::size(kCleanupSignals); ++i) {
+    if (g_installed[i]) ::sigaction(kCleanupSignals[i], &g_previous[i], nullptr);
+  }
   g_file_set.store(false, std::memory_order_relaxed);
   ::unlink(path_.c_str());
   path_.clear();
