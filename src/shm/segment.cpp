@@ -326,11 +326,15 @@ class Inspection {
   HeaderCheck check_{};
 };
 
+// Whether the process `id` runs, this process included (threads-as-ranks share its pid).
+bool alive_or_self(const ProcessId& id) {
+  if (id.pid == self_process().pid && !foreign_pid_namespace(id)) return true;
+  return process_alive(id);
+}
+
 bool slot_alive(const RankSlot& slot) {
   if (slot.state.load(std::memory_order_acquire) != kRankLive) return false;  // pairs with the claim's release
-  const ProcessId id{slot.pid, slot.start_time, slot.pid_ns};
-  if (slot.pid == self_process().pid && !foreign_pid_namespace(id)) return true;  // threads-as-ranks of this process
-  return process_alive(id);
+  return alive_or_self({slot.pid, slot.start_time, slot.pid_ns});
 }
 
 int Inspection::live_rank() const {
@@ -341,8 +345,7 @@ int Inspection::live_rank() const {
 }
 
 bool creator_alive(const std::optional<CreatorRecord>& rec) {
-  return rec && ((rec->pid == self_process().pid && !foreign_pid_namespace({rec->pid, rec->start_time, rec->pid_ns})) ||
-                 process_alive({rec->pid, rec->start_time, rec->pid_ns}));
+  return rec && alive_or_self({rec->pid, rec->start_time, rec->pid_ns});
 }
 
 // What segments that `tdshm gc` would remove hold in /dev/shm, for an error about its free space
@@ -752,8 +755,7 @@ void Segment::leave(bool abandoned) noexcept {
 bool Segment::rank_alive(uint32_t r) const {
   const SlotView v = read_slot(r);
   if (v.state != kRankLive) return false;
-  if (v.pid == self_process().pid && !foreign_pid_namespace(v.process())) return true;  // threads-as-ranks of this process
-  return process_alive(v.process());
+  return alive_or_self(v.process());
 }
 
 bool Segment::all_arrived() const {
