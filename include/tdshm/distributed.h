@@ -44,6 +44,10 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 /// A Group built from a backend alone is standalone (never registered): it is addressed with
 /// group_dst / group_src only; `dst` / `src` on it throw Error (as torch does for a group it
 /// does not know).
+namespace detail {
+class Transport;
+}  // namespace detail
+
 class Group {
  public:
   Group() = default;
@@ -101,12 +105,16 @@ class Group {
   void set_checked_wire(std::vector<bool> advertised) {
     checked_ = std::make_shared<const std::vector<bool>>(std::move(advertised));
   }
+  /// Internal: what the backend can do for the transfer layer (made with the group). Throws
+  /// Error if !defined().
+  const detail::Transport& transport() const;
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> backend_;
   std::vector<int> global_ranks_;
   bool non_member_ = false;
   std::shared_ptr<const std::vector<bool>> checked_;
+  std::shared_ptr<const detail::Transport> transport_;
 };
 
 /// Options of init_process_group (torch.distributed.init_process_group's parameters).

@@ -41,6 +41,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "process_group/transport.h"
+
 #include <algorithm>
 #include <cctype>
 #include <charconv>
@@ -320,7 +322,10 @@ StorePtr make_rendezvous_store(const GlooRendezvous& r, int rank, int size, std:
 /// then (when `wait`) poll it with add(0) every 10 ms until `world_size` ranks added theirs.
 void store_based_barrier(c10d::Store& default_store, int count, int world_size, std::chrono::milliseconds timeout,
                          bool wait, const std::string& what) {
-  const std::string key = std::string(kBarrierPrefix) + ":" + std::to_string(count);
+  // Appended, not `string + ":" + string`: g++ 12 warns (-Warray-bounds, a false positive) on
+  // that expression once LibTorch's headers come from the precompiled header.
+  std::string key = kBarrierPrefix;
+  key.append(":").append(std::to_string(count));
   default_store.add(key, 1);
   if (!wait) return;
   const auto start = std::chrono::steady_clock::now();
@@ -419,11 +424,13 @@ std::shared_ptr<World> make_world(const std::string& backend, const InitOptions&
 
 Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> backend) : backend_(std::move(backend)) {
   if (!backend_) throw Error("Group: the backend is null (use Group{} for \"no group\")");
+  transport_ = detail::make_transport(backend_);
 }
 
 Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int> global_ranks)
     : backend_(std::move(backend)), global_ranks_(std::move(global_ranks)) {
   if (!backend_) throw Error("Group: the backend is null (use Group{} for \"no group\")");
+  transport_ = detail::make_transport(backend_);
   if (global_ranks_.size() != static_cast<size_t>(backend_->getSize())) {
     throw Error("Group: " + std::to_string(global_ranks_.size()) + " global ranks for a backend of size " +
                 std::to_string(backend_->getSize()));
@@ -441,6 +448,13 @@ c10d::ProcessGroup& Group::backend() const {
     throw Error("Group::backend(): this Group is not defined (no group, or a rank outside the group new_group made)");
   }
   return *backend_;
+}
+
+const detail::Transport& Group::transport() const {
+  if (!transport_) {
+    throw Error("Group::transport(): this Group is not defined (no group, or a rank outside the group new_group made)");
+  }
+  return *transport_;
 }
 
 std::string Group::backend_name() const { return backend().getBackendName(); }

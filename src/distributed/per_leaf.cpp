@@ -22,7 +22,6 @@
 
 #include "distributed/layout_descriptor.h"
 #include "distributed/transfer_common.h"
-#include "process_group/shm_batch.h"
 
 #include <mutex>
 
@@ -109,9 +108,9 @@ Stage drain_leaves(const Group& g, int peer, const std::vector<detail::LeafLayou
   return s;
 }
 
-/// tensordict's wire does not say how many leaves a transfer has; over shm each message carries
-/// the sender's count (MessageCheck::leaves), and a receiver whose count differs fails its leaves
-/// with "the sender's tree has N leaves" (shm_sender_leaf_count tells N). This makes such a
+/// tensordict's wire does not say how many leaves a transfer has; a transport that carries checks
+/// gives each message the sender's count (MessageCheck::leaves), and a receiver whose count
+/// differs fails its leaves with "the sender's tree has N leaves" (message_sender_leaves tells N). This makes such a
 /// transfer end in step, once, from the first leaf that fails so: with N > M it takes the sender's extra messages (receives of no
 /// bytes: the transport fails them and drops the messages), with N < M it aborts the receives no
 /// message will come for (they fail at once instead of at the deadline).
@@ -120,13 +119,13 @@ struct LeafCountRepair {
   int peer = -1;
   int64_t init_tag = 0;
   bool pseudo_rand = false;
-  WorkPtr batch;  // this receiver's (ProcessGroupShm::recv_batch), one message per leaf
+  c10::intrusive_ptr<BatchWork> batch;  // this receiver's (Transport::recv_batch), one message per leaf
   size_t mine = 0;
   std::once_flag once;
 
   /// Called once the receive of leaf `failed` failed.
   void run(size_t failed) {
-    const size_t theirs = shm_batch::sender_leaves(*batch, failed);
+    const size_t theirs = batch->message_sender_leaves(failed);
     if (theirs == 0) return;  // another failure
     std::call_once(once, [&] {
       if (theirs > mine) {
@@ -144,7 +143,7 @@ struct LeafCountRepair {
       } else {
         for (size_t i = theirs; i < mine; ++i) {
           try {
-            shm_batch::abort(*batch, i);
+            batch->abort_message(i);
           } catch (...) {  // completed meanwhile
           }
         }
@@ -154,33 +153,33 @@ struct LeafCountRepair {
 };
 
 /// The Work of one leaf whose message is already posted: one backend work (a send without a
-/// descriptor, a receive on another backend), or message `index` of a shm batch (an irecv over
-/// shm; shm_batch.h). What TransferWork does for it, built for every leaf of every irecv, so it
-/// holds only the work, the leaf's index and what the transfer's leaves share. The error names
-/// the key and the leaf-count repair runs, once, only when the message fails; a success costs no
-/// string, lock or callback.
+/// descriptor, a receive on a transport without batches), or message `index` of a batch (an
+/// irecv on a transport that batches; batch_work.h). What TransferWork does for it, built for
+/// every leaf of every irecv, so it holds only the work, the leaf's index and what the
+/// transfer's leaves share. The error names the key and the leaf-count repair runs, once, only
+/// when the message fails; a success costs no string, lock or callback.
 class LeafWork final : public c10d::Work {
  public:
-  enum class Of { kWork, kShmBatch };
-  LeafWork(Of of, WorkPtr inner, std::shared_ptr<const SortedLeaves> leaves, size_t index, const char* verb,
-           c10d::OpType type, std::shared_ptr<LeafCountRepair> repair = {})
+  /// Leaf `index` is `work` itself.
+  LeafWork(WorkPtr work, std::shared_ptr<const SortedLeaves> leaves, size_t index, const char* verb, c10d::OpType type)
+      : c10d::Work(-1, type), inner_(std::move(work)), leaves_(std::move(leaves)), index_(index), verb_(verb) {}
+  /// Leaf `index` is message `index` of `batch`.
+  LeafWork(c10::intrusive_ptr<BatchWork> batch, std::shared_ptr<const SortedLeaves> leaves, size_t index,
+           const char* verb, c10d::OpType type, std::shared_ptr<LeafCountRepair> repair)
       : c10d::Work(-1, type),
-        batch_(of == Of::kShmBatch),
-        inner_(std::move(inner)),
+        batch_(std::move(batch)),
         leaves_(std::move(leaves)),
         index_(index),
         verb_(verb),
         repair_(std::move(repair)) {}
 
-  /// Only polls (neither a backend work's isCompleted nor shm_batch::completed waits).
+  /// Only polls (neither a backend work's isCompleted nor BatchWork::message_completed waits).
   bool isCompleted() override {
-    if (!(batch_ ? shm_batch::completed(*inner_, index_) : inner_->isCompleted())) return false;
+    if (!(batch_ ? batch_->message_completed(index_) : inner_->isCompleted())) return false;
     if (const std::exception_ptr e = inner_error()) keyed(e);
     return true;
   }
-  bool isSuccess() const override {
-    return batch_ ? shm_batch::succeeded(*inner_, index_) : inner_->isSuccess();
-  }
+  bool isSuccess() const override { return batch_ ? batch_->message_succeeded(index_) : inner_->isSuccess(); }
   std::exception_ptr exception() const override {
     const std::exception_ptr e = inner_error();
     return e ? keyed(e) : nullptr;
@@ -189,7 +188,7 @@ class LeafWork final : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override {
     try {
       if (batch_) {
-        shm_batch::wait(*inner_, index_, timeout);
+        batch_->wait_message(index_, timeout);
       } else {
         inner_->wait(timeout);
       }
@@ -200,23 +199,21 @@ class LeafWork final : public c10d::Work {
   }
   void abort() override {
     if (batch_) {
-      shm_batch::abort(*inner_, index_);
+      batch_->abort_message(index_);
     } else {
       inner_->abort();
     }
   }
-  /// The backend's future (the same one at every call); over shm that of message i's own Work.
+  /// The backend's future (the same one at every call); for a batch, that of message i's own Work.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::call_once(future_once_, [&] {
-      future_ = batch_ ? shm_batch_messages(*inner_).at(index_)->getFuture() : inner_->getFuture();
+      future_ = batch_ ? batch_->messages().at(index_)->getFuture() : inner_->getFuture();
     });
     return future_;
   }
 
  private:
-  std::exception_ptr inner_error() const {
-    return batch_ ? shm_batch::error(*inner_, index_) : inner_->exception();
-  }
+  std::exception_ptr inner_error() const { return batch_ ? batch_->message_error(index_) : inner_->exception(); }
   /// The backend's error `e` with the key in front (the same object at every call), after the
   /// repair ran.
   std::exception_ptr keyed(const std::exception_ptr& e) const {
@@ -236,8 +233,8 @@ class LeafWork final : public c10d::Work {
     return error_;
   }
 
-  const bool batch_;
-  const WorkPtr inner_;  // the work, or the shm batch
+  const WorkPtr inner_;                          // the work, when the leaf is one
+  const c10::intrusive_ptr<BatchWork> batch_;    // else the batch that holds it
   const std::shared_ptr<const SortedLeaves> leaves_;
   const size_t index_;
   const char* const verb_;  // a literal: "recv of key "
@@ -292,6 +289,98 @@ Stage per_leaf_after_header(const std::shared_ptr<const PerLeafRecv>& r) {
 }
 
 
+/// The receives of a per-leaf irecv once posted, whichever way they went: staged behind the
+/// layout descriptor (the checked protocol) or behind a refusal's drains (`deferred`), one batch
+/// of the transport (`batch`, with the repair of a leaf count that differs), or one work per leaf
+/// (`recvs`).
+struct PostedLeaves {
+  std::shared_ptr<Deferred> deferred;
+  c10::intrusive_ptr<BatchWork> batch;
+  std::shared_ptr<LeafCountRepair> repair;
+  std::vector<WorkPtr> recvs;
+
+  /// Waits for every leaf; the first error names its key.
+  void wait(const Leaves& l) const {
+    if (deferred) {
+      wait_keyed(wait_last(*deferred), l.keys(), "recv of key ");
+    } else if (batch) {  // each leaf's error, the repair, the first error named by its key
+      std::vector<WorkPtr> leaf_works;
+      for (size_t i = 0; i < l.keys().size(); ++i) leaf_works.push_back(leaf_work(l, i, {}));
+      wait_all(leaf_works);
+    } else {
+      wait_keyed(recvs, l.keys(), "recv of key ");
+    }
+  }
+
+  /// The user's Work of leaf i, whose bytes land in `target` (the leaf, or a contiguous stage
+  /// copied into the leaf once it is in).
+  WorkPtr leaf_work(const Leaves& l, size_t i, const at::Tensor& target) const {
+    if (batch) return c10::make_intrusive<LeafWork>(batch, l.sorted, i, "recv of key ", c10d::OpType::RECV, repair);
+    if (!deferred && target.is_same(l.tensors[i])) {  // received in place: nothing to do after it
+      return c10::make_intrusive<LeafWork>(recvs[i], l.sorted, i, "recv of key ", c10d::OpType::RECV);
+    }
+    std::function<void()> copy_back;
+    if (!target.is_same(l.tensors[i])) copy_back = [leaf = l.tensors[i], target]() mutable { leaf.copy_(target); };
+    std::string context = "recv of key " + l.keys()[i].str() + ": ";
+    if (deferred) {
+      return c10::make_intrusive<TransferWork>(std::move(context), deferred, i, c10d::OpType::RECV, std::move(copy_back));
+    }
+    return c10::make_intrusive<TransferWork>(std::move(context), std::vector<WorkPtr>{recvs[i]}, c10d::OpType::RECV,
+                                             std::move(copy_back));
+  }
+};
+
+/// Posts the receives of every leaf into `targets`.
+PostedLeaves post_leaf_receives(const Leaves& l, const Peer& p, const RecvOptions& o,
+                                const std::vector<at::Tensor>& targets, const std::exception_ptr& refusal) {
+  PostedLeaves posted;
+  const Transport& transport = p.group.transport();
+  if (p.group.checked_wire_with(p.rank)) {
+    auto r = std::make_shared<PerLeafRecv>();
+    r->group = p.group;
+    r->peer = p.rank;
+    r->leaves = std::make_shared<const Leaves>(l);
+    r->descriptor_tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
+    r->init_tag = o.init_tag;
+    r->pseudo_rand = o.pseudo_rand;
+    r->header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+    r->targets = targets;
+    r->refusal = refusal;
+    std::shared_ptr<const PerLeafRecv> rc = std::move(r);
+    posted.deferred = std::make_shared<Deferred>(
+        "layout descriptor",
+        Stage{{recv_one(rc->group, rc->header, rc->peer, rc->descriptor_tag)}, [rc] { return per_leaf_after_header(rc); },
+              nullptr});
+  } else if (refusal) {
+    // tensordict's wire says nothing of the sender's leaves: they are taken into scratch tensors
+    // shaped like this receiver's own (a transport that drops mismatched messages drops one of
+    // another size all the same).
+    Stage drain;
+    drain.error = refusal;
+    for (size_t i = 0; i < l.keys().size(); ++i) {
+      drain.pending.push_back(recv_one(
+          p.group, at::empty(l.tensors[i].sizes(), at::TensorOptions().dtype(l.tensors[i].scalar_type())), p.rank,
+          l.wire->c10d_tags[i]));
+    }
+    posted.deferred = std::make_shared<Deferred>("leaves", std::move(drain));
+  } else if (transport.can().batch) {
+    // Every receive posted under one lock; the Work of leaf i is message i of the batch.
+    posted.batch = transport.recv_batch(targets, p.rank, l.wire->c10d_tags, l.wire->checks);
+    posted.repair = std::make_shared<LeafCountRepair>();
+    posted.repair->group = p.group;
+    posted.repair->peer = p.rank;
+    posted.repair->init_tag = o.init_tag;
+    posted.repair->pseudo_rand = o.pseudo_rand;
+    posted.repair->batch = posted.batch;
+    posted.repair->mine = l.keys().size();
+  } else {
+    for (size_t i = 0; i < l.keys().size(); ++i) {
+      posted.recvs.push_back(recv_one(p.group, targets[i], p.rank, l.wire->c10d_tags[i], l.wire->checks[i]));
+    }
+  }
+  return posted;
+}
+
 }  // namespace
 
 Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o) {
@@ -308,16 +397,16 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
     descriptor.push_back(send_one(p.group, descriptor_header(desc), p.rank, tag));
     if (long_desc) descriptor.push_back(send_one(p.group, int64_tensor(std::move(desc)), p.rank, tag));
   }
-  const bool shm = is_shm(p.group);
-  auto* shm_pg = shm ? dynamic_cast<ProcessGroupShm*>(&p.group.backend()) : nullptr;
-  if (shm_pg != nullptr && descriptor.empty() && !o.return_early) {
-    // The blocking send over shm: every leaf written, then one wake-up of the receiver and at
-    // most one Work (none when every leaf is already in the segment).
-    if (WorkPtr batch = shm_pg->send_batch(l.tensors, p.rank, l.wire->c10d_tags, l.wire->checks)) {
+  const Transport& transport = p.group.transport();
+  if (transport.can().batch && descriptor.empty() && !o.return_early) {
+    // The blocking send on a transport that batches: every leaf written, then one wake-up of the
+    // receiver and at most one Work (none when every leaf is already written).
+    if (c10::intrusive_ptr<BatchWork> batch =
+            transport.send_batch(l.tensors, p.rank, l.wire->c10d_tags, l.wire->checks)) {
       try {
         batch->wait();
       } catch (...) {
-        wait_keyed(shm_batch_messages(*batch), l.keys(), "send of key ");  // names the leaf
+        wait_keyed(batch->messages(), l.keys(), "send of key ");  // names the leaf
         throw;
       }
     }
@@ -326,17 +415,17 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
   }
   std::vector<WorkPtr> sends;
   for (size_t i = 0; i < l.keys().size(); ++i) {
-    // Over shm a strided leaf is packed by the transport; other backends want contiguous bytes.
-    at::Tensor t = shm || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
-    sends.push_back(send_one(p.group, t, p.rank, l.wire->c10d_tags[i], shm ? l.wire->checks[i] : MessageCheck{}));
+    // A transport that takes strided tensors packs them itself; others want contiguous bytes.
+    at::Tensor t = transport.can().strided || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
+    sends.push_back(send_one(p.group, t, p.rank, l.wire->c10d_tags[i], l.wire->checks[i]));
   }
   if (o.return_early) {
     if (l.keys().empty()) wait_all(descriptor);
     out.has_works = true;
     for (size_t i = 0; i < l.keys().size(); ++i) {
       if (descriptor.empty()) {
-        out.works.push_back(c10::make_intrusive<LeafWork>(LeafWork::Of::kWork, std::move(sends[i]), l.sorted, i,
-                                                          "send of key ", c10d::OpType::SEND));
+        out.works.push_back(
+            c10::make_intrusive<LeafWork>(std::move(sends[i]), l.sorted, i, "send of key ", c10d::OpType::SEND));
         continue;
       }
       std::vector<WorkPtr> inner = i == 0 ? std::move(descriptor) : std::vector<WorkPtr>{};
@@ -366,96 +455,29 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
   } catch (...) {
     refusal = std::current_exception();
   }
-  const bool shm = is_shm(p.group);
-  // Over shm a strided leaf is staged by the transport; others receive contiguous bytes, copied
-  // into the leaf once they are in.
+  // A transport that takes strided tensors stages them itself; others receive contiguous bytes,
+  // copied into the leaf once they are in.
   std::vector<at::Tensor> staged;
-  if (!shm && !refusal &&
+  if (!p.group.transport().can().strided && !refusal &&
       std::any_of(l.tensors.begin(), l.tensors.end(), [](const at::Tensor& t) { return !t.is_contiguous(); })) {
-    for (const auto& leaf : l.tensors) {
-      staged.push_back(leaf.is_contiguous() ? leaf : at::empty(leaf.sizes(), leaf.options()));
-    }
+    for (const auto& leaf : l.tensors) staged.push_back(leaf.is_contiguous() ? leaf : at::empty(leaf.sizes(), leaf.options()));
   }
   const std::vector<at::Tensor>& targets = staged.empty() ? l.tensors : staged;
-
-  // The receives whose completion completes each leaf: posted now (the plain wire: one batch
-  // over shm, one work per leaf on other backends), or by the last stage of a Deferred (the
-  // checked protocol, or a refusal's drains).
-  WorkPtr batch;
-  std::vector<WorkPtr> recvs;
-  std::shared_ptr<Deferred> deferred;
-  if (p.group.checked_wire_with(p.rank)) {
-    auto r = std::make_shared<PerLeafRecv>();
-    r->group = p.group;
-    r->peer = p.rank;
-    r->leaves = std::make_shared<const Leaves>(l);
-    r->descriptor_tag = descriptor_tag(l, o.init_tag, o.pseudo_rand);
-    r->init_tag = o.init_tag;
-    r->pseudo_rand = o.pseudo_rand;
-    r->header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
-    r->targets = targets;
-    r->refusal = refusal;
-    std::shared_ptr<const PerLeafRecv> rc = std::move(r);
-    deferred = std::make_shared<Deferred>("layout descriptor",
-                                          Stage{{recv_one(rc->group, rc->header, rc->peer, rc->descriptor_tag)},
-                                                [rc] { return per_leaf_after_header(rc); }, nullptr});
-  } else if (refusal) {
-    // tensordict's wire says nothing of the sender's leaves: they are taken into scratch tensors
-    // shaped like this receiver's own (over shm a message of another size is dropped all the same).
-    Stage drain;
-    drain.error = refusal;
-    for (size_t i = 0; i < l.keys().size(); ++i) {
-      drain.pending.push_back(recv_one(p.group, at::empty(l.tensors[i].sizes(), at::TensorOptions().dtype(l.tensors[i].scalar_type())),
-                                       p.rank, l.wire->c10d_tags[i]));
-    }
-    deferred = std::make_shared<Deferred>("leaves", std::move(drain));
-  } else if (auto* shm_pg = shm ? dynamic_cast<ProcessGroupShm*>(&p.group.backend()) : nullptr) {
-    // Over shm every receive is posted under one lock. The blocking receive waits for all of
-    // them at once; only a failure (or return_premature) needs a Work per leaf.
-    batch = shm_pg->recv_batch(targets, p.rank, l.wire->c10d_tags, l.wire->checks);
-    if (!o.return_premature) {
-      bool ok = false;
-      try {
-        batch->wait();
-        ok = true;
-      } catch (...) {
-      }
-      if (ok) return Transfer{};  // shm received strided leaves in place
-    }
-  } else {
-    for (size_t i = 0; i < l.keys().size(); ++i) {
-      recvs.push_back(recv_one(p.group, targets[i], p.rank, l.wire->c10d_tags[i], MessageCheck{}));
-    }
-  }
-  // Over shm, the Work of leaf i is message i of the batch, with the repair of a leaf count
-  // that differs.
-  std::shared_ptr<LeafCountRepair> repair;
-  if (batch) {
-    repair = std::make_shared<LeafCountRepair>();
-    repair->group = p.group;
-    repair->peer = p.rank;
-    repair->init_tag = o.init_tag;
-    repair->pseudo_rand = o.pseudo_rand;
-    repair->batch = batch;
-    repair->mine = l.keys().size();
-  }
-  const auto shm_leaf = [&](size_t i) {
-    return c10::make_intrusive<LeafWork>(LeafWork::Of::kShmBatch, batch, l.sorted, i, "recv of key ",
-                                         c10d::OpType::RECV, repair);
-  };
+  const PostedLeaves posted = post_leaf_receives(l, p, o, targets, refusal);
 
   Transfer out;
   if (!o.return_premature) {
-    // Waited here: no user-facing Work per leaf.
-    if (deferred) {
-      wait_keyed(wait_last(*deferred), l.keys(), "recv of key ");
-    } else if (batch) {  // it failed: each leaf's error, the repair, the first error named by its key
-      std::vector<WorkPtr> leaf_works;
-      for (size_t i = 0; i < l.keys().size(); ++i) leaf_works.push_back(shm_leaf(i));
-      wait_all(leaf_works);
-    } else {
-      wait_keyed(recvs, l.keys(), "recv of key ");
+    // Waited here: no user-facing Work per leaf. A batch is waited as a whole; only a failure
+    // needs a Work per leaf (PostedLeaves::wait).
+    bool batch_ok = false;
+    if (posted.batch) {
+      try {
+        posted.batch->wait();
+        batch_ok = true;
+      } catch (...) {
+      }
     }
+    if (!batch_ok) posted.wait(l);
     for (size_t i = 0; i < targets.size(); ++i) {
       if (!targets[i].is_same(l.tensors[i])) l.tensors[i].copy_(targets[i]);
     }
@@ -463,25 +485,8 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
   }
   out.has_works = true;
   out.works.reserve(l.keys().size());
-  for (size_t i = 0; i < l.keys().size(); ++i) {
-    if (batch) {
-      out.works.push_back(shm_leaf(i));
-    } else if (!deferred && targets[i].is_same(l.tensors[i])) {  // received in place: nothing to do after it
-      out.works.push_back(
-          c10::make_intrusive<LeafWork>(LeafWork::Of::kWork, recvs[i], l.sorted, i, "recv of key ", c10d::OpType::RECV));
-    } else {
-      std::function<void()> copy_back;
-      if (!targets[i].is_same(l.tensors[i])) {
-        copy_back = [leaf = l.tensors[i], target = targets[i]]() mutable { leaf.copy_(target); };
-      }
-      std::string context = "recv of key " + l.keys()[i].str() + ": ";
-      out.works.push_back(deferred ? c10::make_intrusive<TransferWork>(std::move(context), deferred, i,
-                                                                       c10d::OpType::RECV, std::move(copy_back))
-                                   : c10::make_intrusive<TransferWork>(std::move(context), std::vector<WorkPtr>{recvs[i]},
-                                                                       c10d::OpType::RECV, std::move(copy_back)));
-    }
-  }
-  if (l.keys().empty() && deferred) wait_last(*deferred);  // the descriptor is consumed (and checked) all the same
+  for (size_t i = 0; i < l.keys().size(); ++i) out.works.push_back(posted.leaf_work(l, i, targets[i]));
+  if (l.keys().empty() && posted.deferred) wait_last(*posted.deferred);  // the descriptor is consumed (and checked) all the same
   return out;
 }
 

@@ -155,9 +155,10 @@ TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
   try {
     r = read_metadata(bytes);
   } catch (...) {
-    // The sender's storage is still on its way: take it (over shm any size is dropped once it
-    // fails a receive of no bytes) so that the pair stays in step, then report the refusal.
-    if (is_shm(p.group)) {
+    // The sender's storage is still on its way: take it (a transport that drops mismatched
+    // messages drops it on a receive of no bytes) so that the pair stays in step, then report the
+    // refusal.
+    if (p.group.transport().can().drop_mismatched) {
       try {
         recv_now(p.group, bytes_tensor(0), p.rank, kRemoteInitTag);
       } catch (...) {

@@ -62,8 +62,6 @@ Peer resolve_peer(const char* global_name, const char* group_name, std::optional
   return p;
 }
 
-bool is_shm(const Group& g) { return g.backend_name() == "shm"; }
-
 int c10d_tag(int64_t tag) {
   if (tag < 0 || tag > INT_MAX) {
     throw Error("tag " + std::to_string(tag) + " is outside [0, " + std::to_string(INT_MAX) + "] (init_tag too large?)");
@@ -71,21 +69,13 @@ int c10d_tag(int64_t tag) {
   return static_cast<int>(tag);
 }
 
-// The shm backend takes the check with the message (it rides in the entry's header); another
-// backend has no room for it on tensordict's wire.
+// A transport that carries checks takes them with the message (in its own metadata); another has
+// no room for them on tensordict's wire.
 WorkPtr send_one(const Group& g, at::Tensor t, int peer, int tag, MessageCheck check) {
-  std::vector<at::Tensor> v{std::move(t)};
-  if (check.kind != MessageCheck::Kind::kNone) {
-    if (auto* shm = dynamic_cast<ProcessGroupShm*>(&g.backend())) return shm->send_checked(v, peer, tag, check);
-  }
-  return g.backend().send(v, peer, tag);
+  return g.transport().send(std::move(t), peer, tag, check);
 }
 WorkPtr recv_one(const Group& g, at::Tensor t, int peer, int tag, MessageCheck check) {
-  std::vector<at::Tensor> v{std::move(t)};
-  if (check.kind != MessageCheck::Kind::kNone) {
-    if (auto* shm = dynamic_cast<ProcessGroupShm*>(&g.backend())) return shm->recv_checked(v, peer, tag, check);
-  }
-  return g.backend().recv(v, peer, tag);
+  return g.transport().recv(std::move(t), peer, tag, check);
 }
 void recv_now(const Group& g, const at::Tensor& t, int peer, int tag) { recv_one(g, t, peer, tag)->wait(); }
 void broadcast_now(const Group& g, const at::Tensor& t, int root) {

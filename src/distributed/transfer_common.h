@@ -13,6 +13,7 @@
 
 #include "common/format.h"
 #include "distributed/transfer_errors.h"
+#include "process_group/transport.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
@@ -285,11 +286,11 @@ Group group_or_default(const Group& g);
 /// The group rank of global rank `src` (Error when it is not a member).
 int root_in_group(const Group& g, int src);
 
-bool is_shm(const Group& g);
 /// A transfer tag as c10d takes it. Throws Error outside [0, INT_MAX].
 int c10d_tag(int64_t tag);
 
-/// Posts one message; `check` is given to the shm transport (ignored on other backends).
+/// Posts one message; `check` rides with it where the transport can carry it
+/// (Transport::Can::check_messages), else it is ignored.
 WorkPtr send_one(const Group& g, at::Tensor t, int peer, int tag, MessageCheck check = {});
 WorkPtr recv_one(const Group& g, at::Tensor t, int peer, int tag, MessageCheck check = {});
 void recv_now(const Group& g, const at::Tensor& t, int peer, int tag);

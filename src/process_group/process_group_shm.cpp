@@ -2,7 +2,7 @@
 
 #include <tdshm/process_group.h>
 
-#include "process_group/shm_batch.h"
+#include "process_group/batch_work.h"
 #include "process_group/tensor_checks.h"
 #include "shm/engine.h"
 
@@ -25,11 +25,12 @@ const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const ch
   return tensors[0];
 }
 
-/// A c10d Work over one or more engine ops; completes when all of them are done.
-class ShmWork : public c10d::Work {
+/// A c10d Work over one or more engine ops; completes when all of them are done. A batch's
+/// (send_batch, recv_batch) answers for each of its messages too (batch_work.h).
+class ShmWork : public detail::BatchWork {
  public:
   ShmWork(std::shared_ptr<ShmEngine> engine, OpList ops, c10d::OpType type, at::Tensor output = {})
-      : c10d::Work(engine->rank(), type), engine_(std::move(engine)), ops_(std::move(ops)), output_(std::move(output)) {}
+      : detail::BatchWork(engine->rank(), type), engine_(std::move(engine)), ops_(std::move(ops)), output_(std::move(output)) {}
 
   /// A batch of `size` messages whose pending ones are ops_ (op j is message positions[j], or
   /// message j when `positions` is empty; the others completed when they were posted).
@@ -73,8 +74,7 @@ class ShmWork : public c10d::Work {
     return true;
   }
 
-  /// What shm_batch_messages returns.
-  std::vector<c10::intrusive_ptr<c10d::Work>> messages() const {
+  std::vector<c10::intrusive_ptr<c10d::Work>> messages() const override {
     if (!batch_) throw TypeError("shm_batch_messages: the Work is not one of ProcessGroupShm::send_batch / recv_batch");
     std::vector<c10::intrusive_ptr<c10d::Work>> out(batch_size_);
     for (size_t j = 0; j < ops_.size(); ++j) {
@@ -116,14 +116,37 @@ class ShmWork : public c10d::Work {
     return future_;
   }
 
-  /// Message j of a batch: its op, or null when it completed as it was posted.
-  const std::shared_ptr<ShmOp>* message(size_t j) const {
-    if (!batch_ || j >= batch_size_) throw TypeError("shm_batch: the Work is not a batch of that many messages");
-    if (positions_.empty()) return &ops_[j];  // op j is message j
-    const auto it = std::find(positions_.begin(), positions_.end(), static_cast<uint32_t>(j));
-    return it == positions_.end() ? nullptr : &ops_[static_cast<size_t>(it - positions_.begin())];
+  // ---- One message of a batch (BatchWork) ----
+  bool message_completed(size_t i) override {
+    const ShmOp* op = op_of(i);
+    if (!done(op)) engine_->poll();
+    return done(op);
   }
-  ShmEngine& engine() const { return *engine_; }
+  bool message_succeeded(size_t i) const override {
+    const ShmOp* op = op_of(i);
+    return done(op) && (op == nullptr || !op->error);
+  }
+  std::exception_ptr message_error(size_t i) const override {
+    const ShmOp* op = op_of(i);
+    return done(op) && op != nullptr ? op->error : nullptr;
+  }
+  void wait_message(size_t i, std::chrono::milliseconds timeout) override {
+    if (const std::shared_ptr<ShmOp>* op = message(i); op != nullptr && !done(op->get())) {
+      const auto limit = timeout == kNoTimeout ? engine_->options().timeout : timeout;
+      engine_->wait(std::span(op, 1), std::chrono::steady_clock::now() + limit, /*stop_on_error=*/false);
+    }
+    if (auto e = message_error(i)) std::rethrow_exception(e);
+  }
+  void abort_message(size_t i) override {
+    if (const std::shared_ptr<ShmOp>* op = message(i); op != nullptr) {
+      engine_->cancel(std::span(op, 1), std::make_exception_ptr(
+                                            TransportError("the operation was aborted (Work::abort) before it completed")));
+    }
+  }
+  uint16_t message_sender_leaves(size_t i) const override {
+    const ShmOp* op = op_of(i);
+    return done(op) && op != nullptr ? op->sender_leaves : 0;
+  }
 
   /// What shm_sender_leaf_count returns.
   uint16_t sender_leaves() const {
@@ -134,6 +157,19 @@ class ShmWork : public c10d::Work {
   }
 
  private:
+  /// Message j of a batch: its op, or null when it completed as it was posted.
+  const std::shared_ptr<ShmOp>* message(size_t j) const {
+    if (!batch_ || j >= batch_size_) throw TypeError("shm batch: the Work is not a batch of that many messages");
+    if (positions_.empty()) return &ops_[j];  // op j is message j
+    const auto it = std::find(positions_.begin(), positions_.end(), static_cast<uint32_t>(j));
+    return it == positions_.end() ? nullptr : &ops_[static_cast<size_t>(it - positions_.begin())];
+  }
+  const ShmOp* op_of(size_t j) const {
+    const std::shared_ptr<ShmOp>* op = message(j);
+    return op != nullptr ? op->get() : nullptr;
+  }
+  // A message that completed as it was posted has no op.
+  static bool done(const ShmOp* op) { return op == nullptr || op->done.load(std::memory_order_acquire); }
   bool all_done() const {
     for (const auto& op : ops_) {
       if (!op->done.load(std::memory_order_acquire)) return false;  // pairs with ShmEngine::finish
@@ -194,58 +230,6 @@ uint16_t shm_sender_leaf_count(const c10d::Work& work) {
   const auto* shm = dynamic_cast<const ShmWork*>(&work);
   return shm ? shm->sender_leaves() : 0;
 }
-
-namespace detail::shm_batch {
-
-namespace {
-const ShmWork& of(const c10d::Work& batch) { return static_cast<const ShmWork&>(batch); }  // see shm_batch.h
-/// Message i's op, null when it completed as it was posted.
-const ShmOp* op_of(const c10d::Work& batch, size_t i) {
-  const std::shared_ptr<ShmOp>* op = of(batch).message(i);
-  return op != nullptr ? op->get() : nullptr;
-}
-bool done(const ShmOp* op) { return op == nullptr || op->done.load(std::memory_order_acquire); }  // pairs with finish
-}  // namespace
-
-bool completed(c10d::Work& batch, size_t i) {
-  const ShmOp* op = op_of(batch, i);
-  if (!done(op)) of(batch).engine().poll();
-  return done(op);
-}
-
-bool succeeded(const c10d::Work& batch, size_t i) {
-  const ShmOp* op = op_of(batch, i);
-  return done(op) && (op == nullptr || !op->error);
-}
-
-std::exception_ptr error(const c10d::Work& batch, size_t i) {
-  const ShmOp* op = op_of(batch, i);
-  return done(op) && op != nullptr ? op->error : nullptr;
-}
-
-void wait(c10d::Work& batch, size_t i, std::chrono::milliseconds timeout) {
-  const ShmWork& w = of(batch);
-  if (const std::shared_ptr<ShmOp>* op = w.message(i); op != nullptr && !done(op->get())) {
-    const auto limit = timeout == kNoTimeout ? w.engine().options().timeout : timeout;
-    w.engine().wait(std::span(op, 1), std::chrono::steady_clock::now() + limit, /*stop_on_error=*/false);
-  }
-  if (auto e = error(batch, i)) std::rethrow_exception(e);
-}
-
-void abort(c10d::Work& batch, size_t i) {
-  const ShmWork& w = of(batch);
-  if (const std::shared_ptr<ShmOp>* op = w.message(i); op != nullptr) {
-    w.engine().cancel(std::span(op, 1),
-                      std::make_exception_ptr(TransportError("the operation was aborted (Work::abort) before it completed")));
-  }
-}
-
-uint16_t sender_leaves(const c10d::Work& batch, size_t i) {
-  const ShmOp* op = op_of(batch, i);
-  return done(op) && op != nullptr ? op->sender_leaves : 0;
-}
-
-}  // namespace detail::shm_batch
 
 std::vector<c10::intrusive_ptr<c10d::Work>> shm_batch_messages(const c10d::Work& work) {
   const auto* shm = dynamic_cast<const ShmWork*>(&work);

@@ -119,7 +119,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::run_collective(c10d::OpType type
   const auto limit = timeout == c10d::kUnsetTimeout ? engine_->options().timeout : timeout;
   std::exception_ptr error;
   {
-    std::lock_guard lk(engine_->collective_mutex());
+    std::lock_guard lk(engine_->steps().mutex());
     try {
       body(std::chrono::steady_clock::now() + limit);
     } catch (...) {

@@ -37,12 +37,12 @@ constexpr int kNobody = -2;
 // published; the part is released after `read`.
 template <class Write, class Read>
 void step(ShmEngine& e, uint64_t what, Deadline deadline, Write write, Read read, int from = kEveryPeer) {
-  const uint64_t s = e.begin_step(what, deadline);
-  write(e.my_part(s));
-  e.publish_step(s);
-  if (from != kNobody) e.await_step(s, deadline, from);
+  const uint64_t s = e.steps().begin_step(what, deadline);
+  write(e.steps().my_part(s));
+  e.steps().publish_step(s);
+  if (from != kNobody) e.steps().await_step(s, deadline, from);
   read(s);
-  e.end_step(s);
+  e.steps().end_step(s);
 }
 
 // Whom piece k of a rooted collective waits for. The first piece waits for every peer, so that
@@ -60,14 +60,14 @@ uint64_t pieces(uint64_t bytes, uint64_t per_piece) { return std::max<uint64_t>(
 
 // The error for a window whose parts are too small for `what` among the group's ranks.
 TypeError window_too_small(const ShmEngine& e, const std::string& what) {
-  return TypeError("shm collective: a window of " + std::to_string(e.part_bytes() * shm::kWindowParts) +
+  return TypeError("shm collective: a window of " + std::to_string(e.steps().part_bytes() * shm::kWindowParts) +
                    " bytes (" + std::to_string(shm::kWindowParts) + " parts) cannot " + what + " of " +
                    std::to_string(e.size()) + " ranks; make ShmOptions::window_bytes larger");
 }
 
 // Bytes per rank within one part when it is cut into `world` equal pieces (cache-line multiples).
 uint64_t share(const ShmEngine& e, uint64_t unit) {
-  const uint64_t per = e.part_bytes() / static_cast<uint64_t>(e.size());
+  const uint64_t per = e.steps().part_bytes() / static_cast<uint64_t>(e.size());
   const uint64_t aligned = per >= 64 ? per / 64 * 64 : per;
   const uint64_t out = aligned / unit * unit;
   if (out == 0) throw window_too_small(e, "hold a share for each");
@@ -81,10 +81,10 @@ void reduce_parts(ShmEngine& e, uint8_t* out, uint64_t s, uint64_t offset, uint6
   if (m == 0) return;
   const int world = e.size();
   if (world == 1) {
-    std::memmove(out, e.part_of(0, s) + offset, m * c10::elementSize(dtype));
+    std::memmove(out, e.steps().part_of(0, s) + offset, m * c10::elementSize(dtype));
   } else {
-    reduce_into(out, e.part_of(0, s) + offset, e.part_of(1, s) + offset, m, dtype, op);
-    for (int r = 2; r < world; ++r) reduce_into(out, out, e.part_of(r, s) + offset, m, dtype, op);
+    reduce_into(out, e.steps().part_of(0, s) + offset, e.steps().part_of(1, s) + offset, m, dtype, op);
+    for (int r = 2; r < world; ++r) reduce_into(out, out, e.steps().part_of(r, s) + offset, m, dtype, op);
   }
   if (op == ReduceKind::kAvg) divide_by(out, m, dtype, world);
 }
@@ -96,7 +96,7 @@ void reduce_parts(ShmEngine& e, uint8_t* out, uint64_t s, uint64_t offset, uint6
 // shares travel as control messages (matched apart from user tags, tagged with that step's
 // number, which every rank knows), one copy in at the sender and one out at the receiver.
 bool goes_point_to_point(const ShmEngine& e, uint64_t bytes) {
-  return e.size() > 1 && bytes > e.part_bytes() / static_cast<uint64_t>(e.size());
+  return e.size() > 1 && bytes > e.steps().part_bytes() / static_cast<uint64_t>(e.size());
 }
 
 at::Tensor bytes_view(const uint8_t* data, uint64_t bytes) {
@@ -110,12 +110,12 @@ void finish_ops(ShmEngine& e, const std::vector<std::shared_ptr<ShmOp>>& ops, De
   try {
     e.wait(ops, deadline);
   } catch (...) {
-    e.fail_collectives(std::current_exception());
+    e.steps().fail(std::current_exception());
     throw;
   }
   for (const auto& op : ops) {
     if (op && op->error) {
-      e.fail_collectives(op->error);
+      e.steps().fail(op->error);
       std::rethrow_exception(op->error);
     }
   }
@@ -133,7 +133,7 @@ void shm_barrier(ShmEngine& e, Deadline deadline) {
 }
 
 void shm_broadcast(ShmEngine& e, uint8_t* data, uint64_t bytes, int root, Deadline deadline) {
-  const uint64_t part = e.part_bytes();
+  const uint64_t part = e.steps().part_bytes();
   const bool is_root = e.rank() == root;
   for (uint64_t k = 0, n = pieces(bytes, part); k < n; ++k) {
     const uint64_t off = k * part, len = std::min(part, bytes - off);
@@ -143,7 +143,7 @@ void shm_broadcast(ShmEngine& e, uint8_t* data, uint64_t bytes, int root, Deadli
           if (is_root && len) std::memcpy(mine, data + off, len);
         },
         [&](uint64_t s) {
-          if (!is_root && len) std::memcpy(data + off, e.part_of(root, s), len);
+          if (!is_root && len) std::memcpy(data + off, e.steps().part_of(root, s), len);
         },
         rooted_from(k, e.rank(), root, /*to_root=*/false));
   }
@@ -154,7 +154,7 @@ void shm_reduce(ShmEngine& e, uint8_t* data, uint64_t n, at::ScalarType dtype, R
   const uint64_t es = c10::elementSize(dtype);
   const int world = e.size(), me = e.rank();
   const bool wants = root < 0 || root == me;
-  const uint64_t per_piece = e.part_bytes() / es;  // elements
+  const uint64_t per_piece = e.steps().part_bytes() / es;  // elements
   const uint64_t total = n * es;
   const uint32_t code = reduce_code(dtype, op);
   for (uint64_t k = 0, np = pieces(n, per_piece); k < np; ++k) {
@@ -176,34 +176,34 @@ void shm_reduce(ShmEngine& e, uint8_t* data, uint64_t n, at::ScalarType dtype, R
     }
     // Rank r owns elements [m * r / world, m * (r + 1) / world) of the piece.
     auto lo = [&](int r) { return m * static_cast<uint64_t>(r) / static_cast<uint64_t>(world); };
-    const uint64_t a = e.begin_step(what, deadline);
-    std::memcpy(e.my_part(a), piece, m * es);
-    e.publish_step(a);
-    e.await_step(a, deadline);
+    const uint64_t a = e.steps().begin_step(what, deadline);
+    std::memcpy(e.steps().my_part(a), piece, m * es);
+    e.steps().publish_step(a);
+    e.steps().await_step(a, deadline);
     // The owned slice goes to the same offset of the next step's part.
-    const uint64_t b = e.begin_step(what ^ 1, deadline);
-    reduce_parts(e, e.my_part(b) + lo(me) * es, a, lo(me) * es, lo(me + 1) - lo(me), dtype, op);
-    e.end_step(a);
-    e.publish_step(b);
-    e.await_step(b, deadline);
+    const uint64_t b = e.steps().begin_step(what ^ 1, deadline);
+    reduce_parts(e, e.steps().my_part(b) + lo(me) * es, a, lo(me) * es, lo(me + 1) - lo(me), dtype, op);
+    e.steps().end_step(a);
+    e.steps().publish_step(b);
+    e.steps().await_step(b, deadline);
     if (wants) {
       for (int r = 0; r < world; ++r) {
         const uint64_t off = lo(r) * es, len = (lo(r + 1) - lo(r)) * es;
-        if (len) std::memcpy(piece + off, e.part_of(r, b) + off, len);
+        if (len) std::memcpy(piece + off, e.steps().part_of(r, b) + off, len);
       }
     }
-    e.end_step(b);
+    e.steps().end_step(b);
   }
 }
 
 void shm_gather(ShmEngine& e, const uint8_t* in, uint64_t bytes, std::span<uint8_t* const> outs, int root,
                 Deadline deadline) {
-  const uint64_t part = e.part_bytes();
+  const uint64_t part = e.steps().part_bytes();
   const int me = e.rank();
   const bool wants = root < 0 || root == me;
   if (root >= 0 && goes_point_to_point(e, bytes)) {
     step(e, describe(Kind::kGather, bytes, root, 1), deadline, [](uint8_t*) {}, [](uint64_t) {});
-    const auto tag = static_cast<int64_t>(e.last_step());
+    const auto tag = static_cast<int64_t>(e.steps().last_step());
     std::vector<std::shared_ptr<ShmOp>> ops;
     if (me == root) {
       for (int r = 0; r < e.size(); ++r) {
@@ -226,7 +226,7 @@ void shm_gather(ShmEngine& e, const uint8_t* in, uint64_t bytes, std::span<uint8
         [&](uint64_t s) {
           if (!wants || len == 0) return;
           for (int r = 0; r < e.size(); ++r) {
-            std::memcpy(outs[static_cast<size_t>(r)] + off, r == me ? in + off : e.part_of(r, s), len);
+            std::memcpy(outs[static_cast<size_t>(r)] + off, r == me ? in + off : e.steps().part_of(r, s), len);
           }
         },
         root < 0 ? kEveryPeer : rooted_from(k, me, root, /*to_root=*/true));
@@ -238,7 +238,7 @@ void shm_scatter(ShmEngine& e, std::span<const uint8_t* const> ins, uint8_t* out
   const int me = e.rank(), world = e.size();
   if (goes_point_to_point(e, bytes)) {
     step(e, describe(Kind::kScatter, bytes, root, 1), deadline, [](uint8_t*) {}, [](uint64_t) {});
-    const auto tag = static_cast<int64_t>(e.last_step());
+    const auto tag = static_cast<int64_t>(e.steps().last_step());
     std::vector<std::shared_ptr<ShmOp>> ops;
     if (me == root) {
       for (int r = 0; r < world; ++r) {
@@ -265,7 +265,7 @@ void shm_scatter(ShmEngine& e, std::span<const uint8_t* const> ins, uint8_t* out
         [&](uint64_t s) {
           if (len == 0) return;
           std::memcpy(out + off,
-                      me == root ? ins[static_cast<size_t>(me)] + off : e.part_of(root, s) + static_cast<uint64_t>(me) * per,
+                      me == root ? ins[static_cast<size_t>(me)] + off : e.steps().part_of(root, s) + static_cast<uint64_t>(me) * per,
                       len);
         },
         rooted_from(k, me, root, /*to_root=*/false));
@@ -296,7 +296,7 @@ void shm_alltoall(ShmEngine& e, const uint8_t* in, std::span<const uint64_t> sen
                   std::span<const uint64_t> recv_bytes, Deadline deadline) {
   const int world = e.size(), me = e.rank();
   const auto w = static_cast<size_t>(world);
-  if (e.part_bytes() < 16 * w) throw window_too_small(e, "hold the alltoall sizes");
+  if (e.steps().part_bytes() < 16 * w) throw window_too_small(e, "hold the alltoall sizes");
   // First step: every rank's send and receive sizes, so that every rank checks every pair and
   // knows how many steps the largest pair takes.
   uint64_t longest = 0;
@@ -310,7 +310,7 @@ void shm_alltoall(ShmEngine& e, const uint8_t* in, std::span<const uint64_t> sen
       [&](uint64_t s) {
         std::vector<uint64_t> sends(w * w), recvs(w * w);
         for (size_t r = 0; r < w; ++r) {
-          const uint8_t* p = r == static_cast<size_t>(me) ? nullptr : e.part_of(static_cast<int>(r), s);
+          const uint8_t* p = r == static_cast<size_t>(me) ? nullptr : e.steps().part_of(static_cast<int>(r), s);
           std::memcpy(&sends[r * w], p ? p : reinterpret_cast<const uint8_t*>(send_bytes.data()), 8 * w);
           std::memcpy(&recvs[r * w], p ? p + 8 * w : reinterpret_cast<const uint8_t*>(recv_bytes.data()), 8 * w);
         }
@@ -348,7 +348,7 @@ void shm_alltoall(ShmEngine& e, const uint8_t* in, std::span<const uint64_t> sen
             const uint64_t len = chunk(recv_bytes[r]);
             if (len == 0) continue;
             const uint8_t* src = r == static_cast<size_t>(me) ? in + send_off[r] + off
-                                                              : e.part_of(static_cast<int>(r), s) + static_cast<uint64_t>(me) * per;
+                                                              : e.steps().part_of(static_cast<int>(r), s) + static_cast<uint64_t>(me) * per;
             std::memcpy(out + recv_off[r] + off, src, len);
           }
         });

@@ -1,5 +1,5 @@
 #pragma once
-// Collectives over the segment's windows (engine.h: the collective steps).
+// Collectives over the segment's windows (collective_steps.h: the steps).
 //
 // Protocol. Each rank owns a window of the segment (ShmOptions::window_bytes) split in
 // kWindowParts (4) parts, and words in its RankSlot: `published`, `consumed` and

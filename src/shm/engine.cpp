@@ -32,7 +32,7 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
       options_(options),
       // Up to 64 MiB of early-message buffers stay resident between messages.
       unexpected_pool_(std::min<uint64_t>(options.max_unexpected_bytes, uint64_t{64} << 20)),
-      spin_budget_ns_(std::chrono::duration_cast<std::chrono::nanoseconds>(options.spin).count()) {
+      spin_budget_(options.spin) {
   if (size < 1) throw SegmentError("world size " + std::to_string(size) + " must be at least 1");
   if (rank < 0 || rank >= size) {
     throw SegmentError("rank " + std::to_string(rank) + " is outside [0, " + std::to_string(size) + ")");
@@ -64,6 +64,8 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   held_bytes_.assign(n, 0);
   consumed_since_wake_.assign(n, 0);
   wake_batch_ = std::max<uint32_t>(1, std::min(options.slots_per_rank, options.ring_entries) / 4);
+  shm::StepPeers& peers = *this;  // (a private base: converted here, where it is accessible)
+  steps_ = std::make_unique<shm::CollectiveSteps>(*segment_, spin_budget_, peers);
   rendezvous(deadline);
   next_peer_check_.store(ticks(Clock::now() + options_.peer_check_interval), std::memory_order_relaxed);
   log().debug("rank {} of {} ready on segment '{}'", rank, size, name);
@@ -152,16 +154,7 @@ void ShmEngine::shutdown() noexcept {
     std::lock_guard lk(mu_);
     if (shut_down_) return;
     shut_down_ = make_error<Error>("the process group was destroyed while this transfer was pending");
-    for (auto& q : send_queues_) {
-      for (auto& op : q) finish(op, shut_down_);
-      q.clear();
-    }
-    matcher_.clear([&](const std::shared_ptr<ShmOp>& op) { finish(op, shut_down_); });
-    for (auto& msg : current_) {
-      if (msg && msg->op) finish(msg->op, shut_down_);
-      msg.reset();
-    }
-    unexpected_bytes_ = 0;
+    fail_pending(shut_down_);
   }
   {
     std::lock_guard lk(watch_mu_);
@@ -330,14 +323,12 @@ bool ShmEngine::post_recv_locked(const std::shared_ptr<ShmOp>& op, int src) {
 
 bool ShmEngine::progress_locked(bool drain_all) {
   if (shut_down_ || check_poisoned()) return false;
-  drain_all_ = drain_all;
   bool moved = false;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
-    moved |= progress_receives(p);
+    moved |= progress_receives(p, drain_all);
     moved |= progress_sends(p);
   }
-  drain_all_ = true;
   return moved;
 }
 
@@ -420,7 +411,7 @@ bool ShmEngine::write_entry(int dst, uint32_t flags, int64_t tag, const at::Tens
   return true;
 }
 
-bool ShmEngine::progress_receives(int src) {
+bool ShmEngine::progress_receives(int src, bool drain_all) {
   const auto s = static_cast<size_t>(src);
   if (peer_error_[s] && !current_[s]) {
     // A lost peer's ring was drained before it was declared lost, or it sent a malformed entry:
@@ -431,7 +422,7 @@ bool ShmEngine::progress_receives(int src) {
   shm::RingConsumer& ring = rx_[s];
   const shm::RegionView& region = regions_[s];
   bool moved = false;
-  completed_posted_ = false;
+  ReceivePass pass{drain_all};
   for (;;) {
     shm::EntryFields fields;
     if (!ring.peek(fields)) break;  // read once: only this copy is used below
@@ -441,7 +432,7 @@ bool ShmEngine::progress_receives(int src) {
     const uint8_t* payload = in_slot ? shm::claimed_chunk(region, fields.slot, me) : ring.inline_bytes();
     Taken taken;
     try {
-      taken = handle_entry(src, fields, payload, ring.shape());
+      taken = handle_entry(src, fields, payload, ring.shape(), pass);
       // The sender's region is written only by the sender, and only in free slots: a slot that is
       // no longer handed to this rank after the copy was rewritten while it was read.
       if (taken == Taken::kYes && in_slot && !shm::claimed_chunk(region, fields.slot, me)) {
@@ -466,7 +457,6 @@ bool ShmEngine::progress_receives(int src) {
     moved = true;
     ++consumed_since_wake_[s];
   }
-  completed_posted_ = false;
   // The sender may sleep waiting for room: wake it once a quarter of its room is back, or when
   // its ring is empty, rather than for every entry (a producer woken per freed slot copies one
   // chunk and sleeps again: with more ranks than cores, a data loader's workers thrashed so).

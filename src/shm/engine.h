@@ -6,9 +6,11 @@
 // (arena.h), the matching of receives with messages (matcher.h), the early-message buffers
 // (buffer_pool.h), the futex words (futex.h). Its own code
 // is split by job: engine.cpp (construction, posting, progress), engine_receive.cpp (matching
-// and landing incoming messages), engine_peers.cpp (liveness), engine_wait.cpp (waiting, wake-ups,
-// the helper thread), engine_collective.cpp (the collective windows' steps, used by collective.h's
-// algorithms); engine_internal.h holds what they share.
+// and landing incoming messages), engine_peers.cpp (liveness), engine_wait.cpp (point-to-point
+// waits, wake-ups, the helper thread); engine_internal.h holds what they share. The collective
+// windows' steps are a part of their own (collective_steps.h), which the engine owns and answers
+// for liveness (shm::StepPeers). Every wait, point-to-point or collective, is one loop
+// (waiter.h). The locks and what each guards are listed with the fields, at the end of the class.
 //
 // Protocol (one SPSC metadata ring per ordered pair of ranks, one slot region per rank, see
 // segment_layout.h):
@@ -39,17 +41,18 @@
 //  * Wake-ups: a rank that sleeps announces it in its RankSlot::sleepers and sleeps on
 //    RankSlot::wake_seq; whoever makes progress possible for it (posts an entry to it, or frees
 //    an entry it writes to) bumps wake_seq and calls FUTEX_WAKE only when sleepers > 0, so a
-//    spinning peer costs no system call. Publish-then-check-sleepers on one side and
-//    announce-then-recheck on the other are ordered by seq_cst operations (no lost wake-up).
+//    spinning peer costs no system call (the wake-up pair of waiter.h: no lost wake-up).
 
 #include <tdshm/process_group.h>
 
 #include "shm/arena.h"
 #include "shm/buffer_pool.h"
+#include "shm/collective_steps.h"
 #include "shm/matcher.h"
 #include "shm/ring.h"
 #include "shm/segment.h"
 #include "shm/validate.h"
+#include "shm/waiter.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/SmallVector.h>
@@ -94,7 +97,7 @@ struct Incoming;
 /// Ops of one call: a tree's leaves are few, so they stay inline (no allocation per transfer).
 using OpList = c10::SmallVector<std::shared_ptr<ShmOp>, 4>;
 
-class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
+class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::StepPeers {
  public:
   ShmEngine(const std::string& name, int rank, int size, const ShmOptions& options);
   /// Calls shutdown() (and detaches the helper thread when it is the one destroying the engine).
@@ -135,32 +138,10 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   /// `on_done` or from progress is logged. The engine must be owned by a shared_ptr.
   void watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done);
 
-  // ---- Collective steps (engine_collective.cpp; the protocol is in collective.h) ----
-  // Every rank runs the same steps in the same order. In step s a rank writes into part
-  // s % kWindowParts of its window (my_part), publishes it, waits until the peers have published
-  // step s with the same `what`, reads the parts it needs (part_of), and ends the step. Callers
-  // hold collective_mutex() for a whole collective.
-
-  std::mutex& collective_mutex() noexcept { return coll_mu_; }
-  /// Bytes of one part (window_bytes / kWindowParts).
-  uint64_t part_bytes() const noexcept;
-  /// Starts the next step, describing it by `what` (the collective, its sizes, its step within
-  /// it): waits until every peer has ended the step that last used the same part. Throws the
-  /// error of an earlier collective that failed midway (the group's steps are out of step then).
-  uint64_t begin_step(uint64_t what, std::chrono::steady_clock::time_point deadline);
-  uint8_t* my_part(uint64_t step) const noexcept;
-  const uint8_t* part_of(int rank, uint64_t step) const noexcept;
-  void publish_step(uint64_t step);
-  /// Waits until every peer (or only rank `from`, when >= 0) has published `step`;
-  /// TransportError if one describes it otherwise (the ranks called different collectives, or
-  /// with other sizes), PeerLostError, TimeoutError.
-  void await_step(uint64_t step, std::chrono::steady_clock::time_point deadline, int from = -1);
-  /// This rank has read everything it needs of `step` (TransportError if the segment was cut).
-  void end_step(uint64_t step);
-  /// The last step begun (the same number on every rank that runs the same collectives).
-  uint64_t last_step() const noexcept { return coll_step_; }
-  /// Marks the group's collectives as failed with `error` (later collectives throw it).
-  void fail_collectives(std::exception_ptr error) noexcept;
+  /// The collective steps (collective_steps.h; the protocol is in collective.h), over this
+  /// engine's segment, liveness and spin budget.
+  shm::CollectiveSteps& steps() noexcept { return *steps_; }
+  const shm::CollectiveSteps& steps() const noexcept { return *steps_; }
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
@@ -172,54 +153,78 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
     std::vector<std::shared_ptr<ShmOp>> ops;
     std::function<void()> on_done;
   };
+  // What one progress pass over a source's ring carries from entry to entry.
+  struct ReceivePass {
+    // Without it, a message that no posted receive can take stays in its ring while no receive
+    // from its source is posted at all (see start_message): a spinning waiter does not copy other
+    // peers' messages into process memory just before their receives are posted. Passes that
+    // precede a sleep, polls and the helper thread drain everything, so two ranks that both send
+    // first still cannot deadlock.
+    bool drain_all = true;
+    // A posted receive completed in this pass: a message with no receive posted stays in the ring.
+    bool completed_posted = false;
+  };
 
-  // Requires mu_; true if anything moved. Without `drain_all`, a message that no posted receive
-  // can take stays in its ring while no receive from its source is posted at all (see
-  // start_message): a spinning waiter does not copy other peers' messages into process memory
-  // just before their receives are posted. Passes that precede a sleep, polls and the helper
-  // thread drain everything, so two ranks that both send first still cannot deadlock.
-  bool progress_locked(bool drain_all = true);
+  // ---- Point-to-point (engine.cpp, engine_receive.cpp); all require mu_ ----
+  bool progress_locked(bool drain_all = true);  // true if anything moved
   bool progress_sends(int dst, bool wake = true);
   bool post_recv_locked(const std::shared_ptr<ShmOp>& op, int src);
   bool write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
                    uint64_t offset, uint64_t chunk, MessageCheck check = {});
-  bool progress_receives(int src);
+  bool progress_receives(int src, bool drain_all);
   enum class Taken { kYes, kHeld };  // kHeld: the entry stays in the ring (over the unexpected budget)
-  Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape);
-  bool start_message(int src, const shm::EntryFields& e, const int64_t* dims);
+  Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
+                     ReceivePass& pass);
+  bool start_message(int src, const shm::EntryFields& e, const int64_t* dims, const ReceivePass& pass);
   void release_unexpected(Incoming& msg);
   std::exception_ptr resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const;
   bool try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op);
   void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
   void withdraw(const std::shared_ptr<ShmOp>& op, const std::exception_ptr& error);
+
+  // ---- Liveness (engine_peers.cpp); all but maybe_check_peers require mu_ ----
   void fail_peer(int peer, std::exception_ptr error);
+  void fail_pending(const std::exception_ptr& error);
   void fail_all(const std::exception_ptr& error);
   bool check_poisoned();
   void check_peers();
-  void maybe_check_peers(std::chrono::steady_clock::time_point now);
-  void notify(int r);
-  void sleep_until_event(std::chrono::steady_clock::time_point until, bool drain_all = true);
-  void note_wait(std::chrono::steady_clock::duration elapsed) noexcept;
-  bool waited_ranks_asleep(std::span<const std::shared_ptr<ShmOp>> ops) const;
-  template <class Ready>
-  void wait_collective(Ready ready, std::chrono::steady_clock::time_point deadline, uint64_t step, const char* what);
-  void check_collective_peers();
-  void notify_peers();
-  bool background_step();
-  static void background_loop(std::weak_ptr<ShmEngine> weak);
+  void maybe_check_peers(std::chrono::steady_clock::time_point now);  // takes mu_ when a check is due
   void rendezvous(std::chrono::steady_clock::time_point deadline);
 
+  // ---- Waiting (engine_wait.cpp, on waiter.h); none requires a lock ----
+  void notify(int r);
+  void sleep_until_event(std::chrono::steady_clock::time_point until, bool drain_all = true);  // takes mu_
+  std::chrono::steady_clock::time_point sleep_limit(std::chrono::steady_clock::time_point now,
+                                                    std::chrono::steady_clock::time_point deadline) const override;
+  [[noreturn]] void time_out(std::span<const std::shared_ptr<ShmOp>> ops);  // takes mu_
+  bool waited_ranks_asleep(std::span<const std::shared_ptr<ShmOp>> ops) const;
+  bool background_step();
+  static void background_loop(std::weak_ptr<ShmEngine> weak);
+
+  // ---- What the collective steps ask (shm::StepPeers; engine_peers.cpp, engine_wait.cpp) ----
+  std::exception_ptr unusable() override;           // takes mu_
+  std::exception_ptr lost(int awaited) override;    // takes mu_
+  void check_due(std::chrono::steady_clock::time_point now) override { maybe_check_peers(now); }
+
+  // Locks. Three mutexes, never more than two held, always in this order: the steps' mutex (a
+  // whole collective, taken by its caller: steps().mutex()) before mu_ (point-to-point state,
+  // taken by the StepPeers calls); watch_mu_ (the helper thread's list) is never held with
+  // another. Fields are grouped below by what guards them.
+
+  // Set in the constructor, then only read (any thread, no lock).
   std::string name_;
   int rank_;
   int size_;
   ShmOptions options_;
   std::unique_ptr<shm::Segment> segment_;
+  std::vector<shm::RegionView> regions_;  // per rank: its arena region
+  uint32_t wake_batch_ = 1;               // wake a source after this many entries (progress_receives)
 
-  std::mutex mu_;  // everything below
+  // Under mu_: point-to-point state and the group's failure state.
+  std::mutex mu_;
   std::vector<std::deque<std::shared_ptr<ShmOp>>> send_queues_;  // per destination, FIFO
   std::vector<shm::RingProducer> tx_;                            // per destination: its ring's producer end
   std::vector<shm::RingConsumer> rx_;                            // per source: its ring's consumer end
-  std::vector<shm::RegionView> regions_;                         // per rank: its arena region
   shm::SlotAllocator slots_;                                     // this rank's own region
   std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
   std::vector<std::shared_ptr<Incoming>> spare_;                 // per source: a finished one, for reuse
@@ -227,26 +232,19 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine> {
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
   std::vector<uint64_t> held_bytes_;  // per source: size of a first entry left in the ring (budget), else 0
   std::vector<uint32_t> consumed_since_wake_;  // per source: entries taken since it was last woken
-  uint32_t wake_batch_ = 1;                    // wake a source after this many (progress_receives)
   uint64_t unexpected_bytes_ = 0;     // process memory held by unexpected messages
   shm::BufferPool unexpected_pool_;   // their buffers, kept for reuse (buffer_pool.h)
-  uint64_t arrivals_ = 0;
-  bool completed_posted_ = false;  // progress_receives: a posted receive completed (take no unexpected message)
-  bool drain_all_ = true;          // progress_locked's argument, for start_message
-  std::exception_ptr shut_down_;  // set by shutdown(): the error of later posts
-  std::exception_ptr poisoned_;   // set once the segment's mapping was lost (bus_guard.h)
+  std::exception_ptr shut_down_;      // set by shutdown(): the error of later posts
+  std::exception_ptr poisoned_;       // set once the segment's mapping was lost (bus_guard.h)
 
-  // How long a waiter spins before it sleeps, in ns (adapted by note_wait); any thread, relaxed.
-  std::atomic<int64_t> spin_budget_ns_;
-  // Next liveness check, in steady_clock ticks; read by waiters without mu_.
-  std::atomic<std::chrono::steady_clock::rep> next_peer_check_{0};
+  // Atomics, any thread, no lock (relaxed: hints, re-checked under mu_ where it matters).
+  shm::SpinBudget spin_budget_;  // how long a waiter spins before it sleeps (waiter.h)
+  std::atomic<std::chrono::steady_clock::rep> next_peer_check_{0};  // next liveness check, in ticks
 
-  // Collective steps (engine_collective.cpp); under coll_mu_.
-  std::mutex coll_mu_;
-  uint64_t coll_step_ = 0;            // last step begun
-  uint64_t coll_what_[shm::kWindowParts] = {};  // `what` of the step in each window part
-  std::exception_ptr coll_error_;     // a collective failed midway: later ones fail with it
+  // The collective steps; their state is under their own mutex (collective_steps.h).
+  std::unique_ptr<shm::CollectiveSteps> steps_;
 
+  // Under watch_mu_: the helper thread that completes futures (watch()).
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;
   std::vector<Watch> watches_;

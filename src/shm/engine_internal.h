@@ -37,7 +37,6 @@ struct Incoming {
   bool complete = false;
   bool discard = false;  // it failed the receive it matched: drained and dropped, never copied
   bool reference = false;  // a MemmapReference: `heap` holds it while unexpected
-  uint64_t arrival = 0;
 };
 
 

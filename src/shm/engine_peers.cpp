@@ -42,7 +42,8 @@ bool ShmEngine::check_poisoned() {
   return true;
 }
 
-void ShmEngine::fail_all(const std::exception_ptr& error) {
+// Fails every op pending in the engine with `error` (the group was destroyed, or its segment cut).
+void ShmEngine::fail_pending(const std::exception_ptr& error) {
   for (auto& q : send_queues_) {
     for (auto& op : q) finish(op, error);
     q.clear();
@@ -53,6 +54,11 @@ void ShmEngine::fail_all(const std::exception_ptr& error) {
     msg.reset();
   }
   unexpected_bytes_ = 0;
+}
+
+// fail_pending, and every peer is lost with `error`: nothing more moves in this group.
+void ShmEngine::fail_all(const std::exception_ptr& error) {
+  fail_pending(error);
   for (auto& p : peer_error_) {
     if (!p) p = error;
   }
@@ -67,7 +73,7 @@ void ShmEngine::check_peers() {
     if (segment_->rank_alive(static_cast<uint32_t>(p))) continue;
     segment_->check_file();
     if (check_poisoned()) return;  // the rank table read zeros because the file was just cut
-    while (progress_receives(p)) {
+    while (progress_receives(p, /*drain_all=*/true)) {
     }  // what it sent before it went is still good: all of it is taken
     if (peer_error_[static_cast<size_t>(p)]) continue;
     fail_peer(p, make_error<PeerLostError>(segment_->describe_rank(static_cast<uint32_t>(p)) +
@@ -77,6 +83,26 @@ void ShmEngine::check_peers() {
     log().warn("segment '{}': {} is gone; its pending transfers failed ({} arena slots taken back)", name_,
                segment_->describe_rank(static_cast<uint32_t>(p)), reclaimed);
   }
+}
+
+std::exception_ptr ShmEngine::unusable() {
+  std::lock_guard lk(mu_);
+  if (shut_down_) return shut_down_;
+  return check_poisoned() ? poisoned_ : nullptr;
+}
+
+// Collectives need every rank. The peer named is `awaited` (the first rank a step still waits
+// for) when it is lost: a survivor that published the step and then failed and left its group
+// is gone too, but it is not the rank the step lacks.
+std::exception_ptr ShmEngine::lost(int awaited) {
+  std::lock_guard lk(mu_);
+  if (shut_down_) return shut_down_;
+  if (check_poisoned()) return poisoned_;
+  if (awaited >= 0 && peer_error_[static_cast<size_t>(awaited)]) return peer_error_[static_cast<size_t>(awaited)];
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_ && peer_error_[static_cast<size_t>(p)]) return peer_error_[static_cast<size_t>(p)];
+  }
+  return nullptr;
 }
 
 void ShmEngine::maybe_check_peers(Clock::time_point now) {

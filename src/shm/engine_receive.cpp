@@ -70,7 +70,7 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
 
 // Validates one entry (a copy of what another process wrote) and moves its payload.
 ShmEngine::Taken ShmEngine::handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload,
-                                         const shm::EntryShape& shape) {
+                                         const shm::EntryShape& shape, ReceivePass& pass) {
   auto corrupt = [&](const std::string& what) {
     return TransportError("corrupted entry from " + segment_->describe_rank(static_cast<uint32_t>(src)) + ": " + what);
   };
@@ -94,7 +94,7 @@ ShmEngine::Taken ShmEngine::handle_entry(int src, const shm::EntryFields& e, con
   if (e.flags & shm::kEntryFirst) {
     int64_t dims[shm::kMaxDims] = {};
     if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::memcpy(dims, shape.dims, e.ndim * sizeof(int64_t));
-    if (!start_message(src, e, dims)) return Taken::kHeld;
+    if (!start_message(src, e, dims, pass)) return Taken::kHeld;
   }
   Incoming& msg = *cur;
   if (reference) {
@@ -109,7 +109,7 @@ ShmEngine::Taken ShmEngine::handle_entry(int src, const shm::EntryFields& e, con
     auto done = std::move(cur);
     if (done->op) {
       finish(done->op, error);
-      completed_posted_ = true;
+      pass.completed_posted = true;
     }
     return Taken::kYes;
   }
@@ -127,7 +127,7 @@ ShmEngine::Taken ShmEngine::handle_entry(int src, const shm::EntryFields& e, con
     auto done = std::move(cur);
     if (done->op) {
       finish(done->op, nullptr);
-      completed_posted_ = true;
+      pass.completed_posted = true;
     }
     if (done->op || done->discard) {
       done->op.reset();
@@ -182,7 +182,7 @@ std::exception_ptr ShmEngine::resolve_reference(const ShmOp& op, const shm::Refe
 // Starts the message whose first entry is `e`: into the receive posted for it, or into process
 // memory while the unexpected budget allows. Returns false, changing nothing, when it must stay in
 // the ring (back-pressure).
-bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t* dims) {
+bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t* dims, const ReceivePass& pass) {
   const auto s = static_cast<size_t>(src);
   const bool control = (e.flags & shm::kEntryControl) != 0;
   const bool reference = (e.flags & shm::kEntryReference) != 0;
@@ -192,8 +192,8 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   // posted receives, but one that has none stays in the ring: a waiter that now has what it
   // waited for returns instead of draining later messages into process memory ("unexpected", a
   // second copy) before their receives are posted. A waiter that still waits calls again.
-  if (!posted && completed_posted_) return false;
-  if (!posted && !drain_all_ && !matcher_.waits_on(src)) {
+  if (!posted && pass.completed_posted) return false;
+  if (!posted && !pass.drain_all && !matcher_.waits_on(src)) {
     return false;  // nobody waits on this source yet: it stays in the ring for now (progress_locked)
   }
   // An unexpected reference keeps the reference, not the bytes.
@@ -215,7 +215,6 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   msg->dtype = e.dtype;
   msg->ndim = e.ndim;
   if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(dims, dims + e.ndim, msg->dims);
-  msg->arrival = arrivals_++;
   if (posted) {
     std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
     if (try_match(msg, op)) {

@@ -1326,6 +1326,59 @@ TEST_F(ShmCollectiveProcs, RootKilledMidBroadcastFailsTheOthersWithPeerLost) {
   rank_killed_mid_collective(unique_name(), /*broadcast=*/true, /*victim=*/0);
 }
 
+// A survivor that noticed the loss first, failed and destroyed its group is gone too when a
+// slower survivor checks its peers; the slower one's PeerLostError still names the rank the
+// collective lacks (the killed one), not the survivor that published the step and left.
+struct WhoIsNamedRecord {
+  std::atomic<int> entering{0};     // ranks 0 and 1 about to enter the allreduce
+  std::atomic<int> rank1_left{0};   // rank 1 failed and destroyed its group
+  char rank0_error[512] = {};       // what rank 0's wait() threw
+  std::atomic<int> rank0_done{0};
+};
+
+TEST_F(ShmCollectiveProcs, APeerLostErrorNamesTheRankTheStepLacksNotASurvivorThatLeft) {
+  const std::string name = unique_name();
+  Shared<WhoIsNamedRecord> record;
+  auto rank_body = [&](int r) {
+    ShmOptions opts = default_slot_options();
+    opts.timeout = 30s;
+    // Rank 1 notices the loss within ~10 ms; rank 0 first checks its peers 2 s after it joined,
+    // long after rank 1 has left.
+    opts.peer_check_interval = r == 1 ? 10ms : 2000ms;
+    auto pg = std::make_unique<ProcessGroupShm>(name, r, 3, opts);
+    if (r == 2) {
+      for (;;) std::this_thread::sleep_for(1s);  // never enters the allreduce; killed
+    }
+    std::vector<at::Tensor> v{at::ones({4}, at::kFloat)};
+    record->entering.fetch_add(1);
+    const Caught c = catch_any([&] { pg->allreduce(v)->wait(); });
+    SHM_CHECK(c.is<PeerLostError>(), "rank " << r << ": the allreduce threw " << c.describe());
+    if (r == 1) {
+      pg.reset();  // destroy the group: rank 1 leaves the segment
+      record->rank1_left.store(1);
+      return;
+    }
+    std::snprintf(record->rank0_error, sizeof record->rank0_error, "%s", c.what.c_str());
+    record->rank0_done.store(1);
+  };
+  std::vector<Child> children;
+  for (int r = 0; r < 3; ++r) children.emplace_back([&, r] { rank_body(r); });
+  const auto give_up = Clock::now() + 30s;
+  while (record->entering.load() < 2 && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(record->entering.load(), 2) << "ranks 0 and 1 never reached the allreduce";
+  std::this_thread::sleep_for(50ms);  // both are waiting in its first step
+  children[2].kill();
+  wait_all(children, 20s);
+  EXPECT_TRUE(children[0].ok()) << children[0].describe();
+  EXPECT_TRUE(children[1].ok()) << children[1].describe();
+  ASSERT_EQ(record->rank1_left.load(), 1) << "rank 1 never left";
+  ASSERT_EQ(record->rank0_done.load(), 1) << "rank 0 never failed";
+  const std::string what = record->rank0_error;
+  EXPECT_NE(what.find("rank 2 "), std::string::npos) << "rank 0's error does not name the killed rank 2: " << what;
+  EXPECT_EQ(what.find("rank 1 "), std::string::npos) << "rank 0's error names rank 1, which published and left: " << what;
+  remove_stale_segment(name);
+}
+
 // A rank that finished the group's last collective and left (destroyed its group, exited) is no
 // error for a peer still on its way out of that collective: the peer has everything it needs.
 // Blocking waits (spin 0), one rank late, fresh groups of 3 processes, many times.

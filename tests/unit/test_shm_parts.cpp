@@ -1,4 +1,4 @@
-// The parts of a segment (layout 5) on plain buffers, without OS shared memory or processes: the
+// The parts of a segment (layout 6) on plain buffers, without OS shared memory or processes: the
 // metadata ring (ring.h) and what its consumer does with an entry (validate.h: read_entry,
 // check_entry), the slot arena (arena.h), the matcher of receives and messages (matcher.h) and
 // the pool of early-message buffers (buffer_pool.h).

@@ -1,0 +1,91 @@
+// The two transports of transport.h: ProcessGroupShm's (checks, batches, strided tensors, dropped
+// mismatches) and any other c10d backend's (plain send and recv). make_transport is the only
+// place that tells backends apart.
+
+#include "process_group/transport.h"
+
+#include <tdshm/errors.h>
+
+#include <string>
+#include <utility>
+
+namespace tdshm::detail {
+
+namespace {
+
+[[noreturn]] void no_batches() { throw Error("this group's backend does not post batches of messages"); }
+
+// ProcessGroupShm's batches are BatchWorks (process_group_shm.cpp); null stays null.
+c10::intrusive_ptr<BatchWork> as_batch(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (!work) return {};
+  return c10::intrusive_ptr<BatchWork>::reclaim_copy(static_cast<BatchWork*>(work.get()));
+}
+
+/// Any c10d backend: c10d's send and recv, nothing more.
+class C10dTransport final : public Transport {
+ public:
+  explicit C10dTransport(c10::intrusive_ptr<c10d::ProcessGroup> backend)
+      : Transport(Can{}), backend_(std::move(backend)) {}
+
+  TransportWork send(at::Tensor t, int peer, int tag, MessageCheck) const override {
+    std::vector<at::Tensor> v{std::move(t)};
+    return backend_->send(v, peer, tag);
+  }
+  TransportWork recv(at::Tensor t, int peer, int tag, MessageCheck) const override {
+    std::vector<at::Tensor> v{std::move(t)};
+    return backend_->recv(v, peer, tag);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> backend_;
+};
+
+/// tdshm's shared-memory backend.
+class ShmTransport final : public Transport {
+ public:
+  explicit ShmTransport(c10::intrusive_ptr<ProcessGroupShm> backend)
+      : Transport(Can{.check_messages = true, .batch = true, .strided = true, .drop_mismatched = true}),
+        backend_(std::move(backend)) {}
+
+  TransportWork send(at::Tensor t, int peer, int tag, MessageCheck check) const override {
+    std::vector<at::Tensor> v{std::move(t)};
+    return backend_->send_checked(v, peer, tag, check);
+  }
+  TransportWork recv(at::Tensor t, int peer, int tag, MessageCheck check) const override {
+    std::vector<at::Tensor> v{std::move(t)};
+    return backend_->recv_checked(v, peer, tag, check);
+  }
+  c10::intrusive_ptr<BatchWork> send_batch(const std::vector<at::Tensor>& tensors, int peer,
+                                           const std::vector<int>& tags,
+                                           const std::vector<MessageCheck>& checks) const override {
+    return as_batch(backend_->send_batch(tensors, peer, tags, checks));
+  }
+  c10::intrusive_ptr<BatchWork> recv_batch(const std::vector<at::Tensor>& tensors, int peer,
+                                           const std::vector<int>& tags,
+                                           const std::vector<MessageCheck>& checks) const override {
+    return as_batch(backend_->recv_batch(tensors, peer, tags, checks));
+  }
+
+ private:
+  c10::intrusive_ptr<ProcessGroupShm> backend_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<BatchWork> Transport::send_batch(const std::vector<at::Tensor>&, int, const std::vector<int>&,
+                                                    const std::vector<MessageCheck>&) const {
+  no_batches();
+}
+c10::intrusive_ptr<BatchWork> Transport::recv_batch(const std::vector<at::Tensor>&, int, const std::vector<int>&,
+                                                    const std::vector<MessageCheck>&) const {
+  no_batches();
+}
+
+std::shared_ptr<const Transport> make_transport(c10::intrusive_ptr<c10d::ProcessGroup> backend) {
+  if (auto* shm = dynamic_cast<ProcessGroupShm*>(backend.get())) {
+    return std::make_shared<ShmTransport>(c10::intrusive_ptr<ProcessGroupShm>::reclaim_copy(shm));
+  }
+  return std::make_shared<C10dTransport>(std::move(backend));
+}
+
+}  // namespace tdshm::detail

@@ -1,0 +1,67 @@
+#pragma once
+// The seam between the transfer layer (src/distributed) and the backends that carry its
+// messages: what a transfer needs of a group's transport is asked of it here, never found out
+// from the backend's name. Two implementations (transport.cpp): tdshm's shared-memory
+// ProcessGroupShm, and any other c10d backend (gloo), which carries plain messages only. A Group
+// makes its transport once, when it is built (make_transport).
+
+#include <tdshm/process_group.h>
+
+#include "process_group/batch_work.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <memory>
+#include <vector>
+
+namespace tdshm::detail {
+
+using TransportWork = c10::intrusive_ptr<c10d::Work>;
+
+class Transport {
+ public:
+  /// What the transport can do beyond c10d's send and recv.
+  struct Can {
+    /// A MessageCheck rides with every message (key hash or schema hash, leaf count), so the
+    /// receiver refuses a message meant for another leaf without a word more on the wire.
+    bool check_messages = false;
+    /// Many messages to one peer are posted under one lock as one batch (send_batch,
+    /// recv_batch), with a view of each message (the Batch calls below).
+    bool batch = false;
+    /// Sends and receives strided tensors itself (packed at post time, staged on receipt): the
+    /// transfer layer hands them over as they are.
+    bool strided = false;
+    /// A receive whose tensor does not fit the message takes the message and drops it, so a
+    /// receive of no bytes skips one message and the pair stays in step.
+    bool drop_mismatched = false;
+  };
+
+  virtual ~Transport() = default;
+  const Can& can() const noexcept { return can_; }
+
+  /// One message; `check` is carried when can().check_messages, else ignored.
+  virtual TransportWork send(at::Tensor t, int peer, int tag, MessageCheck check) const = 0;
+  virtual TransportWork recv(at::Tensor t, int peer, int tag, MessageCheck check) const = 0;
+
+  // ---- Batches (can().batch; the others throw Error) ----
+  /// tensors[i] with tags[i] and checks[i], in order, posted under one lock. send_batch returns
+  /// null when every message is already written (nothing to wait for). The batch answers for each
+  /// message (batch_work.h).
+  virtual c10::intrusive_ptr<BatchWork> send_batch(const std::vector<at::Tensor>& tensors, int peer,
+                                                   const std::vector<int>& tags,
+                                                   const std::vector<MessageCheck>& checks) const;
+  virtual c10::intrusive_ptr<BatchWork> recv_batch(const std::vector<at::Tensor>& tensors, int peer,
+                                                   const std::vector<int>& tags,
+                                                   const std::vector<MessageCheck>& checks) const;
+
+ protected:
+  explicit Transport(Can can) noexcept : can_(can) {}
+
+ private:
+  Can can_;
+};
+
+/// The transport of `backend` (held by the transport).
+std::shared_ptr<const Transport> make_transport(c10::intrusive_ptr<c10d::ProcessGroup> backend);
+
+}  // namespace tdshm::detail
