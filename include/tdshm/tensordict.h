@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// TensorDict: a dictionary of tensors with nested keys, a batch size and an optional device,
-/// with the semantics of Python's tensordict (see SEMANTICS.md), and its consolidation into one
+/// with the semantics of Python's tensordict (see docs/semantics.md), and its consolidation into one
 /// flat uint8 storage.
 ///
 /// Handle semantics, like at::Tensor: copying a TensorDict copies a handle to the same
@@ -232,7 +232,7 @@ class TensorDict {
   /// leaves map the file (writes reach it). Throws MemmapError / SchemaError.
   static TensorDict from_consolidated_file(const std::string& path, MemmapMode mode = MemmapMode::kReadWrite);
 
-  // ---- transfers between processes (declared in <tdshm/distributed.h>; see SEMANTICS.md) ----
+  // ---- transfers between processes (declared in <tdshm/distributed.h>; see docs/semantics.md) ----
   // Peers are checked before any communication: `group_dst` without `group`, both `dst` and
   // `group_dst`, or neither, are three distinct Errors naming the parameters; a peer outside
   // the group or equal to this rank is an Error too.
