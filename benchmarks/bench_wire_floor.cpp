@@ -58,7 +58,8 @@ constexpr uint64_t kTableBytes = 4096;
 constexpr uint64_t kRingBytes = sizeof(RingControl) + uint64_t{kEntries} * kEntryBytes;
 constexpr uint64_t kRegionBytes = kTableBytes + uint64_t{kSlots} * kSlotBytes;
 // This floor's own entry flag (not the engine's): the receiver keeps the slot, more leaves follow
-// in it. The engine has no such flag: packing did not make it measurably faster (README).
+// in it. The engine has no such flag: packing did not make it measurably faster (docs/benchmarks.md,
+// "TensorDict").
 constexpr uint32_t kMoreInSlot = 1u << 30;
 
 // Spins on `ready` with a deadline and a check that the peer lives: never hangs.

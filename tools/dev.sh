@@ -35,7 +35,7 @@ readonly JOBS=2
 # and the tests with Python ranks need Debian's python3 with torch (python3-torch, whose
 # libtorch_python the module links), its headers (python3-dev), pybind11-dev, and python3-numpy.
 # gnuplot-nox draws `tdshm bench --plot` (and its test tdshm_bench_scenarios) without X11.
-readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libboost-dev libspdlog-dev
+readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libspdlog-dev
                    libgtest-dev libbenchmark-dev clang-14 libclang-rt-14-dev llvm-14
                    python3-torch python3-numpy python3-dev pybind11-dev gnuplot-nox)
 

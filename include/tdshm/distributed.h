@@ -87,7 +87,7 @@ class Group {
   int global_rank(int group_rank) const;
 
   /// Whether this rank and group rank `peer` both run tdshm's transfer layer and agreed, when the
-  /// group was formed, to use its checked gloo protocol (see "Wire protocol" in the README): a
+  /// group was formed, to use its checked gloo protocol (see docs/wire.md): a
   /// per-leaf layout descriptor and a consolidated header that let the receiver name the key
   /// that differs. False for every Python (tensordict) peer, for standalone groups and over shm
   /// (where the checks ride inside the transport's own message metadata): then the wire is
@@ -179,7 +179,7 @@ Group gloo_group_from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int
 
 // ---------------------------------------------------------------------------------------------
 // Options and results of the transfer methods. Peers: exactly one of dst / group_dst (src /
-// group_src); group_dst requires group. See SEMANTICS.md for tags and leaf order.
+// group_src); group_dst requires group. See docs/semantics.md for tags and leaf order.
 
 /// isend / send (TensorDictBase.isend's keyword arguments).
 struct SendOptions {

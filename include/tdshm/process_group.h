@@ -183,7 +183,7 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// Receives the first matching message from any rank; Work::sourceRank() tells which.
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
-  // ---- Collectives (README, "Collectives over the windows"; protocol in src/shm/collective.h) ----
+  // ---- Collectives (docs/transport.md, "Collectives over the windows"; protocol in src/shm/collective.h) ----
   // They run over the segment's collective windows in the calling thread: the returned Work is
   // complete, and its wait() raises what went wrong (PeerLostError when a rank is gone,
   // TimeoutError past opts.timeout or ShmOptions::timeout, TransportError when the ranks called

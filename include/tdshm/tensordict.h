@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// TensorDict: a dictionary of tensors with nested keys, a batch size and an optional device,
-/// with the semantics of Python's tensordict (see SEMANTICS.md), and its consolidation into one
+/// with the semantics of Python's tensordict (see docs/semantics.md), and its consolidation into one
 /// flat uint8 storage.
 ///
 /// Handle semantics, like at::Tensor: copying a TensorDict copies a handle to the same
@@ -232,7 +232,7 @@ class TensorDict {
   /// leaves map the file (writes reach it). Throws MemmapError / SchemaError.
   static TensorDict from_consolidated_file(const std::string& path, MemmapMode mode = MemmapMode::kReadWrite);
 
-  // ---- transfers between processes (declared in <tdshm/distributed.h>; see SEMANTICS.md) ----
+  // ---- transfers between processes (declared in <tdshm/distributed.h>; see docs/semantics.md) ----
   // Peers are checked before any communication: `group_dst` without `group`, both `dst` and
   // `group_dst`, or neither, are three distinct Errors naming the parameters; a peer outside
   // the group or equal to this rank is an Error too.
@@ -264,10 +264,9 @@ class TensorDict {
   /// to `dst` (or, with use_broadcast, to every rank of the group).
   void init_remote(const InitRemoteOptions& options) const;
   /// Receives what init_remote sent and rebuilds it as a consolidated tensordict on `device`;
-  /// class_name() is the sender's tensorclass name, if any. Over shm, a leaf that was a named
-  /// MemoryMappedTensor on the sender (contiguous) arrives as a mapping of the same file, so
-  /// writes on either side are seen by the other; the storage keeps the copy taken at
-  /// init_remote (a later consolidated send of the result sends that copy, not the file).
+  /// class_name() is the sender's tensorclass name, if any. On every backend a leaf that was a
+  /// MemoryMappedTensor on the sender travels by value inside the storage, as under tensordict:
+  /// the result's leaf views its own storage, never the sender's file.
   static TensorDict from_remote_init(const FromRemoteInitOptions& options);
   /// Collective: the root (options.src) broadcasts this tensordict; every rank returns the
   /// consolidated result (on non-root ranks `*this` is not used and may be empty).
@@ -277,13 +276,13 @@ class TensorDict {
   // all_reduce, all_gather, scatter) ----
   // Every rank of the group calls the method with the same options; each runs only the generic
   // c10d collectives of the group's backend, so it works on any backend that implements them
-  // (gloo; "shm" once ProcessGroupShm does; until then the backend's refusal is a
-  // TransportError). Checked before any communication, each an Error naming the parameter: a
-  // rank outside `group` (new_group did not include it), `dst` / `src` not a member of the
-  // group (global ranks, as torch.distributed takes them); and for reduce / all_reduce every
-  // leaf must be able to take bytes in place (TypeError / MemmapError naming the key, as for
-  // irecv). Over a c10d backend a rank that fails these checks leaves its peers waiting until
-  // the group's timeout, as tensordict does.
+  // (gloo and "shm"; a backend's refusal is a TransportError). Checked before any
+  // communication, each an Error naming the parameter: a rank outside `group` (new_group did
+  // not include it), `dst` / `src` not a member of the group (global ranks, as
+  // torch.distributed takes them); and for reduce / all_reduce every leaf must be able to take
+  // bytes in place (TypeError / MemmapError naming the key, as for irecv). Over a c10d backend
+  // a rank that fails these checks leaves its peers waiting until the group's timeout, as
+  // tensordict does.
 
   /// Reduces every tensor leaf, one collective per leaf in sorted_leaf_keys() order, into the
   /// leaves of rank `dst` (in place; what the other ranks' leaves hold afterwards is up to the

@@ -2,7 +2,7 @@
 //
 // ProcessGroupShm is bound as a subclass of torch's own torch._C._distributed_c10d.ProcessGroup
 // binding, with c10::intrusive_ptr as holder (as torch binds it), so that torch.distributed
-// treats it as any other backend: dist.send/recv/isend/irecv/broadcast/barrier call the
+// treats it as any other backend: dist.send/recv/isend/irecv and the collectives call the
 // virtual methods of c10d::ProcessGroup, which dispatch to ours. This works because torch's
 // extension and this one share pybind11's type registry (same pybind11 internals: the module
 // is built with the pybind11 torch was built with, and the same C++ ABI).
@@ -48,8 +48,12 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<tdshm::ProcessGroupShm, c10::intrusive_ptr<tdshm::ProcessGroupShm>, c10d::ProcessGroup>(
       m, "ProcessGroupShm",
-      "A process group over one shared-memory segment on this host: send/recv/isend/irecv "
-      "(recv_anysource), broadcast and barrier. Other collectives raise RuntimeError.")
+      "A process group over one shared-memory segment on this host. Point to point: send, recv "
+      "(also recv_anysource). Collectives: broadcast, barrier, allreduce, allreduce_coalesced, reduce, "
+      "allgather, _allgather_base, gather, scatter, reduce_scatter, _reduce_scatter_base and alltoall_base "
+      "(torch.distributed's all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single are the "
+      "_base ones). alltoall (lists of tensors), allgather_coalesced and monitored_barrier raise "
+      "RuntimeError, as does a reduce op the dtype does not have, or PREMUL_SUM.")
       .def(py::init([](const std::string& name, int rank, int size, std::chrono::milliseconds timeout) {
              return c10::make_intrusive<tdshm::ProcessGroupShm>(name, rank, size, options_with(timeout));
            }),

@@ -1,7 +1,7 @@
 // The collectives of tensordict 0.14 (tensordict/base.py, TensorDictBase.reduce / _reduce,
 // all_reduce, all_gather, scatter) on TensorDict, with exactly the c10d calls tensordict makes,
 // through the generic c10d::ProcessGroup API of the group's backend (so the same code runs on
-// gloo, and on shm once ProcessGroupShm implements these collectives).
+// gloo and on shm, whose ProcessGroupShm implements these collectives).
 //
 // Wire:
 //  * reduce: one reduce(leaf, root = dst) per tensor leaf, in sorted_leaf_keys() order (keys

@@ -1,4 +1,4 @@
-// Consolidated transfers (SEMANTICS.md, "Consolidated mode"): the storage as one uint8 message.
+// Consolidated transfers (docs/semantics.md, "Consolidated mode"): the storage as one uint8 message.
 //
 // Wire, by default exactly tensordict's: the consolidated storage, one message, tag 0. Over shm
 // the message carries the sender's schema hash inside the transport's entry (MessageCheck), and

@@ -1,4 +1,4 @@
-// Per-leaf transfers (SEMANTICS.md, "Per-leaf mode"): one message per tensor leaf.
+// Per-leaf transfers (docs/semantics.md, "Per-leaf mode"): one message per tensor leaf.
 //
 // Wire, by default exactly tensordict's: one message per leaf in sorted_leaf_keys() order with the
 // tags of transfer_tags(), and nothing else. Over shm each message also carries its leaf's key hash

@@ -1,4 +1,5 @@
-// init_remote / from_remote_init / broadcast (SEMANTICS.md): the consolidated storage plus
+// init_remote / from_remote_init / broadcast (docs/semantics.md, "init_remote, from_remote_init
+// and broadcast"; docs/wire.md): the consolidated storage plus
 // tensordict's metadata dict, exactly as tensordict sends them.
 //
 // Wire (tag 0):

@@ -1,6 +1,6 @@
 #pragma once
 // Internal: tdshm's Schema <-> the metadata dict tensordict pickles for init_remote,
-// from_remote_init and broadcast (SEMANTICS.md, "On the wire"), so that a tdshm rank and a
+// from_remote_init and broadcast (docs/wire.md, "The metadata"), so that a tdshm rank and a
 // tensordict rank understand each other's consolidated tensordicts.
 //
 // The dict (tensordict 0.14: TensorDictBase._reduce_vals_and_metadata, consolidate(metadata=

@@ -38,7 +38,7 @@ void wait_all(const std::vector<WorkPtr>& works) {
   if (first) std::rethrow_exception(first);
 }
 
-/// Resolves exactly one of `global` / `in_group` (SEMANTICS.md, Peers), before any message.
+/// Resolves exactly one of `global` / `in_group` (docs/semantics.md, "Peers"), before any message.
 Peer resolve_peer(const char* global_name, const char* group_name, std::optional<int> global,
                   std::optional<int> in_group, const Group& given) {
   // Runs for every transfer: the names become strings only in an error message.

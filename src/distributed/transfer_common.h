@@ -3,7 +3,7 @@
 // receives (Deferred), the Work handed to users (TransferWork), peers, and the small helpers that
 // post one message. Internal to the distributed layer.
 //
-// Wire (see SEMANTICS.md, "On the wire"): by default exactly tensordict's. Over shm, what tdshm
+// Wire (see docs/wire.md): by default exactly tensordict's. Over shm, what tdshm
 // checks rides inside the transport's own entries (tdshm::MessageCheck: a key hash per leaf, a
 // schema hash per consolidated storage), so no message is added. Over gloo, two tdshm ranks that
 // both advertised it when the group was formed (Group::checked_wire_with) use the checked
@@ -277,7 +277,7 @@ struct Peer {
   int rank = -1;  // in group
 };
 
-/// Resolves exactly one of `global` / `in_group` (SEMANTICS.md, Peers), before any message.
+/// Resolves exactly one of `global` / `in_group` (docs/semantics.md, "Peers"), before any message.
 Peer resolve_peer(const char* global_name, const char* group_name, std::optional<int> global,
                   std::optional<int> in_group, const Group& given);
 /// The group to use: `g`, or the default group when `g` is "no group". Throws Error for a

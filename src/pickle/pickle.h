@@ -2,8 +2,8 @@
 // Internal: a small Python-pickle codec for plain data, torch-free.
 //
 // tensordict's init_remote / from_remote_init / broadcast send their metadata as a Python
-// pickle of a dict of str, int, float, bool, None, list, tuple and dict (SEMANTICS.md, "On the
-// wire"). This codec writes and reads exactly those types, and nothing that can name or call
+// pickle of a dict of str, int, float, bool, None, list, tuple and dict (docs/wire.md, "The
+// metadata"). This codec writes and reads exactly those types, and nothing that can name or call
 // code:
 //
 //   - dumps() writes protocol 4 as CPython's C pickler does (PROTO 4, one FRAME per 64 KiB,

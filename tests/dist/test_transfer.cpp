@@ -126,7 +126,7 @@ std::vector<const void*> leaf_pointers(const TensorDict& td) {
   return out;
 }
 
-/// The tags of n leaves from init_tag, computed here (SEMANTICS.md) rather than by
+/// The tags of n leaves from init_tag, computed here (docs/semantics.md, "Per-leaf mode") rather than by
 /// transfer_tags: init_tag, +1, ... or t0 = pseudo_rand_tag(init_tag), t(i+1) = pseudo_rand_tag(t(i) + 1).
 std::vector<int64_t> expected_tags(int64_t init_tag, int64_t n, bool pseudo) {
   std::vector<int64_t> tags;
@@ -275,7 +275,7 @@ TEST_P(TransferSeed, EveryCombinationOfSendAndReceive) {
   const std::string send_file = file("seed_send.mm"), recv_file = file("seed_recv.mm");
   run_world(3, [&](int rank, Flags& flags) {
     const Group sub = new_group({1, 0});
-    // The reference values of SEMANTICS.md for this test's tag computation.
+    // The reference values of docs/semantics.md ("Per-leaf mode") for this test's tag computation.
     SHM_CHECK((expected_tags(0, 4, true) == std::vector<int64_t>{9651, 3450, 3834, 3840}));
     SHM_CHECK((expected_tags(1, 4, true) == std::vector<int64_t>{1907, 3796, 8050, 3441}));
     const std::vector<Combo> combos = seed_combos();

@@ -71,7 +71,7 @@ SchemaEntry child(std::string key, SchemaNode n) {
   return SchemaEntry{std::move(key), std::make_shared<SchemaNode>(std::move(n))};
 }
 
-// The tensordict of the README's tour: {("a","b"): (2,), "c": (2,3), "_": (2,1,5), "step": 42}.
+// The tensordict of the API tour (docs/api.md): {("a","b"): (2,), "c": (2,3), "_": (2,1,5), "step": 42}.
 Schema readme_seed() {
   Layout l;
   Schema s;

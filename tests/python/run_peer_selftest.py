@@ -22,7 +22,7 @@ import td_peer  # noqa: E402
 
 
 def check_pure():
-    # SEMANTICS.md / tensordict's docstring of int_generator.
+    # docs/semantics.md ("Per-leaf mode") / tensordict's docstring of int_generator.
     def chain(init_tag, n):
         out, tag = [], init_tag - 1
         for _ in range(n):

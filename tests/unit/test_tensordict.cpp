@@ -29,7 +29,7 @@ using tdshm::Value;
 
 using Shape = std::vector<int64_t>;
 
-// The seed tree of SEMANTICS.md: {("a","b"): (2,), "c": (2,3), "_": (2,1,5)} with batch [2].
+// The seed tree of docs/semantics.md: {("a","b"): (2,), "c": (2,3), "_": (2,1,5)} with batch [2].
 TensorDict seed() {
   return TensorDict({{{"a", "b"}, at::randn({2})}, {"c", at::randn({2, 3})}, {"_", at::ones({2, 1, 5})}}, {2});
 }
