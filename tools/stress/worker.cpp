@@ -103,6 +103,24 @@ void destroy_after_error() {
   }
 }
 
+/// Call inside a catch block: reports the exception being handled as WRONG (WrongData) or ERR
+/// with the phase it ended, destroys the group, and returns the worker's exit code (2: wrong
+/// data, 1: any other exception).
+int report_failure(const std::string& phase) {
+  try {
+    throw;
+  } catch (const WrongData& e) {
+    emit("WRONG", "-", phase + ": " + e.what());
+    destroy_after_error();
+    return 2;
+  } catch (...) {
+    const Caught c = caught_now();
+    emit("ERR", c.type, phase + ": " + c.what);
+    destroy_after_error();
+    return 1;
+  }
+}
+
 int run_kill_worker(const WorkerSpec& w, const Scenario& s) {
   std::string phase = "start";
   auto step = [&](const char* p) {
@@ -139,15 +157,8 @@ int run_kill_worker(const WorkerSpec& w, const Scenario& s) {
     destroy_process_group();
     emit("EXIT");
     return 0;
-  } catch (const WrongData& e) {
-    emit("WRONG", "-", phase + ": " + e.what());
-    destroy_after_error();
-    return 2;
   } catch (...) {
-    const Caught c = caught_now();
-    emit("ERR", c.type, phase + ": " + c.what);
-    destroy_after_error();
-    return 1;
+    return report_failure(phase);
   }
 }
 
@@ -165,15 +176,8 @@ int run_recover_worker(const WorkerSpec& w, const Scenario& s) {
     destroy_process_group();
     emit("EXIT");
     return 0;
-  } catch (const WrongData& e) {
-    emit("WRONG", "-", phase + ": " + e.what());
-    destroy_after_error();
-    return 2;
   } catch (...) {
-    const Caught c = caught_now();
-    emit("ERR", c.type, phase + ": " + c.what);
-    destroy_after_error();
-    return 1;
+    return report_failure(phase);
   }
 }
 
