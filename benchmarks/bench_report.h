@@ -84,6 +84,8 @@ Comparison compare_rows(const std::vector<Row>& old_rows, const std::vector<Row>
 
 /// "8 B", "64 KiB", "1 MiB"; a size that is no whole multiple of a unit stays in the smaller one.
 std::string size_label(double bytes);
+/// A number as Row::set_number writes it (%.6g).
+std::string format_number(double v);
 
 /// Rows from one place (this run, or a file), named in the plot's legends when there are several.
 struct PlotSource {

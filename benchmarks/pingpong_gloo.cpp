@@ -2,7 +2,7 @@
 // Rank 0 serves a c10d::TCPStore on a port the kernel picks (port 0) and hands the port to rank 1
 // through the control block; gloo's own connections then go over the loopback device.
 
-#include "pingpong_internal.h"
+#include "pingpong_gloo.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>

@@ -1,6 +1,6 @@
 // The transport under test: tdshm::ProcessGroupShm, in its spinning and blocking-only modes.
 
-#include "pingpong_internal.h"
+#include "pingpong_shm.h"
 
 #include <tdshm/process_group.h>
 

@@ -2,7 +2,7 @@
 // TensorDict::send / recv over any two-rank c10d group (td-shm, td-gloo), and the file of the
 // memmap workloads.
 
-#include "pingpong_internal.h"
+#include "pingpong_td.h"
 
 #include <tdshm/distributed.h>
 #include <tdshm/memmap.h>
@@ -15,11 +15,13 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <stdexcept>
 #include <system_error>
 
 namespace tdshm::bench::detail {
@@ -141,8 +143,9 @@ bool g_installed[std::size(kCleanupSignals)];  // false: the signal was ignored,
 extern "C" void unlink_file_on_signal(int sig) {
   // Acquire: pairs with the release store in WorkloadFile's constructor (the path is complete).
   if (g_file_set.load(std::memory_order_acquire)) ::unlink(g_file_path);
-  // The previous action back (the run's segment removal, pingpong.cpp, which then ends us), and
-  // the signal again: blocked while this runs, it is delivered to that action once this returns.
+  // The previous action back (the run's segment removal, pingpong_processes.cpp, which then ends
+  // us), and the signal again: blocked while this runs, it is delivered to that action once this
+  // returns.
   for (size_t i = 0; i < std::size(kCleanupSignals); ++i) {
     if (kCleanupSignals[i] == sig) ::sigaction(sig, &g_previous[i], nullptr);
   }
@@ -176,12 +179,6 @@ const std::vector<Workload>& td_workloads() {
       td_workload("memmap-1GiB", Tree::memmap, 1, kGiB, false),
   };
   return workloads;
-}
-
-Workload message_workload(size_t bytes) {
-  Workload w;
-  w.bytes = bytes;
-  return w;
 }
 
 std::unique_ptr<PingPong> make_td_pingpong(c10::intrusive_ptr<c10d::ProcessGroup> group, int rank) {

@@ -2,7 +2,7 @@
 // `tdshm stress`: SIGKILL at random instants of real lifecycles (rendezvous, per-leaf and
 // consolidated transfers, init_remote, broadcast, a sender blocked on a full ring, segment
 // creation), each followed by a fresh group under the same name; and destroy/init loops under one
-// name (`--scenario recreate`). Only the public API is used. See stress.cpp.
+// name (`--scenario recreate`). Only the public API is used. See stress/run.cpp.
 
 #include <cstdio>
 

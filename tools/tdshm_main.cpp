@@ -9,7 +9,7 @@
 //                  --compare and --plot (benchmarks/bench_report.h); `tdshm bench --help` lists
 //                  its options
 //   tdshm stress   SIGKILL at random instants of real lifecycles, and destroy/init loops under one
-//                  name (tools/stress.cpp); `tdshm stress --help` lists its options
+//                  name (tools/stress/); `tdshm stress --help` lists its options
 //   tdshm ls, tdshm inspect NAME, tdshm gc [--dry-run]
 //                  the segments in /dev/shm, read-only; gc removes the stale ones (tools/segments.cpp)
 //   tdshm help     this text

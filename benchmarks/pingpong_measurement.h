@@ -1,0 +1,38 @@
+#pragma once
+// One measured row of the ping-pong benchmark (pingpong_measurement.cpp): the statistics of a
+// transport's recorded round trips on a row, and the JSON line --json writes for it.
+
+#include "pingpong_transport.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tdshm::bench::detail {
+
+struct Measurement {
+  std::string transport;
+  std::string mode;
+  std::string workload;  // "" in size mode
+  int leaves = 1;        // tensor leaves of the workload (1 in size mode)
+  size_t bytes = 0;
+  int iters = 0;
+  int warmup = 0;
+  int rounds = 0;
+  double p50_us = 0, p99_us = 0, min_us = 0, mean_us = 0;
+  double gbps = 0;  // decimal GB/s: bytes / p50 one-way time
+};
+
+/// The measurement of `transport` on `workload` from the recorded times (`round_trips`: each is a
+/// round trip, so one way is half of it; otherwise each is a one-way time).
+Measurement summarize(const std::string& transport, const Workload& workload, int warmup, int rounds,
+                      const std::vector<int64_t>& elapsed_ns, bool round_trips);
+
+/// One measurement as one JSON object (no newline). Transport, mode and workload names are
+/// plain ASCII identifiers: no escaping needed.
+std::string json_line(const Measurement& m);
+/// Writes one JSON line per measurement to `path` (replacing it). Throws std::runtime_error.
+void write_json(const std::string& path, const std::vector<Measurement>& results);
+
+}  // namespace tdshm::bench::detail

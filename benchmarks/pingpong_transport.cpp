@@ -1,0 +1,48 @@
+// What every transport of the ping-pong benchmark shares (pingpong_transport.h): the lookups in
+// the table of transports, the row of a plain message, and the payload pattern.
+
+#include "pingpong_transport.h"
+
+#include <stdexcept>
+
+namespace tdshm::bench::detail {
+
+const TransportInfo& transport_info(const std::string& name) {
+  for (const auto& t : kTransports) {
+    if (name == t.name) return t;
+  }
+  throw std::invalid_argument("unknown transport '" + name + "'");
+}
+
+std::vector<std::string> transport_names(bool td) {
+  std::vector<std::string> v;
+  for (const auto& t : kTransports) {
+    if (td ? t.td : t.sizes) v.emplace_back(t.name);
+  }
+  return v;
+}
+
+Workload message_workload(size_t bytes) {
+  Workload w;
+  w.bytes = bytes;
+  return w;
+}
+
+// ---- the payload pattern ----
+
+namespace {
+uint8_t pattern_byte(size_t i, size_t seed) noexcept { return static_cast<uint8_t>((i * 131 + seed * 7 + 1) & 0xff); }
+}  // namespace
+
+void fill_pattern(uint8_t* p, size_t n, size_t seed) noexcept {
+  for (size_t i = 0; i < n; ++i) p[i] = pattern_byte(i, seed);
+}
+
+bool has_pattern(const uint8_t* p, size_t n, size_t seed) noexcept {
+  for (size_t i = 0; i < n; ++i) {
+    if (p[i] != pattern_byte(i, seed)) return false;
+  }
+  return true;
+}
+
+}  // namespace tdshm::bench::detail
