@@ -40,7 +40,7 @@ struct DtypeName {
   c10::ScalarType dtype;
   std::string_view name;  // str(torch.<dtype>)
 };
-// The dtypes a tdshm leaf may have (schema_codec.cpp's is_storable_dtype) and their torch names.
+// The dtypes a tdshm leaf may have (schema_layout.cpp's is_storable_dtype) and their torch names.
 constexpr std::array<DtypeName, 13> kDtypeNames = {{
     {c10::ScalarType::Byte, "torch.uint8"},
     {c10::ScalarType::Char, "torch.int8"},

@@ -2,9 +2,14 @@
 // Internal: the pieces of the schema codec that tests (and later the tools) need beyond the
 // public API in tdshm/schema.h: the frame layout constants, the wire codes, the checksum, the
 // validator on its own, and an encoder that skips validation so tests can produce hostile
-// inputs. The format itself is described at the top of schema_codec.cpp.
+// inputs; and the c10 codes and device checks that schema_codec.cpp and schema_layout.cpp
+// share. The format itself is described at the top of schema_codec.cpp.
 
 #include "tdshm/schema.h"
+
+#include <c10/core/Device.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
 
 #include <array>
 #include <cstddef>
@@ -38,6 +43,21 @@ enum class WireEntryKind : uint8_t { kTensor = 0, kNonTensor = 1, kChild = 2 };
 
 /// Type byte of a non-tensor value; the order of NonTensorData's alternatives.
 enum class WireValueType : uint8_t { kString = 0, kInt64 = 1, kDouble = 2, kBool = 3 };
+
+/// Wire codes of c10::ScalarType / c10::DeviceType (the enums' own values).
+inline uint8_t dtype_code(c10::ScalarType t) { return static_cast<uint8_t>(static_cast<int8_t>(t)); }
+inline uint8_t device_code(c10::DeviceType t) { return static_cast<uint8_t>(static_cast<int8_t>(t)); }
+
+/// A device type this build of c10 knows. The enum values are dense from 0.
+inline bool is_known_device_type(uint8_t code) {
+  return code < static_cast<uint8_t>(c10::COMPILE_TIME_MAX_DEVICE_TYPES);
+}
+
+/// c10::Device's own invariants (it only checks them in debug builds): index -1 (none) or
+/// non-negative, and a CPU device has index -1 or 0.
+inline bool is_valid_device_index(c10::DeviceType type, int8_t index) {
+  return index >= -1 && (type != c10::DeviceType::CPU || index <= 0);
+}
 
 /// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, initial and final xor 0xFFFFFFFF).
 /// crc32c("123456789") == 0xE3069283. Thread safety: pure function.

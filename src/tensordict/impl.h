@@ -1,6 +1,6 @@
 #pragma once
 // The private representation behind the TensorDict handle, shared by tensordict.cpp,
-// consolidate.cpp and the transfer layer.
+// tensordict_leaves.cpp, consolidate.cpp and the transfer layer.
 
 #include <tdshm/tensordict.h>
 

@@ -1,12 +1,12 @@
-// TensorDict: keys, nesting, batch size, locking and the leaf-wise operations.
-// Consolidation lives in consolidate.cpp.
+// TensorDict's entries: building the tree, and reading, writing, updating and locking it key by key.
+// Consolidation lives in consolidate.cpp; key listings, leaf-wise operations, comparisons and
+// repr in tensordict_leaves.cpp.
 
-#include "tensordict/impl.h"
+#include "tensordict/tensordict_internal.h"
 
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
-#include <sstream>
 
 namespace tdshm {
 
@@ -14,23 +14,14 @@ using detail::TensorDictImpl;
 
 namespace {
 
+using detail::check_batch_size;
+using detail::check_leaf_write;
+using detail::new_impl;
+using detail::prepare_value;
 using detail::shape_str;
 
 bool has_prefix(at::IntArrayRef shape, const std::vector<int64_t>& prefix) {
   return shape.size() >= prefix.size() && std::equal(prefix.begin(), prefix.end(), shape.begin());
-}
-
-std::shared_ptr<TensorDictImpl> new_impl(std::vector<int64_t> batch_size, std::optional<c10::Device> device) {
-  auto impl = std::make_shared<TensorDictImpl>();
-  impl->batch_size = std::move(batch_size);
-  impl->device = device;
-  return impl;
-}
-
-void check_batch_size(const std::vector<int64_t>& batch_size) {
-  for (int64_t d : batch_size) {
-    if (d < 0) throw ShapeError("batch size " + shape_str(batch_size) + " has a negative dimension");
-  }
 }
 
 // Walks to the tensordict that holds the last part of `key`, without creating anything.
@@ -76,6 +67,24 @@ void check_value(const Key& key, const Value& value, const std::vector<int64_t>&
   }
 }
 
+}  // namespace
+
+// Shared with tensordict_leaves.cpp (tensordict_internal.h).
+namespace detail {
+
+std::shared_ptr<TensorDictImpl> new_impl(std::vector<int64_t> batch_size, std::optional<c10::Device> device) {
+  auto impl = std::make_shared<TensorDictImpl>();
+  impl->batch_size = std::move(batch_size);
+  impl->device = device;
+  return impl;
+}
+
+void check_batch_size(const std::vector<int64_t>& batch_size) {
+  for (int64_t d : batch_size) {
+    if (d < 0) throw ShapeError("batch size " + shape_str(batch_size) + " has a negative dimension");
+  }
+}
+
 // Validates `value` for a node with `batch_size`/`device` and returns what to store.
 Value prepare_value(const Key& key, const Value& value, const std::vector<int64_t>& batch_size,
                     const std::optional<c10::Device>& device) {
@@ -89,6 +98,18 @@ Value prepare_value(const Key& key, const Value& value, const std::vector<int64_
   }
   return value;
 }
+
+void check_leaf_write(const Key& key, const at::Tensor& leaf, const at::Tensor& src) {
+  if (!src.defined()) throw TypeError("key " + key.str() + ": the tensor is undefined");
+  if (leaf.sizes() != src.sizes()) {
+    throw ShapeError("in-place write to key " + key.str() + ": the leaf has shape " + shape_str(leaf.sizes()) +
+                     " but the new tensor has shape " + shape_str(src.sizes()));
+  }
+}
+
+}  // namespace detail
+
+namespace {
 
 void replace_entry(TensorDictImpl& node, const std::string& key, Value value) {
   auto it = node.index.find(key);
@@ -107,14 +128,6 @@ void rebuild_index(TensorDictImpl& node) {
   detail::keys_changed();
   node.index.clear();
   for (size_t i = 0; i < node.entries.size(); ++i) node.index.emplace(node.entries[i].first, i);
-}
-
-void check_leaf_write(const Key& key, const at::Tensor& leaf, const at::Tensor& src) {
-  if (!src.defined()) throw TypeError("key " + key.str() + ": the tensor is undefined");
-  if (leaf.sizes() != src.sizes()) {
-    throw ShapeError("in-place write to key " + key.str() + ": the leaf has shape " + shape_str(leaf.sizes()) +
-                     " but the new tensor has shape " + shape_str(src.sizes()));
-  }
 }
 
 void copy_into_leaf(const Key& key, at::Tensor& leaf, const at::Tensor& src) {
@@ -165,121 +178,6 @@ void check_update(const TensorDictImpl& dst, const TensorDictImpl& src, const Ke
   }
 }
 
-void collect_keys(const TensorDictImpl& node, const Key* prefix, bool include_nested, bool leaves_only,
-                  std::vector<TensorDict::Item>& out) {
-  for (const auto& [k, v] : node.entries) {
-    Key key = prefix ? *prefix / k : Key(k);
-    if (!(leaves_only && v.is_tensordict())) out.emplace_back(key, v);
-    if (include_nested && v.is_tensordict()) {
-      collect_keys(*v.tensordict().impl(), &key, include_nested, leaves_only, out);
-    }
-  }
-}
-
-std::vector<size_t> sorted_positions(const TensorDictImpl& node) {
-  std::vector<size_t> pos(node.entries.size());
-  for (size_t i = 0; i < pos.size(); ++i) pos[i] = i;
-  // std::string compares through char_traits<char>, which orders bytes as unsigned char:
-  // the UTF-8 byte order, which is also Python's code point order.
-  std::sort(pos.begin(), pos.end(), [&](size_t a, size_t b) { return node.entries[a].first < node.entries[b].first; });
-  return pos;
-}
-
-// `path` holds the positions of the tensordicts above `node`; each leaf's path is appended to
-// out.positions (SortedLeaves).
-void collect_sorted_leaves(const TensorDictImpl& node, const Key* prefix, std::vector<uint32_t>& path,
-                           detail::SortedLeaves& out) {
-  for (size_t i : sorted_positions(node)) {
-    const auto& [k, v] = node.entries[i];
-    Key key = prefix ? *prefix / k : Key(k);
-    path.push_back(static_cast<uint32_t>(i));
-    if (v.is_tensor()) {
-      out.keys.push_back(std::move(key));
-      out.positions.insert(out.positions.end(), path.begin(), path.end());
-      out.path_begin.push_back(static_cast<uint32_t>(out.positions.size()));
-    } else if (v.is_tensordict()) {
-      collect_sorted_leaves(*v.tensordict().impl(), &key, path, out);
-    }
-    path.pop_back();
-  }
-}
-
-// Builds a new tensordict of the same structure with fn applied to each tensor leaf.
-// keep_non_tensor: copy non-tensor values (apply) or drop them (comparisons).
-TensorDict map_leaves(const TensorDictImpl& node, const Key* prefix,
-                      const std::function<at::Tensor(const Key&, const at::Tensor&)>& fn, bool keep_non_tensor,
-                      std::optional<std::vector<int64_t>> batch_size = std::nullopt) {
-  auto out = new_impl(batch_size ? *batch_size : node.batch_size, node.device);
-  out->class_name = node.class_name;
-  for (const auto& [k, v] : node.entries) {
-    Key key = prefix ? *prefix / k : Key(k);
-    if (v.is_tensor()) {
-      at::Tensor r = fn(key, v.tensor());
-      out->append(k, prepare_value(key, Value(std::move(r)), out->batch_size, std::nullopt));
-    } else if (v.is_tensordict()) {
-      out->append(k, Value(map_leaves(*v.tensordict().impl(), &key, fn, keep_non_tensor)));
-    } else if (keep_non_tensor) {
-      out->append(k, v);
-    }
-  }
-  return TensorDict(out);
-}
-
-bool reduce_leaves(const TensorDictImpl& node, bool want_all) {
-  for (const auto& [k, v] : node.entries) {
-    if (v.is_tensor()) {
-      bool r = want_all ? v.tensor().all().item<bool>() : v.tensor().any().item<bool>();
-      if (r != want_all) return r;
-    } else if (v.is_tensordict()) {
-      bool r = reduce_leaves(*v.tensordict().impl(), want_all);
-      if (r != want_all) return r;
-    }
-  }
-  return want_all;
-}
-
-// Pairs every tensor leaf of `a` with the same key of `b`; both must have the same keys.
-TensorDict zip_leaves(const TensorDictImpl& a, const TensorDictImpl& b, const Key* prefix,
-                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& fn) {
-  auto out = new_impl(a.batch_size, a.device);
-  for (const auto& [k, v] : a.entries) {
-    Key key = prefix ? *prefix / k : Key(k);
-    const Value* w = b.find(k);
-    if (w == nullptr) throw KeyError("key " + key.str() + " is missing from the other tensordict");
-    if (v.is_tensor() != w->is_tensor() || v.is_tensordict() != w->is_tensordict()) {
-      throw TypeError("key " + key.str() + " holds a " + v.kind_name() + " here but a " + w->kind_name() +
-                      " in the other tensordict");
-    }
-    if (v.is_tensor()) {
-      out->append(k, Value(fn(v.tensor(), w->tensor())));
-    } else if (v.is_tensordict()) {
-      out->append(k, Value(zip_leaves(*v.tensordict().impl(), *w->tensordict().impl(), &key, fn)));
-    }
-  }
-  for (const auto& [k, w] : b.entries) {
-    if (a.find(k) == nullptr) {
-      throw KeyError("key " + (prefix ? (*prefix / k).str() : Key(k).str()) + " is missing from this tensordict");
-    }
-  }
-  return TensorDict(out);
-}
-
-bool same_structure_impl(const TensorDictImpl& a, const TensorDictImpl& b) {
-  if (a.batch_size != b.batch_size || a.entries.size() != b.entries.size()) return false;
-  for (const auto& [k, v] : a.entries) {
-    const Value* w = b.find(k);
-    if (w == nullptr || v.is_tensor() != w->is_tensor() || v.is_tensordict() != w->is_tensordict()) return false;
-    if (v.is_tensor()) {
-      if (v.tensor().scalar_type() != w->tensor().scalar_type() || v.tensor().sizes() != w->tensor().sizes()) {
-        return false;
-      }
-    } else if (v.is_tensordict()) {
-      if (!same_structure_impl(*v.tensordict().impl(), *w->tensordict().impl())) return false;
-    }
-  }
-  return true;
-}
-
 void lock_impl(TensorDictImpl& node, const std::shared_ptr<const TensorDictImpl>& owner) {
   if (node.locked) return;
   node.locked = true;
@@ -322,35 +220,6 @@ void plan_update_(TensorDictImpl& dst, const TensorDictImpl& src, const Key* pre
                          " in the destination but " + shape_str(v.tensor().sizes()) + " in the source");
       }
       plan.emplace_back(d->tensor(), v.tensor());
-    }
-  }
-}
-
-void describe(const TensorDictImpl& node, int indent, std::ostringstream& os) {
-  std::string pad(static_cast<size_t>(indent), ' ');
-  for (const auto& [k, v] : node.entries) {
-    os << pad << k << ": ";
-    if (v.is_tensor()) {
-      const at::Tensor& t = v.tensor();
-      os << "Tensor(" << c10::toString(t.scalar_type()) << ", " << shape_str(t.sizes()) << ")";
-      if (MemoryMappedTensor::info(t)) os << " memmap";
-      os << "\n";
-    } else if (v.is_tensordict()) {
-      const auto& c = *v.tensordict().impl();
-      os << (c.class_name.empty() ? "TensorDict" : c.class_name) << "(batch_size=" << shape_str(c.batch_size) << ")\n";
-      describe(c, indent + 2, os);
-    } else {
-      std::visit([&](const auto& x) {
-        using T = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<T, std::string>) {
-          os << '"' << x << '"';
-        } else if constexpr (std::is_same_v<T, bool>) {
-          os << (x ? "true" : "false");
-        } else {
-          os << x;
-        }
-      }, v.non_tensor());
-      os << "\n";
     }
   }
 }
@@ -534,124 +403,6 @@ TensorDict& TensorDict::erase(const Key& key) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// TensorDict: keys
-
-std::vector<Key> TensorDict::keys(bool include_nested, bool leaves_only) const {
-  std::vector<Key> out;
-  for (auto& [k, v] : items(include_nested, leaves_only)) out.push_back(k);
-  return out;
-}
-
-std::vector<TensorDict::Item> TensorDict::items(bool include_nested, bool leaves_only) const {
-  std::vector<Item> out;
-  collect_keys(*impl_, nullptr, include_nested, leaves_only, out);
-  return out;
-}
-
-std::vector<std::string> TensorDict::sorted_keys() const {
-  std::vector<std::string> out;
-  for (size_t i : sorted_positions(*impl_)) out.push_back(impl_->entries[i].first);
-  return out;
-}
-
-std::vector<Key> TensorDict::sorted_leaf_keys() const { return detail::sorted_leaves(*this)->keys; }
-
-std::shared_ptr<const detail::SortedLeaves> detail::sorted_leaves(const TensorDict& td) {
-  // The epoch is read before the keys are: a change made while they are collected leaves a cache
-  // entry that is already stale, never a stale one that looks current.
-  const uint64_t epoch = keys_epoch.load(std::memory_order_acquire);
-  auto& slot = td.impl()->sorted_leaves.value;
-  if (auto cached = slot.load(std::memory_order_acquire); cached && cached->epoch == epoch) return cached;
-  auto fresh = std::make_shared<SortedLeaves>();
-  fresh->epoch = epoch;
-  std::vector<uint32_t> path;
-  fresh->path_begin.push_back(0);
-  collect_sorted_leaves(*td.impl(), nullptr, path, *fresh);
-  fresh->key_hashes.reserve(fresh->keys.size());
-  for (const Key& k : fresh->keys) fresh->key_hashes.push_back(key_path_hash(k));
-  slot.store(fresh, std::memory_order_release);
-  return fresh;
-}
-
-at::Tensor detail::leaf_tensor(const TensorDict& td, const SortedLeaves& leaves, size_t i) {
-  const TensorDictImpl* node = td.impl().get();
-  const uint32_t end = leaves.path_begin[i + 1];
-  for (uint32_t p = leaves.path_begin[i]; p + 1 < end; ++p) node = node->entries[leaves.positions[p]].second.tensordict().impl().get();
-  return node->entries[leaves.positions[end - 1]].second.tensor();
-}
-
-// ---------------------------------------------------------------------------------------------
-// TensorDict: new tensordicts
-
-TensorDict TensorDict::clone() const {
-  return map_leaves(*impl_, nullptr, [](const Key&, const at::Tensor& t) { return t.clone(); }, true);
-}
-
-TensorDict TensorDict::contiguous() const {
-  return map_leaves(*impl_, nullptr, [](const Key&, const at::Tensor& t) { return t.contiguous(); }, true);
-}
-
-TensorDict TensorDict::expand(std::vector<int64_t> new_batch_size) const {
-  const auto& old = impl_->batch_size;
-  check_batch_size(new_batch_size);
-  bool ok = new_batch_size.size() >= old.size();
-  const size_t lead = ok ? new_batch_size.size() - old.size() : 0;
-  for (size_t i = 0; ok && i < old.size(); ++i) ok = old[i] == new_batch_size[lead + i] || old[i] == 1;
-  if (!ok) {
-    throw ShapeError("cannot expand a tensordict of batch size " + shape_str(old) + " to " + shape_str(new_batch_size) +
-                     ": the new batch size must end with the old one (dimensions of size 1 may grow)");
-  }
-  auto out = new_impl(new_batch_size, impl_->device);
-  out->class_name = impl_->class_name;
-  for (const auto& [k, v] : impl_->entries) {
-    if (v.is_tensor()) {
-      const at::Tensor& t = v.tensor();
-      std::vector<int64_t> shape = new_batch_size;
-      shape.insert(shape.end(), t.sizes().begin() + static_cast<std::ptrdiff_t>(old.size()), t.sizes().end());
-      out->append(k, Value(t.expand(shape)));
-    } else if (v.is_tensordict()) {
-      const TensorDict& c = v.tensordict();
-      std::vector<int64_t> shape = new_batch_size;
-      shape.insert(shape.end(), c.batch_size().begin() + static_cast<std::ptrdiff_t>(old.size()), c.batch_size().end());
-      out->append(k, Value(c.expand(shape)));
-    } else {
-      out->append(k, v);
-    }
-  }
-  return TensorDict(out);
-}
-
-TensorDict TensorDict::apply(const std::function<at::Tensor(const at::Tensor&)>& fn) const {
-  return map_leaves(*impl_, nullptr, [&](const Key&, const at::Tensor& t) { return fn(t); }, true);
-}
-
-TensorDict& TensorDict::apply_(const std::function<at::Tensor(const at::Tensor&)>& fn) {
-  // Every result is computed and checked before the first write, so a failure writes nothing.
-  std::vector<std::pair<at::Tensor, at::Tensor>> plan;
-  for (auto& [k, v] : items(true, true)) {
-    if (v.is_tensor()) {
-      at::Tensor result = fn(v.tensor());
-      check_leaf_write(k, v.tensor(), result);
-      plan.emplace_back(v.tensor(), std::move(result));
-    }
-  }
-  for (auto& [leaf, result] : plan) leaf.copy_(result);
-  return *this;
-}
-
-TensorDict TensorDict::to(c10::Device device) const {
-  auto out = map_leaves(*impl_, nullptr, [&](const Key&, const at::Tensor& t) { return t.to(device); }, true);
-  std::function<void(TensorDictImpl&)> set_device = [&](TensorDictImpl& n) {
-    n.device = device;
-    for (auto& [k, v] : n.entries) {
-      if (v.is_tensordict()) set_device(*v.tensordict().impl());
-    }
-  };
-  set_device(*out.impl_);
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
 // TensorDict: updates
 
 TensorDict& TensorDict::update(const TensorDict& other) {
@@ -676,39 +427,7 @@ TensorDict& TensorDict::update_(const TensorDict& other) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// TensorDict: comparisons
-
-#define TDSHM_SCALAR_CMP(name)                                                                              \
-  TensorDict TensorDict::name(const at::Scalar& v) const {                                                  \
-    return map_leaves(*impl_, nullptr, [&](const Key&, const at::Tensor& t) { return t.name(v); }, false); \
-  }
-TDSHM_SCALAR_CMP(eq)
-TDSHM_SCALAR_CMP(ne)
-TDSHM_SCALAR_CMP(lt)
-TDSHM_SCALAR_CMP(le)
-TDSHM_SCALAR_CMP(gt)
-TDSHM_SCALAR_CMP(ge)
-#undef TDSHM_SCALAR_CMP
-
-TensorDict TensorDict::eq(const TensorDict& other) const {
-  return zip_leaves(*impl_, *other.impl_, nullptr, [](const at::Tensor& a, const at::Tensor& b) { return a.eq(b); });
-}
-TensorDict TensorDict::ne(const TensorDict& other) const {
-  return zip_leaves(*impl_, *other.impl_, nullptr, [](const at::Tensor& a, const at::Tensor& b) { return a.ne(b); });
-}
-
-bool TensorDict::all() const { return reduce_leaves(*impl_, true); }
-bool TensorDict::any() const { return reduce_leaves(*impl_, false); }
-
-bool TensorDict::same_structure(const TensorDict& other) const { return same_structure_impl(*impl_, *other.impl_); }
-
-TensorDict operator==(const TensorDict& td, const at::Scalar& v) { return td.eq(v); }
-TensorDict operator!=(const TensorDict& td, const at::Scalar& v) { return td.ne(v); }
-TensorDict operator==(const TensorDict& a, const TensorDict& b) { return a.eq(b); }
-TensorDict operator!=(const TensorDict& a, const TensorDict& b) { return a.ne(b); }
-
-// ---------------------------------------------------------------------------------------------
-// TensorDict: locking and description
+// TensorDict: locking
 
 TensorDict& TensorDict::lock_() {
   lock_impl(*impl_, impl_);
@@ -724,17 +443,6 @@ TensorDict& TensorDict::unlock_() {
   impl_->locked_by.reset();
   unlock_impl(*impl_, by ? by.get() : impl_.get());
   return *this;
-}
-
-std::string TensorDict::repr() const {
-  std::ostringstream os;
-  os << (impl_->class_name.empty() ? "TensorDict" : impl_->class_name) << "(batch_size=" << shape_str(impl_->batch_size);
-  if (impl_->device) os << ", device=" << impl_->device->str();
-  if (impl_->locked) os << ", locked";
-  if (impl_->consolidation) os << ", consolidated " << impl_->consolidation->schema.total_bytes << " bytes";
-  os << ")\n";
-  describe(*impl_, 2, os);
-  return os.str();
 }
 
 }  // namespace tdshm

@@ -13,13 +13,12 @@
 // allowed (as metadata is read). The limits are smaller than the defaults so that an input
 // whose memo references expand it stays fast; the contract holds for any limits.
 //
-// The codec and the conversion are compiled into this translation unit (both are one source
-// file each; the codec is torch-free, the conversion needs c10's headers and libc10, which
-// tdshm_fuzz_schema brings with the schema validator), so the target is one tdshm_add_fuzzer
-// line.
+// The conversion is compiled into this translation unit (it is one source file, and needs c10's
+// headers and libc10, which tdshm_fuzz_schema brings with the schema validator); the codec, of
+// several source files and torch-free, is the library tdshm_fuzz_pickle. So the target is one
+// tdshm_add_fuzzer line.
 
 #include "distributed/remote_metadata.cpp"  // NOLINT(bugprone-suspicious-include)
-#include "pickle/pickle.cpp"                // NOLINT(bugprone-suspicious-include)
 
 #include "distributed/remote_metadata.h"
 #include "pickle/pickle.h"
