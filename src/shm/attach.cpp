@@ -8,9 +8,14 @@
 //    creates the file (O_EXCL), reserves its pages, writes the header, publishes the layout
 //    version (release) and claims its slot, then clears `creating`. Whoever takes the lock next
 //    and finds `creating` set knows that the creator died mid-way: the file (missing, short,
-//    zero, or half-written) is replaced, and the dead creator's rank is recorded in the new
-//    incarnation as a member that died, so that the other ranks' rendezvous fails with
-//    PeerLostError at once instead of waiting for their timeout;
+//    zero, or half-written) is replaced. If the creator still ran when this rank arrived (it
+//    waited for the lock behind the creation: the two were to form one group), the dead
+//    creator's rank is recorded in the new incarnation as a member that died, so that the
+//    rendezvous of this rank and of the others waiting with it fails with PeerLostError at once
+//    instead of waiting for their timeout. If the creator was already dead when this rank arrived
+//    (a restarted job starts after its processes died), it was never grouped with this rank: its
+//    creation is stale, replaced like any stale segment, and its rank is left free for the
+//    process that takes it in the new group;
 //  * a header that is incomplete, corrupt or truncated is refused while the rank that created it
 //    lives (someone damaged a group in use) and replaced otherwise;
 //  * a valid segment with no live rank (all left or dead) is stale: it is replaced;
@@ -122,8 +127,8 @@ class Attacher {
   std::unique_ptr<Segment> run();
 
  private:
-  /// Reads the creator record; decides whether its creation was interrupted and by a creator
-  /// that died (to be recorded as a member that died).
+  /// Reads the creator record; decides whether its creation was interrupted, and whether by a
+  /// creator that died while this rank waited for it (to be recorded as a member that died).
   void read_creator_record();
   /// Joins the existing file `fd` (true), or unlinks it to be replaced (false); throws when it
   /// must be left alone.
@@ -154,7 +159,7 @@ class Attacher {
   LockFile lock_;
   std::optional<CreatorRecord> record_;
   bool interrupted_ = false;
-  bool creator_died_ = false;
+  bool creator_died_ = false;  // while this rank waited for it: a member that died
 };
 
 Attacher::Attacher(const SegmentParams& params, uint32_t rank, std::chrono::steady_clock::time_point deadline)
@@ -181,7 +186,8 @@ void Attacher::read_creator_record() {
   // process's flock before /proc shows it as exited, so give it a moment to finish dying; one
   // that truly lives (it threw mid-way) is not recorded as a dead member.
   interrupted_ = record_ && record_->creating != 0;
-  if (!interrupted_) return;
+  // A creator already dead when this rank arrived is stale, not a member (the recovery model).
+  if (!interrupted_ || lock_.dead_on_arrival(*record_)) return;
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
   while (creator_alive(record_) && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -225,7 +231,8 @@ std::string Attacher::why_replace(const Inspection& existing) const {
   }
   if (interrupted_ && !(verdict == HeaderVerdict::kValid && existing.live_rank() >= 0)) {
     // (A valid incarnation in use was published: only its record's clearing failed.)
-    return "its creator (pid " + std::to_string(record_->pid) + ") was interrupted while creating it";
+    return "its creator (pid " + std::to_string(record_->pid) + ") was interrupted while creating it" +
+           (lock_.dead_on_arrival(*record_) ? "; it was gone before this rank came: stale" : "");
   }
   if (existing.table_readable()) {
     const int live = existing.live_rank();

@@ -42,6 +42,10 @@ bool LockFile::lock_current_file(std::chrono::steady_clock::time_point deadline,
     const ProcessId me = self_process();
     const JoinRecord rec{JoinRecord::kMagic, me.pid, *joining, me.start_time, me.pid_ns, 0};
     (void)!::pwrite(fd_, &rec, sizeof rec, join_record_offset(*joining));
+    // Read without the lock: a record its writer tore has no magic, or names no dead creator
+    // that the holder of the lock will find, and counts as none.
+    const std::optional<CreatorRecord> r = record();
+    dead_on_arrival_ = r && r->creating != 0 && !creator_alive(r) ? r : std::nullopt;
   }
   while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     if (errno != EWOULDBLOCK && errno != EINTR) {
@@ -84,6 +88,11 @@ void LockFile::write_record(const CreatorRecord& r) const {
   if (::pwrite(fd_, &r, sizeof r, 0) != static_cast<ssize_t>(sizeof r)) {
     throw SegmentError("cannot write the lock file '" + path_ + "': " + std::strerror(errno));
   }
+}
+
+bool LockFile::dead_on_arrival(const CreatorRecord& r) const noexcept {
+  const std::optional<CreatorRecord>& a = dead_on_arrival_;
+  return a && a->pid == r.pid && a->rank == r.rank && a->start_time == r.start_time && a->pid_ns == r.pid_ns;
 }
 
 void LockFile::clear_join(uint32_t rank) const noexcept {

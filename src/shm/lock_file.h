@@ -40,6 +40,10 @@ class LockFile {
   void write_record(const CreatorRecord& r) const;
   /// Clears this process's JoinRecord for `rank` (it claimed its slot, or gave up).
   void clear_join(uint32_t rank) const noexcept;
+  /// For a joining process: whether `r` is the creator record it found when it arrived (before
+  /// it waited for the lock) with `creating` set and its creator already dead. Such a creator
+  /// was never grouped with this process (attach.cpp's recovery model).
+  bool dead_on_arrival(const CreatorRecord& r) const noexcept;
 
  private:
   /// One try: opens the file, announces `joining`, waits for the flock. False when the file was
@@ -48,6 +52,7 @@ class LockFile {
 
   std::string path_;
   int fd_ = -1;
+  std::optional<CreatorRecord> dead_on_arrival_;  // see dead_on_arrival()
 };
 
 }  // namespace tdshm::shm
