@@ -3,9 +3,13 @@
 // `tdshm gc`; tools/segments.cpp) and tests. It never maps, locks, writes or creates anything:
 // every file is opened O_RDONLY | O_NOFOLLOW and read with pread into local buffers, so a file
 // that shrinks, grows or changes while it is read can make a report wrong but never faults; every
-// value is read once and validated before it is used as a size or an offset.
+// value is read once and validated before it is used as a size or an offset. Implemented in
+// inspect.cpp (what a name is), layout_details.cpp and layout_v5.cpp (the layout-specific part)
+// and gc.cpp (gc). It sits above the segment parts: it reads with process_identity.h, trust.h and
+// validate.h, and gc removes through tdshm::remove_stale_segment (liveness.h); of those parts only
+// capacity.h (the stale segments an out-of-room error counts) reads through it.
 //
-// Trust model (the same as segment.cpp's): a file that is a symbolic link, not a regular file,
+// Trust model (the same as trust.h's): a file that is a symbolic link, not a regular file,
 // owned by another uid or open to group/other is reported as refused and not read.
 //
 // What is read:
@@ -32,6 +36,7 @@
 // removed with it.)
 
 #include "shm/segment_layout.h"
+#include "shm/trust.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -41,10 +46,6 @@
 #include <vector>
 
 namespace tdshm::shm {
-
-/// Where segments live, and the prefix of their file names.
-inline constexpr const char* kSegmentDir = "/dev/shm";
-inline constexpr const char* kSegmentFilePrefix = "tdshm.";
 
 /// What one name in /dev/shm is, as far as this reader can tell.
 enum class SegmentStatus {

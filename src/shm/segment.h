@@ -1,8 +1,9 @@
 #pragma once
-// A process's attachment to a named segment: creation or attach under a lock file, validation of
-// everything read from the header, the rank claim, liveness of peers, and clean leave. The
-// recovery and trust models are written down at the top of segment.cpp.
+// A process's attachment to a named segment: the mapped file of one incarnation, its rank claim,
+// the liveness of its peers, and clean leave. Segment::attach (creation or attach under the lock
+// file, and the recovery model) is in attach.cpp; the trust model is in trust.h.
 
+#include "shm/process_identity.h"
 #include "shm/segment_layout.h"
 
 #include <sys/types.h>
@@ -16,24 +17,6 @@
 #include <vector>
 
 namespace tdshm::shm {
-
-/// Identity of a live process: pid plus its start time, so a reused pid is not mistaken for it,
-/// and the PID namespace the pid belongs to (0: not known).
-struct ProcessId {
-  uint32_t pid = 0;
-  uint64_t start_time = 0;
-  uint32_t pid_ns = 0;  // inode of /proc/<pid>/ns/pid
-};
-
-/// This process's identity.
-ProcessId self_process();
-/// Whether `id` was recorded by a process of another PID namespace (another container, say):
-/// its pid means another process here, or none, so its liveness cannot be checked from here.
-bool foreign_pid_namespace(const ProcessId& id);
-/// Whether the process `id` still runs (false once it exited or its pid was reused). A process of
-/// another PID namespace counts as running: nothing here can prove it dead, so nothing of it is
-/// replaced or removed (the rendezvous refuses such a peer; see ShmEngine::rendezvous).
-bool process_alive(const ProcessId& id);
 
 /// Parameters every rank of a segment must agree on.
 struct SegmentParams {
@@ -116,6 +99,7 @@ class Segment {
   std::string describe_rank(uint32_t r) const;
 
  private:
+  friend class Attacher;  // attach.cpp: creates the Segment and maps it
   Segment(SegmentParams params, uint32_t rank);
   void map(int fd, uint64_t bytes);
   /// A rank slot's fields: from the mapping, or from the file when the mapping is lost.
@@ -147,7 +131,7 @@ class Segment {
   bool left_ = false;
 };
 
-/// Removes the segment `name` if no live process is attached. See process_group.h.
-bool remove_segment_if_stale(const std::string& name);
+/// An incarnation id as 16 hex digits, for messages.
+std::string hex_id(uint64_t v);
 
 }  // namespace tdshm::shm

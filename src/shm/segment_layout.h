@@ -31,10 +31,10 @@
 // in a file's life (Free -> Live -> Left or Abandoned) and never reset. A rank whose slot in the
 // current file is already used (it was a member before, or died in it) creates a fresh file under
 // the same name (the old one is unlinked; its members keep their mapping and finish with it), so
-// a re-created group never meets, resets or reads the rings of an earlier one. See segment.cpp
-// for the recovery model (lock file, crashed creators, stale segments) and the trust model.
+// a re-created group never meets, resets or reads the rings of an earlier one. See attach.cpp
+// for the recovery model (lock file, crashed creators, stale segments), trust.h for the trust model.
 //
-// Trust. The bytes of a segment are written by the ranks of one user. segment.cpp refuses a file
+// Trust. The bytes of a segment are written by the ranks of one user. trust.cpp refuses a file
 // that another uid owns or that group/other may open. A member may still be buggy: the engine
 // reads every field once into a local copy and validates it (validate.h) before use; a slot is
 // read only from the sending rank's own region and only while its state names the reader.
@@ -233,7 +233,7 @@ static_assert(std::is_trivially_destructible_v<SegmentHeader> && std::is_trivial
 /// At offset 0 of the lock file /dev/shm/tdshm.<name>.lock: the last creator under the name.
 /// Written (pwrite) only under the lock: `creating` is 1 from before the segment file is created
 /// until its creator has published the header and claimed its slot, so whoever takes the lock
-/// and finds it set with a dead pid knows that creation was interrupted (segment.cpp).
+/// and finds it set with a dead pid knows that creation was interrupted (attach.cpp).
 struct CreatorRecord {
   static constexpr uint64_t kMagic = 0x314b434c4d534454ull;  // "TDSMLCK1"
   uint64_t magic = 0;       // 0

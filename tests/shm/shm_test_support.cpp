@@ -628,4 +628,21 @@ void ShmTest::set_deadline(Clock::duration timeout) {
   if (watchdog()) watchdog()->set_deadline(Clock::now() + timeout);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Scenarios
+
+void exchange(ProcessGroupShm& pg) {
+  const int peer = 1 - pg.getRank();
+  for (int64_t bytes : {int64_t{24}, 3 * static_cast<int64_t>(pg.options().slot_bytes) + 5}) {
+    const at::Tensor mine = pattern(at::kByte, bytes, static_cast<uint64_t>(pg.getRank() * 7919 + bytes));
+    const at::Tensor expected = pattern(at::kByte, bytes, static_cast<uint64_t>(peer * 7919 + bytes));
+    const at::Tensor got = at::zeros({bytes}, at::kByte);
+    auto s = post_send(pg, mine, peer, 42);
+    auto r = post_recv(pg, got, peer, 42);
+    s->wait();
+    r->wait();
+    SHM_CHECK(same_bytes(got, expected), "rank " << pg.getRank() << " received wrong bytes (" << bytes << ")");
+  }
+}
+
 }  // namespace tdshm::test

@@ -324,4 +324,8 @@ inline c10::intrusive_ptr<c10d::Work> post_recv(c10d::ProcessGroup& pg, const at
   return pg.recv(v, src, tag);
 }
 
+/// One small and one chunked message each way between ranks 0 and 1 of `pg` (checked with
+/// SHM_CHECK): the group works.
+void exchange(ProcessGroupShm& pg);
+
 }  // namespace tdshm::test

@@ -42,21 +42,6 @@
 namespace tdshm::test {
 namespace {
 
-/// One small and one chunked message each way between ranks 0 and 1 of `pg`: the group works.
-void exchange(ProcessGroupShm& pg) {
-  const int peer = 1 - pg.getRank();
-  for (int64_t bytes : {int64_t{24}, 3 * static_cast<int64_t>(pg.options().slot_bytes) + 5}) {
-    const at::Tensor mine = pattern(at::kByte, bytes, static_cast<uint64_t>(pg.getRank() * 7919 + bytes));
-    const at::Tensor expected = pattern(at::kByte, bytes, static_cast<uint64_t>(peer * 7919 + bytes));
-    const at::Tensor got = at::zeros({bytes}, at::kByte);
-    auto s = post_send(pg, mine, peer, 42);
-    auto r = post_recv(pg, got, peer, 42);
-    s->wait();
-    r->wait();
-    SHM_CHECK(same_bytes(got, expected), "rank " << pg.getRank() << " received wrong bytes (" << bytes << ")");
-  }
-}
-
 /// Rank `rank` of `size` constructing its group on a thread of this process (the constructor
 /// waits for the other ranks); join() returns what the constructor threw.
 class PendingRank {
@@ -754,58 +739,6 @@ void recreate_loop(const std::string& name, int world, int rounds) {
 TEST_F(ShmSegmentProcs, RecreatedGroupOfTwoNeverSeesAnotherIncarnation) { recreate_loop(unique_name(), 2, 60); }
 
 TEST_F(ShmSegmentProcs, RecreatedGroupOfFourNeverSeesAnotherIncarnation) { recreate_loop(unique_name(), 4, 25); }
-
-/// Leaves, under `name`, what a creator SIGKILLed in the middle of creating the segment leaves:
-/// the lock file's creator record says it was creating, its process is gone, and the segment
-/// file is `leftover_bytes` of zeros (no header), or absent when that is negative.
-void leave_interrupted_creation(const std::string& name, int creator_rank, int64_t leftover_bytes) {
-  const pid_t dead = ::fork();
-  if (dead == 0) ::_exit(0);
-  ASSERT_GT(dead, 0);
-  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);  // reaped: the pid is free
-  const int lock = ::open((segment_path(name) + ".lock").c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  ASSERT_GE(lock, 0) << std::strerror(errno);
-  shm::CreatorRecord rec;
-  rec.magic = shm::CreatorRecord::kMagic;
-  rec.pid = static_cast<uint32_t>(dead);
-  rec.rank = static_cast<uint32_t>(creator_rank);
-  rec.start_time = 12345;
-  rec.creating = 1;
-  ASSERT_EQ(::pwrite(lock, &rec, sizeof rec, 0), static_cast<ssize_t>(sizeof rec));
-  ::close(lock);
-  if (leftover_bytes >= 0) {
-    const int seg = ::open(segment_path(name).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    ASSERT_GE(seg, 0) << std::strerror(errno);
-    ASSERT_EQ(::ftruncate(seg, leftover_bytes), 0);
-    ::close(seg);
-  }
-}
-
-// The creator (rank 0) died while creating: rank 1 replaces the leftover and its rendezvous fails
-// at once with PeerLostError naming rank 0 (not at its timeout); then a whole new group forms.
-TEST_F(ShmSegmentProcs, CreatorKilledMidCreationIsAPeerLostAndTheNameRecovers) {
-  for (int64_t leftover : {int64_t{-1}, int64_t{0}, int64_t{100}, static_cast<int64_t>(shm_segment_bytes(2, small_options()))}) {
-    SCOPED_TRACE("leftover segment of " + std::to_string(leftover) + " bytes");
-    const std::string name = unique_name();
-    leave_interrupted_creation(name, 0, leftover);
-    ShmOptions opts = small_options();
-    opts.timeout = 20s;
-    Child rank1([&] {
-      const auto start = Clock::now();
-      const Caught c = catch_any([&] { ProcessGroupShm pg(name, 1, 2, opts); });
-      SHM_CHECK(c.is<PeerLostError>(), "rank 1's rendezvous threw " << c.describe());
-      SHM_CHECK(contains_nocase(c.what, "rank 0"), "the error does not name rank 0: " << c.what);
-      SHM_CHECK(Clock::now() - start < 10s, "the dead creator was noticed only at the timeout");
-    });
-    rank1.wait(30s);
-    EXPECT_TRUE(rank1.ok()) << rank1.describe();
-    SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) {
-      ProcessGroupShm pg(name, r, 2, opts);
-      exchange(pg);
-    }));
-    EXPECT_EQ(shm_entries_of(name), std::vector<std::string>{});
-  }
-}
 
 // A process that announced itself as joining rank 1 (its JoinRecord in the lock file) and died
 // before it could claim the slot (killed while it waited for the lock): rank 0's rendezvous

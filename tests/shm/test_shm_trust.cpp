@@ -11,7 +11,7 @@
 // they are skipped; the tests of the victim's own files with group/other bits, of truncation and
 // of a killed creator run as any user.
 //
-// A refusal's message is checked for the refused file's path, the reason in segment.cpp's words
+// A refusal's message is checked for the refused file's path, the reason in trust.cpp's words
 // ("owned by uid N", "mode 0644" and "group/other permission bits", "is a symbolic link") and
 // what to do ("remove it", "remove the link"), and must not blame /dev/shm itself. Nothing the
 // victim may touch changes: planted files and link targets keep their inode, mode, owner, size,
@@ -290,7 +290,7 @@ const std::string& victim_secret() {
 }
 
 /// What the victim's SegmentError must say: which file (its path), why (every needle, matched
-/// case-insensitively), and what to do. The wording is segment.cpp's (open_error, check_owned).
+/// case-insensitively), and what to do. The wording is trust.cpp's (open_error, check_owned).
 struct Refusal {
   std::string why{};                   // for messages
   std::string path{};                  // the refused file: the message names it
