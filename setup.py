@@ -57,7 +57,7 @@ class CMakeBuild(build_ext):
                      # The interpreter running pip (a venv's): the module is built for it, and
                      # python/CMakeLists.txt checks that it imports torch.
                      f"-DPython_EXECUTABLE={sys.executable}"]
-        # CMAKE_GENERATOR in the environment is CMake's own choice; else Ninja when there is one.
+        # CMake reads CMAKE_GENERATOR from the environment itself; without it, Ninja when installed.
         if "CMAKE_GENERATOR" not in os.environ:
             configure += ["-G", "Ninja" if shutil.which("ninja") else "Unix Makefiles"]
         # Without --parallel, `cmake --build` takes CMAKE_BUILD_PARALLEL_LEVEL from the environment.
