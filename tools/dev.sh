@@ -35,9 +35,12 @@ readonly JOBS=2
 # and the tests with Python ranks need Debian's python3 with torch (python3-torch, whose
 # libtorch_python the module links), its headers (python3-dev), pybind11-dev, and python3-numpy.
 # gnuplot-nox draws `tdshm bench --plot` (and its test tdshm_bench_scenarios) without X11.
+# python3-venv, python3-setuptools and python3-wheel: `pip install .` in a venv (the test
+# python.pip_install; docs/python-install.md).
 readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libspdlog-dev
                    libgtest-dev libbenchmark-dev clang-14 libclang-rt-14-dev llvm-14
-                   python3-torch python3-numpy python3-dev pybind11-dev gnuplot-nox)
+                   python3-torch python3-numpy python3-dev pybind11-dev gnuplot-nox
+                   python3-venv python3-setuptools python3-wheel)
 
 log() { printf 'dev.sh: %s\n' "$*" >&2; }
 
