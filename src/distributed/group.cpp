@@ -1,5 +1,5 @@
-// Process groups: Group, the process-global default group, new_group and standalone gloo groups
-// (see include/tdshm/distributed.h).
+// Process groups: the process-global default group, new_group and standalone gloo groups (see
+// include/tdshm/distributed.h; the Group handle itself is group_handle.cpp).
 //
 // The default group is one `World` per process, held behind a mutex. The mutex is never held
 // while a group is being built (a rendezvous can last the whole timeout): init_process_group
@@ -40,8 +40,6 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
-#include "process_group/transport.h"
 
 #include <algorithm>
 #include <cctype>
@@ -418,73 +416,6 @@ std::shared_ptr<World> make_world(const std::string& backend, const InitOptions&
 }
 
 }  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// Group
-
-Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> backend) : backend_(std::move(backend)) {
-  if (!backend_) throw Error("Group: the backend is null (use Group{} for \"no group\")");
-  transport_ = detail::make_transport(backend_);
-}
-
-Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int> global_ranks)
-    : backend_(std::move(backend)), global_ranks_(std::move(global_ranks)) {
-  if (!backend_) throw Error("Group: the backend is null (use Group{} for \"no group\")");
-  transport_ = detail::make_transport(backend_);
-  if (global_ranks_.size() != static_cast<size_t>(backend_->getSize())) {
-    throw Error("Group: " + std::to_string(global_ranks_.size()) + " global ranks for a backend of size " +
-                std::to_string(backend_->getSize()));
-  }
-  std::vector<int> sorted = global_ranks_;
-  std::sort(sorted.begin(), sorted.end());
-  if (sorted.front() < 0) throw Error("Group: negative global rank " + std::to_string(sorted.front()));
-  if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end()) {
-    throw Error("Group: global rank " + std::to_string(*dup) + " is listed twice");
-  }
-}
-
-c10d::ProcessGroup& Group::backend() const {
-  if (!backend_) {
-    throw Error("Group::backend(): this Group is not defined (no group, or a rank outside the group new_group made)");
-  }
-  return *backend_;
-}
-
-const detail::Transport& Group::transport() const {
-  if (!transport_) {
-    throw Error("Group::transport(): this Group is not defined (no group, or a rank outside the group new_group made)");
-  }
-  return *transport_;
-}
-
-std::string Group::backend_name() const { return backend().getBackendName(); }
-
-int Group::rank() const { return backend().getRank(); }
-
-int Group::size() const { return backend().getSize(); }
-
-int Group::group_rank(int global) const {
-  backend();  // throws if not defined
-  if (!registered()) {
-    throw Error("Group::group_rank(" + std::to_string(global) +
-                "): this group is standalone (not made by init_process_group or new_group), so global ranks "
-                "mean nothing to it; address its ranks with group_dst / group_src");
-  }
-  const auto it = std::find(global_ranks_.begin(), global_ranks_.end(), global);
-  if (it == global_ranks_.end()) {
-    throw Error("Group::group_rank: global rank " + std::to_string(global) + " is not a member of this group");
-  }
-  return static_cast<int>(it - global_ranks_.begin());
-}
-
-int Group::global_rank(int group_rank) const {
-  const int n = size();  // throws if not defined
-  if (group_rank < 0 || group_rank >= n) {
-    throw Error("Group::global_rank: group rank " + std::to_string(group_rank) + " is outside [0, " +
-                std::to_string(n) + ")");
-  }
-  return registered() ? global_ranks_[static_cast<size_t>(group_rank)] : group_rank;
-}
 
 // ---------------------------------------------------------------------------------------------
 // The default group
