@@ -1,7 +1,7 @@
 #pragma once
 // How tdshm spins while it waits for another process: one pause per check, and the SpinChecks
-// policy of when a check also reads the clock and offers the core to others. Shared by the
-// engine's waits (engine_wait.cpp, engine_collective.cpp) and by the benchmarks' references
+// policy of when a check also reads the clock and offers the core to others. Shared by every
+// wait of the transport (waiter.h's loop) and by the benchmarks' references
 // (benchmarks/copy_channel.cpp, pingpong_link.cpp), so that a reference spins as tdshm does.
 
 #if defined(__x86_64__) || defined(__i386__)

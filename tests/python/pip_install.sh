@@ -53,7 +53,7 @@ echo "== pip install --no-build-isolation --no-index ."
 # pip's and setup.py's temporary folders (the CMake build) inside ours too.
 mkdir "$work/tmp"
 start=$(date +%s)
-(cd "$work/src" && TMPDIR=$work/tmp CMAKE_BUILD_PARALLEL_LEVEL=1 \
+(cd "$work/src" && TMPDIR=$work/tmp CMAKE_BUILD_PARALLEL_LEVEL=2 \
   "$venv_python" -m pip install --no-build-isolation --no-index --no-cache-dir .)
 echo "pip install took $(($(date +%s) - start)) s"
 
