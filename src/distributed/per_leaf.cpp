@@ -291,13 +291,26 @@ Stage per_leaf_after_header(const std::shared_ptr<const PerLeafRecv>& r) {
 
 /// The receives of a per-leaf irecv once posted, whichever way they went: staged behind the
 /// layout descriptor (the checked protocol) or behind a refusal's drains (`deferred`), one batch
-/// of the transport (`batch`, with the repair of a leaf count that differs), or one work per leaf
+/// of the transport (`batch`, with the repair of a leaf count that differs, made only when a
+/// Work per leaf is: a blocking receive that succeeds never needs it), or one work per leaf
 /// (`recvs`).
 struct PostedLeaves {
   std::shared_ptr<Deferred> deferred;
   c10::intrusive_ptr<BatchWork> batch;
   std::shared_ptr<LeafCountRepair> repair;
   std::vector<WorkPtr> recvs;
+
+  /// Makes the repair of a batch (before leaf_work for its leaves).
+  void prepare_repair(const Leaves& l, const Peer& p, const RecvOptions& o) {
+    if (!batch || repair) return;
+    repair = std::make_shared<LeafCountRepair>();
+    repair->group = p.group;
+    repair->peer = p.rank;
+    repair->init_tag = o.init_tag;
+    repair->pseudo_rand = o.pseudo_rand;
+    repair->batch = batch;
+    repair->mine = l.keys().size();
+  }
 
   /// Waits for every leaf; the first error names its key.
   void wait(const Leaves& l) const {
@@ -366,13 +379,6 @@ PostedLeaves post_leaf_receives(const Leaves& l, const Peer& p, const RecvOption
   } else if (transport.can().batch) {
     // Every receive posted under one lock; the Work of leaf i is message i of the batch.
     posted.batch = transport.recv_batch(targets, p.rank, l.wire->c10d_tags, l.wire->checks);
-    posted.repair = std::make_shared<LeafCountRepair>();
-    posted.repair->group = p.group;
-    posted.repair->peer = p.rank;
-    posted.repair->init_tag = o.init_tag;
-    posted.repair->pseudo_rand = o.pseudo_rand;
-    posted.repair->batch = posted.batch;
-    posted.repair->mine = l.keys().size();
   } else {
     for (size_t i = 0; i < l.keys().size(); ++i) {
       posted.recvs.push_back(recv_one(p.group, targets[i], p.rank, l.wire->c10d_tags[i], l.wire->checks[i]));
@@ -463,7 +469,7 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
     for (const auto& leaf : l.tensors) staged.push_back(leaf.is_contiguous() ? leaf : at::empty(leaf.sizes(), leaf.options()));
   }
   const std::vector<at::Tensor>& targets = staged.empty() ? l.tensors : staged;
-  const PostedLeaves posted = post_leaf_receives(l, p, o, targets, refusal);
+  PostedLeaves posted = post_leaf_receives(l, p, o, targets, refusal);
 
   Transfer out;
   if (!o.return_premature) {
@@ -477,7 +483,10 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
       } catch (...) {
       }
     }
-    if (!batch_ok) posted.wait(l);
+    if (!batch_ok) {
+      posted.prepare_repair(l, p, o);
+      posted.wait(l);
+    }
     for (size_t i = 0; i < targets.size(); ++i) {
       if (!targets[i].is_same(l.tensors[i])) l.tensors[i].copy_(targets[i]);
     }
@@ -485,6 +494,7 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
   }
   out.has_works = true;
   out.works.reserve(l.keys().size());
+  posted.prepare_repair(l, p, o);
   for (size_t i = 0; i < l.keys().size(); ++i) out.works.push_back(posted.leaf_work(l, i, targets[i]));
   if (l.keys().empty() && posted.deferred) wait_last(*posted.deferred);  // the descriptor is consumed (and checked) all the same
   return out;

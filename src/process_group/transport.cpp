@@ -15,10 +15,11 @@ namespace {
 
 [[noreturn]] void no_batches() { throw Error("this group's backend does not post batches of messages"); }
 
-// ProcessGroupShm's batches are BatchWorks (process_group_shm.cpp); null stays null.
-c10::intrusive_ptr<BatchWork> as_batch(const c10::intrusive_ptr<c10d::Work>& work) {
+// ProcessGroupShm's batches are BatchWorks (process_group_shm.cpp); null stays null. The
+// reference moves over (no count changes: this runs for every per-leaf transfer).
+c10::intrusive_ptr<BatchWork> as_batch(c10::intrusive_ptr<c10d::Work> work) {
   if (!work) return {};
-  return c10::intrusive_ptr<BatchWork>::reclaim_copy(static_cast<BatchWork*>(work.get()));
+  return c10::intrusive_ptr<BatchWork>::reclaim(static_cast<BatchWork*>(work.release()));
 }
 
 /// Any c10d backend: c10d's send and recv, nothing more.
