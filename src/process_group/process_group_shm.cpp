@@ -172,7 +172,7 @@ class ShmWork : public detail::BatchWork {
   static bool done(const ShmOp* op) { return op == nullptr || op->done.load(std::memory_order_acquire); }
   bool all_done() const {
     for (const auto& op : ops_) {
-      if (!op->done.load(std::memory_order_acquire)) return false;  // pairs with ShmEngine::finish
+      if (!op->done.load(std::memory_order_acquire)) return false;  // pairs with ShmChannel::finish
     }
     return true;
   }

@@ -4,16 +4,14 @@
 #include "shm/engine_internal.h"
 
 #include "common/log.h"
+
+#include <tdshm/errors.h>
 #include "shm/waiter.h"
 
 #include <algorithm>
 #include <thread>
 
 namespace tdshm::detail {
-
-using shm::EntryHeader;
-
-void ShmEngine::notify(int r) { shm::wake(segment_->rank_slot(static_cast<uint32_t>(r))); }
 
 // Sleeps on this rank's wake word until `until` or a wake-up, unless a progress pass (the
 // re-check after the announcement) moves something.
@@ -22,7 +20,7 @@ void ShmEngine::sleep_until_event(Clock::time_point until, bool drain_all) {
   bool moved;
   {
     std::lock_guard lk(mu_);
-    moved = progress_locked(drain_all);
+    moved = channel_->progress(drain_all);
   }
   if (!moved) asleep.sleep(until);
 }
@@ -62,7 +60,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
       bool moved;
       {
         std::lock_guard lk(e.mu_);
-        moved = e.progress_locked(/*drain_all=*/false);
+        moved = e.channel_->progress(/*drain_all=*/false);
       }
       if (all_done()) return shm::Poll::kDone;
       return moved ? shm::Poll::kMoved : shm::Poll::kIdle;
@@ -113,16 +111,10 @@ void ShmEngine::time_out(std::span<const std::shared_ptr<ShmOp>> ops) {
     if (!is_done(op)) pending += (pending.empty() ? "" : "; ") + op->what();
   }
   std::lock_guard lk(mu_);
-  for (size_t p = 0; p < held_bytes_.size(); ++p) {
-    if (held_bytes_[p] != 0) {
-      pending += "; a message of " + std::to_string(held_bytes_[p]) + " bytes from rank " + std::to_string(p) +
-                 " waits in its ring for its recv (early messages already hold " + std::to_string(unexpected_bytes_) +
-                 " bytes of ShmOptions::max_unexpected_bytes = " + std::to_string(options_.max_unexpected_bytes) + ")";
-    }
-  }
-  auto error = make_error<TimeoutError>("segment '" + name_ + "', rank " + std::to_string(rank_) +
-                                        ": timed out waiting for " + pending);
-  for (const auto& op : ops) withdraw(op, error);
+  pending += channel_->held_messages();
+  auto error = std::make_exception_ptr(TimeoutError("segment '" + name_ + "', rank " + std::to_string(rank_) +
+                                                    ": timed out waiting for " + pending));
+  for (const auto& op : ops) channel_->withdraw(op, error);
   std::rethrow_exception(error);
 }
 
@@ -202,7 +194,7 @@ bool ShmEngine::background_step() {
   try {
     {
       std::lock_guard lk(mu_);
-      progress_locked();
+      channel_->progress();
     }
     maybe_check_peers(Clock::now());
   } catch (const std::exception& e) {

@@ -1,8 +1,8 @@
-// The receiving side of ShmEngine (see engine.h for the protocol): an entry validated and
-// landed, a message matched with its receive (checks, size, dtype, shape), a message that came
-// before its receive buffered (unexpected, pooled), a memmap reference resolved.
+// The point-to-point channel's receiving side (see channel.h for the protocol): a ring read, each
+// entry validated and landed, a message matched with its receive (checks, size, dtype, shape), a
+// message that came before its receive buffered (unexpected, pooled), a memmap reference resolved.
 
-#include "shm/engine_internal.h"
+#include "shm/channel_internal.h"
 
 #include "common/copy.h"
 #include "common/format.h"
@@ -20,8 +20,69 @@ namespace tdshm::detail {
 
 using shm::EntryHeader;
 
+bool ShmChannel::progress_receives(int src, bool drain_all) {
+  const auto s = static_cast<size_t>(src);
+  if (peer_error_[s] && !current_[s]) {
+    // A lost peer's ring was drained before it was declared lost, or it sent a malformed entry:
+    // nothing more is read from it.
+    return false;
+  }
+  const auto from = static_cast<uint32_t>(src), me = static_cast<uint32_t>(rank_);
+  shm::RingConsumer& ring = rx_[s];
+  const shm::RegionView& region = regions_[s];
+  bool moved = false;
+  ReceivePass pass{drain_all};
+  for (;;) {
+    shm::EntryFields fields;
+    if (!ring.peek(fields)) break;  // read once: only this copy is used below
+    // The chunk: in the entry, or in the sender's slot if that slot was handed to this rank (else
+    // null, and handle_entry refuses the entry as corrupt).
+    const bool in_slot = (fields.flags & shm::kEntryInline) == 0;
+    const uint8_t* payload = in_slot ? shm::claimed_chunk(region, fields.slot, me) : ring.inline_bytes();
+    Taken taken;
+    try {
+      taken = handle_entry(src, fields, payload, ring.shape(), pass);
+      // The sender's region is written only by the sender, and only in free slots: a slot that is
+      // no longer handed to this rank after the copy was rewritten while it was read.
+      if (taken == Taken::kYes && in_slot && !shm::claimed_chunk(region, fields.slot, me)) {
+        throw TransportError("corrupted entry from " + segment_.describe_rank(from) + ": arena slot " +
+                             std::to_string(fields.slot) + " was taken back while this rank read it");
+      }
+    } catch (const Error&) {
+      // A truncated segment reads as zeros once the bus guard has replaced its pages, which an
+      // entry's checks see as corruption: the truncation is the error every op gets.
+      if (check_poisoned()) return true;
+      fail_peer(src, std::current_exception());
+      return true;
+    } catch (const std::bad_alloc&) {
+      fail_peer(src, make_error<TransportError>("out of memory receiving a message of " +
+                                                std::to_string(fields.total_bytes) + " bytes from " +
+                                                segment_.describe_rank(from)));
+      return true;
+    }
+    if (taken == Taken::kHeld) break;  // over the unexpected budget: it waits in the ring
+    if (in_slot) shm::release_slot(region, fields.slot);
+    ring.consume();
+    moved = true;
+    ++consumed_since_wake_[s];
+  }
+  // The sender may sleep waiting for room: wake it once a quarter of its room is back, or when
+  // its ring is empty, rather than for every entry (a producer woken per freed slot copies one
+  // chunk and sleeps again: with more ranks than cores, a data loader's workers thrashed so).
+  if (moved && (consumed_since_wake_[s] >= wake_batch_ || ring.empty())) {
+    consumed_since_wake_[s] = 0;
+    wake_peer(src);
+  }
+  return moved;
+}
+
+void ShmChannel::drain(int src) {
+  while (progress_receives(src, /*drain_all=*/true)) {
+  }
+}
+
 // Checks that `msg` fits `op`; binds the source. On a mismatch fails `op` and returns false.
-bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op) {
+bool ShmChannel::try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op) {
   op->source = msg->src;
   std::string problem;
   const auto dtype = static_cast<c10::ScalarType>(msg->dtype);
@@ -69,10 +130,10 @@ bool ShmEngine::try_match(const std::shared_ptr<Incoming>& msg, const std::share
 }
 
 // Validates one entry (a copy of what another process wrote) and moves its payload.
-ShmEngine::Taken ShmEngine::handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload,
+ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload,
                                          const shm::EntryShape& shape, ReceivePass& pass) {
   auto corrupt = [&](const std::string& what) {
-    return TransportError("corrupted entry from " + segment_->describe_rank(static_cast<uint32_t>(src)) + ": " + what);
+    return TransportError("corrupted entry from " + segment_.describe_rank(static_cast<uint32_t>(src)) + ": " + what);
   };
   auto& cur = current_[static_cast<size_t>(src)];
   shm::RxProgress rx;
@@ -141,7 +202,7 @@ ShmEngine::Taken ShmEngine::handle_entry(int src, const shm::EntryFields& e, con
 // tensor maps the same bytes, else one copy from the file. Returns the error to fail op with.
 // The file is the sender's choice: only a regular file this process can read is read, never
 // through a final symlink, and never past its end; the bytes go into the receiver's own tensor.
-std::exception_ptr ShmEngine::resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const {
+std::exception_ptr ShmChannel::resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const {
   if (op.bytes == 0) return nullptr;
   if (auto mine = MemoryMappedTensor::info(op.user);
       mine && mine->writable && op.user.is_contiguous() && mine->filename == ref.path &&
@@ -182,7 +243,7 @@ std::exception_ptr ShmEngine::resolve_reference(const ShmOp& op, const shm::Refe
 // Starts the message whose first entry is `e`: into the receive posted for it, or into process
 // memory while the unexpected budget allows. Returns false, changing nothing, when it must stay in
 // the ring (back-pressure).
-bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t* dims, const ReceivePass& pass) {
+bool ShmChannel::start_message(int src, const shm::EntryFields& e, const int64_t* dims, const ReceivePass& pass) {
   const auto s = static_cast<size_t>(src);
   const bool control = (e.flags & shm::kEntryControl) != 0;
   const bool reference = (e.flags & shm::kEntryReference) != 0;
@@ -194,7 +255,7 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   // second copy) before their receives are posted. A waiter that still waits calls again.
   if (!posted && pass.completed_posted) return false;
   if (!posted && !pass.drain_all && !matcher_.waits_on(src)) {
-    return false;  // nobody waits on this source yet: it stays in the ring for now (progress_locked)
+    return false;  // nobody waits on this source yet: it stays in the ring for now (progress)
   }
   // An unexpected reference keeps the reference, not the bytes.
   const uint64_t need = posted ? 0 : reference ? e.chunk_bytes : e.total_bytes;
@@ -233,7 +294,7 @@ bool ShmEngine::start_message(int src, const shm::EntryFields& e, const int64_t*
   return true;
 }
 
-void ShmEngine::release_unexpected(Incoming& msg) {
+void ShmChannel::release_unexpected(Incoming& msg) {
   unexpected_bytes_ -= std::min(unexpected_bytes_, msg.heap_bytes);
   unexpected_pool_.give_back(std::move(msg.heap));
   msg.heap = {};

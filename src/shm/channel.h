@@ -1,0 +1,207 @@
+#pragma once
+// The point-to-point channel of one rank: its sends and receives over the segment's metadata
+// rings and arena slots. It composes the small parts, each in its own header: the SPSC ring
+// (ring.h), the slot arena (arena.h), the matching of receives with messages (matcher.h), the
+// early-message buffers (buffer_pool.h), the entry checks (validate.h). Its code is split by
+// side: channel.cpp (posting, sending, completing, failing), channel_receive.cpp (an entry
+// validated and landed, matching, early messages, memmap references).
+//
+// It knows nothing of waiting, threads or liveness checks: ShmEngine (engine.h) owns it, calls
+// it under its lock and decides when a peer is lost (fail_peer). Not thread-safe: every member
+// but make_recvs is called with the owner's lock held; ShmOp::done is the only thing read
+// without it.
+//
+// Protocol (one SPSC metadata ring per ordered pair of ranks, one slot region per rank, see
+// segment_layout.h):
+//  * A message is one or more entries: the first carries tag, total size, dtype and shape; each
+//    carries up to slot_bytes of payload, inline in the entry when it fits in 72 bytes, else in
+//    an arena slot of the sender handed to the receiver. The producer fills the slot and the
+//    entry, then stores the entry's seq (release); the consumer polls that seq (acquire), copies
+//    the payload out, frees the slot, then advances the ring's tail (release), which frees the
+//    entry for the producer.
+//  * A tree's leaves (post_sends / post_recvs) are posted under one lock and the receiver is
+//    woken once; a receiver wakes a sleeping sender once a quarter of its room is back.
+//  * A contiguous tensor that views a named MemoryMappedTensor is sent as a reference (file,
+//    offset; kEntryReference): the receiver copies straight from the file into its tensor, or
+//    nothing at all when its tensor maps the same bytes. An anonymous memmap goes by value.
+//  * A message that matches a posted recv is copied straight into the receiver's tensor. One that
+//    matches nothing yet is copied into process memory ("unexpected", as in MPI) so that the
+//    ring keeps moving: two ranks that both send before receiving cannot deadlock. Those copies
+//    are bounded by ShmOptions::max_unexpected_bytes: a message that does not fit the budget
+//    stays in the ring (its sender waits: back-pressure) until its recv is posted. A spinning
+//    waiter makes no such copy for a source it posted nothing for (progress's drain_all): a data
+//    loader's main rank takes each worker's batch straight from the slots.
+//  * Every entry is read once into a local copy and validated (validate.h) before any of its
+//    values is used: a peer that rewrites an entry after publishing it cannot move a copy out of
+//    bounds. A malformed entry fails that pair's transfers (TransportError); the rings are never
+//    reset (a ring belongs to one incarnation of the group, see segment_layout.h).
+//  * A receive or a send that has not started can be withdrawn (a wait that timed out), so a
+//    late message never lands in a receive its caller gave up on.
+//  * Whoever makes progress possible for a rank (posts an entry to it, or frees an entry it
+//    writes to) wakes it with waiter.h's wake(), which costs no system call while it spins.
+
+#include <tdshm/process_group.h>
+
+#include "shm/arena.h"
+#include "shm/buffer_pool.h"
+#include "shm/matcher.h"
+#include "shm/ring.h"
+#include "shm/segment.h"
+#include "shm/validate.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
+
+#include <atomic>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace tdshm::detail {
+
+/// One posted send or receive. Fields after `done` are written under the owner's lock before
+/// `done` is stored (release); a thread that loads done == true (acquire) may read them.
+struct ShmOp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  int peer = -1;  // destination of a send; source of a recv, -1 for any source
+  int64_t tag = 0;
+  bool control = false;  // a collective's message: matched apart from user tags
+  MessageCheck check;    // what the transfer layer knows of the message (first entry's `check`)
+  uint16_t sender_leaves = 0;  // recv failed on a leaf count: the message's (else 0)
+  at::Tensor user;       // the caller's tensor
+  at::Tensor buffer;     // contiguous bytes: `user` itself or a staging copy
+  uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+  std::string reference;      // send of a named memmap: the MemmapReference payload sent instead of the bytes
+  uint64_t posted = 0;        // send: payload bytes written to the ring
+  bool started = false;       // send: first entry written
+  std::atomic<bool> done{false};
+  std::exception_ptr error;
+  int source = -1;  // recv: the rank the message came from
+  std::string what() const;   // "recv from rank 1, tag 3" for messages
+};
+
+/// Ops of one call: a tree's leaves are few, so they stay inline (no allocation per transfer).
+using OpList = c10::SmallVector<std::shared_ptr<ShmOp>, 4>;
+
+/// Whether `op` completed (or failed). A null op is a send that completed when it was posted.
+inline bool is_done(const std::shared_ptr<ShmOp>& op) noexcept {
+  return !op || op->done.load(std::memory_order_acquire);  // pairs with the release store in finish
+}
+
+struct Incoming;
+
+class ShmChannel {
+ public:
+  /// Over `segment`'s rings and arena regions, as `rank` of `size`. The segment outlives it.
+  ShmChannel(shm::Segment& segment, int rank, int size, const ShmOptions& options);
+  ShmChannel(const ShmChannel&) = delete;
+  ShmChannel& operator=(const ShmChannel&) = delete;
+
+  /// Posts sends to `dst` (the same messages, in order) and moves as much as fits now; wakes
+  /// `dst` once. Returns no ops at all when every send completed when posted, else one per
+  /// tensor (null: that send is complete). Throws c10::Error for an invalid `dst`.
+  OpList post_sends(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
+                    std::span<const MessageCheck> checks, bool control);
+  /// Checks the receiving tensors (TypeError: overlapping elements, a read-only mapping; c10::Error:
+  /// an invalid `src`) and makes their ops. Touches no channel state: called without the lock.
+  static OpList make_recvs(std::span<const at::Tensor> tensors, int src, int rank, int size,
+                           std::span<const int64_t> tags, std::span<const MessageCheck> checks, bool control);
+  /// Posts the receives made by make_recvs (from `src`, -1: any) and lands messages that already
+  /// arrived in them.
+  void post_recvs(const OpList& ops, int src);
+
+  /// One progress pass over every peer's rings; true if anything moved. Without `drain_all` a
+  /// message that no posted receive takes stays in its ring while no receive from its source is
+  /// posted (see start_message).
+  bool progress(bool drain_all = true);
+  /// Takes everything `src` has sent so far (it is gone: what it sent before is still good).
+  void drain(int src);
+  /// Takes `op` back (a wait gave up on it): it fails with `error` and never matches a later
+  /// message. A send whose first entry is in the ring cannot be taken back and goes on.
+  void withdraw(const std::shared_ptr<ShmOp>& op, const std::exception_ptr& error);
+
+  /// Fails every pending op with `error` and every later post (the group is destroyed). False
+  /// when it was closed already.
+  bool close(const std::exception_ptr& error);
+  bool closed() const noexcept { return static_cast<bool>(closed_); }
+  /// Whether the segment's mapping is lost (a peer cut the file); the first time, every pending
+  /// op fails and every peer counts as lost.
+  bool check_poisoned();
+  /// The error every transfer fails with now (closed, or the segment cut), else null.
+  std::exception_ptr unusable();
+  /// The error `peer`'s transfers fail with once it is lost, else null.
+  const std::exception_ptr& peer_error(int peer) const noexcept { return peer_error_[static_cast<size_t>(peer)]; }
+  /// `peer` is lost (or sent a malformed entry): its pending ops (and any-source receives, once
+  /// no peer is left) fail with `error`; nothing more is read from or written to its rings.
+  void fail_peer(int peer, std::exception_ptr error);
+  /// Takes back the arena slots this rank handed to `peer`, which is gone (it reads nothing
+  /// more); returns how many.
+  uint32_t reclaim_slots(int peer);
+  /// "; a message of N bytes from rank R waits in its ring ..." for every message held back by
+  /// the early-message budget (for a TimeoutError), else "".
+  std::string held_messages() const;
+
+ private:
+  // What one progress pass over a source's ring carries from entry to entry.
+  struct ReceivePass {
+    // Without it, a message that no posted receive can take stays in its ring while no receive
+    // from its source is posted at all (see start_message): a spinning waiter does not copy
+    // other peers' messages into process memory just before their receives are posted. Passes
+    // that precede a sleep, polls and the helper thread drain everything, so two ranks that both
+    // send first still cannot deadlock.
+    bool drain_all = true;
+    // A posted receive completed in this pass: a message with no receive posted stays in the ring.
+    bool completed_posted = false;
+  };
+  enum class Taken { kYes, kHeld };  // kHeld: the entry stays in the ring (over the unexpected budget)
+
+  // Sending (channel.cpp)
+  bool progress_sends(int dst, bool wake = true);
+  bool write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
+                   uint64_t offset, uint64_t chunk, MessageCheck check = {});
+  bool post_recv(const std::shared_ptr<ShmOp>& op, int src);
+  void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
+  void fail_pending(const std::exception_ptr& error);
+  void fail_all(const std::exception_ptr& error);
+  void wake_peer(int r) noexcept;
+  const std::string& name() const noexcept { return segment_.params().name; }
+
+  // Receiving (channel_receive.cpp)
+  bool progress_receives(int src, bool drain_all);
+  Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
+                     ReceivePass& pass);
+  bool start_message(int src, const shm::EntryFields& e, const int64_t* dims, const ReceivePass& pass);
+  void release_unexpected(Incoming& msg);
+  std::exception_ptr resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const;
+  bool try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op);
+
+  // Set in the constructor, then only read.
+  shm::Segment& segment_;
+  int rank_;
+  int size_;
+  ShmOptions options_;
+  std::vector<shm::RegionView> regions_;  // per rank: its arena region
+  uint32_t wake_batch_ = 1;               // wake a source after this many entries (progress_receives)
+
+  std::vector<std::deque<std::shared_ptr<ShmOp>>> send_queues_;  // per destination, FIFO
+  std::vector<shm::RingProducer> tx_;                            // per destination: its ring's producer end
+  std::vector<shm::RingConsumer> rx_;                            // per source: its ring's consumer end
+  shm::SlotAllocator slots_;                                     // this rank's own region
+  std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
+  std::vector<std::shared_ptr<Incoming>> spare_;                 // per source: a finished one, for reuse
+  shm::Matcher<ShmOp, Incoming> matcher_;                        // unmatched receives and early messages
+  std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
+  std::vector<uint64_t> held_bytes_;  // per source: size of a first entry left in the ring (budget), else 0
+  std::vector<uint32_t> consumed_since_wake_;  // per source: entries taken since it was last woken
+  uint64_t unexpected_bytes_ = 0;     // process memory held by unexpected messages
+  shm::BufferPool unexpected_pool_;   // their buffers, kept for reuse (buffer_pool.h)
+  std::exception_ptr closed_;         // set by close(): the error of later posts
+  std::exception_ptr poisoned_;       // set once the segment's mapping was lost (bus_guard.h)
+};
+
+}  // namespace tdshm::detail

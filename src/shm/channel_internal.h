@@ -1,0 +1,115 @@
+#pragma once
+// What the two files of ShmChannel share (channel.cpp: posting, sending, completing, failing;
+// channel_receive.cpp: landing and matching incoming messages). Private to them.
+
+#include "shm/channel.h"
+
+#include <tdshm/memmap.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+
+namespace tdshm::detail {
+
+/// A message from one source whose entries are arriving, or that arrived before its recv.
+struct Incoming {
+  int src = -1;
+  int64_t tag = 0;
+  bool control = false;
+  MessageCheck check;  // what the sender's transfer layer said of it (kNone: nothing)
+  uint64_t total = 0;
+  uint8_t dtype = 0;
+  uint8_t ndim = shm::kShapeNotSent;
+  int64_t dims[shm::kMaxDims] = {};
+  uint64_t received = 0;
+  std::shared_ptr<ShmOp> op;  // the receive it lands in; null while unexpected
+  shm::BufferPool::Buffer heap;  // its bytes while unexpected (from unexpected_pool_; all are written)
+  uint64_t heap_bytes = 0;       // counted in ShmChannel::unexpected_bytes_ while heap is held
+  bool complete = false;
+  bool discard = false;  // it failed the receive it matched: drained and dropped, never copied
+  bool reference = false;  // a MemmapReference: `heap` holds it while unexpected
+};
+
+
+// Messages at least this large are copied out of the ring with non-temporal stores.
+inline constexpr uint64_t kStreamingMessageBytes = uint64_t{8} << 20;
+
+// A message larger than this is refused as corrupt (1 TiB): it cannot be a real tensor here.
+inline constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;
+
+template <class E>
+std::exception_ptr make_error(const std::string& what) {
+  return std::make_exception_ptr(E(what));
+}
+
+// The MemmapReference payload for sending `t` by reference, or "" to send its bytes: only a
+// contiguous view of a named (not anonymous) mapping whose path fits in a slot goes so.
+inline std::string memmap_reference(const at::Tensor& t, uint64_t slot_bytes) {
+  auto info = MemoryMappedTensor::info(t);
+  if (!info || info->filename.empty() || !t.is_contiguous()) return {};
+  if (sizeof(shm::MemmapReference) + info->filename.size() > slot_bytes) return {};
+  shm::MemmapReference r{};
+  r.offset = static_cast<uint64_t>(info->offset);
+  r.path_bytes = static_cast<uint32_t>(info->filename.size());
+  std::string out(sizeof r, '\0');
+  std::memcpy(out.data(), &r, sizeof r);
+  return out + info->filename;
+}
+
+// The entry flag that says what kind of check `check` carries (0: none).
+inline uint32_t check_flag(const MessageCheck& check) noexcept {
+  switch (check.kind) {
+    case MessageCheck::Kind::kKey: return shm::kEntryKeyCheck;
+    case MessageCheck::Kind::kSchema: return shm::kEntrySchemaCheck;
+    case MessageCheck::Kind::kNone: break;
+  }
+  return 0;
+}
+
+inline MessageCheck entry_check(const shm::EntryFields& e) noexcept {
+  if (e.flags & shm::kEntryKeyCheck) return {MessageCheck::Kind::kKey, e.check, e.leaves};
+  if (e.flags & shm::kEntrySchemaCheck) return {MessageCheck::Kind::kSchema, e.check};
+  return {};
+}
+
+inline std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", v);
+  return buf;
+}
+
+// Fills a fresh op.
+inline void init_op(ShmOp* op, ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user,
+                    at::Tensor buffer) {
+  op->kind = kind;
+  op->peer = peer;
+  op->tag = tag;
+  op->control = control;
+  op->user = user;
+  op->buffer = std::move(buffer);
+  op->data = static_cast<uint8_t*>(op->buffer.data_ptr());
+  op->bytes = static_cast<uint64_t>(op->buffer.numel()) * op->buffer.element_size();
+}
+
+inline std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user,
+                                      at::Tensor buffer) {
+  auto op = std::make_shared<ShmOp>();
+  init_op(op.get(), kind, peer, tag, control, user, std::move(buffer));
+  return op;
+}
+
+// `n` fresh ops in one array: each is an aliasing shared_ptr into it, so a tree of 100 leaves
+// costs two allocations (the array and its control block) rather than 100 (the array, and the
+// tensors its ops hold, live until the last of them is released).
+inline OpList make_ops(size_t n) {
+  std::shared_ptr<ShmOp[]> block(new ShmOp[n]);  // (make_shared<T[]> would need a copyable ShmOp)
+  OpList ops(n);
+  for (size_t i = 0; i < n; ++i) ops[i] = std::shared_ptr<ShmOp>(block, &block[i]);
+  return ops;
+}
+
+}  // namespace tdshm::detail
