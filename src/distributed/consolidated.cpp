@@ -18,9 +18,6 @@ namespace {
 
 constexpr int64_t kConsolidatedMagic = 0x7464736d636f6e31;  // "tdsmcon1"
 constexpr int kConsolidatedTag = 0;
-// Bound on what a peer's header may announce: a corrupt or hostile peer makes a transfer fail,
-// never an absurd allocation.
-constexpr int64_t kMaxStorageBytes = int64_t{1} << 40;
 
 std::exception_ptr schema_mismatch(uint64_t theirs, int64_t their_bytes, uint64_t mine, int64_t my_bytes) {
   return std::make_exception_ptr(SchemaError(
@@ -36,7 +33,7 @@ std::shared_ptr<Deferred> checked_recv(const Group& g, int peer, const at::Tenso
   auto after_header = [g, peer, header, storage, mine, refusal]() -> Stage {
     const int64_t magic = header.data_ptr<int64_t>()[0], bytes = header.data_ptr<int64_t>()[2];
     const auto fingerprint = static_cast<uint64_t>(header.data_ptr<int64_t>()[1]);
-    if (magic != kConsolidatedMagic || bytes < 0 || bytes > kMaxStorageBytes) {
+    if (magic != kConsolidatedMagic || bytes < 0 || static_cast<uint64_t>(bytes) > kMaxStorageBytes) {
       throw TransportError("the sender's message is not a consolidated tdshm transfer (is it sending per-leaf?)");
     }
     if (refusal || fingerprint != mine || bytes != storage.numel()) {

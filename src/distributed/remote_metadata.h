@@ -112,12 +112,11 @@ pickle::Limits metadata_pickle_limits();
 // ---------------------------------------------------------------------------------------------
 // Pickled metadata on the wire, shared by remote_init.cpp (which defines them) and
 // collectives.cpp: what a peer may announce is bounded (a corrupt or hostile peer makes the
-// transfer fail, never an absurd allocation).
+// transfer fail, never an absurd allocation; a storage's bound, kMaxStorageBytes, is in
+// transfer_common.h).
 
 /// Metadata is never this large.
 inline constexpr int64_t kMaxPickleBytes = int64_t{1} << 30;
-/// A storage is at most 1 TiB.
-inline constexpr uint64_t kMaxStorageBytes = uint64_t{1} << 40;
 
 /// pickle::dumps(metadata) as a 1-D uint8 CPU tensor (what torch's _object_to_tensor makes).
 at::Tensor pickled_tensor(const pickle::PyValue& metadata);

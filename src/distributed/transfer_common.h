@@ -27,6 +27,10 @@
 
 namespace tdshm::detail {
 
+/// The most bytes a peer may announce for one storage (1 TiB): a corrupt or hostile peer makes
+/// a transfer fail, never an absurd allocation.
+inline constexpr uint64_t kMaxStorageBytes = uint64_t{1} << 40;
+
 // ---------------------------------------------------------------------------------------------
 // Receives that go in stages: what a later receive may be depends on a header from the sender
 // (the layout descriptor, the consolidated header). irecv posts the header's receive and
