@@ -39,7 +39,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 const char* const kOps[] = {"all_reduce", "all_gather", "broadcast", "scatter"};
-const char* const kTransports[] = {"shm", "gloo"};
+const char* const kCollectiveTransports[] = {"shm", "gloo"};
 
 // Calibration: ops double until a batch between two barriers takes this long (the warm-up).
 constexpr double kCalibrateSeconds = 0.010;
@@ -275,18 +275,18 @@ void measure(const World& w, const Groups& groups, int rank, const Reporter& rep
              size_t bytes, Buffers& b) {
   int64_t per_round[2] = {0, 0};
   for (int t = 0; t < 2; ++t) {
-    const Group& g = groups[kTransports[t]];
-    run_checked_on(b, g, name + " " + kTransports[t] + " " + size_label(static_cast<double>(bytes)) + " world " +
+    const Group& g = groups[kCollectiveTransports[t]];
+    run_checked_on(b, g, name + " " + kCollectiveTransports[t] + " " + size_label(static_cast<double>(bytes)) + " world " +
                              std::to_string(w.world));
     per_round[t] = calibrate(groups, g, b);
   }
   for (int r = 0; r < w.repeat; ++r) {
     for (int k = 0; k < 2; ++k) {
       const int t = r % 2 == 0 ? k : 1 - k;  // the order alternates from round to round
-      const double s = timed_ops(groups[kTransports[t]], b, per_round[t]);
+      const double s = timed_ops(groups[kCollectiveTransports[t]], b, per_round[t]);
       if (rank == 0) {
         char line[256];
-        std::snprintf(line, sizeof line, "M %s %s %zu %d %lld %.9g", name.c_str(), kTransports[t], bytes, r,
+        std::snprintf(line, sizeof line, "M %s %s %zu %d %lld %.9g", name.c_str(), kCollectiveTransports[t], bytes, r,
                       static_cast<long long>(per_round[t]), s);
         report.line(line);
       }
@@ -343,14 +343,14 @@ struct Rounds {
   int64_t ops = 0;
 };
 
-struct Stats {
+struct CollectiveStats {
   int n = 0;
   double p50_us = 0, min_us = 0, max_us = 0, gbps = 0;
   int64_t ops = 0;
 };
 
-Stats stats_of(const Rounds& r, size_t bytes) {
-  Stats s;
+CollectiveStats stats_of(const Rounds& r, size_t bytes) {
+  CollectiveStats s;
   s.n = static_cast<int>(r.per_op.size());
   if (s.n == 0) return s;
   s.p50_us = median_of(r.per_op) * 1e6;
@@ -400,13 +400,13 @@ Rounds measure_memcpy(size_t bytes, int repeat) {
   return r;
 }
 
-std::string spread(const Stats& s) {
+std::string spread(const CollectiveStats& s) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%10.1f - %-10.1f", s.min_us, s.max_us);
   return buf;
 }
 
-Row make_row(const std::string& op, const std::string& transport, int workers, size_t bytes, const Stats& s) {
+Row make_row(const std::string& op, const std::string& transport, int workers, size_t bytes, const CollectiveStats& s) {
   Row r;
   r.set("scenario", "collectives").set("pattern", op).set("transport", transport);
   r.set_int("workers", workers).set_int("bytes", static_cast<int64_t>(bytes));
@@ -469,9 +469,9 @@ ScenarioRun run_collectives(const BenchOptions& options) {
   // The memcpy reference, in this process (no LibTorch).
   std::printf("\nmemcpy reference: one copy of the size, single thread (this process)\n");
   std::printf("%10s  %-10s %10s  %-23s %8s %9s\n", "size", "transport", "p50 us", "   min - max", "GB/s", "ops/round");
-  std::map<size_t, Stats> memcpy_stats;
+  std::map<size_t, CollectiveStats> memcpy_stats;
   for (const size_t bytes : sizes) {
-    const Stats s = stats_of(measure_memcpy(bytes, options.repeat), bytes);
+    const CollectiveStats s = stats_of(measure_memcpy(bytes, options.repeat), bytes);
     memcpy_stats[bytes] = s;
     std::printf("%10s  %-10s %10.2f  %-23s %8.3f %9lld\n", size_label(static_cast<double>(bytes)).c_str(), "memcpy",
                 s.p50_us, spread(s).c_str(), s.gbps, static_cast<long long>(s.ops));
@@ -479,7 +479,7 @@ ScenarioRun run_collectives(const BenchOptions& options) {
   }
   std::fflush(stdout);
 
-  std::map<std::tuple<std::string, std::string, int, size_t>, Stats> all;
+  std::map<std::tuple<std::string, std::string, int, size_t>, CollectiveStats> all;
   for (const int world : options.world_sizes) {
     World w;
     w.world = world;
@@ -547,11 +547,11 @@ ScenarioRun run_collectives(const BenchOptions& options) {
       {
         const size_t bytes = line.bytes;
         const std::string label = line.workload.empty() ? line.pattern : line.pattern + " " + line.workload;
-        const Stats shm = stats_of(rounds[{line.name, "shm", bytes}], bytes);
-        const Stats gloo = stats_of(rounds[{line.name, "gloo", bytes}], bytes);
-        for (const char* transport : kTransports) {
+        const CollectiveStats shm = stats_of(rounds[{line.name, "shm", bytes}], bytes);
+        const CollectiveStats gloo = stats_of(rounds[{line.name, "gloo", bytes}], bytes);
+        for (const char* transport : kCollectiveTransports) {
           const bool is_shm = std::string(transport) == "shm";
-          const Stats& s = is_shm ? shm : gloo;
+          const CollectiveStats& s = is_shm ? shm : gloo;
           const std::string size_text = is_shm ? size_label(static_cast<double>(bytes)) : "";
           const char* op = label.c_str();
           if (s.n < options.repeat) {
@@ -583,18 +583,18 @@ ScenarioRun run_collectives(const BenchOptions& options) {
   }
 
   // The goals (the issue's), from this run.
-  auto find = [&](const char* op, const char* transport, int world, size_t bytes) -> const Stats* {
+  auto find = [&](const char* op, const char* transport, int world, size_t bytes) -> const CollectiveStats* {
     const auto it = all.find({op, transport, world, bytes});
     return it == all.end() ? nullptr : &it->second;
   };
   auto speedup = [&](const char* op, int world, size_t bytes) -> std::optional<double> {
-    const Stats* s = find(op, "shm", world, bytes);
-    const Stats* g = find(op, "gloo", world, bytes);
+    const CollectiveStats* s = find(op, "shm", world, bytes);
+    const CollectiveStats* g = find(op, "gloo", world, bytes);
     if (s == nullptr || g == nullptr) return std::nullopt;
     return g->p50_us / s->p50_us;
   };
   std::optional<double> bcast;
-  if (const Stats* s = find("broadcast", "shm", 4, size_t{64} << 20); s != nullptr) {
+  if (const CollectiveStats* s = find("broadcast", "shm", 4, size_t{64} << 20); s != nullptr) {
     const auto m = memcpy_stats.find(size_t{64} << 20);
     if (m != memcpy_stats.end()) bcast = s->gbps / m->second.gbps;
   }

@@ -4,11 +4,11 @@
 // layout (group.cpp); a difference in any key would hang the rendezvous, the store-based barrier
 // or the sequence number exchange, and end these tests with TimeoutError.
 //
-// Every rank is a forked child of the test: a C++ rank runs its scenario, a Python rank exec()s
-// /usr/bin/python3 tests/python/mixed_rank.py, which runs the same scenario step by step (see
-// there). Each group has a 20 s timeout, each Work::wait too, run_ranks kills what is left after
-// 90 s, and the fixture's watchdog ends the test in the worst case. A Python rank's traceback
-// goes to stderr; its exit status to the test.
+// Every rank is a child of the test: a C++ rank is forked and runs its scenario, a Python rank
+// runs tests/python/mixed_rank.py, forked from a warm interpreter (dist/python_launcher.h), which
+// runs the same scenario step by step (see there). Each group has a 20 s timeout, each
+// Work::wait too, what is left after 90 s is killed, and the fixture's watchdog ends the test in
+// the worst case. A Python rank's traceback goes to stderr; its exit status to the test.
 //
 // Also checked here: the checked-wire negotiation (InitOptions::checked_wire): two C++ ranks
 // agree to it, a C++ rank and a Python rank never do, nor a C++ rank that turned it off.
@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <set>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "dist/dist_support.h"
+#include "dist/python_launcher.h"
 
 namespace tdshm::test {
 namespace {
@@ -63,29 +65,22 @@ std::string init_method_of(const Rendezvous& rv) {
   }
 }
 
-/// In a forked child: becomes Python rank `rank` (exec; returns only if exec failed, by throwing).
-[[noreturn]] void exec_python_rank(const std::string& scenario, const std::string& backend, const Rendezvous& rv,
-                                   int rank, const std::string& layout) {
+/// Python rank `rank` of the world: mixed_rank.py with the scenario's arguments and environment.
+PythonRun python_rank(const std::string& scenario, const std::string& backend, const Rendezvous& rv, int rank,
+                      const std::string& layout) {
   const int world = static_cast<int>(layout.size());
   std::string rank_arg = std::to_string(rank);
+  std::vector<std::string> env = {"GLOO_SOCKET_IFNAME=lo", "OMP_NUM_THREADS=1"};  // the loopback device, as ours
   if (rv.method == Method::kGlooEnv) {
-    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-    ::setenv("MASTER_PORT", std::to_string(rv.port).c_str(), 1);
-    ::setenv("RANK", std::to_string(rank).c_str(), 1);
-    ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+    env.insert(env.end(), {"MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(rv.port),
+                           "RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world)});
     rank_arg = "-1";  // torch reads RANK and WORLD_SIZE
   }
-  if (*TDSHM_TEST_PYTHON_DIR != '\0') ::setenv("PYTHONPATH", TDSHM_TEST_PYTHON_DIR, 1);
-  ::setenv("GLOO_SOCKET_IFNAME", "lo", 1);  // torch's Python ranks: the loopback device, as ours
-  ::setenv("OMP_NUM_THREADS", "1", 1);
-  const std::string script = std::string(TDSHM_TEST_SCRIPTS) + "/mixed_rank.py";
-  const std::string method = init_method_of(rv);
-  std::vector<std::string> args = {TDSHM_TEST_PYTHON, script, scenario, backend, method, rank_arg, layout};
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  ::execv(argv[0], argv.data());
-  throw CheckFailure("execv " + args[0] + " failed");
+  if (*TDSHM_TEST_PYTHON_DIR != '\0') env.push_back(std::string("PYTHONPATH=") + TDSHM_TEST_PYTHON_DIR);
+  return {std::string(TDSHM_TEST_SCRIPTS) + "/mixed_rank.py",
+          {scenario, backend, init_method_of(rv), rank_arg, layout},
+          environment_with(env),
+          ""};
 }
 
 void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
@@ -238,16 +233,30 @@ class MixedTest : public DistTest {
     set_deadline(kWorldDeadline + std::chrono::seconds(30));
   }
 
-  /// Runs one world: C++ ranks run `cpp(rank)`, Python ranks mixed_rank.py `scenario`.
+  /// Runs one world: C++ ranks run `cpp(rank)` in forked children, Python ranks mixed_rank.py
+  /// `scenario` (started first, from the warm interpreter). One deadline for all; when a C++
+  /// rank failed, the Python ranks get 3 s more before they are killed (they would wait for it).
   void run_world(const std::string& scenario, const std::string& backend, const Rendezvous& rv,
                  const std::string& layout, const std::function<void(int)>& cpp) {
-    SHM_EXPECT_RANKS_OK(run_ranks(
+    const auto deadline = Clock::now() + kWorldDeadline;
+    std::vector<std::pair<int, Child>> python;
+    for (size_t rank = 0; rank < layout.size(); ++rank) {
+      if (layout[rank] != 'P') continue;
+      const int r = static_cast<int>(rank);
+      python.emplace_back(r, start_python(TDSHM_TEST_PYTHON, python_rank(scenario, backend, rv, r, layout)));
+    }
+    const std::vector<std::string> failures = run_ranks(
         Peers::kProcesses, static_cast<int>(layout.size()),
         [&](int rank) {
-          if (layout[static_cast<size_t>(rank)] == 'P') exec_python_rank(scenario, backend, rv, rank, layout);
-          cpp(rank);
+          if (layout[static_cast<size_t>(rank)] != 'P') cpp(rank);
         },
-        kWorldDeadline));
+        kWorldDeadline);
+    SHM_EXPECT_RANKS_OK(failures);
+    const auto python_deadline = failures.empty() ? deadline : std::min(deadline, Clock::now() + 3s);
+    for (auto& [rank, child] : python) {
+      child.wait(std::max<Clock::duration>(python_deadline - Clock::now(), Clock::duration::zero()));
+      if (!child.ok()) ADD_FAILURE() << "Python rank " << rank << ": " << child.describe();
+    }
   }
 };
 

@@ -48,7 +48,6 @@
 #include <tdshm/tensorclass.h>
 #include <tdshm/tensordict.h>
 
-#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -68,8 +67,7 @@
 #include <vector>
 
 #include "dist/dist_support.h"
-
-extern char** environ;
+#include "dist/python_launcher.h"
 
 namespace tdshm::test {
 
@@ -300,62 +298,31 @@ std::string read_file(const std::string& path) {
 
 std::string tail(const std::string& s, size_t n = 6000) { return s.size() <= n ? s : "..." + s.substr(s.size() - n); }
 
-/// A python3 process running td_peer.py with `args`, stdout and stderr into `log`. The argument
-/// and environment arrays are built before the fork: the child only calls dup2 and execve.
+/// A Python rank running td_peer.py with `args`, stdout and stderr into `log`, forked from the
+/// warm interpreter (dist/python_launcher.h) with the tests' environment for Python ranks.
 class PyProcess {
  public:
-  PyProcess(const std::vector<std::string>& args, const std::string& log) : log_(log) {
-    strings_.push_back(python_exe());
-    strings_.push_back(TDSHM_INTEROP_PEER);
-    strings_.insert(strings_.end(), args.begin(), args.end());
-    for (std::string& s : strings_) argv_.push_back(s.data());
-    argv_.push_back(nullptr);
+  PyProcess(const std::vector<std::string>& args, const std::string& log) : log_(log), args_(args) {
     std::string pythonpath = std::string(TDSHM_INTEROP_PYTHONPATH);
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string kv = *e;
-      if (kv.rfind("PYTHONPATH=", 0) == 0) {
-        pythonpath += ":" + kv.substr(11);
-        continue;
-      }
-      if (kv.rfind("OMP_NUM_THREADS=", 0) == 0 || kv.rfind("PYTHONDONTWRITEBYTECODE=", 0) == 0 ||
-          kv.rfind("GLOO_SOCKET_IFNAME=", 0) == 0) {
-        continue;
-      }
-      env_strings_.push_back(kv);
+    if (const char* outer = std::getenv("PYTHONPATH"); outer != nullptr && *outer != '\0') {
+      pythonpath += std::string(":") + outer;
     }
-    env_strings_.push_back("PYTHONPATH=" + pythonpath);
-    env_strings_.push_back("OMP_NUM_THREADS=1");
-    env_strings_.push_back("PYTHONDONTWRITEBYTECODE=1");
-    env_strings_.push_back("GLOO_SOCKET_IFNAME=lo");
-    for (std::string& s : env_strings_) envp_.push_back(s.data());
-    envp_.push_back(nullptr);
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0) throw std::runtime_error("cannot create " + log + ": " + std::strerror(errno));
-    char* const* argv = argv_.data();
-    char* const* envp = envp_.data();
-    child_ = std::make_unique<Child>([fd, argv, envp] {
-      ::dup2(fd, STDOUT_FILENO);
-      ::dup2(fd, STDERR_FILENO);
-      ::execve(argv[0], argv, envp);
-      static const char msg[] = "execve of the python interpreter failed\n";
-      (void)!::write(STDERR_FILENO, msg, sizeof(msg) - 1);
-      ::_exit(127);
-    });
-    ::close(fd);
+    const std::vector<std::string> env = environment_with({"PYTHONPATH=" + pythonpath, "OMP_NUM_THREADS=1",
+                                                           "PYTHONDONTWRITEBYTECODE=1", "GLOO_SOCKET_IFNAME=lo"});
+    child_ = std::make_unique<Child>(start_python(python_exe(), {TDSHM_INTEROP_PEER, args, env, log}));
   }
 
   Child& child() { return *child_; }
   std::string command() const {
-    std::string s;
-    for (const std::string& a : strings_) s += (s.empty() ? "" : " ") + a;
+    std::string s = python_exe() + " " + TDSHM_INTEROP_PEER;
+    for (const std::string& a : args_) s += " " + a;
     return s;
   }
   std::string output() const { return read_file(log_); }
 
  private:
   std::string log_;
-  std::vector<std::string> strings_, env_strings_;
-  std::vector<char*> argv_, envp_;
+  std::vector<std::string> args_;
   std::unique_ptr<Child> child_;
 };
 

@@ -8,17 +8,18 @@ torch and numpy. Exits non-zero on the first failure, printing what failed.
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "td_peer.py")
 sys.path.insert(0, HERE)
 
 sys.dont_write_bytecode = True
-import td_peer  # noqa: E402
+os.environ["OMP_NUM_THREADS"] = "1"  # for the ranks, forked from this process (forked.py)
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+import forked  # noqa: E402
+import td_peer  # noqa: E402  (imports torch once, for every rank)
 
 
 def check_pure():
@@ -107,30 +108,20 @@ def run_world(name, ranks, backend, timeout=60):
     """ranks: one argument list per rank (rank and world filled in). All must exit 0."""
     with tempfile.TemporaryDirectory(prefix="td_peer_self_") as d:
         init = ("file://" + os.path.join(d, "store")) if backend == "gloo" else ("shm://tdpeer%d" % os.getpid())
-        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-        procs = []
+        cmds, pids, logs = [], [], []
         for r, extra in enumerate(ranks):
-            cmd = [sys.executable, PEER, "--rank", str(r), "--world", str(len(ranks)), "--init-method", init,
-                   "--backend", backend, "--timeout", "30"] + extra
-            procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)))
-        deadline = time.monotonic() + timeout
-        failed = False
-        outputs = []
-        for cmd, p in procs:
-            try:
-                out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for _, q in procs:
-                    q.kill()
-                out, _ = p.communicate()
-                failed = True
-                out += "\n(killed: deadline)"
-            outputs.append(out)
-            failed = failed or p.returncode != 0
-        if failed:
-            print(f"FAILED {name}")
-            for (cmd, _), out in zip(procs, outputs):
-                print("  $ " + " ".join(cmd))
+            argv = ["--rank", str(r), "--world", str(len(ranks)), "--init-method", init, "--backend", backend,
+                    "--timeout", "30"] + extra
+            cmds.append([sys.executable, PEER] + argv)
+            logs.append(os.path.join(d, f"rank{r}.log"))
+            pids.append(forked.start(td_peer.main, (argv,), logs[-1]))
+        codes, killed = forked.wait_all(pids, timeout)
+        if killed or any(codes):
+            print(f"FAILED {name}" + (" (killed: deadline)" if killed else ""))
+            for cmd, code, log in zip(cmds, codes, logs):
+                with open(log, errors="replace") as f:
+                    out = f.read()
+                print("  $ " + " ".join(cmd) + f"  (exit {code})")
                 print("    " + out.strip().replace("\n", "\n    "))
             return False
         print(f"ok {name}")

@@ -1,8 +1,9 @@
 """The Python package tdshm: the "shm" backend through torch.distributed.
 
-Each test runs a world of Python rank processes (this file re-run as a worker:
-``test_shm_backend.py --worker SCENARIO RANK WORLD INIT_METHOD OUTDIR``), waits for all of them
-with one deadline (killing what is left), and checks their exit codes. Every group has a
+Each test runs a world of Python rank processes (children forked from the test, with torch and
+tdshm already imported: forked.py; each runs ``_worker(SCENARIO, RANK, WORLD, INIT_METHOD,
+OUTDIR)``), waits for all of them with one deadline (killing what is left), and checks their
+exit codes. Every group has a
 timeout, every Work.wait too. Each world records the segment names it used (OUTDIR/segments.<rank>);
 afterwards none of them, and no new tdshm.pg-* segment, may be left in /dev/shm.
 
@@ -11,12 +12,17 @@ Run by ctest (python.shm_backend) with PYTHONPATH=<build>/python.
 
 import os
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 import unittest
 from datetime import timedelta
+
+os.environ["OMP_NUM_THREADS"] = "1"  # for the ranks (set before torch reads it)
+import torch  # noqa: E402,F401  (imported once here: every rank is forked from this process)
+import torch.distributed  # noqa: E402,F401
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import forked  # noqa: E402
 
 TIMEOUT = timedelta(seconds=20)
 WORLD_DEADLINE = 90  # seconds for a whole world, then its processes are killed
@@ -234,29 +240,15 @@ class ShmBackendTest(unittest.TestCase):
             init_method = "file://" + os.path.join(outdir, "store")
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-        procs = [
-            subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", scenario, str(r), str(world),
-                              init_method, outdir], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for r in range(world)
-        ]
-        deadline = time.monotonic() + WORLD_DEADLINE
-        outputs = []
-        try:
-            for p in procs:
-                try:
-                    out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    out, _ = p.communicate()
-                    out += b"\n[killed: the world overstayed its deadline]"
-                outputs.append(out.decode(errors="replace"))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        failed = [(r, p.returncode, outputs[r]) for r, p in enumerate(procs) if p.returncode != 0]
+        logs = [os.path.join(outdir, f"rank{r}.log") for r in range(world)]
+        pids = [forked.start(_worker, (scenario, r, world, init_method, outdir), logs[r]) for r in range(world)]
+        codes, killed = forked.wait_all(pids, WORLD_DEADLINE)
+        failed = []
+        for r, code in enumerate(codes):
+            if code != 0:
+                with open(logs[r], errors="replace") as f:
+                    out = f.read()
+                failed.append((r, code, out + ("\n[killed: the world overstayed its deadline]" if killed else "")))
         self.assertFalse(failed, "\n".join(f"rank {r} exited with {code}:\n{out}" for r, code, out in failed))
         segments = set()
         for r in range(world):
@@ -314,7 +306,4 @@ class ShmBackendTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
-        sys.exit(0)
     unittest.main()

@@ -370,6 +370,13 @@ Child::Child(std::function<void()> body) {
   register_child(pid_);
 }
 
+Child Child::adopt(pid_t pid) {
+  Child c;
+  c.pid_ = pid;
+  register_child(pid);
+  return c;
+}
+
 Child::Child(Child&& other) noexcept
     : pid_(std::exchange(other.pid_, -1)),
       pipe_fd_(std::exchange(other.pipe_fd_, -1)),

@@ -245,6 +245,10 @@ class Child {
   /// Forks; the child sets one ATen thread, runs body() and _exit()s with 0, or with a code per
   /// kind of failure after writing the failure to a pipe.
   explicit Child(std::function<void()> body);
+  /// Takes charge of `pid`, a process that is already this process's child (one a child
+  /// subreaper inherited, as tests/dist/python_launcher.h does): waited for, killed and described
+  /// like a forked one, without the failure pipe.
+  static Child adopt(pid_t pid);
   ~Child();
   Child(Child&& other) noexcept;
   Child& operator=(Child&&) = delete;
@@ -267,6 +271,7 @@ class Child {
   std::string describe() const;
 
  private:
+  Child() = default;
   void drain();
 
   pid_t pid_ = -1;

@@ -1,8 +1,0 @@
-// Precompiled header of the process-group tests: the heavy, stable headers only.
-#pragma once
-#include <ATen/ATen.h>
-#include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
