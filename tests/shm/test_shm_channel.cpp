@@ -73,9 +73,16 @@ class ShmChannelTest : public ShmTest {
   std::array<std::optional<ShmChannel>, 2> channels_;
 };
 
+/// What a done op failed with (nothing when it succeeded).
+Caught failure(const std::shared_ptr<detail::ShmOp>& op) {
+  return catch_any([&] {
+    if (op && op->error) std::rethrow_exception(op->error);
+  });
+}
+
 void expect_ok(const std::shared_ptr<detail::ShmOp>& op) {
   ASSERT_TRUE(is_done(op));
-  if (op && op->error) FAIL() << "the op failed: " << catch_any([&] { std::rethrow_exception(op->error); }).describe();
+  if (op && op->error) FAIL() << "the op failed: " << failure(op).describe();
 }
 
 TEST_F(ShmChannelTest, ARecvPostedFirstTakesTheMessageInPlace) {
@@ -194,7 +201,7 @@ TEST_F(ShmChannelTest, AWithdrawnRecvFailsAndNeverTakesALaterMessage) {
   const auto error = std::make_exception_ptr(TimeoutError("gave up"));
   ch(1).withdraw(op, error);
   ASSERT_TRUE(is_done(op));
-  EXPECT_TRUE(catch_any([&] { std::rethrow_exception(op->error); }).is<TimeoutError>());
+  EXPECT_TRUE(failure(op).is<TimeoutError>());
   const at::Tensor want = pattern(at::kFloat, 8, 8);
   send(0, want, 2);
   ch(1).progress();
@@ -212,7 +219,7 @@ TEST_F(ShmChannelTest, AMismatchedRecvFailsWithATransportError) {
   const at::Tensor wrong_size = at::zeros({11}, at::kFloat);
   auto op = recv(1, wrong_size, 6, 0);
   ASSERT_TRUE(pump([&] { return is_done(op); }));
-  const Caught c = catch_any([&] { std::rethrow_exception(op->error); });
+  const Caught c = failure(op);
   EXPECT_TRUE(c.is<TransportError>()) << c.describe();
   EXPECT_TRUE(contains_nocase(c.what, "the message has 40 bytes but the tensor has 44")) << c.what;
   // The channel goes on: the next message on the pair arrives.
@@ -230,12 +237,12 @@ TEST_F(ShmChannelTest, ALostPeerFailsItsPendingOps) {
   auto op = recv(1, at::zeros({4}, at::kFloat), 1, 0);
   ch(1).fail_peer(0, std::make_exception_ptr(PeerLostError("rank 0 is gone")));
   ASSERT_TRUE(is_done(op));
-  EXPECT_TRUE(catch_any([&] { std::rethrow_exception(op->error); }).is<PeerLostError>());
+  EXPECT_TRUE(failure(op).is<PeerLostError>());
   // A later send to the lost peer fails at once with the same error.
   OpList sends = send(1, pattern(at::kFloat, 4, 11), 1);
   ASSERT_EQ(sends.size(), 1u);
   ASSERT_TRUE(is_done(sends[0]));
-  EXPECT_TRUE(catch_any([&] { std::rethrow_exception(sends[0]->error); }).is<PeerLostError>());
+  EXPECT_TRUE(failure(sends[0]).is<PeerLostError>());
 }
 
 TEST_F(ShmChannelTest, CloseFailsPendingAndLaterOps) {
@@ -245,10 +252,10 @@ TEST_F(ShmChannelTest, CloseFailsPendingAndLaterOps) {
   EXPECT_FALSE(ch(1).close(std::make_exception_ptr(TransportError("again"))));
   EXPECT_TRUE(ch(1).closed());
   ASSERT_TRUE(is_done(pending));
-  EXPECT_TRUE(catch_any([&] { std::rethrow_exception(pending->error); }).is<TransportError>());
+  EXPECT_TRUE(failure(pending).is<TransportError>());
   auto later = recv(1, at::zeros({4}, at::kFloat), 1, 0);
   ASSERT_TRUE(is_done(later));
-  const Caught c = catch_any([&] { std::rethrow_exception(later->error); });
+  const Caught c = failure(later);
   EXPECT_TRUE(c.is<TransportError>());
   EXPECT_TRUE(contains_nocase(c.what, "destroyed")) << c.what;
   EXPECT_TRUE(ch(1).unusable() != nullptr);
