@@ -1,0 +1,145 @@
+// The cost of tdshm's per-message software path, without the wire's waiting: two ranks of one
+// ProcessGroupShm world live in this process and one thread drives both. Rank 0 sends a message
+// to rank 1, which posts its receive once the message is already in the ring (so it lands when
+// posted and the wait returns at once), then rank 1 sends it back. Every instruction counted is
+// the path itself: c10d's calls and Work objects, the engine's lock, the channel's posting,
+// matching, entry checks and copies, the wake-up words. No spinning, no cache line moving
+// between CPUs: the figure is the same in a fast and a slow minute.
+//
+//   build/benchmarks/tdshm_bench_path [--bytes N] [--iters N] [--instructions]
+//
+// It prints ns per message (one send and its receive). With --instructions it runs itself twice
+// under valgrind's callgrind (--iters N and 2N) and prints the instructions per message from the
+// difference (setup cancels out); hardware counters are not needed (this VM has none).
+
+#include <tdshm/process_group.h>
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  int64_t bytes = 8;
+  int iters = 100000;
+  bool instructions = false;
+};
+
+[[noreturn]] void usage_error(const std::string& what) {
+  std::fprintf(stderr, "tdshm_bench_path: %s\nusage: tdshm_bench_path [--bytes N] [--iters N] [--instructions]\n",
+               what.c_str());
+  std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> long long {
+      if (i + 1 >= argc) usage_error(a + " needs a value");
+      char* end = nullptr;
+      const long long v = std::strtoll(argv[++i], &end, 10);
+      if (*end != '\0') usage_error("bad option " + a + " " + argv[i]);
+      return v;
+    };
+    if (a == "--bytes") {
+      o.bytes = value();
+      if (o.bytes < 1 || o.bytes > (int64_t{1} << 16)) usage_error("--bytes must be in [1, 65536]");
+    } else if (a == "--iters") {
+      const long long v = value();
+      if (v < 1 || v > 100000000) usage_error("--iters must be in [1, 100000000]");
+      o.iters = static_cast<int>(v);
+    } else if (a == "--instructions") {
+      o.instructions = true;
+    } else {
+      usage_error("bad option " + a);
+    }
+  }
+  return o;
+}
+
+/// Runs the ping-pong for `iters` round trips; returns seconds. Checks the last message's bytes.
+double run(const Options& o) {
+  const std::string name = "bench-path-" + std::to_string(::getpid());
+  tdshm::ShmOptions so;
+  so.timeout = std::chrono::seconds(60);
+  std::array<std::unique_ptr<tdshm::ProcessGroupShm>, 2> pg;
+  {  // the constructors meet in a rendezvous: one thread each
+    std::thread other([&] { pg[1] = std::make_unique<tdshm::ProcessGroupShm>(name, 1, 2, so); });
+    pg[0] = std::make_unique<tdshm::ProcessGroupShm>(name, 0, 2, so);
+    other.join();
+  }
+  std::vector<at::Tensor> out{at::arange(o.bytes, at::kByte)}, in{at::zeros({o.bytes}, at::kByte)},
+      back{at::zeros({o.bytes}, at::kByte)};
+  const auto start = Clock::now();
+  for (int i = 0; i < o.iters; ++i) {
+    pg[0]->send(out, 1, 0);
+    pg[1]->recv(in, 0, 0)->wait();
+    pg[1]->send(in, 0, 0);
+    pg[0]->recv(back, 1, 0)->wait();
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!at::equal(back[0], out[0])) throw std::runtime_error("the message came back with other bytes");
+  pg[1].reset();
+  pg[0].reset();
+  return seconds;
+}
+
+/// Instructions of `self --bytes B --iters N` under callgrind ("Collected : X" on its stderr).
+long long callgrind_instructions(const std::string& self, const Options& o, int iters) {
+  const std::string cmd = "valgrind --tool=callgrind --callgrind-out-file=/dev/null '" + self + "' --bytes " +
+                          std::to_string(o.bytes) + " --iters " + std::to_string(iters) + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) throw std::runtime_error("cannot run valgrind");
+  std::string output;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, p) != nullptr) output += buf;
+  const int status = ::pclose(p);
+  const size_t at = output.find("Collected : ");
+  if (status != 0 || at == std::string::npos) {
+    throw std::runtime_error("valgrind --tool=callgrind failed (is valgrind installed?):\n" + output);
+  }
+  return std::atoll(output.c_str() + at + 12);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  try {
+    if (o.instructions) {
+      char self[4096];
+      const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+      if (n <= 0) throw std::runtime_error("cannot read /proc/self/exe");
+      self[n] = '\0';
+      const int iters = std::min(o.iters, 2000);  // callgrind runs ~50x slower
+      const long long one = callgrind_instructions(self, o, iters);
+      const long long two = callgrind_instructions(self, o, 2 * iters);
+      const double per_message = static_cast<double>(two - one) / (2.0 * iters);
+      std::printf("%lld B: %.0f instructions per message (send + receive, both ranks; callgrind, %d vs %d round trips)\n",
+                  static_cast<long long>(o.bytes), per_message, iters, 2 * iters);
+      return 0;
+    }
+    const double seconds = run(o);
+    std::printf("%lld B: %.1f ns per message (send + receive, one thread drives both ranks, %d round trips)\n",
+                static_cast<long long>(o.bytes), seconds * 1e9 / (2.0 * o.iters), o.iters);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tdshm_bench_path: %s\n", e.what());
+    return 1;
+  }
+}
