@@ -242,6 +242,9 @@ class ProcessGroupShm : public c10d::ProcessGroup {
                                                 std::vector<at::Tensor> outputs);
 
   std::shared_ptr<detail::ShmEngine> engine_;
+  // What every send that completed as it was posted returns (its bytes are in the segment): one
+  // completed Work, shared, rather than one allocated and destroyed per message.
+  c10::intrusive_ptr<c10d::Work> sent_;
 };
 
 /// A shm group that meets through a c10d store, as torch.distributed's backends do (what the

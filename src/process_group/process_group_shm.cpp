@@ -216,6 +216,7 @@ ProcessGroupShm::ProcessGroupShm(const std::string& name, int rank, int size, Sh
                        " do not make a group: need 0 <= rank < size");
   }
   engine_ = std::make_shared<ShmEngine>(name, rank, size, options);
+  sent_ = make_work(engine_, {}, c10d::OpType::SEND);
   init();
 }
 
@@ -293,6 +294,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_checked(std::vector<at::Ten
                                                              MessageCheck check) {
   const at::Tensor& t = single_tensor(tensors, "send");
   auto op = engine_->post_send(t, dstRank, tag, /*control=*/false, check);
+  if (!op) return sent_;
   return make_work(engine_, one_op(std::move(op)), c10d::OpType::SEND);
 }
 

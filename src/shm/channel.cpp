@@ -53,6 +53,7 @@ ShmChannel::ShmChannel(shm::Segment& segment, int rank, int size, const ShmOptio
   peer_error_.resize(n);
   held_bytes_.assign(n, 0);
   consumed_since_wake_.assign(n, 0);
+  freed_slot_since_wake_.assign(n, 0);
   wake_batch_ = std::max<uint32_t>(1, std::min(options.slots_per_rank, options.ring_entries) / 4);
 }
 
@@ -94,8 +95,7 @@ OpList ShmChannel::post_sends(std::span<const at::Tensor> tensors, int dst, std:
       }
     }
     // A send snapshots a strided tensor at post time.
-    auto op = make_op(ShmOp::Kind::kSend, dst, tags[i], control, tensor,
-                      tensor.is_contiguous() ? tensor : tensor.contiguous());
+    auto op = make_op(ShmOp::Kind::kSend, dst, tags[i], control, tensor);
     op->reference = reference;
     op->check = checks[i];
     ops.resize(tensors.size());
@@ -123,7 +123,8 @@ OpList ShmChannel::make_recvs(std::span<const at::Tensor> tensors, int src, int 
   for (const at::Tensor& tensor : tensors) {
     // Bytes land in place: a tensor whose elements share memory (an expanded view) cannot take
     // them, nor can a read-only mapping.
-    if (tensor.numel() > 1 && at::has_internal_overlap(tensor) == at::MemOverlap::Yes) {
+    // (A contiguous tensor's elements never overlap: the common case skips the check.)
+    if (!tensor.is_contiguous() && tensor.numel() > 1 && at::has_internal_overlap(tensor) == at::MemOverlap::Yes) {
       throw TypeError("shm recv: the tensor's elements overlap in memory (an expanded or stride-0 view, strides " +
                       shape_str(tensor.strides()) + "), so it cannot receive bytes in place; receive into a tensor "
                       "of its own (for instance t.contiguous() or t.clone())");
@@ -140,10 +141,7 @@ OpList ShmChannel::make_recvs(std::span<const at::Tensor> tensors, int src, int 
     ops = make_ops(tensors.size());
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
-    // A strided destination receives into a contiguous staging tensor, copied over at the end.
-    const at::Tensor& tensor = tensors[i];
-    init_op(ops[i].get(), ShmOp::Kind::kRecv, src, tags[i], control, tensor,
-            tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options()));
+    init_op(ops[i].get(), ShmOp::Kind::kRecv, src, tags[i], control, tensors[i]);
     ops[i]->check = checks[i];
   }
   return ops;
@@ -167,7 +165,7 @@ bool ShmChannel::post_recv(const std::shared_ptr<ShmOp>& op, int src) {
   // Messages drained earlier (unexpected) are older than what is still in the rings: match them
   // first; otherwise post, then drain the rings, so a message already there lands in place.
   if (const std::shared_ptr<Incoming> keep = matcher_.take_early(src, tag, control)) {
-    if (!try_match(keep, op)) {
+    if (!try_match(*keep, op)) {
       // The receive failed with a clear error and the message is dropped (as MPI drops a
       // truncated one), so that what follows on this tag stays in step.
       if (!keep->complete) keep->discard = true;
@@ -227,13 +225,13 @@ bool ShmChannel::progress_sends(int dst, bool wake) {
     if (!op.reference.empty()) {  // the whole message in one entry, whatever the tensor's size
       chunk = op.bytes;
       flags |= shm::kEntryFirst | shm::kEntryLast | shm::kEntryReference | check_flag(op.check);
-      written = write_entry(dst, flags, op.tag, op.buffer, reinterpret_cast<const uint8_t*>(op.reference.data()), 0,
+      written = write_entry(dst, flags, op.tag, op.contiguous(), reinterpret_cast<const uint8_t*>(op.reference.data()), 0,
                             op.reference.size(), op.check);
     } else {
       chunk = std::min(slot, op.bytes - op.posted);
       if (!op.started) flags |= shm::kEntryFirst | check_flag(op.check);
       if (op.posted + chunk == op.bytes) flags |= shm::kEntryLast;
-      written = write_entry(dst, flags, op.tag, op.buffer, op.data + op.posted, op.posted, chunk, op.check);
+      written = write_entry(dst, flags, op.tag, op.contiguous(), op.data + op.posted, op.posted, chunk, op.check);
     }
     if (!written) break;  // every arena slot of this rank is in flight: a receiver frees one
     op.posted += chunk;
@@ -295,9 +293,9 @@ void ShmChannel::finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr err
                       : make_error<TransportError>(op->what() + ": the segment file of '" + name() +
                                                    "' was truncated by another process while mapped");
   }
-  if (!error && op->kind == ShmOp::Kind::kRecv && !op->buffer.is_same(op->user)) {
+  if (!error && op->kind == ShmOp::Kind::kRecv && op->staging.defined()) {
     try {
-      op->user.copy_(op->buffer);  // a non-contiguous destination gets the staged bytes
+      op->user.copy_(op->staging);  // a non-contiguous destination gets the staged bytes
     } catch (const std::exception& e) {
       error = make_error<TransportError>(op->what() + ": copying into the strided tensor: " + e.what());
     }

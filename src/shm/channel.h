@@ -73,7 +73,7 @@ struct ShmOp {
   MessageCheck check;    // what the transfer layer knows of the message (first entry's `check`)
   uint16_t sender_leaves = 0;  // recv failed on a leaf count: the message's (else 0)
   at::Tensor user;       // the caller's tensor
-  at::Tensor buffer;     // contiguous bytes: `user` itself or a staging copy
+  at::Tensor staging;    // a strided `user`'s contiguous copy (send) or landing place (recv); else undefined
   uint8_t* data = nullptr;
   uint64_t bytes = 0;
   std::string reference;      // send of a named memmap: the MemmapReference payload sent instead of the bytes
@@ -83,6 +83,9 @@ struct ShmOp {
   std::exception_ptr error;
   int source = -1;  // recv: the rank the message came from
   std::string what() const;   // "recv from rank 1, tag 3" for messages
+  /// The contiguous tensor whose bytes are `data`: the staging copy, or the caller's own tensor
+  /// (no second reference to it: two reference-count operations fewer per message).
+  const at::Tensor& contiguous() const noexcept { return staging.defined() ? staging : user; }
 };
 
 /// Ops of one call: a tree's leaves are few, so they stay inline (no allocation per transfer).
@@ -94,6 +97,7 @@ inline bool is_done(const std::shared_ptr<ShmOp>& op) noexcept {
 }
 
 struct Incoming;
+struct MessageHead;
 
 class ShmChannel {
  public:
@@ -175,10 +179,11 @@ class ShmChannel {
   bool progress_receives(int src, bool drain_all);
   Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
                      ReceivePass& pass);
-  bool start_message(int src, const shm::EntryFields& e, const int64_t* dims, const ReceivePass& pass);
+  static MessageHead message_head(int src, const shm::EntryFields& e, const shm::EntryShape& shape);
+  bool start_message(int src, const MessageHead& head, uint32_t chunk_bytes, const ReceivePass& pass);
   void release_unexpected(Incoming& msg);
   std::exception_ptr resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const;
-  bool try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op);
+  bool try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op);
 
   // Set in the constructor, then only read.
   shm::Segment& segment_;
@@ -198,6 +203,7 @@ class ShmChannel {
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
   std::vector<uint64_t> held_bytes_;  // per source: size of a first entry left in the ring (budget), else 0
   std::vector<uint32_t> consumed_since_wake_;  // per source: entries taken since it was last woken
+  std::vector<uint8_t> freed_slot_since_wake_;  // per source: 1 once one of its slots was freed since then
   uint64_t unexpected_bytes_ = 0;     // process memory held by unexpected messages
   shm::BufferPool unexpected_pool_;   // their buffers, kept for reuse (buffer_pool.h)
   std::exception_ptr closed_;         // set by close(): the error of later posts

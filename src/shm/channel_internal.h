@@ -7,6 +7,7 @@
 #include <tdshm/memmap.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdio>
 #include <cstring>
@@ -15,8 +16,8 @@
 
 namespace tdshm::detail {
 
-/// A message from one source whose entries are arriving, or that arrived before its recv.
-struct Incoming {
+/// What a message's first entry says of it (what a receive is matched and checked against).
+struct MessageHead {
   int src = -1;
   int64_t tag = 0;
   bool control = false;
@@ -25,13 +26,18 @@ struct Incoming {
   uint8_t dtype = 0;
   uint8_t ndim = shm::kShapeNotSent;
   int64_t dims[shm::kMaxDims] = {};
+  bool reference = false;  // a MemmapReference (a whole message in one entry)
+};
+
+/// A message from one source whose entries are arriving, or that arrived before its recv.
+struct Incoming : MessageHead {
   uint64_t received = 0;
   std::shared_ptr<ShmOp> op;  // the receive it lands in; null while unexpected
   shm::BufferPool::Buffer heap;  // its bytes while unexpected (from unexpected_pool_; all are written)
   uint64_t heap_bytes = 0;       // counted in ShmChannel::unexpected_bytes_ while heap is held
   bool complete = false;
   bool discard = false;  // it failed the receive it matched: drained and dropped, never copied
-  bool reference = false;  // a MemmapReference: `heap` holds it while unexpected
+  // (MessageHead::reference: `heap` holds the reference while it is unexpected)
 };
 
 
@@ -82,23 +88,25 @@ inline std::string hex32(uint32_t v) {
   return buf;
 }
 
-// Fills a fresh op.
-inline void init_op(ShmOp* op, ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user,
-                    at::Tensor buffer) {
+// Fills a fresh op. A strided `user` gets a contiguous staging tensor: a send snapshots it at
+// post time, a receive lands there and is copied over at the end.
+inline void init_op(ShmOp* op, ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user) {
   op->kind = kind;
   op->peer = peer;
   op->tag = tag;
   op->control = control;
   op->user = user;
-  op->buffer = std::move(buffer);
-  op->data = static_cast<uint8_t*>(op->buffer.data_ptr());
-  op->bytes = static_cast<uint64_t>(op->buffer.numel()) * op->buffer.element_size();
+  if (!user.is_contiguous()) {
+    op->staging = kind == ShmOp::Kind::kSend ? user.contiguous() : at::empty(user.sizes(), user.options());
+  }
+  const at::Tensor& bytes = op->contiguous();
+  op->data = static_cast<uint8_t*>(bytes.data_ptr());
+  op->bytes = static_cast<uint64_t>(bytes.numel()) * bytes.element_size();
 }
 
-inline std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user,
-                                      at::Tensor buffer) {
+inline std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user) {
   auto op = std::make_shared<ShmOp>();
-  init_op(op.get(), kind, peer, tag, control, user, std::move(buffer));
+  init_op(op.get(), kind, peer, tag, control, user);
   return op;
 }
 

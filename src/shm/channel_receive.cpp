@@ -61,16 +61,23 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
       return true;
     }
     if (taken == Taken::kHeld) break;  // over the unexpected budget: it waits in the ring
-    if (in_slot) shm::release_slot(region, fields.slot);
+    if (in_slot) {
+      shm::release_slot(region, fields.slot);
+      freed_slot_since_wake_[s] = 1;
+    }
     ring.consume();
     moved = true;
     ++consumed_since_wake_[s];
   }
   // The sender may sleep waiting for room: wake it once a quarter of its room is back, or when
-  // its ring is empty, rather than for every entry (a producer woken per freed slot copies one
-  // chunk and sleeps again: with more ranks than cores, a data loader's workers thrashed so).
-  if (moved && (consumed_since_wake_[s] >= wake_batch_ || ring.empty())) {
+  // its ring is empty after a slot came back, rather than for every entry (a producer woken per
+  // freed slot copies one chunk and sleeps again: with more ranks than cores, a data loader's
+  // workers thrashed so). A sender that waits for ring entries had the whole ring full, so a
+  // quarter of it comes back before the ring is empty: small messages that carry their bytes in
+  // the entry (a ping-pong) pay no wake-up (a fence and a read of the sender's line) per message.
+  if (moved && (consumed_since_wake_[s] >= wake_batch_ || (freed_slot_since_wake_[s] && ring.empty()))) {
     consumed_since_wake_[s] = 0;
+    freed_slot_since_wake_[s] = 0;
     wake_peer(src);
   }
   return moved;
@@ -82,51 +89,67 @@ void ShmChannel::drain(int src) {
 }
 
 // Checks that `msg` fits `op`; binds the source. On a mismatch fails `op` and returns false.
-bool ShmChannel::try_match(const std::shared_ptr<Incoming>& msg, const std::shared_ptr<ShmOp>& op) {
-  op->source = msg->src;
+bool ShmChannel::try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
+  op->source = msg.src;
   std::string problem;
-  const auto dtype = static_cast<c10::ScalarType>(msg->dtype);
+  const auto dtype = static_cast<c10::ScalarType>(msg.dtype);
   // Checks first: they say why the rest differs (another key, another schema).
-  const bool checked = op->check.kind != MessageCheck::Kind::kNone && msg->check.kind == op->check.kind;
-  auto from = [&] { return op->peer < 0 ? " (from rank " + std::to_string(msg->src) + ")" : std::string(); };
-  if (checked && msg->check.leaves != 0 && op->check.leaves != 0 && msg->check.leaves != op->check.leaves) {
-    op->sender_leaves = msg->check.leaves;  // published by finish's release of done
+  const bool checked = op->check.kind != MessageCheck::Kind::kNone && msg.check.kind == op->check.kind;
+  auto from = [&] { return op->peer < 0 ? " (from rank " + std::to_string(msg.src) + ")" : std::string(); };
+  if (checked && msg.check.leaves != 0 && op->check.leaves != 0 && msg.check.leaves != op->check.leaves) {
+    op->sender_leaves = msg.check.leaves;  // published by finish's release of done
     finish(op, make_error<TransportError>(op->what() + from() + ": the sender's tree has " +
-                                          std::to_string(msg->check.leaves) + " leaves but this receiving tree has " +
+                                          std::to_string(msg.check.leaves) + " leaves but this receiving tree has " +
                                           std::to_string(op->check.leaves) + "; nothing was written"));
     return false;
   }
-  if (checked && msg->check.value != op->check.value) {
+  if (checked && msg.check.value != op->check.value) {
     if (op->check.kind == MessageCheck::Kind::kSchema) {
       finish(op, make_error<SchemaError>(op->what() + from() + ": the sender's consolidated schema (hash " +
-                                         hex32(msg->check.value) + ") differs from this tensordict's (hash " +
+                                         hex32(msg.check.value) + ") differs from this tensordict's (hash " +
                                          hex32(op->check.value) + "): tensorclass names, keys, dtypes, shapes or "
                                          "layout differ; nothing was written"));
     } else {
       finish(op, make_error<TransportError>(op->what() + from() + ": the sender's leaf at this position has another key "
-                                            "(key hash " + hex32(msg->check.value) + ", this leaf's is " +
+                                            "(key hash " + hex32(msg.check.value) + ", this leaf's is " +
                                             hex32(op->check.value) + "): the two trees' keys differ; nothing was "
                                             "written"));
     }
     return false;
   }
-  if (msg->total != op->bytes) {
-    problem = "the message has " + std::to_string(msg->total) + " bytes but the tensor has " + std::to_string(op->bytes);
-  } else if (msg->dtype != static_cast<uint8_t>(op->buffer.scalar_type())) {
+  if (msg.total != op->bytes) {
+    problem = "the message has " + std::to_string(msg.total) + " bytes but the tensor has " + std::to_string(op->bytes);
+  } else if (msg.dtype != static_cast<uint8_t>(op->contiguous().scalar_type())) {
     problem = std::string("the message has dtype ") +
-              (msg->dtype < static_cast<uint8_t>(c10::ScalarType::NumOptions) ? c10::toString(dtype) : "?") +
-              " but the tensor has dtype " + c10::toString(op->buffer.scalar_type());
-  } else if (msg->ndim != shm::kShapeNotSent &&
-             (msg->ndim < 2 ? op->buffer.dim() != msg->ndim  // equal bytes and dtype: equal numel
-                            : !std::equal(op->buffer.sizes().begin(), op->buffer.sizes().end(), msg->dims,
-                                          msg->dims + msg->ndim))) {
-    if (msg->ndim == 1) msg->dims[0] = static_cast<int64_t>(msg->total / op->buffer.element_size());
-    problem = "the message has shape " + shape_str(c10::IntArrayRef(msg->dims, msg->ndim)) + " but the tensor has shape " +
-              shape_str(op->buffer.sizes());
+              (msg.dtype < static_cast<uint8_t>(c10::ScalarType::NumOptions) ? c10::toString(dtype) : "?") +
+              " but the tensor has dtype " + c10::toString(op->contiguous().scalar_type());
+  } else if (msg.ndim != shm::kShapeNotSent &&
+             (msg.ndim < 2 ? op->contiguous().dim() != msg.ndim  // equal bytes and dtype: equal numel
+                            : !std::equal(op->contiguous().sizes().begin(), op->contiguous().sizes().end(), msg.dims,
+                                          msg.dims + msg.ndim))) {
+    if (msg.ndim == 1) msg.dims[0] = static_cast<int64_t>(msg.total / op->contiguous().element_size());
+    problem = "the message has shape " + shape_str(c10::IntArrayRef(msg.dims, msg.ndim)) + " but the tensor has shape " +
+              shape_str(op->contiguous().sizes());
   }
   if (problem.empty()) return true;
   finish(op, make_error<TransportError>(op->what() + from() + ": " + problem));
   return false;
+}
+
+// What the first entry `e` from `src` says of its message (the shape from the entry's third line,
+// read only for 2 or more dimensions).
+MessageHead ShmChannel::message_head(int src, const shm::EntryFields& e, const shm::EntryShape& shape) {
+  MessageHead h;
+  h.src = src;
+  h.tag = e.tag;
+  h.control = (e.flags & shm::kEntryControl) != 0;
+  h.reference = (e.flags & shm::kEntryReference) != 0;
+  h.check = entry_check(e);
+  h.total = e.total_bytes;
+  h.dtype = e.dtype;
+  h.ndim = e.ndim;
+  if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::memcpy(h.dims, shape.dims, e.ndim * sizeof(int64_t));
+  return h;
 }
 
 // Validates one entry (a copy of what another process wrote) and moves its payload.
@@ -152,10 +175,24 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
       throw corrupt(problem);
     }
   }
+  if ((e.flags & (shm::kEntryFirst | shm::kEntryLast | shm::kEntryReference)) == (shm::kEntryFirst | shm::kEntryLast)) {
+    // The common small message: whole in one entry, and its receive is posted. It lands at once,
+    // without the bookkeeping of a message in progress.
+    const auto found = matcher_.find_posted(src, e.tag, (e.flags & shm::kEntryControl) != 0);
+    if (found != matcher_.none()) {
+      MessageHead head = message_head(src, e, shape);
+      held_bytes_[static_cast<size_t>(src)] = 0;
+      std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
+      if (try_match(head, op)) {  // else op failed on the mismatch and the message is dropped
+        if (e.chunk_bytes != 0) copy_bytes(op->data, payload, e.chunk_bytes, e.total_bytes >= kStreamingMessageBytes);
+        finish(op, nullptr);
+        pass.completed_posted = true;
+      }
+      return Taken::kYes;
+    }
+  }
   if (e.flags & shm::kEntryFirst) {
-    int64_t dims[shm::kMaxDims] = {};
-    if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::memcpy(dims, shape.dims, e.ndim * sizeof(int64_t));
-    if (!start_message(src, e, dims, pass)) return Taken::kHeld;
+    if (!start_message(src, message_head(src, e, shape), e.chunk_bytes, pass)) return Taken::kHeld;
   }
   Incoming& msg = *cur;
   if (reference) {
@@ -243,11 +280,10 @@ std::exception_ptr ShmChannel::resolve_reference(const ShmOp& op, const shm::Ref
 // Starts the message whose first entry is `e`: into the receive posted for it, or into process
 // memory while the unexpected budget allows. Returns false, changing nothing, when it must stay in
 // the ring (back-pressure).
-bool ShmChannel::start_message(int src, const shm::EntryFields& e, const int64_t* dims, const ReceivePass& pass) {
+bool ShmChannel::start_message(int src, const MessageHead& head, uint32_t chunk_bytes, const ReceivePass& pass) {
   const auto s = static_cast<size_t>(src);
-  const bool control = (e.flags & shm::kEntryControl) != 0;
-  const bool reference = (e.flags & shm::kEntryReference) != 0;
-  const auto found = matcher_.find_posted(src, e.tag, control);
+  const bool reference = head.reference;
+  const auto found = matcher_.find_posted(src, head.tag, head.control);
   const bool posted = found != matcher_.none();
   // Once a posted receive completed in this pass, the messages after it go on landing in their
   // posted receives, but one that has none stays in the ring: a waiter that now has what it
@@ -258,7 +294,7 @@ bool ShmChannel::start_message(int src, const shm::EntryFields& e, const int64_t
     return false;  // nobody waits on this source yet: it stays in the ring for now (progress)
   }
   // An unexpected reference keeps the reference, not the bytes.
-  const uint64_t need = posted ? 0 : reference ? e.chunk_bytes : e.total_bytes;
+  const uint64_t need = posted ? 0 : reference ? chunk_bytes : head.total;
   if (!posted && need > options_.max_unexpected_bytes - std::min<uint64_t>(unexpected_bytes_, options_.max_unexpected_bytes)) {
     held_bytes_[s] = std::max<uint64_t>(need, 1);
     return false;
@@ -267,18 +303,10 @@ bool ShmChannel::start_message(int src, const shm::EntryFields& e, const int64_t
   auto& spare = spare_[s];
   auto msg = spare ? std::move(spare) : std::make_shared<Incoming>();
   *msg = Incoming{};
-  msg->src = src;
-  msg->tag = e.tag;
-  msg->control = control;
-  msg->reference = reference;
-  msg->check = entry_check(e);
-  msg->total = e.total_bytes;
-  msg->dtype = e.dtype;
-  msg->ndim = e.ndim;
-  if (e.ndim != shm::kShapeNotSent && e.ndim >= 2) std::copy(dims, dims + e.ndim, msg->dims);
+  static_cast<MessageHead&>(*msg) = head;
   if (posted) {
     std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
-    if (try_match(msg, op)) {
+    if (try_match(*msg, op)) {
       msg->op = std::move(op);
     } else {
       msg->discard = true;  // that receive failed on a mismatch; the message is dropped
