@@ -163,6 +163,7 @@ class ShmChannel {
     bool completed_posted = false;
   };
   enum class Taken { kYes, kHeld };  // kHeld: the entry stays in the ring (over the unexpected budget)
+  using Matcher = shm::Matcher<ShmOp, Incoming>;
 
   // Sending (channel.cpp)
   bool progress_sends(int dst, bool wake = true);
@@ -180,7 +181,9 @@ class ShmChannel {
   Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
                      ReceivePass& pass);
   static MessageHead message_head(int src, const shm::EntryFields& e, const shm::EntryShape& shape);
-  bool start_message(int src, const MessageHead& head, uint32_t chunk_bytes, const ReceivePass& pass);
+  // `found`: the posted receive that takes the message (matcher_.find_posted), or none().
+  bool start_message(int src, const MessageHead& head, Matcher::Found found, uint32_t chunk_bytes,
+                     const ReceivePass& pass);
   void release_unexpected(Incoming& msg);
   std::exception_ptr resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const;
   bool try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op);
@@ -199,7 +202,7 @@ class ShmChannel {
   shm::SlotAllocator slots_;                                     // this rank's own region
   std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
   std::vector<std::shared_ptr<Incoming>> spare_;                 // per source: a finished one, for reuse
-  shm::Matcher<ShmOp, Incoming> matcher_;                        // unmatched receives and early messages
+  Matcher matcher_;                        // unmatched receives and early messages
   std::vector<std::exception_ptr> peer_error_;                   // per peer: set once it is lost
   std::vector<uint64_t> held_bytes_;  // per source: size of a first entry left in the ring (budget), else 0
   std::vector<uint32_t> consumed_since_wake_;  // per source: entries taken since it was last woken

@@ -117,19 +117,20 @@ bool ShmChannel::try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
     }
     return false;
   }
+  const at::Tensor& t = op->contiguous();
   if (msg.total != op->bytes) {
     problem = "the message has " + std::to_string(msg.total) + " bytes but the tensor has " + std::to_string(op->bytes);
-  } else if (msg.dtype != static_cast<uint8_t>(op->contiguous().scalar_type())) {
+  } else if (msg.dtype != static_cast<uint8_t>(t.scalar_type())) {
     problem = std::string("the message has dtype ") +
               (msg.dtype < static_cast<uint8_t>(c10::ScalarType::NumOptions) ? c10::toString(dtype) : "?") +
-              " but the tensor has dtype " + c10::toString(op->contiguous().scalar_type());
+              " but the tensor has dtype " + c10::toString(t.scalar_type());
   } else if (msg.ndim != shm::kShapeNotSent &&
-             (msg.ndim < 2 ? op->contiguous().dim() != msg.ndim  // equal bytes and dtype: equal numel
-                            : !std::equal(op->contiguous().sizes().begin(), op->contiguous().sizes().end(), msg.dims,
+             (msg.ndim < 2 ? t.dim() != msg.ndim  // equal bytes and dtype: equal numel
+                            : !std::equal(t.sizes().begin(), t.sizes().end(), msg.dims,
                                           msg.dims + msg.ndim))) {
-    if (msg.ndim == 1) msg.dims[0] = static_cast<int64_t>(msg.total / op->contiguous().element_size());
+    if (msg.ndim == 1) msg.dims[0] = static_cast<int64_t>(msg.total / t.element_size());
     problem = "the message has shape " + shape_str(c10::IntArrayRef(msg.dims, msg.ndim)) + " but the tensor has shape " +
-              shape_str(op->contiguous().sizes());
+              shape_str(t.sizes());
   }
   if (problem.empty()) return true;
   finish(op, make_error<TransportError>(op->what() + from() + ": " + problem));
@@ -175,12 +176,12 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
       throw corrupt(problem);
     }
   }
-  if ((e.flags & (shm::kEntryFirst | shm::kEntryLast | shm::kEntryReference)) == (shm::kEntryFirst | shm::kEntryLast)) {
-    // The common small message: whole in one entry, and its receive is posted. It lands at once,
-    // without the bookkeeping of a message in progress.
-    const auto found = matcher_.find_posted(src, e.tag, (e.flags & shm::kEntryControl) != 0);
-    if (found != matcher_.none()) {
-      MessageHead head = message_head(src, e, shape);
+  if (e.flags & shm::kEntryFirst) {
+    MessageHead head = message_head(src, e, shape);
+    const auto found = matcher_.find_posted(src, head.tag, head.control);
+    if (found != matcher_.none() && (e.flags & shm::kEntryLast) && !reference) {
+      // The common small message: whole in one entry, and its receive is posted. It lands at
+      // once, without the record of a message in progress.
       held_bytes_[static_cast<size_t>(src)] = 0;
       std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
       if (try_match(head, op)) {  // else op failed on the mismatch and the message is dropped
@@ -190,9 +191,7 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
       }
       return Taken::kYes;
     }
-  }
-  if (e.flags & shm::kEntryFirst) {
-    if (!start_message(src, message_head(src, e, shape), e.chunk_bytes, pass)) return Taken::kHeld;
+    if (!start_message(src, head, found, e.chunk_bytes, pass)) return Taken::kHeld;
   }
   Incoming& msg = *cur;
   if (reference) {
@@ -280,10 +279,10 @@ std::exception_ptr ShmChannel::resolve_reference(const ShmOp& op, const shm::Ref
 // Starts the message whose first entry is `e`: into the receive posted for it, or into process
 // memory while the unexpected budget allows. Returns false, changing nothing, when it must stay in
 // the ring (back-pressure).
-bool ShmChannel::start_message(int src, const MessageHead& head, uint32_t chunk_bytes, const ReceivePass& pass) {
+bool ShmChannel::start_message(int src, const MessageHead& head, Matcher::Found found, uint32_t chunk_bytes,
+                                const ReceivePass& pass) {
   const auto s = static_cast<size_t>(src);
   const bool reference = head.reference;
-  const auto found = matcher_.find_posted(src, head.tag, head.control);
   const bool posted = found != matcher_.none();
   // Once a posted receive completed in this pass, the messages after it go on landing in their
   // posted receives, but one that has none stays in the ring: a waiter that now has what it
