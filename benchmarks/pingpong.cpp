@@ -6,6 +6,8 @@
 //   pingpong_link.h         control block, Link, waits on a word (the lowest layer)
 //   pingpong_transport.h    the table of transports, PingPong, Workload, the payload pattern
 //   pingpong_floors.h       spin and futex floors, memcpy ceiling, ping-pong over any c10d group
+//   pingpong_ring.h         the ring floor (cache-line elements, sequence word inline)
+//   pingpong_ucx.h          UCX's own ucx_perftest, run pinned like the ranks (optional)
 //   pingpong_gloo.h         c10d::ProcessGroupGloo on 127.0.0.1
 //   pingpong_shm.h          tdshm::ProcessGroupShm
 //   pingpong_td.h           TensorDict workloads (--td): their trees, their ping-pong, the
@@ -23,10 +25,12 @@
 #include "pingpong_link.h"
 #include "pingpong_measurement.h"
 #include "pingpong_processes.h"
+#include "pingpong_ring.h"
 #include "pingpong_shm.h"
 #include "pingpong_table.h"
 #include "pingpong_td.h"
 #include "pingpong_transport.h"
+#include "pingpong_ucx.h"
 
 #include <ATen/Parallel.h>
 
@@ -74,6 +78,8 @@ struct Session {
   uint8_t* payload0;
   uint8_t* payload1;
   size_t payload_bytes;  // capacity of each payload buffer
+  RingDirection* rings;  // the ring floor's: [0] rank 0 -> 1, [1] rank 1 -> 0
+  std::vector<int> cpus;  // the CPUs of rank 0 and rank 1 when pinned, else empty
   std::string run_id;  // unique per run: names the shm segments and the memmap files
   // Rank 0 only.
   std::vector<Measurement> results;
@@ -88,6 +94,8 @@ std::unique_ptr<PingPong> make_transport(const std::string& name, Session& s) {
   if (name == "spin") return make_floor_pingpong(s.link, WaitMode::spin, s.payload0, s.payload1);
   if (name == "futex") return make_floor_pingpong(s.link, WaitMode::futex, s.payload0, s.payload1);
   if (name == "memcpy") return make_memcpy_pingpong();
+  if (name == "ring") return make_ring_pingpong(s.link, s.rings);
+  if (name == "ucx-posix") return make_ucx_pingpong(s.cpus);
   if (name == "c10d-spin") {
     return make_c10d_pingpong(make_spin_floor_group(s.link, s.payload0, s.payload1, s.payload_bytes));
   }
@@ -112,8 +120,14 @@ std::vector<std::pair<std::string, std::unique_ptr<PingPong>>> set_up(Session& s
   std::vector<std::pair<std::string, std::unique_ptr<PingPong>>> live;
   const int rank = s.link.rank();
   for (const auto& name : s.transports) {
-    if (name == "memcpy") {
-      if (rank == 0) live.emplace_back(name, make_memcpy_pingpong());
+    if (name == "memcpy" || name == "ucx-posix") {  // rank 0 alone
+      if (rank != 0) continue;
+      try {
+        live.emplace_back(name, make_transport(name, s));
+      } catch (const std::exception& e) {
+        s.failures.push_back(name + ": not measured: could not be set up (" + e.what() + ")");
+        std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
+      }
       continue;
     }
     std::unique_ptr<PingPong> transport;
@@ -216,6 +230,8 @@ void measure_row(Session& s, Live& live, Workload w) {
   }
   const int rounds = std::min(s.options.rounds, most);
   std::vector<std::vector<int64_t>> elapsed(live.size());
+  std::vector<std::vector<ExternalRound>> external(live.size());
+  std::vector<char> external_failed(live.size(), 0);
   for (auto& [name, transport] : live) {
     if (rank == 0 || !transport->single_process()) transport->prepare(w);
   }
@@ -226,6 +242,17 @@ void measure_row(Session& s, Live& live, Workload w) {
       // Rounds split a transport's iterations as evenly as integers allow.
       const int n = iters[t] * (r + 1) / rounds - iters[t] * r / rounds;
       if (n == 0) continue;
+      if (transport.external()) {
+        if (external_failed[t]) continue;
+        try {
+          external[t].push_back(transport.external_round((warmups[t] + rounds - 1) / rounds, n));
+        } catch (const std::exception& e) {
+          external_failed[t] = true;
+          s.failures.push_back(live[t].first + " at " + size_label(w.bytes) + ": " + e.what());
+          std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
+        }
+        continue;
+      }
       run_round(s, transport, (warmups[t] + rounds - 1) / rounds, n, elapsed[t]);
     }
   }
@@ -233,13 +260,16 @@ void measure_row(Session& s, Live& live, Workload w) {
   for (size_t t = 0; t < live.size(); ++t) {
     const auto& [name, transport] = live[t];
     const std::string where = w.name.empty() ? size_label(w.bytes) : w.name;
+    if (external_failed[t]) continue;
     if (!transport->verify()) {
       s.failures.push_back(name + " at " + where + ": the echoed message differs from the one sent");
       std::fprintf(stderr, "tdshm bench: %s\n", s.failures.back().c_str());
     }
     const int warmup_rounds = std::min(rounds, iters[t]);  // the rounds it took part in
-    s.results.push_back(summarize(name, w, (warmups[t] + rounds - 1) / rounds * warmup_rounds, rounds, elapsed[t],
-                                  !transport->single_process()));
+    const int warmup = (warmups[t] + rounds - 1) / rounds * warmup_rounds;
+    s.results.push_back(transport->external()
+                            ? summarize_external(name, w, warmup, iters[t], external[t])
+                            : summarize(name, w, warmup, rounds, elapsed[t], !transport->single_process()));
     print_row(s.results.back(), t == 0);
   }
   std::printf("\n");
@@ -291,7 +321,12 @@ int warmup_for(const BenchOptions& options, size_t bytes, const std::string& tra
 
 int run_pingpong_bench(const BenchOptions& options, std::vector<std::string>* json_lines) {
   std::vector<std::string> transports;
+  std::string left_out;  // why an optional transport of the default run is not measured
   for (const auto& name : options.td ? all_td_transports() : all_transports()) {
+    if (options.transports.empty() && name == "ucx-posix" && find_ucx_perftest().empty()) {
+      left_out = "ucx-posix: not measured (ucx_perftest not found: apt-get install ucx-utils)";
+      continue;
+    }
     if (options.transports.empty() ||
         std::find(options.transports.begin(), options.transports.end(), name) != options.transports.end()) {
       transports.push_back(name);
@@ -317,7 +352,8 @@ int run_pingpong_bench(const BenchOptions& options, std::vector<std::string>* js
           ->bytes;
   const size_t control_bytes = (sizeof(ControlBlock) + kPage - 1) / kPage * kPage;
   const size_t payload_bytes = (max_bytes + kPage - 1) / kPage * kPage;
-  SharedMapping mapping(control_bytes + 2 * payload_bytes);
+  const size_t ring_bytes = (2 * sizeof(RingDirection) + kPage - 1) / kPage * kPage;
+  SharedMapping mapping(control_bytes + 2 * payload_bytes + ring_bytes);
   auto* block = new (mapping.data()) ControlBlock{};
 
   const std::vector<int> cpus = allowed_cpus();
@@ -347,6 +383,9 @@ int run_pingpong_bench(const BenchOptions& options, std::vector<std::string>* js
             mapping.data() + control_bytes,
             mapping.data() + control_bytes + payload_bytes,
             payload_bytes,
+            // Zero as mapped; an implicit-lifetime type, like the control block.
+            reinterpret_cast<RingDirection*>(mapping.data() + control_bytes + 2 * payload_bytes),
+            pin ? std::vector<int>{cpus[0], cpus[1]} : std::vector<int>{},
             run_id,
             {},
             {},
@@ -377,6 +416,7 @@ int run_pingpong_bench(const BenchOptions& options, std::vector<std::string>* js
 
   const SegmentsRemovedOnSignal on_signal({s.segment("spin"), s.segment("blocking"), s.segment("td")});
   print_header(s.transports, options.td, pinning);
+  if (!left_out.empty()) std::printf("  %s\n\n", left_out.c_str());
   bool aborted = false;
   try {
     run_rank(s);

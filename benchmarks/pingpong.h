@@ -22,6 +22,11 @@
 ///                 shared buffer                                               mode "spinning"
 ///   futex         floor: the same, but every wait sleeps in FUTEX_WAIT and every post calls
 ///                 FUTEX_WAKE                                                  mode "blocking"
+///   ring          floor: per direction a ring of cache-line elements (a sequence word and 56
+///                 payload bytes each) that the consumer polls in place; one message per leaf
+///                 in --td                                                     mode "spinning"
+///   ucx-posix     UCX's ucx_perftest -t tag_lat (UCX_TLS=posix,self), pinned to the ranks'
+///                 CPUs, one run per round; only where installed (pingpong_ucx.h) mode "spinning"
 ///   memcpy        ceiling: one memcpy of the size between two warm buffers, one process;
 ///                 its "one-way" time is the copy time                         mode "single-process"
 ///
@@ -31,6 +36,7 @@
 ///                 wrapped as a standalone tdshm::Group                         mode "spinning"
 ///   td-gloo       the same over the gloo group above                          mode "tcp-loopback"
 ///   spin, memcpy  the floor and the ceiling above, at the workload's total bytes (one message)
+///   ring          the ring floor, one message per leaf (per-leaf workloads)
 /// The ping: rank 0 td.send({group, group_dst = 1}) then td_back.recv({group, group_src = 1});
 /// the pong: rank 1 recv into its tensordict, then sends it back. verify() checks that every
 /// leaf of td_back holds the pattern rank 0 sent. Workloads (names as `--workloads` spells them):

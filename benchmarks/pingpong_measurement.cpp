@@ -26,6 +26,23 @@ std::string json_number(double v) {
   return buf;
 }
 
+// A row's identity: what it measured, where, with how much warm-up, in how many rounds.
+Measurement row_of(const std::string& transport, const Workload& workload, int warmup, int rounds) {
+  Measurement m;
+  m.transport = transport;
+  m.mode = transport_info(transport).mode;
+  m.workload = workload.name;
+  m.leaves = workload.leaves;
+  m.bytes = workload.bytes;
+  m.warmup = warmup;
+  m.rounds = rounds;
+  return m;
+}
+
+double gbps_of(size_t bytes, double p50_us) {
+  return p50_us > 0 ? static_cast<double>(bytes) / (p50_us * 1000.0) : 0.0;  // bytes per ns = GB/s
+}
+
 }  // namespace
 
 Measurement summarize(const std::string& transport, const Workload& workload, int warmup, int rounds,
@@ -40,20 +57,33 @@ Measurement summarize(const std::string& transport, const Workload& workload, in
     sum += us;
   }
   std::sort(one_way_us.begin(), one_way_us.end());
-  Measurement m;
-  m.transport = transport;
-  m.mode = transport_info(transport).mode;
-  m.workload = workload.name;
-  m.leaves = workload.leaves;
-  m.bytes = bytes;
+  Measurement m = row_of(transport, workload, warmup, rounds);
   m.iters = static_cast<int>(elapsed_ns.size());
-  m.warmup = warmup;
-  m.rounds = rounds;
   m.p50_us = percentile(one_way_us, 50);
   m.p99_us = percentile(one_way_us, 99);
   m.min_us = one_way_us.front();
   m.mean_us = sum / static_cast<double>(one_way_us.size());
-  m.gbps = m.p50_us > 0 ? static_cast<double>(bytes) / (m.p50_us * 1000.0) : 0.0;  // bytes per ns = GB/s
+  m.gbps = gbps_of(bytes, m.p50_us);
+  return m;
+}
+
+Measurement summarize_external(const std::string& transport, const Workload& workload, int warmup, int iters,
+                               const std::vector<ExternalRound>& rounds) {
+  std::vector<double> p50s;
+  double mean = 0;
+  for (const auto& r : rounds) {
+    p50s.push_back(r.p50_us);
+    mean += r.mean_us;
+  }
+  std::sort(p50s.begin(), p50s.end());
+  Measurement m = row_of(transport, workload, warmup, static_cast<int>(rounds.size()));
+  m.iters = iters;
+  const size_t n = p50s.size();
+  m.p50_us = n == 0 ? NAN : n % 2 == 1 ? p50s[n / 2] : (p50s[n / 2 - 1] + p50s[n / 2]) / 2;
+  m.p99_us = NAN;
+  m.min_us = NAN;
+  m.mean_us = n == 0 ? NAN : mean / static_cast<double>(n);  // the rounds have equal shares, give or take one
+  m.gbps = gbps_of(m.bytes, m.p50_us);
   return m;
 }
 

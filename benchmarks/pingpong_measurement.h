@@ -29,6 +29,12 @@ struct Measurement {
 Measurement summarize(const std::string& transport, const Workload& workload, int warmup, int rounds,
                       const std::vector<int64_t>& elapsed_ns, bool round_trips);
 
+/// The measurement of a transport that another program measured (PingPong::external()): p50 is
+/// the median of the rounds' p50s, the mean the mean of their means weighted by round trips;
+/// p99 and min are unknown (NaN: JSON null, "n/a" in the table).
+Measurement summarize_external(const std::string& transport, const Workload& workload, int warmup, int iters,
+                               const std::vector<ExternalRound>& rounds);
+
 /// One measurement as one JSON object (no newline). Transport, mode and workload names are
 /// plain ASCII identifiers: no escaping needed.
 std::string json_line(const Measurement& m);

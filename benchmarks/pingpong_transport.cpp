@@ -28,6 +28,23 @@ Workload message_workload(size_t bytes) {
   return w;
 }
 
+ExternalRound PingPong::external_round(int, int) {
+  throw std::logic_error("external_round() of a transport that the benchmark measures itself");
+}
+
+std::vector<size_t> leaf_messages(const Workload& workload) {
+  switch (workload.consolidated ? Workload::Tree::message : workload.tree) {
+    case Workload::Tree::seed:
+      return {2 * sizeof(float), 2 * 3 * sizeof(float), 2 * 1 * 5 * sizeof(float)};  // as pingpong_td.cpp builds it
+    case Workload::Tree::uniform:
+    case Workload::Tree::memmap:
+      return std::vector<size_t>(static_cast<size_t>(workload.leaves), workload.leaf_bytes);
+    case Workload::Tree::message:
+      break;
+  }
+  return {workload.bytes};
+}
+
 // ---- the payload pattern ----
 
 namespace {

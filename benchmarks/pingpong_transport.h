@@ -24,6 +24,7 @@ struct TransportInfo {
 // Table order, in each mode: the floors, the transport under test, the baseline, the ceiling.
 inline constexpr TransportInfo kTransports[] = {
     {"spin", "spinning", "floor: sequence word on a shared cache line, peer spins; payload copied in and out", true, true},
+    {"ring", "spinning", "floor: a ring of cache-line elements, sequence word inline (8 B moves one line); one message per leaf", true, true},
     {"futex", "blocking", "floor: the same, every wait sleeps in FUTEX_WAIT, every post calls FUTEX_WAKE", true, false},
     {"c10d-spin", "spinning", "floor through c10d: the spin floor's wire behind a c10d::ProcessGroup (send, recv, Work, wait)", true, false},
     {"shm", "spinning", "tdshm::ProcessGroupShm, waiters spin (default ShmOptions::spin, 250 us) then sleep on a futex", true, false},
@@ -31,6 +32,7 @@ inline constexpr TransportInfo kTransports[] = {
     {"td-shm", "spinning", "TensorDict send/recv over tdshm::ProcessGroupShm (\"shm\") as a standalone Group", false, true},
     {"gloo", "tcp-loopback", "c10d::ProcessGroupGloo over TCP on 127.0.0.1", true, false},
     {"td-gloo", "tcp-loopback", "TensorDict send/recv over the same gloo group as a standalone Group", false, true},
+    {"ucx-posix", "spinning", "UCX's ucx_perftest -t tag_lat, UCX_TLS=posix,self, pinned like the ranks (where installed)", true, false},
     {"memcpy", "single-process", "ceiling: one memcpy between two warm buffers in one process", true, true},
 };
 
@@ -60,10 +62,19 @@ struct Workload {
 
 /// A plain message of `bytes` (size mode).
 Workload message_workload(size_t bytes);
+/// The messages a transport that sends one message per leaf moves for `workload`, in bytes: one
+/// per leaf for per-leaf workloads, a single one of `bytes` otherwise (size mode, consolidated).
+std::vector<size_t> leaf_messages(const Workload& workload);
 
 /// Fills `p` with a byte pattern that depends on `seed`; has_pattern checks it.
 void fill_pattern(uint8_t* p, size_t n, size_t seed) noexcept;
 bool has_pattern(const uint8_t* p, size_t n, size_t seed) noexcept;
+
+/// One round of a transport measured by another program: its one-way p50 and mean, in us.
+struct ExternalRound {
+  double p50_us = 0;
+  double mean_us = 0;
+};
 
 /// One transport of the benchmark, built in both ranks (only in rank 0 for single-process ones).
 class PingPong {
@@ -79,6 +90,12 @@ class PingPong {
   virtual bool verify() const = 0;
   /// True for the memcpy ceiling: no peer, the time of ping() is a one-way time.
   virtual bool single_process() const { return false; }
+  /// True for a transport that another program measures (UCX's ucx_perftest; it is also
+  /// single_process(): rank 1 takes no part): the driver calls external_round() once per round
+  /// instead of ping(), and gets no per-round-trip times.
+  virtual bool external() const { return false; }
+  /// `iters` round trips after `warmup` of the prepared row. Only when external().
+  virtual ExternalRound external_round(int warmup, int iters);
 };
 
 }  // namespace tdshm::bench::detail

@@ -1,7 +1,9 @@
 # ctest tdshm_bench_quick: runs `tdshm bench --quick` over every transport at two sizes, then
 # `tdshm bench --td --quick` over every TD transport and every TensorDict workload but the 1 GiB
 # one, and checks the JSON Lines each writes: one row per transport and row (size or workload),
-# with the fields workload and leaves, positive p50_us, p99_us and gbps, and p99 >= p50.
+# with the fields workload and leaves, positive p50_us, p99_us and gbps, and p99 >= p50. UCX's row
+# (ucx-posix) is measured where ucx_perftest is installed (p99 null: ucx_perftest reports p50);
+# where it is not, or $TDSHM_UCX_PERFTEST names nothing, naming it must fail with a message.
 #
 #   cmake -DTDSHM=<path of the tdshm tool> -DJSON=<file to write> -P bench_quick.cmake
 #
@@ -48,20 +50,30 @@ function(check_rows json transports keys)
     if(workload STREQUAL "" AND NOT leaves EQUAL 1)
       message(FATAL_ERROR "a size row (workload \"\") must have leaves 1: ${row}")
     endif()
-    foreach(field p50_us p99_us gbps)
+    set(fields p50_us p99_us gbps)
+    if(transport STREQUAL "ucx-posix")
+      string(JSON p99_type TYPE "${row}" p99_us)
+      if(NOT p99_type STREQUAL "NULL")
+        message(FATAL_ERROR "ucx-posix reports no p99: p99_us must be null in: ${row}")
+      endif()
+      set(fields p50_us gbps)
+    endif()
+    foreach(field ${fields})
       string(JSON value GET "${row}" ${field})
       # Numbers as the tool prints them (%.6g): positive means no sign and not all zeros.
       if(NOT value MATCHES "^[0-9.]+(e[-+][0-9]+)?$" OR value MATCHES "^[0.]+$")
         message(FATAL_ERROR "${field} is not a positive number in: ${row}")
       endif()
     endforeach()
-    string(JSON p50 GET "${row}" p50_us)
-    string(JSON p99 GET "${row}" p99_us)
-    # if(LESS) compares numbers as integers: the whole microseconds are enough here.
-    string(REGEX MATCH "^[0-9]+" p50_int "${p50}")
-    string(REGEX MATCH "^[0-9]+" p99_int "${p99}")
-    if(p99_int LESS p50_int)
-      message(FATAL_ERROR "p99_us < p50_us in: ${row}")
+    if(NOT transport STREQUAL "ucx-posix")
+      string(JSON p50 GET "${row}" p50_us)
+      string(JSON p99 GET "${row}" p99_us)
+      # if(LESS) compares numbers as integers: the whole microseconds are enough here.
+      string(REGEX MATCH "^[0-9]+" p50_int "${p50}")
+      string(REGEX MATCH "^[0-9]+" p99_int "${p99}")
+      if(p99_int LESS p50_int)
+        message(FATAL_ERROR "p99_us < p50_us in: ${row}")
+      endif()
     endif()
     if(workload STREQUAL "")
       list(APPEND seen "${transport}@${bytes}")
@@ -82,17 +94,33 @@ function(check_rows json transports keys)
 endfunction()
 
 # The size sweep.
-set(transports spin futex c10d-spin memcpy shm shm-blocking gloo)
+set(transports spin ring futex c10d-spin memcpy shm shm-blocking gloo)
+find_program(UCX_PERFTEST ucx_perftest)
+if(UCX_PERFTEST)
+  list(APPEND transports ucx-posix)
+endif()
 set(sizes 8 65536)
 list(JOIN transports "," transport_list)
 list(JOIN sizes "," size_list)
 run_bench("${JSON}" --quick --transports ${transport_list} --sizes ${size_list})
 check_rows("${JSON}" "${transports}" "${sizes}")
 
+# ucx-posix named where ucx_perftest cannot be found: not measured, exit 1, and why.
+execute_process(
+  COMMAND "${CMAKE_COMMAND}" -E env TDSHM_UCX_PERFTEST=/nonexistent/ucx_perftest
+          "${TDSHM}" bench --quick --transports spin,ucx-posix --sizes 8
+  RESULT_VARIABLE rc
+  OUTPUT_VARIABLE out
+  ERROR_VARIABLE err
+  TIMEOUT 50)
+if(NOT rc EQUAL 1 OR NOT "${out}${err}" MATCHES "ucx-posix: not measured: could not be set up \\(ucx_perftest not found")
+  message(FATAL_ERROR "ucx-posix without ucx_perftest: expected exit 1 and a message, got '${rc}':\n${out}${err}")
+endif()
+
 # The TensorDict mode, without memmap-1GiB (1 GiB in /dev/shm and ~8 GiB for the floors).
 string(REGEX REPLACE "\\.jsonl$" "" json_stem "${JSON}")
 set(td_json "${json_stem}-td.jsonl")
-set(td_transports spin td-shm td-gloo memcpy)
+set(td_transports spin ring td-shm td-gloo memcpy)
 set(workloads seed seed-consolidated 100x1KiB 10x1MiB 64MiB-consolidated memmap-4KiB)
 list(JOIN td_transports "," td_transport_list)
 list(JOIN workloads "," workload_list)
