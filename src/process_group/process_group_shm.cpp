@@ -2,6 +2,7 @@
 
 #include <tdshm/process_group.h>
 
+#include "common/recycle.h"
 #include "process_group/batch_work.h"
 #include "process_group/tensor_checks.h"
 #include "shm/engine.h"
@@ -27,10 +28,24 @@ const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const ch
 
 /// A c10d Work over one or more engine ops; completes when all of them are done. A batch's
 /// (send_batch, recv_batch) answers for each of its messages too (batch_work.h).
-class ShmWork : public detail::BatchWork {
+class ShmWork final : public detail::BatchWork {
  public:
-  ShmWork(std::shared_ptr<ShmEngine> engine, OpList ops, c10d::OpType type, at::Tensor output = {})
+  // One per receive: its block is recycled by the thread (common/recycle.h).
+  static void* operator new(size_t bytes) {
+    TORCH_INTERNAL_ASSERT(bytes == sizeof(ShmWork));
+    return detail::RecycledBlocks<sizeof(ShmWork)>::get();
+  }
+  static void operator delete(void* p) noexcept { detail::RecycledBlocks<sizeof(ShmWork)>::put(p); }
+
+  ShmWork(std::shared_ptr<ShmEngine> engine, OpList&& ops, c10d::OpType type, at::Tensor output = {})
       : detail::BatchWork(engine->rank(), type), engine_(std::move(engine)), ops_(std::move(ops)), output_(std::move(output)) {}
+  /// A single message's Work (none pending when `op` is null: it completed as it was posted). The
+  /// op is moved straight into ops_: an initializer list would copy the shared_ptr, and a list
+  /// built outside would be moved once more.
+  ShmWork(std::shared_ptr<ShmEngine> engine, std::shared_ptr<ShmOp>&& op, c10d::OpType type)
+      : detail::BatchWork(engine->rank(), type), engine_(std::move(engine)) {
+    if (op) ops_.push_back(std::move(op));
+  }
 
   /// A batch of `size` messages whose pending ones are ops_ (op j is message positions[j], or
   /// message j when `positions` is empty; the others completed when they were posted).
@@ -193,17 +208,14 @@ class ShmWork : public detail::BatchWork {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-c10::intrusive_ptr<c10d::Work> make_work(const std::shared_ptr<ShmEngine>& engine, OpList ops, c10d::OpType type,
+c10::intrusive_ptr<c10d::Work> make_work(const std::shared_ptr<ShmEngine>& engine, OpList&& ops, c10d::OpType type,
                                          at::Tensor output = {}) {
   return c10::make_intrusive<ShmWork>(engine, std::move(ops), type, std::move(output));
 }
 
-// The ops of a single message (none when it completed as it was posted). Moved in: an
-// initializer list would copy the shared_ptr, two atomic reference-count operations per message.
-OpList one_op(std::shared_ptr<ShmOp> op) {
-  OpList ops;
-  if (op) ops.push_back(std::move(op));
-  return ops;
+c10::intrusive_ptr<c10d::Work> make_work(const std::shared_ptr<ShmEngine>& engine, std::shared_ptr<ShmOp>&& op,
+                                         c10d::OpType type) {
+  return c10::make_intrusive<ShmWork>(engine, std::move(op), type);
 }
 
 }  // namespace
@@ -216,7 +228,7 @@ ProcessGroupShm::ProcessGroupShm(const std::string& name, int rank, int size, Sh
                        " do not make a group: need 0 <= rank < size");
   }
   engine_ = std::make_shared<ShmEngine>(name, rank, size, options);
-  sent_ = make_work(engine_, {}, c10d::OpType::SEND);
+  sent_ = make_work(engine_, OpList{}, c10d::OpType::SEND);
   init();
 }
 
@@ -295,19 +307,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_checked(std::vector<at::Ten
   const at::Tensor& t = single_tensor(tensors, "send");
   auto op = engine_->post_send(t, dstRank, tag, /*control=*/false, check);
   if (!op) return sent_;
-  return make_work(engine_, one_op(std::move(op)), c10d::OpType::SEND);
+  return make_work(engine_, std::move(op), c10d::OpType::SEND);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_checked(std::vector<at::Tensor>& tensors, int srcRank, int tag,
                                                              MessageCheck check) {
   const at::Tensor& t = single_tensor(tensors, "recv");
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv: source rank must be >= 0 (use recvAnysource)");
-  return make_work(engine_, one_op(engine_->post_recv(t, srcRank, tag, /*control=*/false, check)), c10d::OpType::RECV);
+  return make_work(engine_, engine_->post_recv(t, srcRank, tag, /*control=*/false, check), c10d::OpType::RECV);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const at::Tensor& t = single_tensor(tensors, "recvAnysource");
-  return make_work(engine_, one_op(engine_->post_recv(t, -1, tag, /*control=*/false)), c10d::OpType::RECVANYSOURCE);
+  return make_work(engine_, engine_->post_recv(t, -1, tag, /*control=*/false), c10d::OpType::RECVANYSOURCE);
 }
 
 }  // namespace tdshm

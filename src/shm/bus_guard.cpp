@@ -95,6 +95,10 @@ void BusGuard::remove(int id) noexcept {
   g_guarded[id].base.store(0, std::memory_order_release);
 }
 
+const std::atomic<bool>* BusGuard::flag(int id) noexcept {
+  return id >= 0 && id < kMaxGuarded ? &g_guarded[id].poisoned : nullptr;
+}
+
 bool BusGuard::poisoned(int id) noexcept {
   return id >= 0 && id < kMaxGuarded && g_guarded[id].poisoned.load(std::memory_order_acquire);
 }

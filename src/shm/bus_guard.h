@@ -11,6 +11,7 @@
 // transfer and fails the group's transfers with a TransportError instead. Every other SIGBUS
 // goes to the handler that was installed before (or the default action, which ends the process).
 
+#include <atomic>
 #include <cstddef>
 
 namespace tdshm::shm {
@@ -25,6 +26,8 @@ class BusGuard {
   static void remove(int id) noexcept;
   /// Whether a fault was caught in the mapping of `id` (its contents are gone).
   static bool poisoned(int id) noexcept;
+  /// The flag that poisoned(id) reads, for a caller that checks it on every poll (null for -1).
+  static const std::atomic<bool>* flag(int id) noexcept;
 };
 
 }  // namespace tdshm::shm

@@ -136,7 +136,7 @@ OpList ShmChannel::make_recvs(std::span<const at::Tensor> tensors, int src, int 
   }
   OpList ops;
   if (tensors.size() == 1) {
-    ops.push_back(std::make_shared<ShmOp>());  // (an initializer list would copy the shared_ptr)
+    ops.push_back(new_op());  // (an initializer list would copy the shared_ptr)
   } else {
     ops = make_ops(tensors.size());
   }
@@ -350,9 +350,7 @@ void ShmChannel::fail_peer(int peer, std::exception_ptr error) {
 uint32_t ShmChannel::reclaim_slots(int peer) { return slots_.reclaim(static_cast<uint32_t>(peer)); }
 
 // Once the segment's mapping is lost (a peer truncated the file), every transfer fails.
-bool ShmChannel::check_poisoned() {
-  if (poisoned_) return true;
-  if (!segment_.poisoned()) return false;
+bool ShmChannel::poison() {
   poisoned_ = make_error<TransportError>("the segment file of '" + name() +
                                          "' was truncated by another process while in use: this group's shared "
                                          "memory is gone and all of its transfers fail; construct the group again");

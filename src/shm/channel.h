@@ -135,7 +135,10 @@ class ShmChannel {
   bool closed() const noexcept { return static_cast<bool>(closed_); }
   /// Whether the segment's mapping is lost (a peer cut the file); the first time, every pending
   /// op fails and every peer counts as lost.
-  bool check_poisoned();
+  bool check_poisoned() {
+    if (poisoned_) return true;
+    return segment_.poisoned() && poison();  // inline: every poll asks
+  }
   /// The error every transfer fails with now (closed, or the segment cut), else null.
   std::exception_ptr unusable();
   /// The error `peer`'s transfers fail with once it is lost, else null.
@@ -172,6 +175,8 @@ class ShmChannel {
   bool post_recv(const std::shared_ptr<ShmOp>& op, int src);
   void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
   void fail_pending(const std::exception_ptr& error);
+  // check_poisoned found the mapping lost: fails everything (once). Returns true.
+  bool poison();
   void fail_all(const std::exception_ptr& error);
   void wake_peer(int r) noexcept;
   const std::string& name() const noexcept { return segment_.params().name; }

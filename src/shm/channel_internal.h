@@ -3,6 +3,7 @@
 // channel_receive.cpp: landing and matching incoming messages). Private to them.
 
 #include "shm/channel.h"
+#include "common/recycle.h"
 
 #include <tdshm/memmap.h>
 
@@ -104,8 +105,11 @@ inline void init_op(ShmOp* op, ShmOp::Kind kind, int peer, int64_t tag, bool con
   op->bytes = static_cast<uint64_t>(bytes.numel()) * bytes.element_size();
 }
 
+// A fresh op and its control block in one block that the thread recycles (one per message).
+inline std::shared_ptr<ShmOp> new_op() { return std::allocate_shared<ShmOp>(RecyclingAllocator<ShmOp>{}); }
+
 inline std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, bool control, const at::Tensor& user) {
-  auto op = std::make_shared<ShmOp>();
+  auto op = new_op();
   init_op(op.get(), kind, peer, tag, control, user);
   return op;
 }

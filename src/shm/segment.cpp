@@ -52,6 +52,7 @@ void Segment::map(int fd, uint64_t bytes) {
   base_ = static_cast<uint8_t*>(p);
   mapped_bytes_ = bytes;
   guard_ = BusGuard::add(base_, bytes);
+  bus_poisoned_ = BusGuard::flag(guard_);
   fd_ = ::dup(fd);  // kept: the file's size is watched, and a lost mapping is updated through it
   if (fd_ >= 0) ::fcntl(fd_, F_SETFD, FD_CLOEXEC);
   struct stat st {};
@@ -114,9 +115,6 @@ Segment::~Segment() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-bool Segment::poisoned() const noexcept {
-  return truncated_.load(std::memory_order_acquire) || BusGuard::poisoned(guard_);
-}
 
 void Segment::leave(bool abandoned) noexcept {
   if (left_ || base_ == nullptr) return;

@@ -45,7 +45,11 @@ class Segment {
   void leave(bool abandoned = false) noexcept;
   /// Whether the mapping was lost because the file shrank under it (a fault caught by
   /// bus_guard.h, or check_file() found it shorter).
-  bool poisoned() const noexcept;
+  bool poisoned() const noexcept {
+    // Inline: every poll of the channel asks.
+    return truncated_.load(std::memory_order_acquire) ||
+           (bus_poisoned_ != nullptr && bus_poisoned_->load(std::memory_order_acquire));
+  }
   /// Compares the file's size with the mapping (one fstat): a file cut where this rank reads no
   /// page past the new end raises no fault, but is just as lost.
   void check_file() noexcept;
@@ -123,6 +127,7 @@ class Segment {
   uint8_t* base_ = nullptr;
   uint64_t mapped_bytes_ = 0;
   int guard_ = -1;                   // BusGuard registration
+  const std::atomic<bool>* bus_poisoned_ = nullptr;  // its flag (BusGuard::flag)
   int fd_ = -1;                      // the segment file
   std::atomic<bool> truncated_{false};
   dev_t dev_ = 0;                    // the file of this incarnation: the name may point elsewhere
