@@ -1,4 +1,5 @@
-// tdshm._C: the Python binding of the shm backend (one small TU).
+// tdshm._C: the Python binding of the shm backend (this file) and of the prepared transfer
+// (transfer.cpp).
 //
 // ProcessGroupShm is bound as a subclass of torch's own torch._C._distributed_c10d.ProcessGroup
 // binding, with c10::intrusive_ptr as holder (as torch binds it), so that torch.distributed
@@ -30,6 +31,8 @@
 #endif
 
 namespace py = pybind11;
+
+void bind_transfer(py::module_& m);  // transfer.cpp
 
 namespace {
 
@@ -73,5 +76,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
       "The creator torch.distributed calls for backend \"shm\": (prefix store, group rank, group size, timeout).");
 
+  bind_transfer(m);
   m.attr("__version__") = TDSHM_VERSION;
 }

@@ -30,6 +30,12 @@ tdshm::init_process_group("shm", ...) with the same init_method joins the same w
 
 ``tdshm.ProcessGroupShm(name, rank, size, timeout=timedelta(minutes=30))`` makes a group on the
 named segment directly, without a store.
+
+``tdshm.Transfer(tree, group=None, init_tag=0, pseudo_rand=False)`` prepares a per-leaf transfer
+of a tensordict (or of nested dicts of tensors) once; its ``send``, ``isend``, ``recv`` and
+``irecv`` then move every leaf in one call into C++ with the GIL released, on tensordict's wire
+(the peer may be a tensordict rank calling ``td.recv``/``td.send``, or a C++ tdshm rank), over
+"shm" or any other backend.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -38,7 +44,7 @@ import torch.distributed as _dist
 from ._C import ProcessGroupShm, __version__
 from . import _C
 
-__all__ = ["ProcessGroupShm", "__version__", "BACKEND"]
+__all__ = ["ProcessGroupShm", "Transfer", "__version__", "BACKEND"]
 
 #: The name under which the backend is registered with torch.distributed.
 BACKEND = "shm"
@@ -52,3 +58,36 @@ def _create_shm_backend(store, rank, world_size, timeout):
 # Registered once per interpreter (a reload must not register it twice: torch asserts).
 if BACKEND.upper() not in _dist.Backend._plugins:
     _dist.Backend.register_backend(BACKEND, _create_shm_backend)
+
+
+def Transfer(tree, group=None, *, init_tag=0, pseudo_rand=False):
+    """A per-leaf transfer of ``tree`` prepared once, for loops that move the same tree again.
+
+    ``tree``: a tensordict ``TensorDict`` or a dict of tensors and nested dicts (str keys; any
+    other value in a dict is a TypeError; a tensordict's non-tensor values send nothing, as in
+    tensordict). The leaves go in tensordict's per-leaf order (sorted keys at every level, depth
+    first) with tensordict's tags (``init_tag``, ``init_tag + 1``, ... or, with ``pseudo_rand``,
+    tensordict's pseudo-random sequence), so the other side may be tensordict's own
+    ``td.recv(src, init_tag=..., pseudo_rand=...)`` (or ``td.send``), another ``Transfer`` or a C++
+    rank. ``group``: a torch.distributed group (default: the default group).
+
+    Methods, with tensordict's meaning and results (peers: exactly one of ``dst``/``group_dst``,
+    ``src``/``group_src``; the ``dst``/``src`` ranks are global ranks, as in torch.distributed):
+
+    * ``send(dst=None, group_dst=None)``; ``isend(dst=None, group_dst=None, return_early=False)``
+      returns the last tag, or the list of Works with ``return_early``;
+    * ``recv(src=None, group_src=None)`` receives into the tree's own tensors in place and returns
+      the last tag; ``irecv(src=None, group_src=None, return_premature=False)`` returns None or,
+      with ``return_premature``, the list of Works;
+    * ``keys()``: the leaves' key paths in transfer order; ``tags()``: their tags.
+
+    Each call first checks, by identity, that the tree still holds what was prepared (~20 ns a
+    key): a leaf replaced by another tensor, or a key added or removed, is noticed and the tree is
+    walked again, so a call always moves the tree as it is. Tensors changed in place need nothing.
+    Errors: TypeError (a bad tree, a tensor that cannot take bytes in place), KeyError,
+    TimeoutError, and RuntimeError for the others (transport, shape or schema mismatches).
+    """
+    if group is None:
+        group = _dist.distributed_c10d._get_default_group()
+    ranks = _dist.distributed_c10d.get_process_group_ranks(group)
+    return _C._Transfer(tree, group, list(ranks), int(init_tag), bool(pseudo_rand))
