@@ -157,10 +157,12 @@ class Rank {
     EntryHeader& e = tx_.entry();
     e.tag = tag;
     e.total_bytes = bytes;
-    e.chunk_offset = offset;
+    tx_.tail().chunk_offset = offset;
     e.chunk_bytes = static_cast<uint32_t>(bytes);
-    e.flags = kEntryFirst | kEntryLast | more;
-    e.slot = slot;
+    // Without kEntryFirst: read_entry reads a first entry's offset as 0, and this floor keeps the
+    // chunk's place in its slot there (nothing here checks entries).
+    e.flags = kEntryLast | more;
+    tx_.tail().slot = slot;
     tx_.publish();
   }
 

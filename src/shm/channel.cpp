@@ -211,6 +211,22 @@ bool ShmChannel::progress(bool drain_all) {
   return moved;
 }
 
+bool ShmChannel::incoming_hint() const noexcept {
+  if (segment_.poisoned()) return true;
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_ && rx_[static_cast<size_t>(p)].ready_hint()) return true;
+  }
+  return false;
+}
+
+bool ShmChannel::busy() const noexcept {
+  for (int p = 0; p < size_; ++p) {
+    const auto i = static_cast<size_t>(p);
+    if (!send_queues_[i].empty() || current_[i] || held_bytes_[i] != 0) return true;
+  }
+  return false;
+}
+
 bool ShmChannel::progress_sends(int dst, bool wake) {
   auto& queue = send_queues_[static_cast<size_t>(dst)];
   if (queue.empty()) return false;
@@ -277,9 +293,10 @@ bool ShmChannel::write_entry(int dst, uint32_t flags, int64_t tag, const at::Ten
   e.check = (flags & shm::kEntryFirst) ? check.value : 0;
   e.leaves = (flags & shm::kEntryFirst) && check.kind == MessageCheck::Kind::kKey ? check.leaves : 0;
   e.flags = flags;
-  e.chunk_offset = offset;
   e.chunk_bytes = static_cast<uint32_t>(chunk);  // slot_bytes <= 2^30
-  e.slot = slot;
+  // The tail's fields only where the entry has them: a whole small message writes line 0 alone.
+  if (!(flags & shm::kEntryFirst)) ring.tail().chunk_offset = offset;
+  if (!(flags & shm::kEntryInline)) ring.tail().slot = slot;
   if (chunk != 0) std::memcpy(payload, chunk_data, chunk);
   ring.publish();
   return true;

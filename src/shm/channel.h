@@ -139,6 +139,12 @@ class ShmChannel {
     if (poisoned_) return true;
     return segment_.poisoned() && poison();  // inline: every poll asks
   }
+  /// Without the lock: whether a progress pass may find something new, an entry published in a
+  /// source's ring or the mapping lost (a hint; the pass under the lock decides).
+  bool incoming_hint() const noexcept;
+  /// Under the lock: whether a progress pass has work beyond new entries: sends queued for room,
+  /// a message in progress, an entry held back in its ring.
+  bool busy() const noexcept;
   /// The error every transfer fails with now (closed, or the segment cut), else null.
   std::exception_ptr unusable();
   /// The error `peer`'s transfers fail with once it is lost, else null.

@@ -13,6 +13,9 @@
 
 namespace tdshm::detail {
 
+// A quiet waiter's lock-free polls between two full progress passes (ShmEngine::wait).
+constexpr uint32_t kFullPollEvery = 64;
+
 // Sleeps on this rank's wake word until `until` or a wake-up, unless a progress pass (the
 // re-check after the announcement) moves something.
 void ShmEngine::sleep_until_event(Clock::time_point until, bool drain_all) {
@@ -41,6 +44,8 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     // to be done is remembered, so a check does not walk a batch of 100 leaves each time. A
     // failure further on (stop_on_error) is looked for at every clock read.
     size_t first_pending = 0;
+    bool busy = true;  // as of the last progress pass: see poll()
+    uint32_t quiet_polls = 0;
 
     static bool failed(const std::shared_ptr<ShmOp>& op) {
       return op && op->done.load(std::memory_order_acquire) && op->error;
@@ -57,10 +62,20 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
              std::any_of(ops.begin() + static_cast<std::ptrdiff_t>(first_pending), ops.end(), failed);
     }
     shm::Poll poll() {
+      // A waiter that last found nothing but new entries to wait for (no send queued for room,
+      // no message in progress) reads the rings' next entries without the lock, and takes it
+      // only when one seems published, or every kFullPollEvery polls (a send queued meanwhile
+      // by another thread, a peer's failure): the spin of a ping-pong's waiting rank is then
+      // a few loads, and it sees the message sooner.
+      if (!busy && (++quiet_polls % kFullPollEvery) != 0 && !e.channel_->incoming_hint()) {
+        return all_done() ? shm::Poll::kDone : shm::Poll::kIdle;
+      }
+      quiet_polls = 0;
       bool moved;
       {
         std::lock_guard lk(e.mu_);
         moved = e.channel_->progress(/*drain_all=*/false);
+        busy = e.channel_->busy();
       }
       if (all_done()) return shm::Poll::kDone;
       return moved ? shm::Poll::kMoved : shm::Poll::kIdle;

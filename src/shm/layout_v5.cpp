@@ -1,4 +1,4 @@
-// The reader of the layout-specific part of layout versions 5 and 6: metadata rings, slot
+// The reader of the layout-specific part of layout versions 5, 6 and 7: metadata rings, slot
 // arenas and collective windows.
 
 #include "shm/file_read.h"
@@ -20,7 +20,9 @@ namespace tdshm::shm::reader {
 // its bytes are written out here, so that this reader keeps reading version 5 segments after
 // segment_layout.h moves on; while this build is version 5 they are checked against it.
 // Version 6 is version 5 plus one collective window per rank after the arena (window_offset and
-// window_bytes in the header; step words in RankSlot's first cache line): read here too.
+// window_bytes in the header; step words in RankSlot's first cache line): read here too. Version 7
+// is version 6 with another entry header (40 bytes, 24 inline bytes on line 0; chunk offset and
+// slot after the inline bytes): only the entry's field offsets differ.
 namespace v5 {
 constexpr size_t kWindowAt = 120;
 constexpr size_t kWindowBytesAt = 128;
@@ -54,6 +56,13 @@ constexpr size_t kSeqAt = 0;
 constexpr size_t kChunkBytesAt = 32;
 constexpr size_t kFlagsAt = 36;
 constexpr size_t kSlotAt = 48;
+// Version 7's entry: EntryHeader (40 B: chunk_bytes at 24, flags at 28), the inline bytes (72),
+// EntryTail (chunk_offset at 112, slot at 120), the shape.
+constexpr size_t kChunkBytesAt7 = 24;
+constexpr size_t kFlagsAt7 = 28;
+constexpr size_t kSlotAt7 = 120;
+// The bytes of an entry this reader reads: up to version 7's slot.
+constexpr uint64_t kEntryReadBytes = 128;
 constexpr uint32_t kFirstFlag = 1;
 constexpr uint32_t kInlineFlag = 64;
 constexpr uint64_t kInlineChunkBytes = 72;
@@ -94,7 +103,7 @@ bool geometry(uint32_t world, uint64_t slot_bytes, uint32_t ring_entries, uint32
 }
 
 // While this build's layout is version 5, the constants above are its structs.
-static_assert((kLayoutVersion != 5 && kLayoutVersion != 6) ||
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 7) ||
                   (sizeof(SegmentHeader) == kHeaderBytes && offsetof(SegmentHeader, ring_entries) == kRingEntriesAt &&
                    offsetof(SegmentHeader, slot_bytes) == kSlotBytesAt &&
                    offsetof(SegmentHeader, rank_table_offset) == kRankTableAt &&
@@ -105,20 +114,22 @@ static_assert((kLayoutVersion != 5 && kLayoutVersion != 6) ||
                    offsetof(SegmentHeader, region_bytes) == kRegionBytesAt &&
                    offsetof(SegmentHeader, slots_per_rank) == kSlotsPerRankAt),
               "version 5 header constants");
-static_assert((kLayoutVersion != 5 && kLayoutVersion != 6) ||
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 7) ||
                   (sizeof(RankSlot) == kRankSlotBytes && offsetof(RankSlot, wake_seq) == kWakeSeqAt &&
                    offsetof(RankSlot, sleepers) == kSleepersAt && sizeof(RingControl) == kRingControlBytes &&
                    offsetof(RingControl, head) == kHeadAt && offsetof(RingControl, tail) == kTailAt),
               "version 5 rank slot and ring control constants");
-static_assert((kLayoutVersion != 5 && kLayoutVersion != 6) ||
-                  (kEntryBytes == shm::kEntryBytes && sizeof(EntryHeader) == kEntryHeaderBytes &&
-                   offsetof(EntryHeader, seq) == kSeqAt && offsetof(EntryHeader, chunk_bytes) == kChunkBytesAt &&
-                   offsetof(EntryHeader, flags) == kFlagsAt && offsetof(EntryHeader, slot) == kSlotAt &&
+// Versions 5 and 6's entry constants above were checked against EntryHeader by a static_assert
+// while this build was version 6; they stay fixed now that EntryHeader is version 7's.
+static_assert(kLayoutVersion != 7 ||
+                  (kEntryBytes == shm::kEntryBytes && offsetof(EntryHeader, seq) == kSeqAt &&
+                   offsetof(EntryHeader, chunk_bytes) == kChunkBytesAt7 && offsetof(EntryHeader, flags) == kFlagsAt7 &&
+                   kEntryTailOffset + offsetof(EntryTail, slot) == kSlotAt7 && kSlotAt7 + 4 <= kEntryReadBytes &&
                    kFirstFlag == shm::kEntryFirst && kInlineFlag == shm::kEntryInline &&
                    kInlineChunkBytes == shm::kInlineBytes && sizeof(ArenaSlot) == kArenaSlotBytes &&
                    offsetof(ArenaSlot, state) == 0 && kFree == kSlotFree),
-              "version 5 entry and arena constants");
-static_assert((kLayoutVersion != 5 && kLayoutVersion != 6) || (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
+              "version 7 entry and arena constants");
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 7) || (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
                                       kMaxSlotsPerRank == shm::kMaxSlotsPerRank && kMaxWorldSize == shm::kMaxWorld),
               "version 5 limits");
 constexpr bool same_geometry(uint32_t world, uint64_t slot_bytes, uint32_t entries, uint32_t slots, uint64_t window) {
@@ -131,9 +142,9 @@ constexpr bool same_geometry(uint32_t world, uint64_t slot_bytes, uint32_t entri
          want.arena_offset == arena && want.window_offset == arena + region * world &&
          want.segment_bytes == arena + region * world + window * world;
 }
-static_assert(kLayoutVersion != 6 || (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 256)),
+static_assert((kLayoutVersion != 6 && kLayoutVersion != 7) || (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 256)),
               "version 6 geometry");
-static_assert(kLayoutVersion != 6 || (offsetof(SegmentHeader, window_offset) == kWindowAt &&
+static_assert((kLayoutVersion != 6 && kLayoutVersion != 7) || (offsetof(SegmentHeader, window_offset) == kWindowAt &&
                                       offsetof(SegmentHeader, window_bytes) == kWindowBytesAt &&
                                       kMaxWindowBytes == shm::kMaxWindowBytes &&
                                       kWindowUnit == shm::kWindowParts * shm::kCacheLine),
@@ -189,8 +200,9 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
   const uint64_t arena = load<uint64_t>(header + kArenaAt);
   const uint64_t region_bytes = load<uint64_t>(header + kRegionBytesAt);
   const uint32_t slots = load<uint32_t>(header + kSlotsPerRankAt);
-  const uint64_t window_at = version == kVersion6 ? load<uint64_t>(header + kWindowAt) : 0;
-  const uint64_t window_bytes = version == kVersion6 ? load<uint64_t>(header + kWindowBytesAt) : 0;
+  const bool has_window = version != kVersion;  // 6 and 7
+  const uint64_t window_at = has_window ? load<uint64_t>(header + kWindowAt) : 0;
+  const uint64_t window_bytes = has_window ? load<uint64_t>(header + kWindowBytesAt) : 0;
   d.geometry = {{"ring_entries", ring_entries},
                 {"slot_bytes", slot_bytes},
                 {"slots_per_rank", slots},
@@ -200,13 +212,13 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
                 {"rank_table_offset", rank_table},
                 {"rings_offset", rings},
                 {"arena_offset", arena}};
-  if (version == kVersion6) {
+  if (has_window) {
     d.geometry.emplace_back("window_offset", window_at);
     d.geometry.emplace_back("window_bytes", window_bytes);
   }
   if (ring_entries < 1 || ring_entries > kMaxRingEntries || slot_bytes < 1 || slot_bytes > kMaxSlotBytes ||
       slots < 1 || slots > kMaxSlotsPerRank || world < 1 || world > kMaxWorldSize ||
-      (version == kVersion6 && (window_bytes < kWindowUnit || window_bytes > kMaxWindowBytes ||
+      (has_window && (window_bytes < kWindowUnit || window_bytes > kMaxWindowBytes ||
                                 window_bytes % kWindowUnit != 0))) {
     d.note = "version " + to_s(version) + " header out of range (ring_entries " + to_s(ring_entries) + ", slot_bytes " + to_s(slot_bytes) +
              ", slots_per_rank " + to_s(slots) + ", world size " + to_s(world) + ")";
@@ -217,7 +229,7 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
   if (!geometry(world, slot_bytes, ring_entries, slots, window_bytes, g) || header_bytes != kHeaderBytes ||
       entry_bytes != kEntryBytes || ring_bytes != g.ring_bytes || rank_table != kHeaderBytes ||
       rings != g.rings_offset || arena != g.arena_offset || region_bytes != g.region_bytes ||
-      (version == kVersion6 && window_at != g.window_offset) || segment_bytes != g.segment_bytes) {
+      (has_window && window_at != g.window_offset) || segment_bytes != g.segment_bytes) {
     d.note = "version " + to_s(version) + " offsets and sizes disagree with world size, slot bytes, ring entries, "
              "slots per rank and window bytes";
     return d;
@@ -235,7 +247,10 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
   } else {
     EntryBudget budget{options.max_entries};
     uint64_t malformed = 0, inconsistent = 0;
-    std::array<uint8_t, kEntryHeaderBytes> entry{};
+    std::array<uint8_t, kEntryReadBytes> entry{};
+    const size_t chunk_at = version == kVersion7 ? kChunkBytesAt7 : kChunkBytesAt;
+    const size_t flags_at = version == kVersion7 ? kFlagsAt7 : kFlagsAt;
+    const size_t slot_at = version == kVersion7 ? kSlotAt7 : kSlotAt;
     const EntriesAt entries_at{kRingControlBytes, ring_entries, kEntryBytes};
     // Each base < arena: no overflow.
     for_each_pair(world, rings, ring_bytes, d, [&](PairInfo& p, uint64_t base) {
@@ -252,9 +267,9 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
                        ++pair_changed;
                        return;
                      }
-                     const uint32_t chunk = load<uint32_t>(e + kChunkBytesAt);
-                     const uint32_t flags = load<uint32_t>(e + kFlagsAt);
-                     const uint32_t slot = load<uint32_t>(e + kSlotAt);
+                     const uint32_t chunk = load<uint32_t>(e + chunk_at);
+                     const uint32_t flags = load<uint32_t>(e + flags_at);
+                     const uint32_t slot = load<uint32_t>(e + slot_at);
                      const bool well_formed =
                          (flags & kInlineFlag) ? chunk <= kInlineChunkBytes : chunk <= slot_bytes && slot < slots;
                      if (!well_formed) {

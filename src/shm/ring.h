@@ -16,6 +16,7 @@
 #include "shm/segment_layout.h"
 #include "shm/validate.h"
 
+#include <atomic>
 #include <cstdint>
 
 namespace tdshm::shm {
@@ -32,6 +33,9 @@ class RingView {
   }
   EntryHeader& header(uint64_t position) const noexcept { return *reinterpret_cast<EntryHeader*>(entry_base(position)); }
   uint8_t* inline_bytes(uint64_t position) const noexcept { return entry_base(position) + sizeof(EntryHeader); }
+  EntryTail& tail(uint64_t position) const noexcept {
+    return *reinterpret_cast<EntryTail*>(entry_base(position) + kEntryTailOffset);
+  }
   EntryShape& shape(uint64_t position) const noexcept {
     return *reinterpret_cast<EntryShape*>(entry_base(position) + kEntryShapeOffset);
   }
@@ -56,6 +60,7 @@ class RingProducer {
   }
   /// The entry to fill (call after has_room()).
   EntryHeader& entry() const noexcept { return ring_.header(pos_); }
+  EntryTail& tail() const noexcept { return ring_.tail(pos_); }
   uint8_t* inline_bytes() const noexcept { return ring_.inline_bytes(pos_); }
   EntryShape& shape() const noexcept { return ring_.shape(pos_); }
   /// Publishes the filled entry and moves on.
@@ -72,39 +77,58 @@ class RingProducer {
   uint64_t tail_ = 0;
 };
 
-/// The consumer's end (process-local state: its position).
+/// The consumer's end (process-local state: its position). The position is an atomic (relaxed:
+/// a plain load and store on x86) only so that ready_hint() may read it without the lock that
+/// guards every other use.
 class RingConsumer {
  public:
   RingConsumer() = default;
   explicit RingConsumer(RingView ring) noexcept : ring_(ring) {}
+  RingConsumer(const RingConsumer& other) noexcept : ring_(other.ring_), pos_(other.position()) {}
+  RingConsumer& operator=(const RingConsumer& other) noexcept {
+    ring_ = other.ring_;
+    pos_.store(other.position(), std::memory_order_relaxed);
+    return *this;
+  }
 
   /// Copies the fields of the entry at the current position into `out` if it was published;
   /// false if not (yet). Validating the copy is the caller's job.
   bool peek(EntryFields& out) const noexcept {
-    const EntryHeader& e = ring_.header(pos_);
-    if (e.seq.load(std::memory_order_acquire) != pos_ + 1) return false;  // pairs with the producer's release
-    out = read_entry(e);
+    const uint64_t pos = position();
+    const EntryHeader& e = ring_.header(pos);
+    if (e.seq.load(std::memory_order_acquire) != pos + 1) return false;  // pairs with the producer's release
+    out = read_entry(e, ring_.tail(pos));
     return true;
   }
   /// The current entry's inline bytes and shape (valid after peek() returned true).
-  const uint8_t* inline_bytes() const noexcept { return ring_.inline_bytes(pos_); }
-  const EntryShape& shape() const noexcept { return ring_.shape(pos_); }
+  const uint8_t* inline_bytes() const noexcept { return ring_.inline_bytes(position()); }
+  const EntryShape& shape() const noexcept { return ring_.shape(position()); }
   /// Hands the current entry back to the producer and moves on.
   void consume() noexcept {
-    ++pos_;
-    ring_.control().tail.store(pos_, std::memory_order_release);  // the entry may be reused now
+    const uint64_t next = position() + 1;
+    pos_.store(next, std::memory_order_relaxed);
+    ring_.control().tail.store(next, std::memory_order_release);  // the entry may be reused now
   }
-  uint64_t position() const noexcept { return pos_; }
+  uint64_t position() const noexcept { return pos_.load(std::memory_order_relaxed); }
   /// Entries published and not yet consumed (the producer's head, read once).
-  uint64_t depth() const noexcept { return ring_.control().head.load(std::memory_order_acquire) - pos_; }
+  uint64_t depth() const noexcept { return ring_.control().head.load(std::memory_order_acquire) - position(); }
   /// Whether the entry at the current position is not yet published: the ring is empty as far
   /// as this end can tell. Reads only the entry this end polls anyway, not the producer's head
   /// (whose cache line the producer writes at every publish: reading it costs a miss each time).
-  bool empty() const noexcept { return ring_.header(pos_).seq.load(std::memory_order_acquire) != pos_ + 1; }
+  bool empty() const noexcept {
+    const uint64_t pos = position();
+    return ring_.header(pos).seq.load(std::memory_order_acquire) != pos + 1;
+  }
+  /// Whether an entry seems published at the current position, without the lock that guards the
+  /// consumer (a hint: the position may move meanwhile; peek() under the lock decides).
+  bool ready_hint() const noexcept {
+    const uint64_t pos = position();
+    return ring_.header(pos).seq.load(std::memory_order_relaxed) == pos + 1;
+  }
 
  private:
   RingView ring_;
-  uint64_t pos_ = 0;
+  std::atomic<uint64_t> pos_{0};
 };
 
 }  // namespace tdshm::shm

@@ -49,8 +49,9 @@ namespace tdshm::shm {
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
 inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
-inline constexpr uint32_t kLayoutVersion = 6;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
-                                               // 5: metadata rings + slot arena
+inline constexpr uint32_t kLayoutVersion = 7;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
+                                               // 5: metadata rings + slot arena; 6: collective windows;
+                                               // 7: a 40-byte entry header (24 inline bytes on line 0)
 inline constexpr size_t kMaxDims = 8;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words and states must be lock-free");
@@ -170,32 +171,43 @@ struct MemmapReference {
 static_assert(sizeof(MemmapReference) == 16);
 
 /// The header of one ring entry; `seq` is stored last (release): position + 1 once the entry is
-/// complete. A chunk of up to kInlineBytes follows the header in the same two cache lines (the
-/// consumer polls `seq` in the first), so a small leaf costs no slot; a larger one is in the
-/// sending rank's arena slot `slot`. The shape of a tensor of 2 or more dimensions sits after the
-/// inline bytes (EntryShape), read only then.
+/// complete. The consumer polls `seq` in the entry's first cache line, which also holds every
+/// field a whole small message needs and its first 24 inline bytes: a message of up to 24 bytes
+/// moves one cache line (the seed tree's 8- and 24-byte leaves), one of up to kInlineBytes two,
+/// and needs no slot; a larger chunk is in the sending rank's arena slot. The fields only some
+/// entries need (EntryTail: a continuation's offset, a slot) follow the inline bytes, and the
+/// shape of a tensor of 2 or more dimensions comes last (EntryShape); each is read only then.
 ///
-///   entry (kEntryBytes):  | EntryHeader (56 B) | inline payload (72 B) | EntryShape (64 B) |
+///   entry (kEntryBytes):  | EntryHeader (40 B) | inline payload (72 B) | EntryTail (16 B) | EntryShape (64 B) |
+///                         |<---------------- line 0 ------------>|<------ line 1 ------------->|<-- line 2 -->|
 struct EntryHeader {
   std::atomic<uint64_t> seq;  // 0
-  int64_t tag;                // 8
-  uint64_t total_bytes;       // 16  of the whole message
-  uint64_t chunk_offset;      // 24  of this chunk in the message
-  uint32_t chunk_bytes;       // 32  <= slot_bytes, or <= kInlineBytes with kEntryInline
-  uint32_t flags;             // 36  EntryFlags
-  uint8_t dtype;              // 40  c10::ScalarType of the sender's tensor
-  uint8_t ndim;               // 41  <= kMaxDims, or kShapeNotSent
-  uint16_t leaves;            // 42  with kEntryKeyCheck: leaves of the sender's transfer (0: unknown)
-  uint32_t check;             // 44  with kEntryKeyCheck / kEntrySchemaCheck, else 0
-  uint32_t slot;              // 48  without kEntryInline: index of the sender's arena slot
-  uint32_t reserved;          // 52  zero (keeps the inline bytes 8-aligned)
+  int64_t tag;                // 8   first entry only
+  uint64_t total_bytes;       // 16  first entry only: of the whole message
+  uint32_t chunk_bytes;       // 24  <= slot_bytes, or <= kInlineBytes with kEntryInline
+  uint32_t flags;             // 28  EntryFlags
+  uint8_t dtype;              // 32  first entry only: c10::ScalarType of the sender's tensor
+  uint8_t ndim;               // 33  first entry only: <= kMaxDims, or kShapeNotSent
+  uint16_t leaves;            // 34  with kEntryKeyCheck: leaves of the sender's transfer (0: unknown)
+  uint32_t check;             // 36  with kEntryKeyCheck / kEntrySchemaCheck, else 0
 };
-static_assert(sizeof(EntryHeader) == 56);
-static_assert(offsetof(EntryHeader, chunk_bytes) == 32);
-static_assert(offsetof(EntryHeader, dtype) == 40);
-static_assert(offsetof(EntryHeader, slot) == 48);
+static_assert(sizeof(EntryHeader) == 40);
+static_assert(offsetof(EntryHeader, chunk_bytes) == 24);
+static_assert(offsetof(EntryHeader, dtype) == 32);
 
 inline constexpr uint64_t kInlineBytes = 72;
+
+/// The fields of an entry that only some entries carry, after its inline bytes; written and read
+/// only for those (a first entry's chunk offset is 0, an inline chunk has no slot).
+struct EntryTail {
+  uint64_t chunk_offset;  // 0  continuation entries: of this chunk in the message
+  uint32_t slot;          // 8  without kEntryInline: index of the sender's arena slot
+  uint32_t reserved;      // 12 zero
+};
+static_assert(sizeof(EntryTail) == 16);
+
+inline constexpr uint64_t kEntryTailOffset = sizeof(EntryHeader) + kInlineBytes;
+static_assert(kEntryTailOffset == 112, "the tail ends line 1");
 
 /// The sizes of a tensor of 2 to kMaxDims dimensions, written with a message's first entry (a
 /// 0- or 1-dimensional shape follows from the byte size and dtype).
@@ -204,7 +216,7 @@ struct EntryShape {
 };
 static_assert(sizeof(EntryShape) == 64);
 
-inline constexpr uint64_t kEntryShapeOffset = sizeof(EntryHeader) + kInlineBytes;
+inline constexpr uint64_t kEntryShapeOffset = kEntryTailOffset + sizeof(EntryTail);
 inline constexpr uint64_t kEntryBytes = kEntryShapeOffset + sizeof(EntryShape);
 static_assert(kEntryShapeOffset == 128 && kEntryBytes == 192, "an entry is three cache lines");
 

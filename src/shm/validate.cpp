@@ -90,19 +90,21 @@ HeaderCheck check_header(const HeaderFields& h, uint64_t file_bytes) {
   return {HeaderVerdict::kValid, {}};
 }
 
-EntryFields read_entry(const EntryHeader& shared) noexcept {
+EntryFields read_entry(const EntryHeader& shared, const EntryTail& tail) noexcept {
   EntryFields e;
   const void* b = &shared;
   e.tag = load_field<int64_t>(b, offsetof(EntryHeader, tag));
   e.total_bytes = load_field<uint64_t>(b, offsetof(EntryHeader, total_bytes));
-  e.chunk_offset = load_field<uint64_t>(b, offsetof(EntryHeader, chunk_offset));
   e.chunk_bytes = load_field<uint32_t>(b, offsetof(EntryHeader, chunk_bytes));
   e.flags = load_field<uint32_t>(b, offsetof(EntryHeader, flags));
   e.dtype = load_field<uint8_t>(b, offsetof(EntryHeader, dtype));
   e.ndim = load_field<uint8_t>(b, offsetof(EntryHeader, ndim));
   e.check = load_field<uint32_t>(b, offsetof(EntryHeader, check));
   e.leaves = load_field<uint16_t>(b, offsetof(EntryHeader, leaves));
-  e.slot = load_field<uint32_t>(b, offsetof(EntryHeader, slot));
+  // flags was read once above; the decisions use that copy.
+  const void* t = &tail;
+  e.chunk_offset = (e.flags & kEntryFirst) ? 0 : load_field<uint64_t>(t, offsetof(EntryTail, chunk_offset));
+  e.slot = (e.flags & kEntryInline) ? 0 : load_field<uint32_t>(t, offsetof(EntryTail, slot));
   return e;
 }
 

@@ -76,8 +76,10 @@ struct EntryFields {
   uint32_t slot = 0;
 };
 
-/// Copies the fields of `shared` (call after the acquire load of its seq).
-EntryFields read_entry(const EntryHeader& shared) noexcept;
+/// Copies the fields of the entry `shared` with tail `tail` (call after the acquire load of its
+/// seq). The tail is read only where the flags say the entry has it: a first entry's chunk offset
+/// is 0, an inline chunk's slot 0.
+EntryFields read_entry(const EntryHeader& shared, const EntryTail& tail) noexcept;
 
 /// What the consumer of one ring knows when an entry arrives: the message in progress, if any.
 struct RxProgress {

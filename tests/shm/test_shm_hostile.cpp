@@ -157,6 +157,9 @@ class RingWriter {
     return ring_ + sizeof(shm::RingControl) + (pos % entries_) * geo_.entry_bytes;
   }
   EntryHeader& header(uint64_t pos) const { return *reinterpret_cast<EntryHeader*>(entry_base(pos)); }
+  shm::EntryTail& entry_tail(uint64_t pos) const {
+    return *reinterpret_cast<shm::EntryTail*>(entry_base(pos) + shm::kEntryTailOffset);
+  }
   /// The arena slot the entry at `pos` uses when its chunk does not fit inline: one per position
   /// (slots_per_rank >= ring_entries in these tests, so the consumer freed it with the entry).
   uint32_t slot_of(uint64_t pos) const { return static_cast<uint32_t>(pos % slots_); }
@@ -192,12 +195,13 @@ class RingWriter {
     const bool in_line = f.chunk <= shm::kInlineBytes;
     store_relaxed(e.tag, f.tag);
     store_relaxed(e.total_bytes, f.total);
-    store_relaxed(e.chunk_offset, f.offset);
+    // The tail whatever the flags say (a receiver reads it only where they say the entry has it).
+    store_relaxed(entry_tail(pos).chunk_offset, f.offset);
     store_relaxed(e.chunk_bytes, f.chunk);
     store_relaxed(e.flags, f.flags | (in_line ? uint32_t{shm::kEntryInline} : 0u));
     store_relaxed(e.dtype, f.dtype);
     store_relaxed(e.ndim, f.ndim);
-    store_relaxed(e.slot, in_line ? 0u : slot_of(pos));
+    store_relaxed(entry_tail(pos).slot, in_line ? 0u : slot_of(pos));
     if (!in_line) slot_state(slot_of(pos)).store(static_cast<uint32_t>(dst_) + 1, std::memory_order_relaxed);
     if (data != nullptr && bytes != 0) {
       std::memcpy(in_line ? inline_bytes(pos) : payload(pos), data,
@@ -450,8 +454,11 @@ std::vector<Garbage> garbage_cases(uint64_t slot) {
                  [=](const RingWriter& r, int64_t tag) {
                    r.put(0, {.tag = tag, .total = 64, .chunk = 64, .flags = kLast}, data, 64);
                  }});
-  out.push_back({"a wrong chunk offset", "chunk at offset 8, expected 0", 64, [=](const RingWriter& r, int64_t tag) {
-                   r.put(0, {.tag = tag, .total = 64, .offset = 8, .chunk = 64, .flags = kFirst | kLast}, data, 64);
+  // (A first entry has no offset on the wire: its chunk starts the message. A continuation's
+  // offset must be the bytes received so far.)
+  out.push_back({"a wrong chunk offset", "chunk at offset 72, expected 64", 128, [=](const RingWriter& r, int64_t tag) {
+                   r.put(0, {.tag = tag, .total = 128, .chunk = 64, .flags = kFirst}, data, 64);
+                   r.put(1, {.tag = tag, .total = 128, .offset = 72, .chunk = 64, .flags = kLast}, data, 64);
                  }});
   out.push_back({"chunk_bytes larger than the slot", "in a slot of", 64, [=](const RingWriter& r, int64_t tag) {
                    const auto chunk = static_cast<uint32_t>(r.slot_bytes() + 512);
@@ -507,7 +514,7 @@ std::vector<Garbage> garbage_cases(uint64_t slot) {
                  }});
   out.push_back({"arena slot index 2^31", "arena slot 2147483648", 256, [=](const RingWriter& r, int64_t tag) {
                    r.write(0, {.tag = tag, .total = 256, .chunk = 256, .flags = kFirst | kLast}, data, 256);
-                   store_relaxed(r.header(0).slot, 0x80000000u);
+                   store_relaxed(r.entry_tail(0).slot, 0x80000000u);
                    r.publish(0);
                  }});
   out.push_back({"an inline chunk of 73 bytes", "inline chunk of 73 bytes", 73, [=](const RingWriter& r, int64_t tag) {
@@ -533,6 +540,20 @@ std::vector<Garbage> garbage_cases(uint64_t slot) {
                    std::copy(garbage_dims, garbage_dims + shm::kMaxDims, r.shape(0).dims);
                    r.put(0, {.tag = tag, .total = 64, .chunk = 64, .flags = kFirst | kLast, .ndim = shm::kShapeNotSent},
                          data, 64);
+                 },
+                 Verdict::kReceived});
+  // The tail's fields where the entry has none (layout 7): never read, so garbage there is harmless.
+  out.push_back({"garbage in a first entry's tail offset", "", 64,
+                 [=](const RingWriter& r, int64_t tag) {
+                   r.put(0, {.tag = tag, .total = 64, .offset = uint64_t{1} << 40, .chunk = 64, .flags = kFirst | kLast},
+                         data, 64);
+                 },
+                 Verdict::kReceived});
+  out.push_back({"garbage in an inline entry's tail slot", "", 64,
+                 [=](const RingWriter& r, int64_t tag) {
+                   r.write(0, {.tag = tag, .total = 64, .chunk = 64, .flags = kFirst | kLast}, data, 64);
+                   store_relaxed(r.entry_tail(0).slot, 0xFFFFFFFFu);
+                   r.publish(0);
                  },
                  Verdict::kReceived});
   out.push_back({"dtype 200 (no such dtype)", "dtype", 64,
@@ -739,9 +760,9 @@ TEST_F(ShmHostile, SizesRewrittenAfterPublishingNeverEscapeTheTensor) {
                   default: {
                     const uint64_t bad_offsets[] = {f.offset + 1, f.offset == 0 ? 4096 : f.offset - 1, f.offset + slot,
                                                     kTiB, std::numeric_limits<uint64_t>::max() - 5};
-                    store_relaxed(e.chunk_offset, bad_offsets[rng() % 5]);
+                    store_relaxed(ring.entry_tail(pos).chunk_offset, bad_offsets[rng() % 5]);
                     linger();
-                    store_relaxed(e.chunk_offset, f.offset);
+                    store_relaxed(ring.entry_tail(pos).chunk_offset, f.offset);
                     break;
                   }
                 }

@@ -1211,9 +1211,10 @@ TEST_F(ShmTools, LayoutVersion4Details) {
   EXPECT_FALSE(wrong.available);
   EXPECT_TRUE(wrong.pairs.empty());
   // Any other version: not available, and says so.
-  const shm::LayoutDetails other = shm::read_layout_details(fd, 4096, header.data(), header.size(), 7, 2, {});
+  const uint32_t unknown = shm::kLayoutVersion + 1;
+  const shm::LayoutDetails other = shm::read_layout_details(fd, 4096, header.data(), header.size(), unknown, 2, {});
   EXPECT_FALSE(other.available);
-  EXPECT_EQ(other.note, "details not available for layout version 7");
+  EXPECT_EQ(other.note, "details not available for layout version " + std::to_string(unknown));
   ::close(fd);
 }
 

@@ -1,5 +1,5 @@
 // Binary compatibility of the structs that live in a segment. These numbers are the layout that
-// kLayoutVersion 6 promises to every process attached to a segment: changing a struct without
+// kLayoutVersion 7 promises to every process attached to a segment: changing a struct without
 // bumping the version makes one of these fail.
 
 #include "shm/segment_layout.h"
@@ -12,7 +12,7 @@ namespace {
 using namespace tdshm::shm;
 
 TEST(ShmLayout, VersionAndMagicArePinned) {
-  EXPECT_EQ(kLayoutVersion, 6u);
+  EXPECT_EQ(kLayoutVersion, 7u);
   char magic[8];
   std::memcpy(magic, &kSegmentMagic, 8);
   EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");
@@ -71,20 +71,26 @@ TEST(ShmLayout, RingControlV1) {
   EXPECT_EQ(offsetof(RingControl, tail), 64u);
 }
 
-TEST(ShmLayout, EntryHeaderV5) {
-  EXPECT_EQ(sizeof(EntryHeader), 56u);
+TEST(ShmLayout, EntryHeaderV7) {
+  // Line 0: the fields a whole small message needs and its first 24 inline bytes.
+  EXPECT_EQ(sizeof(EntryHeader), 40u);
   EXPECT_EQ(offsetof(EntryHeader, seq), 0u);
   EXPECT_EQ(offsetof(EntryHeader, tag), 8u);
   EXPECT_EQ(offsetof(EntryHeader, total_bytes), 16u);
-  EXPECT_EQ(offsetof(EntryHeader, chunk_offset), 24u);
-  EXPECT_EQ(offsetof(EntryHeader, chunk_bytes), 32u);
-  EXPECT_EQ(offsetof(EntryHeader, flags), 36u);
-  EXPECT_EQ(offsetof(EntryHeader, dtype), 40u);
-  EXPECT_EQ(offsetof(EntryHeader, ndim), 41u);
-  EXPECT_EQ(offsetof(EntryHeader, leaves), 42u);
-  EXPECT_EQ(offsetof(EntryHeader, check), 44u);
-  EXPECT_EQ(offsetof(EntryHeader, slot), 48u);
+  EXPECT_EQ(offsetof(EntryHeader, chunk_bytes), 24u);
+  EXPECT_EQ(offsetof(EntryHeader, flags), 28u);
+  EXPECT_EQ(offsetof(EntryHeader, dtype), 32u);
+  EXPECT_EQ(offsetof(EntryHeader, ndim), 33u);
+  EXPECT_EQ(offsetof(EntryHeader, leaves), 34u);
+  EXPECT_EQ(offsetof(EntryHeader, check), 36u);
   EXPECT_EQ(kInlineBytes, 72u);
+  EXPECT_EQ(kCacheLine - sizeof(EntryHeader), 24u);  // inline bytes on line 0
+  // Line 1: the rest of the inline bytes, then the tail.
+  EXPECT_EQ(kEntryTailOffset, 112u);
+  EXPECT_EQ(sizeof(EntryTail), 16u);
+  EXPECT_EQ(offsetof(EntryTail, chunk_offset), 0u);
+  EXPECT_EQ(offsetof(EntryTail, slot), 8u);
+  EXPECT_EQ(offsetof(EntryTail, reserved), 12u);
   EXPECT_EQ(kEntryShapeOffset, 128u);
   EXPECT_EQ(kEntryBytes, 192u);
   EXPECT_EQ(sizeof(EntryShape), 64u);
@@ -130,8 +136,8 @@ TEST(ShmLayout, GeometryOfAKnownSegment) {
   EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256).slot_stride, 128u);
   EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256).slot_table_bytes, 128u);
   EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256).rings_offset, 640u);
-  // The first 8 inline payload bytes share the header's cache line.
-  EXPECT_EQ(sizeof(EntryHeader) + 8, kCacheLine);
+  // The first 24 inline payload bytes share the header's cache line.
+  EXPECT_EQ(sizeof(EntryHeader) + 24, kCacheLine);
 }
 
 TEST(ShmLayout, MemoryGrowsWithTheWorldNotItsSquare) {

@@ -64,15 +64,15 @@ void fill_entry(RingProducer& p, uint64_t i) {
   EntryHeader& e = p.entry();
   e.tag = static_cast<int64_t>(i) * 3 - 1000000007;
   e.total_bytes = i ^ 0x5555;
-  e.chunk_offset = i * 2;
+  p.tail().chunk_offset = i * 2;
   e.chunk_bytes = static_cast<uint32_t>(i % 73);
   e.flags = static_cast<uint32_t>(i & 127);
   e.dtype = static_cast<uint8_t>(i);
   e.ndim = static_cast<uint8_t>(i % 9);
   e.leaves = static_cast<uint16_t>(i * 5);
   e.check = static_cast<uint32_t>(i * 2654435761u);
-  e.slot = static_cast<uint32_t>(i % 64);
-  e.reserved = 0;
+  p.tail().slot = static_cast<uint32_t>(i % 64);
+  p.tail().reserved = 0;
   uint8_t* inl = p.inline_bytes();
   for (uint64_t k = 0; k < kInlineBytes; ++k) inl[k] = inline_byte(i, k);
   EntryShape& s = p.shape();
@@ -84,14 +84,15 @@ std::string mismatch(const EntryFields& f, const RingConsumer& c, uint64_t i) {
   auto bad = [i](const char* what) { return std::string(what) + " of entry " + std::to_string(i); };
   if (f.tag != static_cast<int64_t>(i) * 3 - 1000000007) return bad("tag");
   if (f.total_bytes != (i ^ 0x5555)) return bad("total_bytes");
-  if (f.chunk_offset != i * 2) return bad("chunk_offset");
+  // The tail is read only where the flags say the entry has it.
+  if (f.chunk_offset != ((i & kEntryFirst) ? 0 : i * 2)) return bad("chunk_offset");
   if (f.chunk_bytes != static_cast<uint32_t>(i % 73)) return bad("chunk_bytes");
   if (f.flags != static_cast<uint32_t>(i & 127)) return bad("flags");
   if (f.dtype != static_cast<uint8_t>(i)) return bad("dtype");
   if (f.ndim != static_cast<uint8_t>(i % 9)) return bad("ndim");
   if (f.leaves != static_cast<uint16_t>(i * 5)) return bad("leaves");
   if (f.check != static_cast<uint32_t>(i * 2654435761u)) return bad("check");
-  if (f.slot != static_cast<uint32_t>(i % 64)) return bad("slot");
+  if (f.slot != ((i & kEntryInline) ? 0 : static_cast<uint32_t>(i % 64))) return bad("slot");
   const uint8_t* inl = c.inline_bytes();
   for (uint64_t k = 0; k < kInlineBytes; ++k) {
     if (inl[k] != inline_byte(i, k)) return bad("inline byte") + " at " + std::to_string(k);
@@ -131,7 +132,8 @@ TEST(ShmRing, ViewAddressesEntriesModuloTheirCount) {
   EXPECT_EQ(r.view.entry_base(3), base + 128 + 3 * 192);
   EXPECT_EQ(r.view.entry_base(4), r.view.entry_base(0));
   EXPECT_EQ(r.view.entry_base(4 * 1000 + 2), r.view.entry_base(2));
-  EXPECT_EQ(r.view.inline_bytes(1), base + 128 + 192 + 56);
+  EXPECT_EQ(r.view.inline_bytes(1), base + 128 + 192 + 40);
+  EXPECT_EQ(reinterpret_cast<uint8_t*>(&r.view.tail(1)), base + 128 + 192 + 112);
   EXPECT_EQ(reinterpret_cast<uint8_t*>(&r.view.shape(1)), base + 128 + 192 + 128);
   // The last entry ends where the buffer does.
   EXPECT_EQ(r.view.entry_base(3) + kEntryBytes, base + r.buffer.size());
@@ -302,19 +304,20 @@ TEST(ShmRing, ReadEntryCopiesTheFields) {
   EXPECT_EQ(mismatch(f, r.consumer, 5), "");
   // The peer rewrites the entry after the copy was taken: the copy keeps what it read.
   EntryHeader& e = r.view.header(0);
+  EntryTail& t = r.view.tail(0);
   e.tag = 999;
   e.total_bytes = 1ull << 40;
-  e.chunk_offset = 3;
+  t.chunk_offset = 3;
   e.chunk_bytes = 1u << 31;
-  e.flags = 0xffffffffu;
+  e.flags = kEntryControl;  // a continuation in a slot: its tail is read
   e.dtype = 200;
   e.ndim = 250;
   e.leaves = 65535;
   e.check = 1;
-  e.slot = 1u << 30;
+  t.slot = 1u << 30;
   EXPECT_EQ(f.tag, 5 * 3 - 1000000007);
   EXPECT_EQ(f.total_bytes, 5u ^ 0x5555u);
-  EXPECT_EQ(f.chunk_offset, 10u);
+  EXPECT_EQ(f.chunk_offset, 0u);  // entry 5's flags are kEntryFirst | kEntryControl: offset 0
   EXPECT_EQ(f.chunk_bytes, 5u);
   EXPECT_EQ(f.flags, 5u);
   EXPECT_EQ(f.dtype, 5u);
@@ -323,11 +326,12 @@ TEST(ShmRing, ReadEntryCopiesTheFields) {
   EXPECT_EQ(f.check, static_cast<uint32_t>(5 * 2654435761u));
   EXPECT_EQ(f.slot, 5u);
   // A fresh read_entry sees the new values (it reads the memory, not a cache of it).
-  const EntryFields g = read_entry(e);
+  const EntryFields g = read_entry(e, t);
   EXPECT_EQ(g.tag, 999);
   EXPECT_EQ(g.total_bytes, 1ull << 40);
+  EXPECT_EQ(g.chunk_offset, 3u);
   EXPECT_EQ(g.chunk_bytes, 1u << 31);
-  EXPECT_EQ(g.flags, 0xffffffffu);
+  EXPECT_EQ(g.flags, uint32_t{kEntryControl});
   EXPECT_EQ(g.ndim, 250u);
   EXPECT_EQ(g.leaves, 65535u);
   EXPECT_EQ(g.slot, 1u << 30);
@@ -347,14 +351,14 @@ class ShmRingCheck : public ::testing::Test {
     EntryHeader& e = ring_.producer.entry();
     e.tag = 11;
     e.total_bytes = total;
-    e.chunk_offset = offset;
+    ring_.producer.tail().chunk_offset = offset;
     e.chunk_bytes = chunk;
     e.flags = flags;
     e.dtype = 6;
     e.ndim = ndim;
     e.leaves = 0;
     e.check = 0;
-    e.slot = slot;
+    ring_.producer.tail().slot = slot;
     ring_.producer.publish();
     EntryFields f;
     EXPECT_TRUE(ring_.consumer.peek(f));
