@@ -2,7 +2,8 @@
 // Memory blocks of one size kept for reuse by the thread that freed them: the per-message
 // objects of the shm path (a receive's Work and its op) are allocated and freed once per
 // message, and malloc plus free cost ~150 instructions a pair there. A thread keeps at most
-// kKeep blocks per size; the rest go back to the heap, and so do a thread's blocks when it ends.
+// kKeep blocks per size; the rest go back to the heap, and so do a thread's blocks when it ends
+// (and any block freed after that).
 
 #include <cstddef>
 #include <memory>
@@ -26,7 +27,7 @@ class RecycledBlocks {
 
   static void put(void* p) noexcept {
     Cache& c = cache();
-    if (c.count >= kKeep) {
+    if (c.closed || c.count >= kKeep) {
       ::operator delete(p);
       return;
     }
@@ -39,19 +40,31 @@ class RecycledBlocks {
   struct Node {
     Node* next;
   };
+  // Trivially destructible, so that it stays usable to the very end of its thread: objects of
+  // static storage duration (a process group a static holds, with its Work) are destroyed after
+  // the main thread's thread_local objects, and may still free blocks then.
   struct Cache {
-    Node* head = nullptr;
-    size_t count = 0;
-    ~Cache() {
-      while (head != nullptr) {
-        Node* next = head->next;
-        ::operator delete(head);
-        head = next;
+    Node* head;
+    size_t count;
+    bool closed;  // the thread is ending: blocks go straight back to the heap
+  };
+  // Gives the thread's blocks back to the heap when the thread ends.
+  struct Reaper {
+    Cache* cache;
+    ~Reaper() {
+      cache->closed = true;
+      while (cache->head != nullptr) {
+        Node* next = cache->head->next;
+        ::operator delete(cache->head);
+        cache->head = next;
       }
+      cache->count = 0;
     }
   };
   static Cache& cache() noexcept {
-    thread_local Cache c;
+    thread_local Cache c{nullptr, 0, false};
+    thread_local Reaper reaper{&c};
+    (void)reaper;
     return c;
   }
 };
