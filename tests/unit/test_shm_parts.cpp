@@ -1,11 +1,13 @@
-// The parts of a segment (layout 6) on plain buffers, without OS shared memory or processes: the
+// The parts of a segment (layout 7) on plain buffers, without OS shared memory or processes: the
 // metadata ring (ring.h) and what its consumer does with an entry (validate.h: read_entry,
-// check_entry), the slot arena (arena.h), the matcher of receives and messages (matcher.h) and
-// the pool of early-message buffers (buffer_pool.h).
+// check_entry), the slot arena (arena.h), the matcher of receives and messages (matcher.h), the
+// pool of early-message buffers (buffer_pool.h), and the recycled blocks of the per-message
+// objects (common/recycle.h).
 // Both ends of a ring or an arena are driven from one thread, except in
 // ShmRingThreads.MillionEntriesThroughEightSlots, which runs a producer and a consumer thread
 // against each other (the acquire/release pairs; it also runs under the tsan preset).
 
+#include "common/recycle.h"
 #include "shm/arena.h"
 #include "shm/buffer_pool.h"
 #include "shm/matcher.h"
@@ -941,6 +943,40 @@ TEST(ShmReduce, MinMaxLetNaNWinAndBitwiseOpsNeedIntegers) {
   bool x[4];
   tdshm::detail::reduce_into(x, p, q, 4, at::kBool, ReduceKind::kBxor);
   EXPECT_EQ(std::vector<bool>(x, x + 4), (std::vector<bool>{false, true, true, false}));
+}
+
+// ---- the per-message objects' blocks (common/recycle.h) ----
+
+TEST(RecycledBlocks, AThreadReusesItsLast64FreedBlocksFirst) {
+  // In a thread of its own: a fresh cache, given back to the heap when the thread ends.
+  std::vector<void*> freed, taken;
+  std::thread t([&] {
+    using Blocks = tdshm::detail::RecycledBlocks<48>;
+    for (int i = 0; i < 100; ++i) freed.push_back(Blocks::get());
+    for (void* p : freed) Blocks::put(p);  // the first 64 are kept, the other 36 go to the heap
+    for (int i = 0; i < 64; ++i) taken.push_back(Blocks::get());
+    for (void* p : taken) Blocks::put(p);
+  });
+  t.join();
+  ASSERT_EQ(taken.size(), 64u);
+  // Last in, first out: the 64 kept are the first 64 freed, taken back in reverse order.
+  for (size_t i = 0; i < 64; ++i) EXPECT_EQ(taken[i], freed[63 - i]) << "block " << i;
+}
+
+TEST(RecycledBlocks, AllocateSharedTakesTheBlockItsThreadFreed) {
+  using Alloc = tdshm::detail::RecyclingAllocator<int64_t>;
+  auto a = std::allocate_shared<int64_t>(Alloc{}, 7);
+  const void* first = a.get();
+  a.reset();
+  auto b = std::allocate_shared<int64_t>(Alloc{}, 9);
+  EXPECT_EQ(static_cast<const void*>(b.get()), first);
+  EXPECT_EQ(*b, 9);
+  // An array is not a single block: it comes from the heap and goes back there.
+  Alloc alloc;
+  int64_t* many = alloc.allocate(3);
+  many[2] = 5;
+  EXPECT_EQ(many[2], 5);
+  alloc.deallocate(many, 3);
 }
 
 }  // namespace
