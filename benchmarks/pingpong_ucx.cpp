@@ -3,8 +3,8 @@
 
 #include "pingpong_ucx.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
+#include "common/loopback_port.h"
+
 #include <sys/wait.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -35,23 +35,6 @@ constexpr std::chrono::seconds kConnectFor{5};
 
 bool executable(const std::string& path) { return !path.empty() && ::access(path.c_str(), X_OK) == 0; }
 
-// A TCP port nobody listens on now, for the server's handshake (ucx_perftest -p).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  if (port < 0) throw std::runtime_error("no free TCP port for ucx_perftest");
-  return port;
-}
 
 // A child process: spawned with `args` and UCX_TLS=posix,self; its stdout and stderr go to
 // `out_fd` (or /dev/null when -1). Killed and reaped if still running when destroyed.
@@ -156,7 +139,9 @@ class UcxPingPong final : public PingPong {
   bool external() const override { return true; }
 
   ExternalRound external_round(int warmup, int iters) override {
-    const std::string port = std::to_string(free_port());
+    const int free = tdshm::detail::free_loopback_port();  // for the server's handshake (-p)
+    if (free < 0) throw std::runtime_error(std::string("no free TCP port for ucx_perftest: ") + std::strerror(errno));
+    const std::string port = std::to_string(free);
     std::vector<std::string> server{exe_, "-p", port};
     std::vector<std::string> client{exe_,  "127.0.0.1", "-p", port, "-t", "tag_lat", "-s", std::to_string(bytes_),
                                     "-n",  std::to_string(iters), "-w", std::to_string(warmup), "-f", "-v"};

@@ -13,6 +13,8 @@
 
 #include "demo.h"
 
+#include "common/loopback_port.h"
+
 #include <tdshm/distributed.h>
 #include <tdshm/memmap.h>
 #include <tdshm/tensordict.h>
@@ -21,9 +23,7 @@
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
 
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -162,22 +162,6 @@ int run_rank(const std::string& backend, int rank, const std::string& init_metho
   return failures == 0 ? 0 : 1;
 }
 
-/// A TCP port that was free a moment ago (rank 0 serves the gloo store on it).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  return port;
-}
 
 }  // namespace
 
@@ -207,7 +191,7 @@ int run_demo(int argc, char** argv) {
   if (backend == "shm") {
     init_method = "shm://tdshm-demo-" + std::to_string(::getpid());
   } else if (backend == "gloo") {
-    const int port = free_port();
+    const int port = detail::free_loopback_port();  // rank 0 serves the gloo store on it
     if (port < 0) {
       std::fprintf(stderr, "tdshm demo: no free TCP port on 127.0.0.1\n");
       return 1;

@@ -2,13 +2,13 @@
 
 #include "dist/dist_support.h"
 
+#include "common/loopback_port.h"
+
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include <netinet/in.h>
 #include <stdlib.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -36,21 +36,9 @@ const char* method_name(Method m) {
 std::string backend_of(Method m) { return m == Method::kShm ? "shm" : "gloo"; }
 
 uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw std::system_error(errno, std::generic_category(), "socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throw std::system_error(err, std::generic_category(), "bind/getsockname on 127.0.0.1:0");
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  const int port = tdshm::detail::free_loopback_port();
+  if (port < 0) throw std::system_error(errno, std::generic_category(), "bind/getsockname on 127.0.0.1:0");
+  return static_cast<uint16_t>(port);
 }
 
 TempDir::TempDir() {
