@@ -80,6 +80,9 @@ class MemoryMappedTensor {
 
   /// Where the bytes of `t` live, if `t` views a tdshm mapping; std::nullopt otherwise.
   static std::optional<MemmapInfo> info(const at::Tensor& t);
+  /// Whether `t` views a tdshm mapping (what info() answers, without building its result: a
+  /// few instructions, asked of every tensor a transfer sends or receives).
+  static bool is_mapped(const at::Tensor& t) noexcept;
 
   /// The tensor (shares the mapping).
   const at::Tensor& tensor() const noexcept { return tensor_; }

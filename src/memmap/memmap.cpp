@@ -382,6 +382,10 @@ std::optional<MemmapInfo> MemoryMappedTensor::info(const at::Tensor& t) {
   return out;
 }
 
+bool MemoryMappedTensor::is_mapped(const at::Tensor& t) noexcept {
+  return t.defined() && t.has_storage() && t.storage().data_ptr().get_deleter() == &release_mapping;
+}
+
 std::string MemoryMappedTensor::filename() const {
   auto i = info(tensor_);
   return i ? i->filename : std::string();

@@ -46,6 +46,10 @@ class ShmWork final : public detail::BatchWork {
       : detail::BatchWork(engine->rank(), type), engine_(std::move(engine)) {
     if (op) ops_.push_back(std::move(op));
   }
+  /// A receive from `source` into `tensor` that completed as it was posted (ShmEngine::post_recv).
+  ShmWork(std::shared_ptr<ShmEngine> engine, const at::Tensor& tensor, int source)
+      : detail::BatchWork(engine->rank(), c10d::OpType::RECV), engine_(std::move(engine)), output_(tensor),
+        source_(source) {}
 
   /// A batch of `size` messages whose pending ones are ops_ (op j is message positions[j], or
   /// message j when `positions` is empty; the others completed when they were posted).
@@ -65,6 +69,7 @@ class ShmWork final : public detail::BatchWork {
   std::exception_ptr exception() const override { return all_done() ? first_error() : nullptr; }
 
   int sourceRank() const override {
+    if (source_ >= 0) return source_;  // a receive that completed as it was posted
     TORCH_CHECK(ops_.size() == 1 && ops_[0]->kind == ShmOp::Kind::kRecv && all_done(),
                 "sourceRank() is only valid for a completed recv");
     return ops_[0]->source;
@@ -201,6 +206,7 @@ class ShmWork final : public detail::BatchWork {
   std::shared_ptr<ShmEngine> engine_;
   OpList ops_;
   at::Tensor output_;  // what result() returns: the received or broadcast tensor
+  int source_ = -1;    // a receive that completed as it was posted: its source (it has no op)
   bool batch_ = false;  // send_batch / recv_batch: wait() stops at the first failure
   size_t batch_size_ = 0;
   c10::SmallVector<uint32_t, 4> positions_;
@@ -314,7 +320,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_checked(std::vector<at::Ten
                                                              MessageCheck check) {
   const at::Tensor& t = single_tensor(tensors, "recv");
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv: source rank must be >= 0 (use recvAnysource)");
-  return make_work(engine_, engine_->post_recv(t, srcRank, tag, /*control=*/false, check), c10d::OpType::RECV);
+  auto op = engine_->post_recv(t, srcRank, tag, /*control=*/false, check);
+  if (!op) return c10::make_intrusive<ShmWork>(engine_, t, srcRank);  // its message was waiting
+  return make_work(engine_, std::move(op), c10d::OpType::RECV);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {

@@ -62,50 +62,76 @@ void ShmChannel::wake_peer(int r) noexcept { shm::wake(segment_.rank_slot(static
 // ---------------------------------------------------------------------------------------------
 // Posting
 
-OpList ShmChannel::post_sends(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
-                             std::span<const MessageCheck> checks, bool control) {
+void ShmChannel::check_destination(int dst) const {
   if (dst < 0 || dst >= size_ || dst == rank_) {
     throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                      "shm send: destination rank " + std::to_string(dst) + " is invalid for rank " +
                          std::to_string(rank_) + " of " + std::to_string(size_));
   }
+}
+
+// The common small send: nothing queued before it, one entry, room in the ring (and a slot when
+// it does not fit inline). Published before any allocation (the peer may be spinning on it), it
+// needs no op at all. False, changing nothing, for any other send. `reference`: memmap_reference's.
+bool ShmChannel::send_whole(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check, bool control,
+                            const std::string& reference) {
+  const auto peer = static_cast<size_t>(dst);
+  if (closed_ || poisoned_ || peer_error_[peer] || !send_queues_[peer].empty() || !tensor.is_contiguous()) return false;
+  const uint64_t bytes =
+      reference.empty() ? static_cast<uint64_t>(tensor.numel()) * tensor.element_size() : reference.size();
+  if (bytes > options_.slot_bytes || !tx_[peer].has_room()) return false;
+  const uint32_t flags = shm::kEntryFirst | shm::kEntryLast | (control ? uint32_t{shm::kEntryControl} : 0u) |
+                         (reference.empty() ? 0u : uint32_t{shm::kEntryReference}) | check_flag(check);
+  const auto* data = reference.empty() ? static_cast<const uint8_t*>(tensor.data_ptr())
+                                       : reinterpret_cast<const uint8_t*>(reference.data());
+  return write_entry(dst, flags, tag, tensor, data, 0, bytes, check);
+}
+
+// A send that send_whole could not publish: an op, queued behind the sends before it and moved
+// as far as room allows (`published` is set when an entry went out), or failed at once when the
+// group or `dst` is unusable. A strided tensor is snapshotted now.
+std::shared_ptr<ShmOp> ShmChannel::queue_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
+                                              bool control, std::string reference, bool& published) {
+  const auto peer = static_cast<size_t>(dst);
+  auto op = make_op(ShmOp::Kind::kSend, dst, tag, control, tensor);
+  op->reference = std::move(reference);
+  op->check = check;
+  if (closed_ || poisoned_ || peer_error_[peer]) {
+    finish(op, closed_ ? closed_ : poisoned_ ? poisoned_ : peer_error_[peer]);
+    return op;
+  }
+  send_queues_[peer].push_back(op);
+  published |= progress_sends(dst, /*wake=*/false);
+  return op;
+}
+
+std::shared_ptr<ShmOp> ShmChannel::post_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
+                                             bool control) {
+  check_destination(dst);
+  std::string reference = memmap_reference(tensor, options_.slot_bytes);
+  bool published = send_whole(tensor, dst, tag, check, control, reference);
+  std::shared_ptr<ShmOp> op;
+  // Published: done, unless the mapping was lost meanwhile (queue_send then fails the op).
+  if (!published || check_poisoned()) op = queue_send(tensor, dst, tag, check, control, std::move(reference), published);
+  if (published) wake_peer(dst);
+  return op;
+}
+
+OpList ShmChannel::post_sends(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
+                             std::span<const MessageCheck> checks, bool control) {
+  check_destination(dst);
   TORCH_INTERNAL_ASSERT(tags.size() == tensors.size() && checks.size() == tensors.size());
-  const size_t peer = static_cast<size_t>(dst);
   // Sized only once an op is needed: a batch that completes at once returns no ops.
   OpList ops;
   bool published = false;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& tensor = tensors[i];
-    const std::string reference = memmap_reference(tensor, options_.slot_bytes);
-    // The common small send: nothing queued before it, one entry, room in the ring (and a slot
-    // when it does not fit inline). It is published before any allocation (the peer may be
-    // spinning on it) and needs no op at all.
-    if (!closed_ && !poisoned_ && !peer_error_[peer] && send_queues_[peer].empty() && tensor.is_contiguous()) {
-      const uint64_t bytes =
-          reference.empty() ? static_cast<uint64_t>(tensor.numel()) * tensor.element_size() : reference.size();
-      if (bytes <= options_.slot_bytes && tx_[peer].has_room()) {
-        const uint32_t flags = shm::kEntryFirst | shm::kEntryLast | (control ? uint32_t{shm::kEntryControl} : 0u) |
-                               (reference.empty() ? 0u : uint32_t{shm::kEntryReference}) | check_flag(checks[i]);
-        const auto* data = reference.empty() ? static_cast<const uint8_t*>(tensor.data_ptr())
-                                             : reinterpret_cast<const uint8_t*>(reference.data());
-        if (write_entry(dst, flags, tags[i], tensor, data, 0, bytes, checks[i])) {
-          published = true;
-          if (!check_poisoned()) continue;  // else: the op below fails with the poison error
-        }
-      }
+    std::string reference = memmap_reference(tensors[i], options_.slot_bytes);
+    if (send_whole(tensors[i], dst, tags[i], checks[i], control, reference)) {
+      published = true;
+      if (!check_poisoned()) continue;  // else: queue_send fails its op with the poison error
     }
-    // A send snapshots a strided tensor at post time.
-    auto op = make_op(ShmOp::Kind::kSend, dst, tags[i], control, tensor);
-    op->reference = reference;
-    op->check = checks[i];
     ops.resize(tensors.size());
-    ops[i] = op;
-    if (closed_ || poisoned_ || peer_error_[peer]) {
-      finish(op, closed_ ? closed_ : poisoned_ ? poisoned_ : peer_error_[peer]);
-      continue;
-    }
-    send_queues_[peer].push_back(op);
-    published |= progress_sends(dst, /*wake=*/false);
+    ops[i] = queue_send(tensors[i], dst, tags[i], checks[i], control, std::move(reference), published);
   }
   if (published) wake_peer(dst);  // one wake-up for the whole batch
   return ops;
@@ -129,6 +155,7 @@ OpList ShmChannel::make_recvs(std::span<const at::Tensor> tensors, int src, int 
                       shape_str(tensor.strides()) + "), so it cannot receive bytes in place; receive into a tensor "
                       "of its own (for instance t.contiguous() or t.clone())");
     }
+    if (!MemoryMappedTensor::is_mapped(tensor)) continue;
     if (auto info = MemoryMappedTensor::info(tensor); info && !info->writable) {
       throw TypeError("shm recv: the tensor is a read-only memory-mapped file ('" + info->filename +
                       "'), so it cannot receive bytes; open it writable or receive into another tensor");

@@ -111,6 +111,15 @@ class ShmChannel {
   /// tensor (null: that send is complete). Throws c10::Error for an invalid `dst`.
   OpList post_sends(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
                     std::span<const MessageCheck> checks, bool control);
+  /// One send (post_sends of one tensor without its lists: a ping-pong's path). Null when it
+  /// completed as it was posted.
+  std::shared_ptr<ShmOp> post_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
+                                   bool control);
+  /// Lands a receive from `src` (a valid peer) into `tensor` (contiguous, not a memory-mapped
+  /// file) at once when its message is already the next entry of `src`'s ring, whole, and nothing
+  /// may come first; true then. False, changing nothing, otherwise: post it (make_recvs,
+  /// post_recvs), which handles every other case.
+  bool receive_now(const at::Tensor& tensor, int src, int64_t tag, const MessageCheck& check, bool control);
   /// Checks the receiving tensors (TypeError: overlapping elements, a read-only mapping; c10::Error:
   /// an invalid `src`) and makes their ops. Touches no channel state: called without the lock.
   static OpList make_recvs(std::span<const at::Tensor> tensors, int src, int rank, int size,
@@ -175,6 +184,11 @@ class ShmChannel {
   using Matcher = shm::Matcher<ShmOp, Incoming>;
 
   // Sending (channel.cpp)
+  void check_destination(int dst) const;
+  bool send_whole(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check, bool control,
+                  const std::string& reference);
+  std::shared_ptr<ShmOp> queue_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
+                                    bool control, std::string reference, bool& published);
   bool progress_sends(int dst, bool wake = true);
   bool write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
                    uint64_t offset, uint64_t chunk, MessageCheck check = {});
@@ -189,6 +203,8 @@ class ShmChannel {
 
   // Receiving (channel_receive.cpp)
   bool progress_receives(int src, bool drain_all);
+  void entry_taken(int src, const shm::EntryFields& e);
+  void wake_sender_if_due(int src);
   Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
                      ReceivePass& pass);
   static MessageHead message_head(int src, const shm::EntryFields& e, const shm::EntryShape& shape);

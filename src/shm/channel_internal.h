@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -26,7 +27,7 @@ struct MessageHead {
   uint64_t total = 0;
   uint8_t dtype = 0;
   uint8_t ndim = shm::kShapeNotSent;
-  int64_t dims[shm::kMaxDims] = {};
+  int64_t dims[shm::kMaxDims];  // the first `ndim` when ndim >= 2 (not cleared: a message per copy)
   bool reference = false;  // a MemmapReference (a whole message in one entry)
 };
 
@@ -42,6 +43,29 @@ struct Incoming : MessageHead {
 };
 
 
+/// Why a message cannot land in a receive (kNone: it fits). What try_match reports, and what a
+/// receive that lands at once (receive_now) requires.
+enum class Mismatch { kNone, kLeaves, kCheck, kBytes, kDtype, kShape };
+
+/// Whether `msg` fits a receive that expects `expect` into `t`, contiguous and `bytes` long. The
+/// checks first: they say why the rest differs (another key, another schema).
+inline Mismatch mismatch(const MessageHead& msg, const MessageCheck& expect, const at::Tensor& t, uint64_t bytes) {
+  if (expect.kind != MessageCheck::Kind::kNone && msg.check.kind == expect.kind) {
+    if (msg.check.leaves != 0 && expect.leaves != 0 && msg.check.leaves != expect.leaves) return Mismatch::kLeaves;
+    if (msg.check.value != expect.value) return Mismatch::kCheck;
+  }
+  if (msg.total != bytes) return Mismatch::kBytes;
+  if (msg.dtype != static_cast<uint8_t>(t.scalar_type())) return Mismatch::kDtype;
+  if (msg.ndim != shm::kShapeNotSent) {
+    // Equal bytes and dtype: equal numel, so 0 or 1 dimensions compare by count alone.
+    const auto sizes = t.sizes();
+    if (msg.ndim < 2 ? sizes.size() != msg.ndim : !std::equal(sizes.begin(), sizes.end(), msg.dims, msg.dims + msg.ndim)) {
+      return Mismatch::kShape;
+    }
+  }
+  return Mismatch::kNone;
+}
+
 // Messages at least this large are copied out of the ring with non-temporal stores.
 inline constexpr uint64_t kStreamingMessageBytes = uint64_t{8} << 20;
 
@@ -56,6 +80,7 @@ std::exception_ptr make_error(const std::string& what) {
 // The MemmapReference payload for sending `t` by reference, or "" to send its bytes: only a
 // contiguous view of a named (not anonymous) mapping whose path fits in a slot goes so.
 inline std::string memmap_reference(const at::Tensor& t, uint64_t slot_bytes) {
+  if (!MemoryMappedTensor::is_mapped(t)) return {};  // the common case, in a few instructions
   auto info = MemoryMappedTensor::info(t);
   if (!info || info->filename.empty() || !t.is_contiguous()) return {};
   if (sizeof(shm::MemmapReference) + info->filename.size() > slot_bytes) return {};

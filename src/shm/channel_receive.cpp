@@ -61,26 +61,80 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
       return true;
     }
     if (taken == Taken::kHeld) break;  // over the unexpected budget: it waits in the ring
-    if (in_slot) {
-      shm::release_slot(region, fields.slot);
-      freed_slot_since_wake_[s] = 1;
-    }
-    ring.consume();
+    entry_taken(src, fields);
     moved = true;
-    ++consumed_since_wake_[s];
   }
-  // The sender may sleep waiting for room: wake it once a quarter of its room is back, or when
-  // its ring is empty after a slot came back, rather than for every entry (a producer woken per
-  // freed slot copies one chunk and sleeps again: with more ranks than cores, a data loader's
-  // workers thrashed so). A sender that waits for ring entries had the whole ring full, so a
-  // quarter of it comes back before the ring is empty: small messages that carry their bytes in
-  // the entry (a ping-pong) pay no wake-up (a fence and a read of the sender's line) per message.
-  if (moved && (consumed_since_wake_[s] >= wake_batch_ || (freed_slot_since_wake_[s] && ring.empty()))) {
+  if (moved) wake_sender_if_due(src);
+  return moved;
+}
+
+// `e`, the next entry of `src`'s ring, has landed: its slot goes back to the sender, then the entry.
+void ShmChannel::entry_taken(int src, const shm::EntryFields& e) {
+  const auto s = static_cast<size_t>(src);
+  if ((e.flags & shm::kEntryInline) == 0) {
+    shm::release_slot(regions_[s], e.slot);
+    freed_slot_since_wake_[s] = 1;
+  }
+  rx_[s].consume();
+  ++consumed_since_wake_[s];
+}
+
+// After entries of `src` were taken. The sender may sleep waiting for room: wake it once a
+// quarter of its room is back, or when its ring is empty after a slot came back, rather than for
+// every entry (a producer woken per freed slot copies one chunk and sleeps again: with more ranks
+// than cores, a data loader's workers thrashed so). A sender that waits for ring entries had the
+// whole ring full, so a quarter of it comes back before the ring is empty: small messages that
+// carry their bytes in the entry (a ping-pong) pay no wake-up (a fence and a read of the sender's
+// line) per message.
+void ShmChannel::wake_sender_if_due(int src) {
+  const auto s = static_cast<size_t>(src);
+  if (consumed_since_wake_[s] >= wake_batch_ || (freed_slot_since_wake_[s] && rx_[s].empty())) {
     consumed_since_wake_[s] = 0;
     freed_slot_since_wake_[s] = 0;
     wake_peer(src);
   }
-  return moved;
+}
+
+// A receive whose message is already the next entry of `src`'s ring, whole in that one entry,
+// lands at once: no op, no matcher, no pass over the other rings (a loader's main rank finds
+// most batches waiting so, and a ping-pong's replies that came before their receive). Only when
+// nothing may come first: no early message, no older posted receive that takes the same
+// messages, no message of `src` in progress. Every other case, and anything the general path
+// would fail (a corrupt entry, a mismatch, a lost mapping), returns false with nothing changed,
+// and the receive is posted as usual, which handles it.
+bool ShmChannel::receive_now(const at::Tensor& tensor, int src, int64_t tag, const MessageCheck& check, bool control) {
+  const auto s = static_cast<size_t>(src);
+  if (closed_ || poisoned_ || peer_error_[s] || current_[s] || matcher_.early_count() != 0 ||
+      matcher_.find_posted(src, tag, control) != matcher_.none()) {
+    return false;
+  }
+  shm::RingConsumer& ring = rx_[s];
+  shm::EntryFields e;
+  if (!ring.peek(e)) return false;  // read once, as in progress_receives
+  constexpr uint32_t kWhole = shm::kEntryFirst | shm::kEntryLast;
+  if ((e.flags & (kWhole | shm::kEntryReference)) != kWhole || e.tag != tag ||
+      ((e.flags & shm::kEntryControl) != 0) != control) {
+    return false;
+  }
+  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank};
+  if (!shm::check_entry(e, shm::RxProgress{}, arena, kMaxMessageBytes).empty()) return false;
+  const bool in_slot = (e.flags & shm::kEntryInline) == 0;
+  const auto me = static_cast<uint32_t>(rank_);
+  const uint8_t* payload = in_slot ? shm::claimed_chunk(regions_[s], e.slot, me) : ring.inline_bytes();
+  if (payload == nullptr) return false;
+  const MessageHead head = message_head(src, e, ring.shape());
+  const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+  if (mismatch(head, check, tensor, bytes) != Mismatch::kNone) return false;
+  if (e.chunk_bytes != 0) {
+    copy_bytes(static_cast<uint8_t*>(tensor.data_ptr()), payload, e.chunk_bytes, e.total_bytes >= kStreamingMessageBytes);
+  }
+  // A slot taken back while it was read, or a mapping lost: the general path reads the entry
+  // again and fails as it should.
+  if ((in_slot && !shm::claimed_chunk(regions_[s], e.slot, me)) || check_poisoned()) return false;
+  held_bytes_[s] = 0;
+  entry_taken(src, e);
+  wake_sender_if_due(src);
+  return true;
 }
 
 void ShmChannel::drain(int src) {
@@ -88,51 +142,52 @@ void ShmChannel::drain(int src) {
   }
 }
 
-// Checks that `msg` fits `op`; binds the source. On a mismatch fails `op` and returns false.
+// Checks that `msg` fits `op` (mismatch); binds the source. On a mismatch fails `op` with the
+// error that says why and returns false.
 bool ShmChannel::try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
   op->source = msg.src;
-  std::string problem;
-  const auto dtype = static_cast<c10::ScalarType>(msg.dtype);
-  // Checks first: they say why the rest differs (another key, another schema).
-  const bool checked = op->check.kind != MessageCheck::Kind::kNone && msg.check.kind == op->check.kind;
-  auto from = [&] { return op->peer < 0 ? " (from rank " + std::to_string(msg.src) + ")" : std::string(); };
-  if (checked && msg.check.leaves != 0 && op->check.leaves != 0 && msg.check.leaves != op->check.leaves) {
-    op->sender_leaves = msg.check.leaves;  // published by finish's release of done
-    finish(op, make_error<TransportError>(op->what() + from() + ": the sender's tree has " +
-                                          std::to_string(msg.check.leaves) + " leaves but this receiving tree has " +
-                                          std::to_string(op->check.leaves) + "; nothing was written"));
-    return false;
-  }
-  if (checked && msg.check.value != op->check.value) {
-    if (op->check.kind == MessageCheck::Kind::kSchema) {
-      finish(op, make_error<SchemaError>(op->what() + from() + ": the sender's consolidated schema (hash " +
-                                         hex32(msg.check.value) + ") differs from this tensordict's (hash " +
-                                         hex32(op->check.value) + "): tensorclass names, keys, dtypes, shapes or "
-                                         "layout differ; nothing was written"));
-    } else {
-      finish(op, make_error<TransportError>(op->what() + from() + ": the sender's leaf at this position has another key "
-                                            "(key hash " + hex32(msg.check.value) + ", this leaf's is " +
-                                            hex32(op->check.value) + "): the two trees' keys differ; nothing was "
-                                            "written"));
-    }
-    return false;
-  }
   const at::Tensor& t = op->contiguous();
-  if (msg.total != op->bytes) {
-    problem = "the message has " + std::to_string(msg.total) + " bytes but the tensor has " + std::to_string(op->bytes);
-  } else if (msg.dtype != static_cast<uint8_t>(t.scalar_type())) {
-    problem = std::string("the message has dtype ") +
-              (msg.dtype < static_cast<uint8_t>(c10::ScalarType::NumOptions) ? c10::toString(dtype) : "?") +
-              " but the tensor has dtype " + c10::toString(t.scalar_type());
-  } else if (msg.ndim != shm::kShapeNotSent &&
-             (msg.ndim < 2 ? t.dim() != msg.ndim  // equal bytes and dtype: equal numel
-                            : !std::equal(t.sizes().begin(), t.sizes().end(), msg.dims,
-                                          msg.dims + msg.ndim))) {
-    if (msg.ndim == 1) msg.dims[0] = static_cast<int64_t>(msg.total / t.element_size());
-    problem = "the message has shape " + shape_str(c10::IntArrayRef(msg.dims, msg.ndim)) + " but the tensor has shape " +
-              shape_str(t.sizes());
+  const Mismatch why = mismatch(msg, op->check, t, op->bytes);
+  if (why == Mismatch::kNone) return true;
+  auto from = [&] { return op->peer < 0 ? " (from rank " + std::to_string(msg.src) + ")" : std::string(); };
+  std::string problem;
+  switch (why) {
+    case Mismatch::kLeaves:
+      op->sender_leaves = msg.check.leaves;  // published by finish's release of done
+      finish(op, make_error<TransportError>(op->what() + from() + ": the sender's tree has " +
+                                            std::to_string(msg.check.leaves) + " leaves but this receiving tree has " +
+                                            std::to_string(op->check.leaves) + "; nothing was written"));
+      return false;
+    case Mismatch::kCheck:
+      if (op->check.kind == MessageCheck::Kind::kSchema) {
+        finish(op, make_error<SchemaError>(op->what() + from() + ": the sender's consolidated schema (hash " +
+                                           hex32(msg.check.value) + ") differs from this tensordict's (hash " +
+                                           hex32(op->check.value) + "): tensorclass names, keys, dtypes, shapes or "
+                                           "layout differ; nothing was written"));
+      } else {
+        finish(op, make_error<TransportError>(op->what() + from() + ": the sender's leaf at this position has another "
+                                              "key (key hash " + hex32(msg.check.value) + ", this leaf's is " +
+                                              hex32(op->check.value) + "): the two trees' keys differ; nothing was "
+                                              "written"));
+      }
+      return false;
+    case Mismatch::kBytes:
+      problem = "the message has " + std::to_string(msg.total) + " bytes but the tensor has " + std::to_string(op->bytes);
+      break;
+    case Mismatch::kDtype: {
+      const auto dtype = static_cast<c10::ScalarType>(msg.dtype);
+      problem = std::string("the message has dtype ") +
+                (msg.dtype < static_cast<uint8_t>(c10::ScalarType::NumOptions) ? c10::toString(dtype) : "?") +
+                " but the tensor has dtype " + c10::toString(t.scalar_type());
+      break;
+    }
+    case Mismatch::kShape:
+      if (msg.ndim == 1) msg.dims[0] = static_cast<int64_t>(msg.total / t.element_size());
+      problem = "the message has shape " + shape_str(c10::IntArrayRef(msg.dims, msg.ndim)) +
+                " but the tensor has shape " + shape_str(t.sizes());
+      break;
+    case Mismatch::kNone: break;
   }
-  if (problem.empty()) return true;
   finish(op, make_error<TransportError>(op->what() + from() + ": " + problem));
   return false;
 }

@@ -6,6 +6,7 @@
 #include "common/log.h"
 
 #include <tdshm/errors.h>
+#include <tdshm/memmap.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -141,8 +142,8 @@ void ShmEngine::shutdown() noexcept {
 
 std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control,
                                             MessageCheck check) {
-  OpList ops = post_sends({&tensor, 1}, dst, {&tag, 1}, {&check, 1}, control);
-  return ops.empty() ? nullptr : std::move(ops[0]);
+  std::lock_guard lk(mu_);
+  return channel_->post_send(tensor, dst, tag, check, control);
 }
 
 OpList ShmEngine::post_sends(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
@@ -153,6 +154,15 @@ OpList ShmEngine::post_sends(std::span<const at::Tensor> tensors, int dst, std::
 
 std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control,
                                             MessageCheck check) {
+  // A message already waiting lands at once (receive_now); the checks make_recvs would make are
+  // moot for such a tensor (contiguous: no overlap; not a mapped file: not read-only).
+  if (src >= 0 && src < size_ && src != rank_ && tensor.is_contiguous() && !MemoryMappedTensor::is_mapped(tensor)) {
+    std::lock_guard lk(mu_);
+    if (channel_->receive_now(tensor, src, tag, check, control)) return nullptr;
+    OpList ops = ShmChannel::make_recvs({&tensor, 1}, src, rank_, size_, {&tag, 1}, {&check, 1}, control);
+    channel_->post_recvs(ops, src);
+    return std::move(ops[0]);
+  }
   return std::move(post_recvs({&tensor, 1}, src, {&tag, 1}, {&check, 1}, control)[0]);
 }
 

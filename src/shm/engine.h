@@ -21,6 +21,7 @@
 
 #include "shm/channel.h"
 #include "shm/collective_steps.h"
+#include "shm/light_mutex.h"
 #include "shm/segment.h"
 #include "shm/waiter.h"
 
@@ -54,6 +55,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   std::shared_ptr<ShmOp> post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control,
                                    MessageCheck check = {});
   /// Posts a receive into `tensor` (src -1: any source) and takes a message that already arrived.
+  /// Null when it completed as it was posted (its message was waiting, whole): the tensor holds it.
   std::shared_ptr<ShmOp> post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control,
                                    MessageCheck check = {});
   /// A batch of the above to one peer (a per-leaf transfer): the same messages, in order, posted
@@ -128,7 +130,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
 
   // Under mu_: the point-to-point channel, which is also the group's failure state (closed,
   // poisoned, lost peers). Engaged once the segment is attached.
-  std::mutex mu_;
+  LightMutex mu_;  // held on every message: one word, inline (light_mutex.h)
   std::optional<ShmChannel> channel_;
 
   // Atomics, any thread, no lock (relaxed: hints, re-checked under mu_ where it matters).

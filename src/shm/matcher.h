@@ -63,6 +63,7 @@ class Matcher {
   /// The oldest posted receive that accepts a message from `src` with `tag`, left in the queue
   /// until take_posted; `none()` if there is none.
   Found find_posted(int src, int64_t tag, bool control) {
+    if (posted_.empty()) return posted_.end();  // the common case, without the deque's iterators
     return std::find_if(posted_.begin(), posted_.end(), [&](const OpPtr& op) {
       return (op->peer < 0 || op->peer == src) && op->tag == tag && op->control == control;
     });

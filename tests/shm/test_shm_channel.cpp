@@ -274,5 +274,95 @@ TEST_F(ShmChannelTest, BadArgumentsAreRefused) {
   SHM_CHECK_THROWS(TypeError, [&] { ShmChannel::make_recvs(overlapping, 0, 1, 2, tags, checks, false); });
 }
 
+// ---- A receive whose message is already waiting (receive_now) -----------------------------------
+
+TEST_F(ShmChannelTest, AWaitingWholeMessageLandsAtOnceWithoutAnOp) {
+  open(small_options());  // 4 KiB slots: 3000 bytes go through a slot, 40 bytes inline
+  for (const int64_t n : {int64_t{10}, int64_t{750}}) {
+    const at::Tensor want = pattern(at::kFloat, n, 20 + static_cast<uint64_t>(n));
+    EXPECT_EQ(ch(0).post_send(want, 1, 4, {}, false), nullptr) << "published when posted";
+    const at::Tensor got = at::zeros({n}, at::kFloat);
+    EXPECT_TRUE(ch(1).receive_now(got, 0, 4, {}, false));
+    EXPECT_TRUE(same_bytes(got, want));
+    EXPECT_FALSE(ch(1).receive_now(at::zeros({n}, at::kFloat), 0, 4, {}, false)) << "the ring is empty now";
+  }
+  // The slot went back to the sender: every slot can carry a message again, in order.
+  for (int64_t i = 0; i < static_cast<int64_t>(options_.slots_per_rank) + 2; ++i) {
+    const at::Tensor want = pattern(at::kFloat, 750, 40 + static_cast<uint64_t>(i));
+    ASSERT_EQ(ch(0).post_send(want, 1, 5, {}, false), nullptr) << "message " << i;
+    const at::Tensor got = at::zeros({750}, at::kFloat);
+    ASSERT_TRUE(ch(1).receive_now(got, 0, 5, {}, false)) << "message " << i;
+    EXPECT_TRUE(same_bytes(got, want)) << "message " << i;
+  }
+}
+
+TEST_F(ShmChannelTest, AWaitingMessageYieldsToWhatMustComeFirst) {
+  open(small_options());
+  const at::Tensor a = pattern(at::kInt, 6, 1), b = pattern(at::kInt, 6, 2);
+  // An older posted receive of the same tag takes the first message: the new one may not.
+  const at::Tensor got_a = at::zeros({6}, at::kInt);
+  auto older = recv(1, got_a, 3, 0);
+  ch(0).post_send(a, 1, 3, {}, false);
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({6}, at::kInt), 0, 3, {}, false));
+  ASSERT_TRUE(pump([&] { return is_done(older); }));
+  expect_ok(older);
+  EXPECT_TRUE(same_bytes(got_a, a));
+  // An early message (drained into process memory) is older than the ring's next one.
+  ch(0).post_send(a, 1, 3, {}, false);
+  ch(1).progress(/*drain_all=*/true);
+  ch(0).post_send(b, 1, 3, {}, false);
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({6}, at::kInt), 0, 3, {}, false));
+  const at::Tensor first = at::zeros({6}, at::kInt), second = at::zeros({6}, at::kInt);
+  auto op1 = recv(1, first, 3, 0);
+  auto op2 = recv(1, second, 3, 0);
+  ASSERT_TRUE(pump([&] { return is_done(op1) && is_done(op2); }));
+  EXPECT_TRUE(same_bytes(first, a));
+  EXPECT_TRUE(same_bytes(second, b));
+  // Another tag, a collective's message, a mismatched tensor, a message in several entries:
+  // nothing lands, nothing is consumed, and the receive posted as usual gets what it should.
+  ch(0).post_send(a, 1, 9, {}, false);
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({6}, at::kInt), 0, 8, {}, false));
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({6}, at::kInt), 0, 9, {}, /*control=*/true));
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({7}, at::kInt), 0, 9, {}, false));
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({6}, at::kFloat), 0, 9, {}, false));
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({2, 3}, at::kInt), 0, 9, {}, false)) << "another shape";
+  const at::Tensor wrong = at::zeros({7}, at::kInt);
+  auto failed = recv(1, wrong, 9, 0);
+  ASSERT_TRUE(pump([&] { return is_done(failed); }));
+  EXPECT_TRUE(failure(failed).is<TransportError>()) << "the general path reports the mismatch";
+  const at::Tensor big = pattern(at::kFloat, 4096, 3);  // 16 KiB: four 4 KiB entries
+  auto sends = ch(0).post_send(big, 1, 2, {}, false);
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({4096}, at::kFloat), 0, 2, {}, false));
+  const at::Tensor got_big = at::zeros({4096}, at::kFloat);
+  auto op_big = recv(1, got_big, 2, 0);
+  ASSERT_TRUE(pump([&] { return is_done(op_big) && is_done(sends); }));
+  expect_ok(op_big);
+  EXPECT_TRUE(same_bytes(got_big, big));
+}
+
+TEST_F(ShmChannelTest, AWaitingMessageWithAKeyCheckLandsOnlyOnTheSameKey) {
+  open(small_options());
+  const MessageCheck key{MessageCheck::Kind::kKey, 0xabcd, 3};
+  const at::Tensor want = pattern(at::kDouble, 5, 4);
+  ch(0).post_send(want, 1, 1, key, false);
+  const MessageCheck other{MessageCheck::Kind::kKey, 0xabce, 3};
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({5}, at::kDouble), 0, 1, other, false));
+  const at::Tensor got = at::zeros({5}, at::kDouble);
+  EXPECT_TRUE(ch(1).receive_now(got, 0, 1, key, false));
+  EXPECT_TRUE(same_bytes(got, want));
+}
+
+TEST_F(ShmChannelTest, NothingLandsAtOnceFromALostPeerOrOnAClosedChannel) {
+  open(small_options());
+  ch(0).post_send(pattern(at::kFloat, 4, 5), 1, 1, {}, false);
+  ch(1).fail_peer(0, std::make_exception_ptr(PeerLostError("rank 0 is gone")));
+  EXPECT_FALSE(ch(1).receive_now(at::zeros({4}, at::kFloat), 0, 1, {}, false));
+  EXPECT_TRUE(ch(0).close(std::make_exception_ptr(TransportError("destroyed"))));
+  auto op = ch(0).post_send(pattern(at::kFloat, 4, 6), 1, 1, {}, false);
+  ASSERT_TRUE(is_done(op));
+  EXPECT_TRUE(failure(op).is<TransportError>());
+  SHM_CHECK_THROWS(c10::Error, [&] { ch(0).post_send(at::zeros({4}, at::kFloat), 0, 1, {}, false); }, "destination rank");
+}
+
 }  // namespace
 }  // namespace tdshm::test

@@ -347,8 +347,66 @@ void left_sender_scenario(const std::string& name, int rank, const ShmOptions& o
   SHM_CHECK(Clock::now() - start < opts.timeout / 2, "the recv from a departed rank failed only at the timeout");
 }
 
+/// Scenario (threads): receives whose messages already wait in the ring when they are posted
+/// (rank 0 says so through `sent`). Such a Work is complete as returned and answers like any
+/// other: wait, result (the receiving tensor itself), sourceRank, its future. A waiting message
+/// that does not fit the receive fails it with the usual TransportError, and the pair goes on.
+void waiting_message_scenario(const std::string& name, int rank, const ShmOptions& opts, std::atomic<int>& sent) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  const std::vector<int64_t> bytes = {8, 1000, 2 * static_cast<int64_t>(opts.slot_bytes)};
+  auto values = [&](size_t i) { return pattern(at::kByte, bytes[i], 500 + i); };
+  auto wait_for = [&](int n) {
+    const auto give_up = Clock::now() + 10s;
+    while (sent.load() < n && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+    SHM_CHECK(sent.load() >= n, "rank 0 did not send message " << n);
+  };
+  if (rank == 0) {
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      send_wait(pg, values(i), 1, 3);
+      sent.store(static_cast<int>(i) + 1);
+    }
+    send_wait(pg, pattern(at::kFloat, 10, 9), 1, 4);
+    sent.store(10);
+    send_wait(pg, pattern(at::kFloat, 10, 10), 1, 4);
+    return;
+  }
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    wait_for(static_cast<int>(i) + 1);
+    const at::Tensor got = at::zeros({bytes[i]}, at::kByte);
+    std::vector<at::Tensor> tensors{got};
+    auto work = pg.recv(tensors, 0, 3);
+    if (i < 2) {  // whole in one entry: complete as posted (the last one needs its other entries)
+      SHM_CHECK(work->isCompleted(), "message " << i << " waited in the ring but its recv is not complete");
+    }
+    SHM_CHECK(work->wait(), "message " << i);
+    SHM_CHECK(same_bytes(got, values(i)), "message " << i << " differs");
+    SHM_CHECK(work->isSuccess() && work->sourceRank() == 0, "message " << i);
+    const auto result = work->result();
+    SHM_CHECK(result.size() == 1 && result[0].data_ptr() == got.data_ptr(), "result() is not the receiving tensor");
+    auto future = work->getFuture();
+    SHM_CHECK(future->completed() && !future->hasError(), "the future of message " << i);
+  }
+  wait_for(10);
+  const at::Tensor wrong = at::zeros({11}, at::kFloat);
+  std::vector<at::Tensor> tensors{wrong};
+  auto work = pg.recv(tensors, 0, 4);
+  const Caught c = catch_any([&] { work->wait(); });
+  SHM_CHECK(c.is<TransportError>() && contains_nocase(c.what, "the message has 40 bytes but the tensor has 44"),
+            "a mismatched waiting message gave " << c.describe());
+  const at::Tensor next = at::zeros({10}, at::kFloat);
+  recv_wait(pg, next, 0, 4);
+  SHM_CHECK(same_bytes(next, pattern(at::kFloat, 10, 10)), "the message after the mismatch differs");
+}
+
 class ShmP2PThreads : public ShmTest {};
 class ShmP2PProcs : public ShmTest {};
+
+TEST_F(ShmP2PThreads, AReceiveWhoseMessageWaitsCompletesAsPosted) {
+  const std::string name = unique_name();
+  std::atomic<int> sent{0};
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kThreads, 2, [&](int r) { waiting_message_scenario(name, r, small_options(), sent); }));
+}
 
 TEST_F(ShmP2PThreads, RoundTripEveryDtypeSizeAndLayout) {
   const std::string name = unique_name();
