@@ -1,12 +1,15 @@
 // The cost of tdshm's per-message software path, without the wire's waiting: two ranks of one
 // ProcessGroupShm world live in this process and one thread drives both. Rank 0 sends a message
-// to rank 1, which posts its receive once the message is already in the ring (so it lands when
-// posted and the wait returns at once), then rank 1 sends it back. Every instruction counted is
-// the path itself: c10d's calls and Work objects, the engine's lock, the channel's posting,
-// matching, entry checks and copies, the wake-up words. No spinning, no cache line moving
-// between CPUs: the figure is the same in a fast and a slow minute.
+// to rank 1, which receives it, then rank 1 sends it back. Every instruction counted is the path
+// itself: c10d's calls and Work objects, the engine's lock, the channel's posting, matching,
+// entry checks and copies, the wake-up words. No spinning, no cache line moving between CPUs:
+// the figure is the same in a fast and a slow minute. Two orders, two paths:
+//  * default: each receive is posted once its message is already in the ring (it lands as it is
+//    posted: a loader's main rank, a stream of messages that runs ahead of its receives);
+//  * --posted-first: each receive is posted before its message is sent, and its wait finds the
+//    message (a ping-pong's receiver: the matcher, the op and a progress pass under the lock).
 //
-//   build/benchmarks/tdshm_bench_path [--bytes N] [--iters N] [--instructions]
+//   build/benchmarks/tdshm_bench_path [--bytes N] [--iters N] [--posted-first] [--instructions]
 //
 // It prints ns per message (one send and its receive). With --instructions it runs itself twice
 // under valgrind's callgrind (--iters N and 2N) and prints the instructions per message from the
@@ -37,10 +40,11 @@ struct Options {
   int64_t bytes = 8;
   int iters = 100000;
   bool instructions = false;
+  bool posted_first = false;
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
-  std::fprintf(stderr, "tdshm_bench_path: %s\nusage: tdshm_bench_path [--bytes N] [--iters N] [--instructions]\n",
+  std::fprintf(stderr, "tdshm_bench_path: %s\nusage: tdshm_bench_path [--bytes N] [--iters N] [--posted-first] [--instructions]\n",
                what.c_str());
   std::exit(2);
 }
@@ -65,6 +69,8 @@ Options parse(int argc, char** argv) {
       o.iters = static_cast<int>(v);
     } else if (a == "--instructions") {
       o.instructions = true;
+    } else if (a == "--posted-first") {
+      o.posted_first = true;
     } else {
       usage_error("bad option " + a);
     }
@@ -87,10 +93,19 @@ double run(const Options& o) {
       back{at::zeros({o.bytes}, at::kByte)};
   const auto start = Clock::now();
   for (int i = 0; i < o.iters; ++i) {
-    pg[0]->send(out, 1, 0);
-    pg[1]->recv(in, 0, 0)->wait();
-    pg[1]->send(in, 0, 0);
-    pg[0]->recv(back, 1, 0)->wait();
+    if (o.posted_first) {
+      auto there = pg[1]->recv(in, 0, 0);
+      pg[0]->send(out, 1, 0);
+      there->wait();
+      auto back_again = pg[0]->recv(back, 1, 0);
+      pg[1]->send(in, 0, 0);
+      back_again->wait();
+    } else {
+      pg[0]->send(out, 1, 0);
+      pg[1]->recv(in, 0, 0)->wait();
+      pg[1]->send(in, 0, 0);
+      pg[0]->recv(back, 1, 0)->wait();
+    }
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (!at::equal(back[0], out[0])) throw std::runtime_error("the message came back with other bytes");
@@ -102,7 +117,7 @@ double run(const Options& o) {
 /// Instructions of `self --bytes B --iters N` under callgrind ("Collected : X" on its stderr).
 long long callgrind_instructions(const std::string& self, const Options& o, int iters) {
   const std::string cmd = "valgrind --tool=callgrind --callgrind-out-file=/dev/null '" + self + "' --bytes " +
-                          std::to_string(o.bytes) + " --iters " + std::to_string(iters) + " 2>&1";
+                          std::to_string(o.bytes) + " --iters " + std::to_string(iters) + (o.posted_first ? " --posted-first" : "") + " 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) throw std::runtime_error("cannot run valgrind");
   std::string output;
@@ -130,13 +145,13 @@ int main(int argc, char** argv) {
       const long long one = callgrind_instructions(self, o, iters);
       const long long two = callgrind_instructions(self, o, 2 * iters);
       const double per_message = static_cast<double>(two - one) / (2.0 * iters);
-      std::printf("%lld B: %.0f instructions per message (send + receive, both ranks; callgrind, %d vs %d round trips)\n",
-                  static_cast<long long>(o.bytes), per_message, iters, 2 * iters);
+      std::printf("%lld B%s: %.0f instructions per message (send + receive, both ranks; callgrind, %d vs %d round trips)\n",
+                  static_cast<long long>(o.bytes), o.posted_first ? ", posted first" : "", per_message, iters, 2 * iters);
       return 0;
     }
     const double seconds = run(o);
-    std::printf("%lld B: %.1f ns per message (send + receive, one thread drives both ranks, %d round trips)\n",
-                static_cast<long long>(o.bytes), seconds * 1e9 / (2.0 * o.iters), o.iters);
+    std::printf("%lld B%s: %.1f ns per message (send + receive, one thread drives both ranks, %d round trips)\n",
+                static_cast<long long>(o.bytes), o.posted_first ? ", posted first" : "", seconds * 1e9 / (2.0 * o.iters), o.iters);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tdshm_bench_path: %s\n", e.what());

@@ -383,7 +383,11 @@ std::optional<MemmapInfo> MemoryMappedTensor::info(const at::Tensor& t) {
 }
 
 bool MemoryMappedTensor::is_mapped(const at::Tensor& t) noexcept {
-  return t.defined() && t.has_storage() && t.storage().data_ptr().get_deleter() == &release_mapping;
+  if (!t.defined()) return false;
+  // Without the (virtual) has_storage() and storage()'s checks: a tensor whose storage may not be
+  // accessed (sparse, nested) has a null one here.
+  const c10::Storage& storage = t.unsafeGetTensorImpl()->unsafe_storage();
+  return storage && storage.data_ptr().get_deleter() == &release_mapping;
 }
 
 std::string MemoryMappedTensor::filename() const {

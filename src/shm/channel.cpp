@@ -137,36 +137,41 @@ OpList ShmChannel::post_sends(std::span<const at::Tensor> tensors, int dst, std:
   return ops;
 }
 
-OpList ShmChannel::make_recvs(std::span<const at::Tensor> tensors, int src, int rank, int size,
-                              std::span<const int64_t> tags, std::span<const MessageCheck> checks, bool control) {
+// Bytes land in place: a tensor whose elements share memory (an expanded view) cannot take them,
+// nor can a read-only mapping. (A contiguous tensor's elements never overlap: the common case
+// skips that check.)
+static void check_receiving(const at::Tensor& tensor) {
+  if (!tensor.is_contiguous() && tensor.numel() > 1 && at::has_internal_overlap(tensor) == at::MemOverlap::Yes) {
+    throw TypeError("shm recv: the tensor's elements overlap in memory (an expanded or stride-0 view, strides " +
+                    shape_str(tensor.strides()) + "), so it cannot receive bytes in place; receive into a tensor "
+                    "of its own (for instance t.contiguous() or t.clone())");
+  }
+  if (!MemoryMappedTensor::is_mapped(tensor)) return;
+  if (auto info = MemoryMappedTensor::info(tensor); info && !info->writable) {
+    throw TypeError("shm recv: the tensor is a read-only memory-mapped file ('" + info->filename +
+                    "'), so it cannot receive bytes; open it writable or receive into another tensor");
+  }
+}
+
+static void check_source(int src, int rank, int size) {
   if (src < -1 || src >= size || src == rank) {
     throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                      "shm recv: source rank " + std::to_string(src) + " is invalid for rank " + std::to_string(rank) +
                          " of " + std::to_string(size));
   }
+}
+
+OpList ShmChannel::make_recvs(std::span<const at::Tensor> tensors, int src, int rank, int size,
+                              std::span<const int64_t> tags, std::span<const MessageCheck> checks, bool control) {
   TORCH_INTERNAL_ASSERT(tags.size() == tensors.size() && checks.size() == tensors.size());
-  // Every tensor is checked before anything is posted.
-  for (const at::Tensor& tensor : tensors) {
-    // Bytes land in place: a tensor whose elements share memory (an expanded view) cannot take
-    // them, nor can a read-only mapping.
-    // (A contiguous tensor's elements never overlap: the common case skips the check.)
-    if (!tensor.is_contiguous() && tensor.numel() > 1 && at::has_internal_overlap(tensor) == at::MemOverlap::Yes) {
-      throw TypeError("shm recv: the tensor's elements overlap in memory (an expanded or stride-0 view, strides " +
-                      shape_str(tensor.strides()) + "), so it cannot receive bytes in place; receive into a tensor "
-                      "of its own (for instance t.contiguous() or t.clone())");
-    }
-    if (!MemoryMappedTensor::is_mapped(tensor)) continue;
-    if (auto info = MemoryMappedTensor::info(tensor); info && !info->writable) {
-      throw TypeError("shm recv: the tensor is a read-only memory-mapped file ('" + info->filename +
-                      "'), so it cannot receive bytes; open it writable or receive into another tensor");
-    }
-  }
   OpList ops;
   if (tensors.size() == 1) {
-    ops.push_back(new_op());  // (an initializer list would copy the shared_ptr)
-  } else {
-    ops = make_ops(tensors.size());
+    ops.push_back(make_recv(tensors[0], src, rank, size, tags[0], checks[0], control));  // no array
+    return ops;
   }
+  check_source(src, rank, size);
+  for (const at::Tensor& tensor : tensors) check_receiving(tensor);  // all checked before anything is posted
+  ops = make_ops(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     init_op(ops[i].get(), ShmOp::Kind::kRecv, src, tags[i], control, tensors[i]);
     ops[i]->check = checks[i];
@@ -174,10 +179,26 @@ OpList ShmChannel::make_recvs(std::span<const at::Tensor> tensors, int src, int 
   return ops;
 }
 
-void ShmChannel::post_recvs(const OpList& ops, int src) {
+std::shared_ptr<ShmOp> ShmChannel::make_recv(const at::Tensor& tensor, int src, int rank, int size, int64_t tag,
+                                             const MessageCheck& check, bool control) {
+  check_source(src, rank, size);
+  check_receiving(tensor);
+  auto op = make_op(ShmOp::Kind::kRecv, src, tag, control, tensor);
+  op->check = check;
+  return op;
+}
+
+void ShmChannel::post_recvs(std::span<const std::shared_ptr<ShmOp>> ops, int src) {
   bool posted = false;
   for (const auto& op : ops) posted |= post_recv(op, src);
-  if (posted) progress(/*drain_all=*/false);  // a message already in a ring lands in place
+  if (!posted) return;
+  // A message already in a ring lands in place. A receive from one source needs only that
+  // source's ring read (the other rings and queued sends move in the waits).
+  if (src >= 0 && !check_poisoned()) {
+    progress_receives(src, /*drain_all=*/false);
+  } else {
+    progress(/*drain_all=*/false);
+  }
 }
 
 // Matches `op` with a message drained earlier, or posts it. True if it was posted (the rings may

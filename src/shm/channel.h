@@ -124,9 +124,12 @@ class ShmChannel {
   /// an invalid `src`) and makes their ops. Touches no channel state: called without the lock.
   static OpList make_recvs(std::span<const at::Tensor> tensors, int src, int rank, int size,
                            std::span<const int64_t> tags, std::span<const MessageCheck> checks, bool control);
-  /// Posts the receives made by make_recvs (from `src`, -1: any) and lands messages that already
-  /// arrived in them.
-  void post_recvs(const OpList& ops, int src);
+  /// make_recvs of one tensor, without its list.
+  static std::shared_ptr<ShmOp> make_recv(const at::Tensor& tensor, int src, int rank, int size, int64_t tag,
+                                          const MessageCheck& check, bool control);
+  /// Posts the receives made by make_recvs or make_recv (from `src`, -1: any) and lands messages
+  /// that already arrived in them.
+  void post_recvs(std::span<const std::shared_ptr<ShmOp>> ops, int src);
 
   /// One progress pass over every peer's rings; true if anything moved. Without `drain_all` a
   /// message that no posted receive takes stays in its ring while no receive from its source is

@@ -159,11 +159,15 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, i
   if (src >= 0 && src < size_ && src != rank_ && tensor.is_contiguous() && !MemoryMappedTensor::is_mapped(tensor)) {
     std::lock_guard lk(mu_);
     if (channel_->receive_now(tensor, src, tag, check, control)) return nullptr;
-    OpList ops = ShmChannel::make_recvs({&tensor, 1}, src, rank_, size_, {&tag, 1}, {&check, 1}, control);
-    channel_->post_recvs(ops, src);
-    return std::move(ops[0]);
+    auto op = ShmChannel::make_recv(tensor, src, rank_, size_, tag, check, control);
+    channel_->post_recvs({&op, 1}, src);
+    return op;
   }
-  return std::move(post_recvs({&tensor, 1}, src, {&tag, 1}, {&check, 1}, control)[0]);
+  // Checked and made before the lock is taken.
+  auto op = ShmChannel::make_recv(tensor, src, rank_, size_, tag, check, control);
+  std::lock_guard lk(mu_);
+  channel_->post_recvs({&op, 1}, src);
+  return op;
 }
 
 OpList ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src, std::span<const int64_t> tags,

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <unordered_map>
@@ -63,10 +64,13 @@ class Matcher {
   /// The oldest posted receive that accepts a message from `src` with `tag`, left in the queue
   /// until take_posted; `none()` if there is none.
   Found find_posted(int src, int64_t tag, bool control) {
-    if (posted_.empty()) return posted_.end();  // the common case, without the deque's iterators
-    return std::find_if(posted_.begin(), posted_.end(), [&](const OpPtr& op) {
+    auto accepts = [&](const OpPtr& op) {
       return (op->peer < 0 || op->peer == src) && op->tag == tag && op->control == control;
-    });
+    };
+    // The common cases, without the deque's iterators: none posted, or the oldest takes it.
+    if (posted_.empty()) return posted_.end();
+    if (accepts(posted_.front())) return posted_.begin();
+    return std::find_if(std::next(posted_.begin()), posted_.end(), accepts);
   }
   Found none() noexcept { return posted_.end(); }
 
