@@ -24,6 +24,10 @@
 //  * A contiguous tensor that views a named MemoryMappedTensor is sent as a reference (file,
 //    offset; kEntryReference): the receiver copies straight from the file into its tensor, or
 //    nothing at all when its tensor maps the same bytes. An anonymous memmap goes by value.
+//  * A receive whose message is already the next entry of its source's ring, whole, and that
+//    nothing older may take first (an early message, a posted receive for the same messages),
+//    lands as it is posted, without an op or the matcher (receive_now); every other receive is
+//    posted and matched as below.
 //  * A message that matches a posted recv is copied straight into the receiver's tensor. One that
 //    matches nothing yet is copied into process memory ("unexpected", as in MPI) so that the
 //    ring keeps moving: two ranks that both send before receiving cannot deadlock. Those copies

@@ -118,7 +118,8 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
 
   // Locks. Three mutexes, never more than two held, always in this order: the steps' mutex (a
   // whole collective, taken by its caller: steps().mutex()) before mu_ (the channel, taken by
-  // the StepPeers calls); watch_mu_ (the helper thread's list) is never held with another.
+  // the StepPeers calls); watch_mu_ (the helper thread's list) is never held with another. mu_
+  // is taken on every message, so it is a LightMutex (one futex word, inline), not std::mutex.
   // Fields are grouped below by what guards them.
 
   // Set in the constructor, then only read (any thread, no lock).
