@@ -166,9 +166,11 @@ class Parser {
 struct Metric {
   std::string key;     // identity, also the table's first column
   std::string name;    // e.g. "batches/s"
-  double value = 0;
+  double value = 0;    // of several rows with this identity: their median
   bool higher_is_better = true;
   bool informational = false;  // shown, never a regression
+  size_t runs = 1;             // rows with this identity
+  double lo = 0, hi = 0;       // their smallest and largest value
 };
 
 std::string count_field(const Row& r) {
@@ -231,18 +233,31 @@ std::optional<Metric> metric_of(const Row& r) {
   return m;
 }
 
-// Rows by identity, first one wins; `duplicates` counts the others.
-std::vector<Metric> metrics_of(const std::vector<Row>& rows, int& duplicates) {
+// Rows by identity, in first-seen order. Several rows with one identity (the runs of alternating
+// measurements, concatenated) count as one: the median of their values, with their range, so
+// that a comparison of repeated runs is not decided by whichever run came first.
+std::vector<Metric> metrics_of(const std::vector<Row>& rows) {
   std::vector<Metric> out;
-  duplicates = 0;
+  std::vector<std::vector<double>> values;
   for (const auto& r : rows) {
     auto m = metric_of(r);
     if (!m) continue;
-    if (std::any_of(out.begin(), out.end(), [&](const Metric& o) { return o.key == m->key; })) {
-      ++duplicates;
-      continue;
+    const auto it = std::find_if(out.begin(), out.end(), [&](const Metric& o) { return o.key == m->key; });
+    if (it == out.end()) {
+      out.push_back(*m);
+      values.push_back({m->value});
+    } else {
+      values[static_cast<size_t>(it - out.begin())].push_back(m->value);
     }
-    out.push_back(*m);
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    auto& v = values[i];
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    out[i].value = n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+    out[i].runs = n;
+    out[i].lo = v.front();
+    out[i].hi = v.back();
   }
   return out;
 }
@@ -381,9 +396,8 @@ void write_rows(const std::string& path, const std::vector<Row>& rows) {
 
 Comparison compare_rows(const std::vector<Row>& old_rows, const std::vector<Row>& new_rows, double threshold_pct,
                         const std::string& old_label, FILE* out) {
-  int old_dups = 0, new_dups = 0;
-  const auto olds = metrics_of(old_rows, old_dups);
-  const auto news = metrics_of(new_rows, new_dups);
+  const auto olds = metrics_of(old_rows);
+  const auto news = metrics_of(new_rows);
   Comparison c;
   std::vector<std::string> only_new;
   size_t key_width = 24;
@@ -391,9 +405,18 @@ Comparison compare_rows(const std::vector<Row>& old_rows, const std::vector<Row>
   for (const auto& m : olds) key_width = std::max(key_width, m.key.size());
   const int kw = static_cast<int>(key_width);
 
+  const bool repeated = std::any_of(olds.begin(), olds.end(), [](const Metric& m) { return m.runs > 1; }) ||
+                        std::any_of(news.begin(), news.end(), [](const Metric& m) { return m.runs > 1; });
   std::fprintf(out, "\ncompare with %s (regression: throughput down or latency up by more than %g %%):\n",
                old_label.c_str(), threshold_pct);
+  if (repeated) {
+    std::fprintf(out, "  (a row measured several times: the median of its runs, then [runs: min-max])\n");
+  }
   std::fprintf(out, "  %-*s %-10s %12s %12s %9s\n", kw, "row", "metric", "old", "new", "change");
+  auto spread = [](const Metric& m) {
+    return m.runs > 1 ? " [" + std::to_string(m.runs) + ": " + format_value(m.lo) + "-" + format_value(m.hi) + "]"
+                      : std::string();
+  };
   for (const auto& n : news) {
     const auto o = std::find_if(olds.begin(), olds.end(), [&](const Metric& m) { return m.key == n.key; });
     if (o == olds.end()) {
@@ -405,9 +428,10 @@ Comparison compare_rows(const std::vector<Row>& old_rows, const std::vector<Row>
     const bool worse = n.higher_is_better ? change < -threshold_pct : change > threshold_pct;
     const bool regression = worse && !n.informational && o->value > 0;
     if (regression) ++c.regressions;
-    std::fprintf(out, "  %-*s %-10s %12s %12s %+8.1f%%%s\n", kw, n.key.c_str(), n.name.c_str(),
+    std::fprintf(out, "  %-*s %-10s %12s %12s %+8.1f%%%s%s\n", kw, n.key.c_str(), n.name.c_str(),
                  format_value(o->value).c_str(), format_value(n.value).c_str(), change,
-                 regression ? "  REGRESSION" : "");
+                 regression ? "  REGRESSION" : "",
+                 repeated ? ("  old" + spread(*o) + " new" + spread(n)).c_str() : "");
   }
   std::vector<std::string> only_old;
   for (const auto& o : olds) {
@@ -424,9 +448,6 @@ Comparison compare_rows(const std::vector<Row>& old_rows, const std::vector<Row>
   if (!only_new.empty()) {
     std::fprintf(out, "only in this run (not compared):\n");
     for (const auto& k : only_new) std::fprintf(out, "  %s\n", k.c_str());
-  }
-  if (old_dups + new_dups > 0) {
-    std::fprintf(out, "duplicate rows ignored (the first of each counts): %d old, %d new\n", old_dups, new_dups);
   }
   std::fprintf(out, "%d matched, %d regression(s), %d only in %s, %d only in this run\n", c.matched, c.regressions,
                c.only_old, old_label.c_str(), c.only_new);

@@ -13,6 +13,7 @@
 ///                   bytes to the identity, and their metric is p50_us (lower is better)
 ///   size sweep      transport and bytes (workload ""); p50_us (lower is better)
 ///   --td rows       transport and workload; p50_us (lower is better)
+/// Rows of one identity on one side (repeated runs, concatenated) compare by their median.
 
 #include <cstdint>
 #include <cstdio>

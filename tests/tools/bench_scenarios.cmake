@@ -8,7 +8,8 @@
 #     the oversubscription note for N=2 on a machine with fewer than 3 CPUs.
 #  2. --scenario actor-learner --quick --json: exit 0; a row per transport (shm, gloo, memcpy),
 #     positive steps_per_s.
-#  3. --compare: a file against itself exits 0 with every row matched; against a doctored copy
+#  3. --compare: a file against itself exits 0 with every row matched; against three runs (two
+#     like it, one twice as fast) too, by their median; against a doctored copy
 #     whose throughputs are doubled exits 3 and says REGRESSION, but 0 with --threshold 60; rows
 #     on one side only are listed, not failures.
 #  4. --world 2,9,65: a line per world size with its segment bytes, growing with the world;
@@ -162,6 +163,16 @@ expect_in("compare with a doctored run" "${worse_out}" "REGRESSION")
 expect_in("compare with a doctored run" "${worse_out}" "18 matched, 18 regression(s)")
 bench(lenient --from "${loader_json}" --compare "${doctored}" --threshold 60)
 expect_rc("compare with --threshold 60" "${lenient_rc}" 0)
+# Runs repeated on one side count by their median: two runs like this one and one twice as fast
+# are no regression, and the row shows its three runs' range.
+file(READ "${loader_json}" like_this)
+file(READ "${doctored}" twice_as_fast)
+set(three "${DIR}/three_runs.jsonl")
+file(WRITE "${three}" "${like_this}${twice_as_fast}${like_this}")
+bench(median --from "${loader_json}" --compare "${three}")
+expect_rc("compare with the median of three runs" "${median_rc}" 0)
+expect_in("compare with the median of three runs" "${median_out}" "18 matched, 0 regression(s)")
+expect_in("compare with the median of three runs" "${median_out}" "old [3: ")
 bench(disjoint --from "${actor_json}" --compare "${loader_json}")
 expect_rc("compare of disjoint rows" "${disjoint_rc}" 0)
 expect_in("compare of disjoint rows" "${disjoint_out}" "only in ${loader_json}")
