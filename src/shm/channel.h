@@ -210,6 +210,14 @@ class ShmChannel {
 
   // Receiving (channel_receive.cpp)
   bool progress_receives(int src, bool drain_all);
+  // The chunk of `e`, the next entry of `src`'s ring: in the entry, or in the sender's slot if
+  // that slot is handed to this rank (else null: the entry is corrupt, or the slot was taken
+  // back). Inline: every entry read asks, twice.
+  const uint8_t* chunk_of(int src, const shm::EntryFields& e) const {
+    const auto s = static_cast<size_t>(src);
+    if (e.flags & shm::kEntryInline) return rx_[s].inline_bytes();
+    return shm::claimed_chunk(regions_[s], e.slot, static_cast<uint32_t>(rank_));
+  }
   void entry_taken(int src, const shm::EntryFields& e);
   void wake_sender_if_due(int src);
   Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,

@@ -27,9 +27,8 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
     // nothing more is read from it.
     return false;
   }
-  const auto from = static_cast<uint32_t>(src), me = static_cast<uint32_t>(rank_);
+  const auto from = static_cast<uint32_t>(src);
   shm::RingConsumer& ring = rx_[s];
-  const shm::RegionView& region = regions_[s];
   bool moved = false;
   ReceivePass pass{drain_all};
   for (;;) {
@@ -38,13 +37,13 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
     // The chunk: in the entry, or in the sender's slot if that slot was handed to this rank (else
     // null, and handle_entry refuses the entry as corrupt).
     const bool in_slot = (fields.flags & shm::kEntryInline) == 0;
-    const uint8_t* payload = in_slot ? shm::claimed_chunk(region, fields.slot, me) : ring.inline_bytes();
+    const uint8_t* payload = chunk_of(src, fields);
     Taken taken;
     try {
       taken = handle_entry(src, fields, payload, ring.shape(), pass);
       // The sender's region is written only by the sender, and only in free slots: a slot that is
       // no longer handed to this rank after the copy was rewritten while it was read.
-      if (taken == Taken::kYes && in_slot && !shm::claimed_chunk(region, fields.slot, me)) {
+      if (taken == Taken::kYes && in_slot && chunk_of(src, fields) == nullptr) {
         throw TransportError("corrupted entry from " + segment_.describe_rank(from) + ": arena slot " +
                              std::to_string(fields.slot) + " was taken back while this rank read it");
       }
@@ -96,8 +95,8 @@ void ShmChannel::wake_sender_if_due(int src) {
 }
 
 // A receive whose message is already the next entry of `src`'s ring, whole in that one entry,
-// lands at once: no op, no matcher, no pass over the other rings (a loader's main rank finds
-// most batches waiting so, and a ping-pong's replies that came before their receive). Only when
+// lands at once: no op, no matcher, no pass over the other rings (a receiver that runs behind
+// its sender: a stream of small messages, a consolidated tensordict of one slot). Only when
 // nothing may come first: no early message, no older posted receive that takes the same
 // messages, no message of `src` in progress. Every other case, and anything the general path
 // would fail (a corrupt entry, a mismatch, a lost mapping), returns false with nothing changed,
@@ -118,9 +117,7 @@ bool ShmChannel::receive_now(const at::Tensor& tensor, int src, int64_t tag, con
   }
   const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank};
   if (!shm::check_entry(e, shm::RxProgress{}, arena, kMaxMessageBytes).empty()) return false;
-  const bool in_slot = (e.flags & shm::kEntryInline) == 0;
-  const auto me = static_cast<uint32_t>(rank_);
-  const uint8_t* payload = in_slot ? shm::claimed_chunk(regions_[s], e.slot, me) : ring.inline_bytes();
+  const uint8_t* payload = chunk_of(src, e);
   if (payload == nullptr) return false;
   const MessageHead head = message_head(src, e, ring.shape());
   const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
@@ -130,7 +127,7 @@ bool ShmChannel::receive_now(const at::Tensor& tensor, int src, int64_t tag, con
   }
   // A slot taken back while it was read, or a mapping lost: the general path reads the entry
   // again and fails as it should.
-  if ((in_slot && !shm::claimed_chunk(regions_[s], e.slot, me)) || check_poisoned()) return false;
+  if (chunk_of(src, e) == nullptr || check_poisoned()) return false;
   held_bytes_[s] = 0;
   entry_taken(src, e);
   wake_sender_if_due(src);

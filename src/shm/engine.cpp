@@ -154,18 +154,13 @@ OpList ShmEngine::post_sends(std::span<const at::Tensor> tensors, int dst, std::
 
 std::shared_ptr<ShmOp> ShmEngine::post_recv(const at::Tensor& tensor, int src, int64_t tag, bool control,
                                             MessageCheck check) {
-  // A message already waiting lands at once (receive_now); the checks make_recvs would make are
-  // moot for such a tensor (contiguous: no overlap; not a mapped file: not read-only).
-  if (src >= 0 && src < size_ && src != rank_ && tensor.is_contiguous() && !MemoryMappedTensor::is_mapped(tensor)) {
-    std::lock_guard lk(mu_);
-    if (channel_->receive_now(tensor, src, tag, check, control)) return nullptr;
-    auto op = ShmChannel::make_recv(tensor, src, rank_, size_, tag, check, control);
-    channel_->post_recvs({&op, 1}, src);
-    return op;
-  }
-  // Checked and made before the lock is taken.
-  auto op = ShmChannel::make_recv(tensor, src, rank_, size_, tag, check, control);
+  // A message already waiting lands at once (receive_now); the checks make_recv makes are moot
+  // for such a tensor (contiguous: no overlap; not a mapped file: not read-only).
+  const bool direct = src >= 0 && src < size_ && src != rank_ && tensor.is_contiguous() &&
+                      !MemoryMappedTensor::is_mapped(tensor);
   std::lock_guard lk(mu_);
+  if (direct && channel_->receive_now(tensor, src, tag, check, control)) return nullptr;
+  auto op = ShmChannel::make_recv(tensor, src, rank_, size_, tag, check, control);
   channel_->post_recvs({&op, 1}, src);
   return op;
 }
