@@ -75,6 +75,7 @@ namespace tdshm {
 
 namespace detail {
 class ShmEngine;
+class RecvWorkPool;
 }
 
 /// Options of a ProcessGroupShm. All ranks of a group must use the same slot_bytes,
@@ -245,6 +246,8 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   // What every send that completed as it was posted returns (its bytes are in the segment): one
   // completed Work, shared, rather than one allocated and destroyed per message.
   c10::intrusive_ptr<c10d::Work> sent_;
+  // Small receives' Works, reused once their callers dropped them (process_group_shm.cpp).
+  std::unique_ptr<detail::RecvWorkPool> recv_works_;
 };
 
 /// A shm group that meets through a c10d store, as torch.distributed's backends do (what the

@@ -9,6 +9,8 @@
 
 #include <ATen/core/ivalue.h>
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <span>
 #include <c10/util/SmallVector.h>
 
@@ -50,6 +52,21 @@ class ShmWork final : public detail::BatchWork {
   ShmWork(std::shared_ptr<ShmEngine> engine, const at::Tensor& tensor, int source)
       : detail::BatchWork(engine->rank(), c10d::OpType::RECV), engine_(std::move(engine)), output_(tensor),
         source_(source) {}
+
+  /// Makes this Work, which nobody else holds (RecvWorkPool), a fresh receive: over `op`, or,
+  /// when op is null, into `tensor` from `source`, completed as it was posted.
+  void reuse_as_recv(std::shared_ptr<ShmOp>&& op, const at::Tensor& tensor, int source) {
+    ops_.clear();  // the previous receive's op and tensor are released here, off the wait's path
+    if (op) {
+      ops_.push_back(std::move(op));
+      output_ = at::Tensor();
+      source_ = -1;
+    } else {
+      output_ = tensor;
+      source_ = source;
+    }
+    future_.reset();  // (no lock: nobody else can reach this Work)
+  }
 
   /// A batch of `size` messages whose pending ones are ops_ (op j is message positions[j], or
   /// message j when `positions` is empty; the others completed when they were posted).
@@ -226,6 +243,51 @@ c10::intrusive_ptr<c10d::Work> make_work(const std::shared_ptr<ShmEngine>& engin
 
 }  // namespace
 
+namespace detail {
+
+// The Works of small receives, kept for reuse: a ping-pong's receiver would otherwise build and
+// destroy a c10d Work per message (~500 instructions), its destruction right after the wait, on
+// the path to the next send. A Work is reused only once the pool's reference is the last one
+// (use_count 1: the caller dropped its own, and that release pairs with the acquire load), and
+// only for tensors of up to kMaxBytes, because a kept Work keeps its last tensor alive until it
+// is reused. recv() may run on several threads at once: one of them at a time looks (claimed_);
+// the others make a Work of their own.
+class RecvWorkPool {
+ public:
+  static constexpr size_t kSize = 4;  // receives posted ahead (irecv) each hold one
+  static constexpr uint64_t kMaxBytes = uint64_t{64} << 10;
+
+  c10::intrusive_ptr<c10d::Work> take(const std::shared_ptr<ShmEngine>& engine, std::shared_ptr<ShmOp>&& op,
+                                      const at::Tensor& tensor, int source) {
+    auto make = [&]() -> c10::intrusive_ptr<BatchWork> {
+      if (op) return c10::make_intrusive<ShmWork>(engine, std::move(op), c10d::OpType::RECV);
+      return c10::make_intrusive<ShmWork>(engine, tensor, source);
+    };
+    if (tensor.nbytes() > kMaxBytes || claimed_.exchange(true, std::memory_order_acquire)) return make();
+    struct Unclaim {
+      std::atomic<bool>& flag;
+      ~Unclaim() { flag.store(false, std::memory_order_release); }
+    } unclaim{claimed_};
+    for (auto& w : works_) {
+      if (w && w.use_count() == 1) {
+        static_cast<ShmWork*>(w.get())->reuse_as_recv(std::move(op), tensor, source);  // only ShmWorks are kept
+        return w;
+      }
+    }
+    auto fresh = make();
+    works_[next_] = fresh;  // the oldest kept Work goes (or stays with its caller)
+    next_ = (next_ + 1) % kSize;
+    return fresh;
+  }
+
+ private:
+  std::atomic<bool> claimed_{false};
+  std::array<c10::intrusive_ptr<BatchWork>, kSize> works_;
+  size_t next_ = 0;
+};
+
+}  // namespace detail
+
 ProcessGroupShm::ProcessGroupShm(const std::string& name, int rank, int size, ShmOptions options)
     : c10d::ProcessGroup(rank, size) {
   validate_segment_name(name);
@@ -235,6 +297,7 @@ ProcessGroupShm::ProcessGroupShm(const std::string& name, int rank, int size, Sh
   }
   engine_ = std::make_shared<ShmEngine>(name, rank, size, options);
   sent_ = make_work(engine_, OpList{}, c10d::OpType::SEND);
+  recv_works_ = std::make_unique<detail::RecvWorkPool>();
   init();
 }
 
@@ -321,8 +384,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_checked(std::vector<at::Ten
   const at::Tensor& t = single_tensor(tensors, "recv");
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv: source rank must be >= 0 (use recvAnysource)");
   auto op = engine_->post_recv(t, srcRank, tag, /*control=*/false, check);
-  if (!op) return c10::make_intrusive<ShmWork>(engine_, t, srcRank);  // its message was waiting
-  return make_work(engine_, std::move(op), c10d::OpType::RECV);
+  return recv_works_->take(engine_, std::move(op), t, srcRank);  // (op null: its message was waiting)
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {

@@ -103,13 +103,11 @@ void ShmChannel::wake_sender_if_due(int src) {
 // and the receive is posted as usual, which handles it.
 bool ShmChannel::receive_now(const at::Tensor& tensor, int src, int64_t tag, const MessageCheck& check, bool control) {
   const auto s = static_cast<size_t>(src);
-  if (closed_ || poisoned_ || peer_error_[s] || current_[s] || matcher_.early_count() != 0 ||
-      matcher_.find_posted(src, tag, control) != matcher_.none()) {
-    return false;
-  }
+  if (closed_ || poisoned_ || peer_error_[s] || current_[s] || matcher_.early_count() != 0) return false;
   shm::RingConsumer& ring = rx_[s];
   shm::EntryFields e;
-  if (!ring.peek(e)) return false;  // read once, as in progress_receives
+  if (!ring.peek(e)) return false;  // read once, as in progress_receives (the common miss: asked first)
+  if (matcher_.find_posted(src, tag, control) != matcher_.none()) return false;
   constexpr uint32_t kWhole = shm::kEntryFirst | shm::kEntryLast;
   if ((e.flags & (kWhole | shm::kEntryReference)) != kWhole || e.tag != tag ||
       ((e.flags & shm::kEntryControl) != 0) != control) {

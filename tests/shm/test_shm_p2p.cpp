@@ -398,6 +398,102 @@ void waiting_message_scenario(const std::string& name, int rank, const ShmOption
   SHM_CHECK(same_bytes(next, pattern(at::kFloat, 10, 10)), "the message after the mismatch differs");
 }
 
+// Receives' Works are reused once their callers dropped them (RecvWorkPool): a reused Work must
+// answer only for its new receive (tensor, source, error, future), a Work still held must keep
+// answering for its own, and a large receive's tensor must not be kept once its Work is gone.
+void reused_works_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  constexpr int kSmall = 8;
+  const int64_t large = 128 * 1024;  // past the pool's 64 KiB
+  auto value = [](int i) { return pattern(at::kInt, 4, 700 + i); };
+  if (rank == 0) {
+    for (int i = 0; i < kSmall; ++i) send_wait(pg, value(i), 1, 5);
+    send_wait(pg, pattern(at::kFloat, 10, 9), 1, 6);  // meets a receive of the wrong size
+    send_wait(pg, pattern(at::kFloat, 10, 10), 1, 6);
+    send_wait(pg, pattern(at::kByte, large, 11), 1, 7);
+    return;
+  }
+  auto recv = [&](const at::Tensor& t, int tag) {
+    std::vector<at::Tensor> tensors{t};
+    return pg.recv(tensors, 0, tag);
+  };
+  const at::Tensor held_tensor = at::zeros({4}, at::kInt);
+  auto held = recv(held_tensor, 5);
+  SHM_CHECK(held->wait(), "message 0");
+  const auto held_future = held->getFuture();
+  c10d::Work* previous = nullptr;
+  bool reused = false;
+  for (int i = 1; i < kSmall; ++i) {
+    const at::Tensor got = at::zeros({4}, at::kInt);
+    auto work = recv(got, 5);
+    SHM_CHECK(work.get() != held.get(), "a Work its caller still holds was handed out again");
+    reused |= work.get() == previous;
+    previous = work.get();
+    SHM_CHECK(work->wait() && work->isSuccess() && !work->exception() && work->sourceRank() == 0, "message " << i);
+    SHM_CHECK(same_bytes(got, value(i)), "message " << i << " differs");
+    const auto result = work->result();
+    SHM_CHECK(result.size() == 1 && result[0].data_ptr() == got.data_ptr(), "message " << i << ": result() is not its tensor");
+    const auto future = work->getFuture();
+    SHM_CHECK(future->completed() && !future->hasError(), "message " << i << ": its future");
+    const auto values = future->value().toTensorVector();
+    SHM_CHECK(values.size() == 1 && values[0].data_ptr() == got.data_ptr(), "message " << i << ": the future's tensor");
+  }
+  SHM_CHECK(reused, "no receive's Work was reused (ProcessGroupShm keeps them for that)");
+  // The Work held from the start still answers for message 0.
+  SHM_CHECK(held->isSuccess() && held->sourceRank() == 0 && held->result().at(0).data_ptr() == held_tensor.data_ptr(),
+            "the held Work no longer answers for its receive");
+  SHM_CHECK(held_future->value().toTensorVector().at(0).data_ptr() == held_tensor.data_ptr(), "the held Work's future");
+  SHM_CHECK(same_bytes(held_tensor, value(0)), "message 0 differs");
+  {  // a failed receive's Work, once dropped, passes nothing of its failure on
+    auto failed = recv(at::zeros({11}, at::kFloat), 6);
+    const Caught c = catch_any([&] { failed->wait(); });
+    SHM_CHECK(c.is<TransportError>(), "a receive of the wrong size gave " << c.describe());
+  }
+  const at::Tensor next = at::zeros({10}, at::kFloat);
+  auto after = recv(next, 6);
+  SHM_CHECK(after->wait() && after->isSuccess() && !after->exception(), "the receive after a failed one");
+  SHM_CHECK(same_bytes(next, pattern(at::kFloat, 10, 10)), "the message after the mismatch differs");
+  after.reset();
+  at::Tensor big = at::zeros({large}, at::kByte);
+  recv(big, 7)->wait();
+  SHM_CHECK(same_bytes(big, pattern(at::kByte, large, 11)), "the large message differs");
+  SHM_CHECK(big.use_count() == 1, "a large receive's tensor is still referenced (" << big.use_count()
+                                                                                  << ") after its Work was dropped");
+}
+
+// Two threads of rank 0 receive from ranks 1 and 2 at once, dropping every Work: the Works they
+// share must never be handed to both (TSan runs this).
+void pool_threads_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  ProcessGroupShm pg(name, rank, 3, opts);
+  constexpr int kMessages = 2000;
+  if (rank != 0) {
+    for (int i = 0; i < kMessages; ++i) send_wait(pg, at::full({2}, rank * 100000 + i, at::kLong), 0, 1);
+    return;
+  }
+  auto receive_from = [&](int src) {
+    for (int i = 0; i < kMessages; ++i) {
+      const at::Tensor got = at::zeros({2}, at::kLong);
+      std::vector<at::Tensor> tensors{got};
+      auto work = pg.recv(tensors, src, 1);
+      SHM_CHECK(work->wait() && work->sourceRank() == src, "message " << i << " from " << src);
+      SHM_CHECK(work->result().at(0).data_ptr() == got.data_ptr(), "message " << i << " from " << src << ": result()");
+      SHM_CHECK(got[0].item<int64_t>() == src * 100000 + i && got[1].item<int64_t>() == src * 100000 + i,
+                "message " << i << " from " << src << " differs");
+    }
+  };
+  std::string failure;
+  std::thread other([&] {
+    try {
+      receive_from(2);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  });
+  receive_from(1);
+  other.join();
+  SHM_CHECK(failure.empty(), failure);
+}
+
 class ShmP2PThreads : public ShmTest {};
 class ShmP2PProcs : public ShmTest {};
 
@@ -406,6 +502,16 @@ TEST_F(ShmP2PThreads, AReceiveWhoseMessageWaitsCompletesAsPosted) {
   std::atomic<int> sent{0};
   SHM_EXPECT_RANKS_OK(
       run_ranks(Peers::kThreads, 2, [&](int r) { waiting_message_scenario(name, r, small_options(), sent); }));
+}
+
+TEST_F(ShmP2PThreads, DroppedReceiveWorksAreReusedForNewReceivesOnly) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { reused_works_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PThreads, TwoReceivingThreadsNeverShareAWork) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 3, [&](int r) { pool_threads_scenario(name, r, small_options()); }));
 }
 
 TEST_F(ShmP2PThreads, RoundTripEveryDtypeSizeAndLayout) {
