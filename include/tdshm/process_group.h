@@ -57,6 +57,10 @@
 /// A receive into a tensor whose elements overlap (an expanded, stride-0 view) or into a
 /// read-only memory-mapped tensor is refused when posted (tdshm::TypeError).
 ///
+/// The Works of small receives (tensors of up to 64 KiB) are kept by the group once their callers
+/// drop them and reused for later receives: a kept Work refers to its last tensor until then, or
+/// until the group is destroyed.
+///
 /// Thread safety: all methods may be called from several threads at once.
 
 #include <tdshm/errors.h>
