@@ -53,18 +53,17 @@ class ShmWork final : public detail::BatchWork {
       : detail::BatchWork(engine->rank(), c10d::OpType::RECV), engine_(std::move(engine)), output_(tensor),
         source_(source) {}
 
-  /// Makes this Work, which nobody else holds (RecvWorkPool), a fresh receive: over `op`, or,
-  /// when op is null, into `tensor` from `source`, completed as it was posted.
-  void reuse_as_recv(std::shared_ptr<ShmOp>&& op, const at::Tensor& tensor, int source) {
-    ops_.clear();  // the previous receive's op and tensor are released here, off the wait's path
-    if (op) {
-      ops_.push_back(std::move(op));
-      output_ = at::Tensor();
-      source_ = -1;
-    } else {
-      output_ = tensor;
-      source_ = source;
-    }
+  /// Makes this Work, which nobody else holds (RecvWorkPool), a fresh receive: a batch over
+  /// `ops` (one per message), or one receive over its op, or, when that receive has no op, into
+  /// `tensor` from `source`, completed as it was posted.
+  void reuse_as_recv(OpList&& ops, const at::Tensor& tensor, int source, bool batch) {
+    ops_ = std::move(ops);  // the previous receive's ops and tensors are released here, off the wait's path
+    const bool landed = !batch && ops_.empty();
+    output_ = landed ? tensor : at::Tensor();
+    source_ = landed ? source : -1;
+    batch_ = batch;
+    batch_size_ = batch ? ops_.size() : 0;
+    positions_.clear();
     future_.reset();  // (no lock: nobody else can reach this Work)
   }
 
@@ -257,30 +256,48 @@ class RecvWorkPool {
   static constexpr size_t kSize = 4;  // receives posted ahead (irecv) each hold one
   static constexpr uint64_t kMaxBytes = uint64_t{64} << 10;
 
+  /// One receive's Work: over `op`, or (op null) into `tensor` from `source`, complete.
   c10::intrusive_ptr<c10d::Work> take(const std::shared_ptr<ShmEngine>& engine, std::shared_ptr<ShmOp>&& op,
                                       const at::Tensor& tensor, int source) {
-    auto make = [&]() -> c10::intrusive_ptr<BatchWork> {
-      if (op) return c10::make_intrusive<ShmWork>(engine, std::move(op), c10d::OpType::RECV);
-      return c10::make_intrusive<ShmWork>(engine, tensor, source);
-    };
-    if (tensor.nbytes() > kMaxBytes || claimed_.exchange(true, std::memory_order_acquire)) return make();
-    struct Unclaim {
-      std::atomic<bool>& flag;
-      ~Unclaim() { flag.store(false, std::memory_order_release); }
-    } unclaim{claimed_};
-    for (auto& w : works_) {
-      if (w && w.use_count() == 1) {
-        static_cast<ShmWork*>(w.get())->reuse_as_recv(std::move(op), tensor, source);  // only ShmWorks are kept
-        return w;
-      }
-    }
-    auto fresh = make();
-    works_[next_] = fresh;  // the oldest kept Work goes (or stays with its caller)
-    next_ = (next_ + 1) % kSize;
-    return fresh;
+    OpList ops;
+    if (op) ops.push_back(std::move(op));
+    return take(engine, std::move(ops), tensor, source, /*batch=*/false, tensor.nbytes());
+  }
+  /// A batch's Work over `ops`, one per message (recv_batch), receiving `bytes` in all.
+  c10::intrusive_ptr<c10d::Work> take_batch(const std::shared_ptr<ShmEngine>& engine, OpList&& ops, uint64_t bytes) {
+    return take(engine, std::move(ops), at::Tensor(), -1, /*batch=*/true, bytes);
   }
 
  private:
+  c10::intrusive_ptr<c10d::Work> take(const std::shared_ptr<ShmEngine>& engine, OpList&& ops, const at::Tensor& tensor,
+                                      int source, bool batch, uint64_t bytes) {
+    if (bytes <= kMaxBytes && !claimed_.exchange(true, std::memory_order_acquire)) {
+      struct Unclaim {
+        std::atomic<bool>& flag;
+        ~Unclaim() { flag.store(false, std::memory_order_release); }
+      } unclaim{claimed_};
+      for (auto& w : works_) {
+        if (w && w.use_count() == 1) {
+          static_cast<ShmWork*>(w.get())->reuse_as_recv(std::move(ops), tensor, source, batch);  // only ShmWorks are kept
+          return w;
+        }
+      }
+      auto fresh = make(engine, std::move(ops), tensor, source, batch);
+      works_[next_] = fresh;  // the oldest kept Work goes (or stays with its caller)
+      next_ = (next_ + 1) % kSize;
+      return fresh;
+    }
+    return make(engine, std::move(ops), tensor, source, batch);
+  }
+  static c10::intrusive_ptr<BatchWork> make(const std::shared_ptr<ShmEngine>& engine, OpList&& ops,
+                                            const at::Tensor& tensor, int source, bool batch) {
+    if (!batch && ops.empty()) return c10::make_intrusive<ShmWork>(engine, tensor, source);
+    const size_t n = ops.size();
+    auto work = c10::make_intrusive<ShmWork>(engine, std::move(ops), c10d::OpType::RECV);
+    if (batch) work->set_batch(n, {});  // op i is message i
+    return work;
+  }
+
   std::atomic<bool> claimed_{false};
   std::array<c10::intrusive_ptr<BatchWork>, kSize> works_;
   size_t next_ = 0;
@@ -358,9 +375,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_batch(const std::vector<at:
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv_batch: source rank must be >= 0");
   const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
   OpList ops = engine_->post_recvs(tensors, srcRank, wide, checks);
-  auto work = c10::make_intrusive<ShmWork>(engine_, std::move(ops), c10d::OpType::RECV);
-  work->set_batch(tensors.size(), {});  // op i is message i
-  return work;
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) bytes += t.nbytes();
+  return recv_works_->take_batch(engine_, std::move(ops), bytes);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {

@@ -408,6 +408,10 @@ void reused_works_scenario(const std::string& name, int rank, const ShmOptions& 
   auto value = [](int i) { return pattern(at::kInt, 4, 700 + i); };
   if (rank == 0) {
     for (int i = 0; i < kSmall; ++i) send_wait(pg, value(i), 1, 5);
+    for (int b = 0; b < 2; ++b) {
+      for (int j = 0; j < 3; ++j) send_wait(pg, value(10 * b + j), 1, 20 + j);
+    }
+    send_wait(pg, value(30), 1, 23);
     send_wait(pg, pattern(at::kFloat, 10, 9), 1, 6);  // meets a receive of the wrong size
     send_wait(pg, pattern(at::kFloat, 10, 10), 1, 6);
     send_wait(pg, pattern(at::kByte, large, 11), 1, 7);
@@ -444,6 +448,24 @@ void reused_works_scenario(const std::string& name, int rank, const ShmOptions& 
             "the held Work no longer answers for its receive");
   SHM_CHECK(held_future->value().toTensorVector().at(0).data_ptr() == held_tensor.data_ptr(), "the held Work's future");
   SHM_CHECK(same_bytes(held_tensor, value(0)), "message 0 differs");
+  for (int b = 0; b < 2; ++b) {  // batches (recv_batch) share the kept Works
+    std::vector<at::Tensor> leaves{at::zeros({4}, at::kInt), at::zeros({4}, at::kInt), at::zeros({4}, at::kInt)};
+    auto work = pg.recv_batch(leaves, 0, {20, 21, 22}, std::vector<MessageCheck>(3));
+    SHM_CHECK(work->wait() && work->isSuccess(), "batch " << b);
+    const auto messages = shm_batch_messages(*work);
+    SHM_CHECK(messages.size() == 3, "batch " << b << " has " << messages.size() << " messages");
+    for (int j = 0; j < 3; ++j) {
+      SHM_CHECK(messages[j]->isSuccess() && same_bytes(leaves[j], value(10 * b + j)), "batch " << b << ", message " << j);
+    }
+  }
+  {
+    const at::Tensor single = at::zeros({4}, at::kInt);
+    auto work = recv(single, 23);
+    SHM_CHECK(work->wait() && same_bytes(single, value(30)) && work->result().at(0).data_ptr() == single.data_ptr(),
+              "the receive after the batches");
+    const Caught c = catch_any([&] { shm_batch_messages(*work); });
+    SHM_CHECK(c.is<TypeError>(), "a single receive's Work (maybe a batch's, reused) answered as a batch: " << c.describe());
+  }
   {  // a failed receive's Work, once dropped, passes nothing of its failure on
     auto failed = recv(at::zeros({11}, at::kFloat), 6);
     const Caught c = catch_any([&] { failed->wait(); });
