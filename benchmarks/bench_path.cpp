@@ -8,13 +8,16 @@
 //    posted: a loader's main rank, a stream of messages that runs ahead of its receives);
 //  * --posted-first: each receive is posted before its message is sent, and its wait finds the
 //    message (a ping-pong's receiver: the matcher, the op and a progress pass under the lock).
+// With --seed-tree the message is the seed tree (3 leaves, 72 B) moved per-leaf with
+// TensorDict::send and TensorDict::recv (default order): the transfer layer's path as well.
 //
-//   build/benchmarks/tdshm_bench_path [--bytes N] [--iters N] [--posted-first] [--instructions]
+//   build/benchmarks/tdshm_bench_path [--bytes N] [--iters N] [--posted-first | --seed-tree] [--instructions]
 //
-// It prints ns per message (one send and its receive). With --instructions it runs itself twice
+// It prints ns per message (one send and its receive; with --seed-tree, per tree). With --instructions it runs itself twice
 // under valgrind's callgrind (--iters N and 2N) and prints the instructions per message from the
 // difference (setup cancels out); hardware counters are not needed (this VM has none).
 
+#include <tdshm/distributed.h>
 #include <tdshm/process_group.h>
 
 #include <ATen/ATen.h>
@@ -41,10 +44,11 @@ struct Options {
   int iters = 100000;
   bool instructions = false;
   bool posted_first = false;
+  bool seed_tree = false;
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
-  std::fprintf(stderr, "tdshm_bench_path: %s\nusage: tdshm_bench_path [--bytes N] [--iters N] [--posted-first] [--instructions]\n",
+  std::fprintf(stderr, "tdshm_bench_path: %s\nusage: tdshm_bench_path [--bytes N] [--iters N] [--posted-first | --seed-tree] [--instructions]\n",
                what.c_str());
   std::exit(2);
 }
@@ -71,11 +75,20 @@ Options parse(int argc, char** argv) {
       o.instructions = true;
     } else if (a == "--posted-first") {
       o.posted_first = true;
+    } else if (a == "--seed-tree") {
+      o.seed_tree = true;
     } else {
       usage_error("bad option " + a);
     }
   }
+  if (o.posted_first && o.seed_tree) usage_error("--seed-tree runs in the default order only (its recv blocks)");
   return o;
+}
+
+/// The seed tree (tdshm bench --td's "seed"): 3 float leaves, 72 B, batch size [2].
+tdshm::TensorDict seed_tree(float fill) {
+  return tdshm::TensorDict({{{"a", "b"}, at::full({2}, fill)}, {"c", at::full({2, 3}, fill)}, {"_", at::full({2, 1, 5}, fill)}},
+                           {2});
 }
 
 /// Runs the ping-pong for `iters` round trips; returns seconds. Checks the last message's bytes.
@@ -83,17 +96,25 @@ double run(const Options& o) {
   const std::string name = "bench-path-" + std::to_string(::getpid());
   tdshm::ShmOptions so;
   so.timeout = std::chrono::seconds(60);
-  std::array<std::unique_ptr<tdshm::ProcessGroupShm>, 2> pg;
+  std::array<c10::intrusive_ptr<tdshm::ProcessGroupShm>, 2> pg;
   {  // the constructors meet in a rendezvous: one thread each
-    std::thread other([&] { pg[1] = std::make_unique<tdshm::ProcessGroupShm>(name, 1, 2, so); });
-    pg[0] = std::make_unique<tdshm::ProcessGroupShm>(name, 0, 2, so);
+    std::thread other([&] { pg[1] = c10::make_intrusive<tdshm::ProcessGroupShm>(name, 1, 2, so); });
+    pg[0] = c10::make_intrusive<tdshm::ProcessGroupShm>(name, 0, 2, so);
     other.join();
   }
   std::vector<at::Tensor> out{at::arange(o.bytes, at::kByte)}, in{at::zeros({o.bytes}, at::kByte)},
       back{at::zeros({o.bytes}, at::kByte)};
+  const std::array<tdshm::Group, 2> group{tdshm::Group(pg[0], {0, 1}), tdshm::Group(pg[1], {0, 1})};
+  const tdshm::TensorDict tree_out = seed_tree(1.5f);
+  tdshm::TensorDict tree_in = seed_tree(0.0f), tree_back = seed_tree(0.0f);
   const auto start = Clock::now();
   for (int i = 0; i < o.iters; ++i) {
-    if (o.posted_first) {
+    if (o.seed_tree) {
+      tree_out.send({.dst = 1, .group = group[0]});
+      tree_in.recv({.src = 0, .group = group[1]});
+      tree_in.send({.dst = 0, .group = group[1]});
+      tree_back.recv({.src = 1, .group = group[0]});
+    } else if (o.posted_first) {
       auto there = pg[1]->recv(in, 0, 0);
       pg[0]->send(out, 1, 0);
       there->wait();
@@ -108,7 +129,9 @@ double run(const Options& o) {
     }
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  if (!at::equal(back[0], out[0])) throw std::runtime_error("the message came back with other bytes");
+  if (o.seed_tree ? !(tree_back == tree_out).all() : !at::equal(back[0], out[0])) {
+    throw std::runtime_error("the message came back with other bytes");
+  }
   pg[1].reset();
   pg[0].reset();
   return seconds;
@@ -117,7 +140,8 @@ double run(const Options& o) {
 /// Instructions of `self --bytes B --iters N` under callgrind ("Collected : X" on its stderr).
 long long callgrind_instructions(const std::string& self, const Options& o, int iters) {
   const std::string cmd = "valgrind --tool=callgrind --callgrind-out-file=/dev/null '" + self + "' --bytes " +
-                          std::to_string(o.bytes) + " --iters " + std::to_string(iters) + (o.posted_first ? " --posted-first" : "") + " 2>&1";
+                          std::to_string(o.bytes) + " --iters " + std::to_string(iters) + (o.posted_first ? " --posted-first" : "") +
+                          (o.seed_tree ? " --seed-tree" : "") + " 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) throw std::runtime_error("cannot run valgrind");
   std::string output;
@@ -145,13 +169,23 @@ int main(int argc, char** argv) {
       const long long one = callgrind_instructions(self, o, iters);
       const long long two = callgrind_instructions(self, o, 2 * iters);
       const double per_message = static_cast<double>(two - one) / (2.0 * iters);
-      std::printf("%lld B%s: %.0f instructions per message (send + receive, both ranks; callgrind, %d vs %d round trips)\n",
-                  static_cast<long long>(o.bytes), o.posted_first ? ", posted first" : "", per_message, iters, 2 * iters);
+      if (o.seed_tree) {
+        std::printf("seed tree (3 leaves, per-leaf): %.0f instructions per tree (send + receive, both ranks; callgrind, "
+                    "%d vs %d round trips)\n", per_message, iters, 2 * iters);
+      } else {
+        std::printf("%lld B%s: %.0f instructions per message (send + receive, both ranks; callgrind, %d vs %d round trips)\n",
+                    static_cast<long long>(o.bytes), o.posted_first ? ", posted first" : "", per_message, iters, 2 * iters);
+      }
       return 0;
     }
     const double seconds = run(o);
-    std::printf("%lld B%s: %.1f ns per message (send + receive, one thread drives both ranks, %d round trips)\n",
-                static_cast<long long>(o.bytes), o.posted_first ? ", posted first" : "", seconds * 1e9 / (2.0 * o.iters), o.iters);
+    if (o.seed_tree) {
+      std::printf("seed tree (3 leaves, per-leaf): %.1f ns per tree (send + receive, one thread drives both ranks, %d round trips)\n",
+                  seconds * 1e9 / (2.0 * o.iters), o.iters);
+    } else {
+      std::printf("%lld B%s: %.1f ns per message (send + receive, one thread drives both ranks, %d round trips)\n",
+                  static_cast<long long>(o.bytes), o.posted_first ? ", posted first" : "", seconds * 1e9 / (2.0 * o.iters), o.iters);
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tdshm_bench_path: %s\n", e.what());

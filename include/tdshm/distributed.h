@@ -68,7 +68,7 @@ class Group {
   /// False for "no group" and for the value new_group returns on a rank outside the group.
   bool defined() const noexcept { return static_cast<bool>(backend_); }
   /// True for a group made by init_process_group or new_group.
-  bool registered() const noexcept { return !global_ranks_.empty(); }
+  bool registered() const noexcept { return !global_ranks().empty(); }
   /// The c10d backend. Throws Error if !defined().
   c10d::ProcessGroup& backend() const;
   const c10::intrusive_ptr<c10d::ProcessGroup>& backend_ptr() const noexcept { return backend_; }
@@ -78,7 +78,10 @@ class Group {
   int rank() const;
   int size() const;
   /// Global ranks of the members (empty for a standalone group).
-  const std::vector<int>& global_ranks() const noexcept { return global_ranks_; }
+  const std::vector<int>& global_ranks() const noexcept {
+    static const std::vector<int> none;
+    return shared_ ? shared_->global_ranks : none;
+  }
   /// The group rank of global rank `global`. Throws Error for a standalone group or a rank that
   /// is not a member.
   int group_rank(int global) const;
@@ -93,28 +96,35 @@ class Group {
   /// (where the checks ride inside the transport's own message metadata): then the wire is
   /// exactly tensordict's.
   bool checked_wire_with(int peer) const noexcept {
-    return checked_ && peer >= 0 && static_cast<size_t>(peer) < checked_->size() && (*checked_)[peer] &&
-           (*checked_)[static_cast<size_t>(rank())];
+    if (!shared_) return false;
+    const std::vector<bool>& checked = shared_->checked;  // empty: never set
+    return peer >= 0 && static_cast<size_t>(peer) < checked.size() && checked[static_cast<size_t>(peer)] &&
+           checked[static_cast<size_t>(rank())];
   }
   /// Whether every member agreed to the checked protocol (collective exchanges: broadcast).
   bool checked_wire_all() const noexcept {
-    return checked_ && std::all_of(checked_->begin(), checked_->end(), [](bool b) { return b; });
+    return shared_ && !shared_->checked.empty() &&
+           std::all_of(shared_->checked.begin(), shared_->checked.end(), [](bool b) { return b; });
   }
   /// Internal (set by init_process_group / new_group): which group ranks advertised the checked
   /// protocol.
-  void set_checked_wire(std::vector<bool> advertised) {
-    checked_ = std::make_shared<const std::vector<bool>>(std::move(advertised));
-  }
+  void set_checked_wire(std::vector<bool> advertised);
   /// Internal: what the backend can do for the transfer layer (made with the group). Throws
   /// Error if !defined().
   const detail::Transport& transport() const;
 
  private:
+  // What copies share, never changed once the group is formed (set_checked_wire replaces it): a
+  // Group is copied by every transfer (its options, its peer), so a copy costs two reference
+  // counts and no allocation.
+  struct Shared {
+    std::vector<int> global_ranks;  // empty: a standalone group
+    std::vector<bool> checked;      // per group rank: advertised the checked protocol (empty: not set)
+    std::shared_ptr<const detail::Transport> transport;
+  };
   c10::intrusive_ptr<c10d::ProcessGroup> backend_;
-  std::vector<int> global_ranks_;
+  std::shared_ptr<const Shared> shared_;
   bool non_member_ = false;
-  std::shared_ptr<const std::vector<bool>> checked_;
-  std::shared_ptr<const detail::Transport> transport_;
 };
 
 /// Options of init_process_group (torch.distributed.init_process_group's parameters).

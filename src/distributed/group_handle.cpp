@@ -14,23 +14,34 @@ namespace tdshm {
 
 Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> backend) : backend_(std::move(backend)) {
   if (!backend_) throw Error("Group: the backend is null (use Group{} for \"no group\")");
-  transport_ = detail::make_transport(backend_);
+  auto shared = std::make_shared<Shared>();
+  shared->transport = detail::make_transport(backend_);
+  shared_ = std::move(shared);
 }
 
 Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int> global_ranks)
-    : backend_(std::move(backend)), global_ranks_(std::move(global_ranks)) {
+    : backend_(std::move(backend)) {
   if (!backend_) throw Error("Group: the backend is null (use Group{} for \"no group\")");
-  transport_ = detail::make_transport(backend_);
-  if (global_ranks_.size() != static_cast<size_t>(backend_->getSize())) {
-    throw Error("Group: " + std::to_string(global_ranks_.size()) + " global ranks for a backend of size " +
+  if (global_ranks.size() != static_cast<size_t>(backend_->getSize())) {
+    throw Error("Group: " + std::to_string(global_ranks.size()) + " global ranks for a backend of size " +
                 std::to_string(backend_->getSize()));
   }
-  std::vector<int> sorted = global_ranks_;
+  std::vector<int> sorted = global_ranks;
   std::sort(sorted.begin(), sorted.end());
   if (sorted.front() < 0) throw Error("Group: negative global rank " + std::to_string(sorted.front()));
   if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end()) {
     throw Error("Group: global rank " + std::to_string(*dup) + " is listed twice");
   }
+  auto shared = std::make_shared<Shared>();
+  shared->global_ranks = std::move(global_ranks);
+  shared->transport = detail::make_transport(backend_);
+  shared_ = std::move(shared);
+}
+
+void Group::set_checked_wire(std::vector<bool> advertised) {
+  auto shared = std::make_shared<Shared>(shared_ ? *shared_ : Shared{});  // (copies that exist keep theirs)
+  shared->checked = std::move(advertised);
+  shared_ = std::move(shared);
 }
 
 c10d::ProcessGroup& Group::backend() const {
@@ -41,10 +52,10 @@ c10d::ProcessGroup& Group::backend() const {
 }
 
 const detail::Transport& Group::transport() const {
-  if (!transport_) {
+  if (!shared_ || !shared_->transport) {
     throw Error("Group::transport(): this Group is not defined (no group, or a rank outside the group new_group made)");
   }
-  return *transport_;
+  return *shared_->transport;
 }
 
 std::string Group::backend_name() const { return backend().getBackendName(); }
@@ -60,11 +71,12 @@ int Group::group_rank(int global) const {
                 "): this group is standalone (not made by init_process_group or new_group), so global ranks "
                 "mean nothing to it; address its ranks with group_dst / group_src");
   }
-  const auto it = std::find(global_ranks_.begin(), global_ranks_.end(), global);
-  if (it == global_ranks_.end()) {
+  const std::vector<int>& ranks = global_ranks();
+  const auto it = std::find(ranks.begin(), ranks.end(), global);
+  if (it == ranks.end()) {
     throw Error("Group::group_rank: global rank " + std::to_string(global) + " is not a member of this group");
   }
-  return static_cast<int>(it - global_ranks_.begin());
+  return static_cast<int>(it - ranks.begin());
 }
 
 int Group::global_rank(int group_rank) const {
@@ -73,7 +85,7 @@ int Group::global_rank(int group_rank) const {
     throw Error("Group::global_rank: group rank " + std::to_string(group_rank) + " is outside [0, " +
                 std::to_string(n) + ")");
   }
-  return registered() ? global_ranks_[static_cast<size_t>(group_rank)] : group_rank;
+  return registered() ? global_ranks()[static_cast<size_t>(group_rank)] : group_rank;
 }
 
 }  // namespace tdshm

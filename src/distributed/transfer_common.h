@@ -331,11 +331,14 @@ void check_leaf(const at::Tensor& t, const Name& what) {
 template <class Name>
 void check_receive_target(const at::Tensor& t, const Name& what) {
   check_leaf(t, what);
-  if (at::has_internal_overlap(t) == at::MemOverlap::Yes) {
+  // (A contiguous tensor cannot overlap, and only a mapped one can be read-only: the common
+  // leaf costs two inline checks, not a call into ATen and a copy of the mapping's file name.)
+  if (!t.is_contiguous() && at::has_internal_overlap(t) == at::MemOverlap::Yes) {
     throw TypeError(what() + ": its elements overlap in memory (shape " + detail::shape_str(t.sizes()) + ", strides " +
                     detail::shape_str(t.strides()) + ", an expanded tensor?), so it cannot receive in place; give the "
                     "receiver a tensor of its own (clone() or contiguous()); nothing was received");
   }
+  if (!MemoryMappedTensor::is_mapped(t)) return;
   if (const auto info = MemoryMappedTensor::info(t); info && !info->writable) {
     throw MemmapError(what() + ": it maps '" + info->filename +
                       "' read-only (MemmapMode::kReadOnly), so received bytes would never reach the file; map it "

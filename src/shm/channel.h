@@ -124,6 +124,10 @@ class ShmChannel {
   /// may come first; true then. False, changing nothing, otherwise: post it (make_recvs,
   /// post_recvs), which handles every other case.
   bool receive_now(const at::Tensor& tensor, int src, int64_t tag, const MessageCheck& check, bool control);
+  /// Lands the next entry of its source's ring in the posted receive `op` (from one source,
+  /// contiguous) when that entry is its whole message and no older receive takes it first; true
+  /// then (op is done). False, changing nothing, otherwise: a progress pass handles it.
+  bool land_posted(const std::shared_ptr<ShmOp>& op);
   /// Checks the receiving tensors (TypeError: overlapping elements, a read-only mapping; c10::Error:
   /// an invalid `src`) and makes their ops. Touches no channel state: called without the lock.
   static OpList make_recvs(std::span<const at::Tensor> tensors, int src, int rank, int size,
@@ -219,6 +223,8 @@ class ShmChannel {
     return shm::claimed_chunk(regions_[s], e.slot, static_cast<uint32_t>(rank_));
   }
   void entry_taken(int src, const shm::EntryFields& e);
+  const uint8_t* whole_entry(int src, int64_t tag, bool control, shm::EntryFields& e);
+  bool take_whole(int src, const shm::EntryFields& e, const uint8_t* payload, uint8_t* dst);
   void wake_sender_if_due(int src);
   Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
                      ReceivePass& pass);

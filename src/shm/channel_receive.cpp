@@ -94,6 +94,36 @@ void ShmChannel::wake_sender_if_due(int src) {
   }
 }
 
+// The next entry of `src`'s ring when it is a message that lands by itself: whole in that one
+// entry, with `tag` and `control`, not a reference, valid (check_entry), its chunk readable; null
+// otherwise (the general path handles every other case, and fails what must fail). `e` is the
+// entry read once. Only when nothing of `src` is in progress and the pair and the group are usable.
+const uint8_t* ShmChannel::whole_entry(int src, int64_t tag, bool control, shm::EntryFields& e) {
+  const auto s = static_cast<size_t>(src);
+  if (closed_ || poisoned_ || peer_error_[s] || current_[s]) return nullptr;
+  if (!rx_[s].peek(e)) return nullptr;  // (the common miss: asked first)
+  constexpr uint32_t kWhole = shm::kEntryFirst | shm::kEntryLast;
+  if ((e.flags & (kWhole | shm::kEntryReference)) != kWhole || e.tag != tag ||
+      ((e.flags & shm::kEntryControl) != 0) != control) {
+    return nullptr;
+  }
+  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank};
+  if (!shm::check_entry(e, shm::RxProgress{}, arena, kMaxMessageBytes).empty()) return nullptr;
+  return chunk_of(src, e);
+}
+
+// Copies the payload of `e` (whole_entry's) into `dst` and takes the entry, unless the slot was
+// taken back while it was read or the mapping was lost: false then, with nothing taken (the
+// general path reads the entry again and fails as it should).
+bool ShmChannel::take_whole(int src, const shm::EntryFields& e, const uint8_t* payload, uint8_t* dst) {
+  if (e.chunk_bytes != 0) copy_bytes(dst, payload, e.chunk_bytes, e.total_bytes >= kStreamingMessageBytes);
+  if (chunk_of(src, e) == nullptr || check_poisoned()) return false;
+  held_bytes_[static_cast<size_t>(src)] = 0;
+  entry_taken(src, e);
+  wake_sender_if_due(src);
+  return true;
+}
+
 // A receive whose message is already the next entry of `src`'s ring, whole in that one entry,
 // lands at once: no op, no matcher, no pass over the other rings (a receiver that runs behind
 // its sender: a stream of small messages, a consolidated tensordict of one slot). Only when
@@ -102,33 +132,40 @@ void ShmChannel::wake_sender_if_due(int src) {
 // would fail (a corrupt entry, a mismatch, a lost mapping), returns false with nothing changed,
 // and the receive is posted as usual, which handles it.
 bool ShmChannel::receive_now(const at::Tensor& tensor, int src, int64_t tag, const MessageCheck& check, bool control) {
-  const auto s = static_cast<size_t>(src);
-  if (closed_ || poisoned_ || peer_error_[s] || current_[s] || matcher_.early_count() != 0) return false;
-  shm::RingConsumer& ring = rx_[s];
+  if (matcher_.early_count() != 0) return false;
   shm::EntryFields e;
-  if (!ring.peek(e)) return false;  // read once, as in progress_receives (the common miss: asked first)
-  if (matcher_.find_posted(src, tag, control) != matcher_.none()) return false;
-  constexpr uint32_t kWhole = shm::kEntryFirst | shm::kEntryLast;
-  if ((e.flags & (kWhole | shm::kEntryReference)) != kWhole || e.tag != tag ||
-      ((e.flags & shm::kEntryControl) != 0) != control) {
+  const uint8_t* payload = whole_entry(src, tag, control, e);
+  if (payload == nullptr || matcher_.find_posted(src, tag, control) != matcher_.none()) return false;
+  const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+  if (mismatch(message_head(src, e, rx_[static_cast<size_t>(src)].shape()), check, tensor, bytes) != Mismatch::kNone) {
     return false;
   }
-  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank};
-  if (!shm::check_entry(e, shm::RxProgress{}, arena, kMaxMessageBytes).empty()) return false;
-  const uint8_t* payload = chunk_of(src, e);
-  if (payload == nullptr) return false;
-  const MessageHead head = message_head(src, e, ring.shape());
-  const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
-  if (mismatch(head, check, tensor, bytes) != Mismatch::kNone) return false;
-  if (e.chunk_bytes != 0) {
-    copy_bytes(static_cast<uint8_t*>(tensor.data_ptr()), payload, e.chunk_bytes, e.total_bytes >= kStreamingMessageBytes);
+  return take_whole(src, e, payload, static_cast<uint8_t*>(tensor.data_ptr()));
+}
+
+// The posted receive `op` (from one source) takes the next entry of its source's ring when that
+// entry is its whole message and `op` is the receive the matcher would give it (the oldest that
+// accepts it): what progress would do, without a pass over every ring and queue (a ping-pong's
+// waiting rank, ShmEngine::wait). False, with nothing changed, in every other case.
+bool ShmChannel::land_posted(const std::shared_ptr<ShmOp>& op) {
+  const int src = op->peer;
+  if (src < 0 || op->kind != ShmOp::Kind::kRecv || op->staging.defined() || op->done.load(std::memory_order_relaxed)) {
+    return false;
   }
-  // A slot taken back while it was read, or a mapping lost: the general path reads the entry
-  // again and fails as it should.
-  if (chunk_of(src, e) == nullptr || check_poisoned()) return false;
-  held_bytes_[s] = 0;
-  entry_taken(src, e);
-  wake_sender_if_due(src);
+  shm::EntryFields e;
+  const uint8_t* payload = whole_entry(src, op->tag, op->control, e);
+  if (payload == nullptr) return false;
+  const auto found = matcher_.find_posted(src, op->tag, op->control);
+  if (found == matcher_.none() || *found != op) return false;
+  // A mismatch is left to the general path, which fails the receive with the error that says why.
+  if (mismatch(message_head(src, e, rx_[static_cast<size_t>(src)].shape()), op->check, op->user, op->bytes) !=
+      Mismatch::kNone) {
+    return false;
+  }
+  if (!take_whole(src, e, payload, op->data)) return false;
+  op->source = src;
+  matcher_.take_posted(found);
+  finish(op, nullptr);
   return true;
 }
 

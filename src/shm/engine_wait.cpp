@@ -46,6 +46,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     size_t first_pending = 0;
     bool busy = true;  // as of the last progress pass: see poll()
     uint32_t quiet_polls = 0;
+    const bool single_recv = ops.size() == 1 && ops[0] && ops[0]->kind == ShmOp::Kind::kRecv && ops[0]->peer >= 0;
 
     static bool failed(const std::shared_ptr<ShmOp>& op) {
       return op && op->done.load(std::memory_order_acquire) && op->error;
@@ -71,13 +72,20 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
         return all_done() ? shm::Poll::kDone : shm::Poll::kIdle;
       }
       quiet_polls = 0;
-      bool moved;
+      bool moved = false, landed = false;
       {
         std::lock_guard lk(e.mu_);
-        moved = e.channel_->progress(/*drain_all=*/false);
-        busy = e.channel_->busy();
+        // A wait for one receive from one peer, with nothing else in flight (a ping-pong): its
+        // message, whole in the next entry, lands without a pass over every ring and queue.
+        // (Tried for a tree's receives too, one land_posted per leaf: more instructions than
+        // the pass, which reads the ring once for all of them.)
+        landed = single_recv && !e.channel_->busy() && e.channel_->land_posted(ops[0]);
+        if (!landed) {
+          moved = e.channel_->progress(/*drain_all=*/false);
+          busy = e.channel_->busy();
+        }
       }
-      if (all_done()) return shm::Poll::kDone;
+      if (landed || all_done()) return shm::Poll::kDone;
       return moved ? shm::Poll::kMoved : shm::Poll::kIdle;
     }
     bool at_clock(Clock::time_point now) {

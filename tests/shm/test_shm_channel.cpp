@@ -352,6 +352,69 @@ TEST_F(ShmChannelTest, AWaitingMessageWithAKeyCheckLandsOnlyOnTheSameKey) {
   EXPECT_TRUE(same_bytes(got, want));
 }
 
+TEST_F(ShmChannelTest, APostedRecvLandsByItselfOnlyWhenTheMatcherWouldGiveItTheMessage) {
+  open(small_options());  // 4 KiB slots: 750 floats go through a slot, 6 ints inline
+  // Posted before its message (a ping-pong's wait): nothing to take yet, then it lands, whole.
+  const at::Tensor a = pattern(at::kInt, 6, 11);
+  const at::Tensor got_a = at::zeros({6}, at::kInt);
+  auto op = recv(1, got_a, 3, 0);
+  EXPECT_FALSE(ch(1).land_posted(op)) << "the ring is empty";
+  EXPECT_FALSE(is_done(op));
+  ch(0).post_send(a, 1, 3, {}, false);
+  ASSERT_TRUE(ch(1).land_posted(op));
+  expect_ok(op);
+  EXPECT_EQ(op->source, 0);
+  EXPECT_TRUE(same_bytes(got_a, a));
+  EXPECT_FALSE(ch(1).land_posted(op)) << "done already";
+  // Through a slot, more messages than there are slots: each slot goes back to the sender.
+  for (int64_t i = 0; i < static_cast<int64_t>(options_.slots_per_rank) + 2; ++i) {
+    const at::Tensor want = pattern(at::kFloat, 750, 60 + static_cast<uint64_t>(i));
+    const at::Tensor got = at::zeros({750}, at::kFloat);
+    auto slot_op = recv(1, got, 4, 0);
+    ASSERT_EQ(ch(0).post_send(want, 1, 4, {}, false), nullptr) << "message " << i;
+    ASSERT_TRUE(ch(1).land_posted(slot_op)) << "message " << i;
+    EXPECT_TRUE(same_bytes(got, want)) << "message " << i;
+  }
+  // An older any-source receive of the tag comes first: the newer one does not take it.
+  const at::Tensor b = pattern(at::kInt, 6, 12), c = pattern(at::kInt, 6, 13);
+  const at::Tensor got_any = at::zeros({6}, at::kInt), got_mine = at::zeros({6}, at::kInt);
+  auto any = recv(1, got_any, 5, -1);
+  auto mine = recv(1, got_mine, 5, 0);
+  ch(0).post_send(b, 1, 5, {}, false);
+  EXPECT_FALSE(ch(1).land_posted(mine));
+  EXPECT_FALSE(is_done(any));
+  ASSERT_TRUE(pump([&] { return is_done(any); }));
+  EXPECT_TRUE(same_bytes(got_any, b));
+  EXPECT_FALSE(is_done(mine));
+  ch(0).post_send(c, 1, 5, {}, false);
+  ASSERT_TRUE(ch(1).land_posted(mine));
+  EXPECT_TRUE(same_bytes(got_mine, c));
+  // Another tag, a mismatch, a strided receive (staged), several entries: nothing lands or is
+  // consumed, and the general path gives each receive what it should (the mismatch its error).
+  const at::Tensor wrong = at::zeros({7}, at::kInt);
+  auto failed = recv(1, wrong, 6, 0);
+  auto other_tag = recv(1, at::zeros({6}, at::kInt), 7, 0);
+  ch(0).post_send(a, 1, 6, {}, false);
+  EXPECT_FALSE(ch(1).land_posted(other_tag)) << "another tag";
+  EXPECT_FALSE(ch(1).land_posted(failed)) << "another size";
+  ASSERT_TRUE(pump([&] { return is_done(failed); }));
+  EXPECT_TRUE(failure(failed).is<TransportError>()) << "the general path reports the mismatch";
+  const at::Tensor strided = at::zeros({6, 2}, at::kInt).select(1, 0);
+  auto staged = recv(1, strided, 7, 0);
+  ch(0).post_send(a, 1, 7, {}, false);
+  ch(0).post_send(b, 1, 7, {}, false);
+  EXPECT_FALSE(ch(1).land_posted(staged)) << "a strided receive lands through its staging tensor";
+  ASSERT_TRUE(pump([&] { return is_done(other_tag) && is_done(staged); }));
+  EXPECT_TRUE(same_bytes(strided.contiguous(), b));
+  const at::Tensor big = pattern(at::kFloat, 4096, 14);  // 16 KiB: four entries
+  const at::Tensor got_big = at::zeros({4096}, at::kFloat);
+  auto op_big = recv(1, got_big, 8, 0);
+  auto sends = ch(0).post_send(big, 1, 8, {}, false);
+  EXPECT_FALSE(ch(1).land_posted(op_big)) << "a message of several entries";
+  ASSERT_TRUE(pump([&] { return is_done(op_big) && is_done(sends); }));
+  EXPECT_TRUE(same_bytes(got_big, big));
+}
+
 TEST_F(ShmChannelTest, NothingLandsAtOnceFromALostPeerOrOnAClosedChannel) {
   open(small_options());
   ch(0).post_send(pattern(at::kFloat, 4, 5), 1, 1, {}, false);
