@@ -72,6 +72,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -178,12 +179,12 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// send_checked per tensor (tensors[i] with tags[i] and checks[i], in order), posted under one
   /// lock, and the peer woken once. Returns null when every message is already in the segment,
   /// else one Work for all of them (shm_batch_messages splits it).
-  c10::intrusive_ptr<c10d::Work> send_batch(const std::vector<at::Tensor>& tensors, int dstRank,
+  c10::intrusive_ptr<c10d::Work> send_batch(std::span<const at::Tensor> tensors, int dstRank,
                                             const std::vector<int>& tags, const std::vector<MessageCheck>& checks);
   /// The receiving side: one recv_checked per tensor, posted under one lock. The returned Work's
   /// wait() returns once every message is in, or throws the first error as soon as one receive
   /// failed (the others may then still be pending: see shm_batch_messages).
-  c10::intrusive_ptr<c10d::Work> recv_batch(const std::vector<at::Tensor>& tensors, int srcRank,
+  c10::intrusive_ptr<c10d::Work> recv_batch(std::span<const at::Tensor> tensors, int srcRank,
                                             const std::vector<int>& tags, const std::vector<MessageCheck>& checks);
   /// Receives the first matching message from any rank; Work::sourceRank() tells which.
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;

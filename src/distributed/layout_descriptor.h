@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -60,7 +61,7 @@ inline constexpr int64_t kMaxLeafBytes = int64_t{1} << 40;
 inline uint64_t key_hash(const Key& key) { return key_path_hash(key); }
 
 /// The descriptor of leaves `tensors` with keys `keys` (same length, sorted_leaf_keys() order).
-inline std::vector<int64_t> describe_leaves(const std::vector<Key>& keys, const std::vector<at::Tensor>& tensors) {
+inline std::vector<int64_t> describe_leaves(const std::vector<Key>& keys, std::span<const at::Tensor> tensors) {
   std::vector<int64_t> d;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -137,7 +138,7 @@ inline std::vector<LeafLayout> parse_descriptor(const int64_t* d, int64_t n) {
 /// `tensors[i]`, sorted_leaf_keys() order), as a message naming the receiver's key where there is
 /// one; empty when they agree. Per leaf the key comes first, then dtype and shape.
 inline std::string layout_problem(const std::vector<LeafLayout>& theirs, const std::vector<Key>& keys,
-                                  const std::vector<at::Tensor>& tensors) {
+                                  std::span<const at::Tensor> tensors) {
   std::vector<uint64_t> mine;
   mine.reserve(keys.size());
   for (const Key& k : keys) mine.push_back(key_hash(k));

@@ -23,7 +23,10 @@
 #include "distributed/layout_descriptor.h"
 #include "distributed/transfer_common.h"
 
+#include <c10/util/SmallVector.h>
+
 #include <mutex>
+#include <span>
 
 namespace tdshm::detail {
 
@@ -70,7 +73,7 @@ std::shared_ptr<const PerLeafWire> wire_of(const SortedLeaves& sorted, int64_t i
 struct Leaves {
   std::shared_ptr<const SortedLeaves> sorted;  // keys and key hashes, cached by the tensordict
   std::shared_ptr<const PerLeafWire> wire;     // tags and checks, cached with them
-  std::vector<at::Tensor> tensors;
+  c10::SmallVector<at::Tensor, 8> tensors;  // (inline: a tree's leaves are few, no allocation per transfer)
   const std::vector<Key>& keys() const noexcept { return sorted->keys; }
   const std::vector<int64_t>& tags() const noexcept { return wire->tags; }
   /// The last tag of the transfer (init_tag - 1 without leaves), what send and recv return.
@@ -83,7 +86,6 @@ Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
   Leaves l;
   l.sorted = sorted_leaves(td);
   l.wire = wire_of(*l.sorted, init_tag, pseudo_rand);
-  l.tensors.reserve(l.keys().size());
   for (size_t i = 0; i < l.keys().size(); ++i) l.tensors.push_back(leaf_tensor(td, *l.sorted, i));
   return l;
 }
@@ -345,7 +347,7 @@ struct PostedLeaves {
 
 /// Posts the receives of every leaf into `targets`.
 PostedLeaves post_leaf_receives(const Leaves& l, const Peer& p, const RecvOptions& o,
-                                const std::vector<at::Tensor>& targets, const std::exception_ptr& refusal) {
+                                std::span<const at::Tensor> targets, const std::exception_ptr& refusal) {
   PostedLeaves posted;
   const Transport& transport = p.group.transport();
   if (p.group.checked_wire_with(p.rank)) {
@@ -357,7 +359,7 @@ PostedLeaves post_leaf_receives(const Leaves& l, const Peer& p, const RecvOption
     r->init_tag = o.init_tag;
     r->pseudo_rand = o.pseudo_rand;
     r->header = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
-    r->targets = targets;
+    r->targets.assign(targets.begin(), targets.end());
     r->refusal = refusal;
     std::shared_ptr<const PerLeafRecv> rc = std::move(r);
     posted.deferred = std::make_shared<Deferred>(
@@ -468,7 +470,7 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
       std::any_of(l.tensors.begin(), l.tensors.end(), [](const at::Tensor& t) { return !t.is_contiguous(); })) {
     for (const auto& leaf : l.tensors) staged.push_back(leaf.is_contiguous() ? leaf : at::empty(leaf.sizes(), leaf.options()));
   }
-  const std::vector<at::Tensor>& targets = staged.empty() ? l.tensors : staged;
+  const std::span<const at::Tensor> targets = staged.empty() ? std::span<const at::Tensor>(l.tensors) : staged;
   PostedLeaves posted = post_leaf_receives(l, p, o, targets, refusal);
 
   Transfer out;

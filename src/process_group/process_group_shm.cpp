@@ -340,7 +340,7 @@ namespace {
 
 // Checks a batch's arguments as single_tensor does each tensor (without building a vector per
 // tensor: this runs for every leaf of every per-leaf transfer); the tags as c10d's int.
-void check_batch(const std::vector<at::Tensor>& tensors, const std::vector<int>& tags,
+void check_batch(std::span<const at::Tensor> tensors, const std::vector<int>& tags,
                  const std::vector<MessageCheck>& checks, const char* op) {
   TORCH_CHECK(tags.size() == tensors.size() && checks.size() == tensors.size(), "ProcessGroupShm::", op, ": ",
               tensors.size(), " tensors, ", tags.size(), " tags and ", checks.size(), " checks");
@@ -349,7 +349,7 @@ void check_batch(const std::vector<at::Tensor>& tensors, const std::vector<int>&
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_batch(const std::vector<at::Tensor>& tensors, int dstRank,
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_batch(std::span<const at::Tensor> tensors, int dstRank,
                                                            const std::vector<int>& tags,
                                                            const std::vector<MessageCheck>& checks) {
   check_batch(tensors, tags, checks, "send_batch");
@@ -368,7 +368,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_batch(const std::vector<at:
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_batch(const std::vector<at::Tensor>& tensors, int srcRank,
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_batch(std::span<const at::Tensor> tensors, int srcRank,
                                                            const std::vector<int>& tags,
                                                            const std::vector<MessageCheck>& checks) {
   check_batch(tensors, tags, checks, "recv_batch");

@@ -56,12 +56,12 @@ class ShmTransport final : public Transport {
     std::vector<at::Tensor> v{std::move(t)};
     return backend_->recv_checked(v, peer, tag, check);
   }
-  c10::intrusive_ptr<BatchWork> send_batch(const std::vector<at::Tensor>& tensors, int peer,
+  c10::intrusive_ptr<BatchWork> send_batch(std::span<const at::Tensor> tensors, int peer,
                                            const std::vector<int>& tags,
                                            const std::vector<MessageCheck>& checks) const override {
     return as_batch(backend_->send_batch(tensors, peer, tags, checks));
   }
-  c10::intrusive_ptr<BatchWork> recv_batch(const std::vector<at::Tensor>& tensors, int peer,
+  c10::intrusive_ptr<BatchWork> recv_batch(std::span<const at::Tensor> tensors, int peer,
                                            const std::vector<int>& tags,
                                            const std::vector<MessageCheck>& checks) const override {
     return as_batch(backend_->recv_batch(tensors, peer, tags, checks));
@@ -73,11 +73,11 @@ class ShmTransport final : public Transport {
 
 }  // namespace
 
-c10::intrusive_ptr<BatchWork> Transport::send_batch(const std::vector<at::Tensor>&, int, const std::vector<int>&,
+c10::intrusive_ptr<BatchWork> Transport::send_batch(std::span<const at::Tensor>, int, const std::vector<int>&,
                                                     const std::vector<MessageCheck>&) const {
   no_batches();
 }
-c10::intrusive_ptr<BatchWork> Transport::recv_batch(const std::vector<at::Tensor>&, int, const std::vector<int>&,
+c10::intrusive_ptr<BatchWork> Transport::recv_batch(std::span<const at::Tensor>, int, const std::vector<int>&,
                                                     const std::vector<MessageCheck>&) const {
   no_batches();
 }

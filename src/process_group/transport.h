@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
+#include <span>
 #include <vector>
 
 namespace tdshm::detail {
@@ -47,10 +48,10 @@ class Transport {
   /// tensors[i] with tags[i] and checks[i], in order, posted under one lock. send_batch returns
   /// null when every message is already written (nothing to wait for). The batch answers for each
   /// message (batch_work.h).
-  virtual c10::intrusive_ptr<BatchWork> send_batch(const std::vector<at::Tensor>& tensors, int peer,
+  virtual c10::intrusive_ptr<BatchWork> send_batch(std::span<const at::Tensor> tensors, int peer,
                                                    const std::vector<int>& tags,
                                                    const std::vector<MessageCheck>& checks) const;
-  virtual c10::intrusive_ptr<BatchWork> recv_batch(const std::vector<at::Tensor>& tensors, int peer,
+  virtual c10::intrusive_ptr<BatchWork> recv_batch(std::span<const at::Tensor> tensors, int peer,
                                                    const std::vector<int>& tags,
                                                    const std::vector<MessageCheck>& checks) const;
 
