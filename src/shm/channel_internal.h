@@ -139,10 +139,18 @@ inline std::shared_ptr<ShmOp> make_op(ShmOp::Kind kind, int peer, int64_t tag, b
   return op;
 }
 
-// `n` fresh ops in one array: each is an aliasing shared_ptr into it, so a tree of 100 leaves
-// costs two allocations (the array and its control block) rather than 100 (the array, and the
-// tensors its ops hold, live until the last of them is released).
+// `n` fresh ops. A few (a small tree's leaves) each come from the thread's recycled blocks, as a
+// single receive's op does: no allocation at all. More share one array, each an aliasing
+// shared_ptr into it, so a tree of 100 leaves costs two allocations (the array and its control
+// block) rather than 100 (the array, and the tensors its ops hold, live until the last of them
+// is released).
 inline OpList make_ops(size_t n) {
+  constexpr size_t kRecycledUpTo = 8;
+  if (n <= kRecycledUpTo) {
+    OpList ops(n);
+    for (auto& op : ops) op = new_op();
+    return ops;
+  }
   std::shared_ptr<ShmOp[]> block(new ShmOp[n]);  // (make_shared<T[]> would need a copyable ShmOp)
   OpList ops(n);
   for (size_t i = 0; i < n; ++i) ops[i] = std::shared_ptr<ShmOp>(block, &block[i]);
