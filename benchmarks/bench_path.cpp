@@ -15,7 +15,8 @@
 //
 // It prints ns per message (one send and its receive; with --seed-tree, per tree). With --instructions it runs itself twice
 // under valgrind's callgrind (--iters N and 2N) and prints the instructions per message from the
-// difference (setup cancels out); hardware counters are not needed (this VM has none).
+// difference, counting only the measured loop (the rendezvous and the process's start are
+// left out); hardware counters are not needed (this VM has none).
 
 #include <tdshm/distributed.h>
 #include <tdshm/process_group.h>
@@ -91,55 +92,75 @@ tdshm::TensorDict seed_tree(float fill) {
                            {2});
 }
 
+/// Two ranks of one world in this process, and what they send each other.
+struct Rig {
+  std::array<c10::intrusive_ptr<tdshm::ProcessGroupShm>, 2> pg;
+  std::array<tdshm::Group, 2> group;
+  std::vector<at::Tensor> out, in, back;
+  tdshm::TensorDict tree_out, tree_in, tree_back;
+};
+
+/// The measured loop, alone in a function that is never inlined: --instructions counts only
+/// what runs inside it (callgrind's --toggle-collect), not the process's start, whose library
+/// initialisation (a timer calibration loop among others) varies by thousands of instructions
+/// from run to run.
+[[gnu::noinline]] void measured_round_trips(Rig& r, const Options& o) {
+  auto& pg = r.pg;
+  for (int i = 0; i < o.iters; ++i) {
+    if (o.seed_tree) {
+      r.tree_out.send({.dst = 1, .group = r.group[0]});
+      r.tree_in.recv({.src = 0, .group = r.group[1]});
+      r.tree_in.send({.dst = 0, .group = r.group[1]});
+      r.tree_back.recv({.src = 1, .group = r.group[0]});
+    } else if (o.posted_first) {
+      auto there = pg[1]->recv(r.in, 0, 0);
+      pg[0]->send(r.out, 1, 0);
+      there->wait();
+      auto back_again = pg[0]->recv(r.back, 1, 0);
+      pg[1]->send(r.in, 0, 0);
+      back_again->wait();
+    } else {
+      pg[0]->send(r.out, 1, 0);
+      pg[1]->recv(r.in, 0, 0)->wait();
+      pg[1]->send(r.in, 0, 0);
+      pg[0]->recv(r.back, 1, 0)->wait();
+    }
+  }
+}
+
 /// Runs the ping-pong for `iters` round trips; returns seconds. Checks the last message's bytes.
 double run(const Options& o) {
   const std::string name = "bench-path-" + std::to_string(::getpid());
   tdshm::ShmOptions so;
   so.timeout = std::chrono::seconds(60);
-  std::array<c10::intrusive_ptr<tdshm::ProcessGroupShm>, 2> pg;
+  Rig r;
   {  // the constructors meet in a rendezvous: one thread each
-    std::thread other([&] { pg[1] = c10::make_intrusive<tdshm::ProcessGroupShm>(name, 1, 2, so); });
-    pg[0] = c10::make_intrusive<tdshm::ProcessGroupShm>(name, 0, 2, so);
+    std::thread other([&] { r.pg[1] = c10::make_intrusive<tdshm::ProcessGroupShm>(name, 1, 2, so); });
+    r.pg[0] = c10::make_intrusive<tdshm::ProcessGroupShm>(name, 0, 2, so);
     other.join();
   }
-  std::vector<at::Tensor> out{at::arange(o.bytes, at::kByte)}, in{at::zeros({o.bytes}, at::kByte)},
-      back{at::zeros({o.bytes}, at::kByte)};
-  const std::array<tdshm::Group, 2> group{tdshm::Group(pg[0], {0, 1}), tdshm::Group(pg[1], {0, 1})};
-  const tdshm::TensorDict tree_out = seed_tree(1.5f);
-  tdshm::TensorDict tree_in = seed_tree(0.0f), tree_back = seed_tree(0.0f);
+  r.group = {tdshm::Group(r.pg[0], {0, 1}), tdshm::Group(r.pg[1], {0, 1})};
+  r.out = {at::arange(o.bytes, at::kByte)};
+  r.in = {at::zeros({o.bytes}, at::kByte)};
+  r.back = {at::zeros({o.bytes}, at::kByte)};
+  r.tree_out = seed_tree(1.5f);
+  r.tree_in = seed_tree(0.0f);
+  r.tree_back = seed_tree(0.0f);
   const auto start = Clock::now();
-  for (int i = 0; i < o.iters; ++i) {
-    if (o.seed_tree) {
-      tree_out.send({.dst = 1, .group = group[0]});
-      tree_in.recv({.src = 0, .group = group[1]});
-      tree_in.send({.dst = 0, .group = group[1]});
-      tree_back.recv({.src = 1, .group = group[0]});
-    } else if (o.posted_first) {
-      auto there = pg[1]->recv(in, 0, 0);
-      pg[0]->send(out, 1, 0);
-      there->wait();
-      auto back_again = pg[0]->recv(back, 1, 0);
-      pg[1]->send(in, 0, 0);
-      back_again->wait();
-    } else {
-      pg[0]->send(out, 1, 0);
-      pg[1]->recv(in, 0, 0)->wait();
-      pg[1]->send(in, 0, 0);
-      pg[0]->recv(back, 1, 0)->wait();
-    }
-  }
+  measured_round_trips(r, o);
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  if (o.seed_tree ? !(tree_back == tree_out).all() : !at::equal(back[0], out[0])) {
+  if (o.seed_tree ? !(r.tree_back == r.tree_out).all() : !at::equal(r.back[0], r.out[0])) {
     throw std::runtime_error("the message came back with other bytes");
   }
-  pg[1].reset();
-  pg[0].reset();
+  r.pg[1].reset();
+  r.pg[0].reset();
   return seconds;
 }
 
 /// Instructions of `self --bytes B --iters N` under callgrind ("Collected : X" on its stderr).
 long long callgrind_instructions(const std::string& self, const Options& o, int iters) {
-  const std::string cmd = "valgrind --tool=callgrind --callgrind-out-file=/dev/null '" + self + "' --bytes " +
+  const std::string cmd = "valgrind --tool=callgrind --callgrind-out-file=/dev/null --collect-atstart=no "
+                          "'--toggle-collect=*measured_round_trips*' '" + self + "' --bytes " +
                           std::to_string(o.bytes) + " --iters " + std::to_string(iters) + (o.posted_first ? " --posted-first" : "") +
                           (o.seed_tree ? " --seed-tree" : "") + " 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
