@@ -102,6 +102,7 @@ inline bool is_done(const std::shared_ptr<ShmOp>& op) noexcept {
 
 struct Incoming;
 struct MessageHead;
+enum class Mismatch;  // channel_internal.h
 
 class ShmChannel {
  public:
@@ -205,6 +206,8 @@ class ShmChannel {
                    uint64_t offset, uint64_t chunk, MessageCheck check = {});
   bool post_recv(const std::shared_ptr<ShmOp>& op, int src);
   void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
+  // finish(op, nullptr), inline for a receive that needs nothing more (channel_internal.h).
+  void complete(const std::shared_ptr<ShmOp>& op);
   void fail_pending(const std::exception_ptr& error);
   // check_poisoned found the mapping lost: fails everything (once). Returns true.
   bool poison();
@@ -234,7 +237,10 @@ class ShmChannel {
                      const ReceivePass& pass);
   void release_unexpected(Incoming& msg);
   std::exception_ptr resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const;
+  // Checks that `msg` fits `op` and binds its source (inline, channel_internal.h); on a mismatch
+  // fails `op` with the error that says why (fail_match) and returns false.
   bool try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op);
+  void fail_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op, Mismatch why);
 
   // Set in the constructor, then only read.
   shm::Segment& segment_;

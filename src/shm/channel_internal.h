@@ -66,6 +66,25 @@ inline Mismatch mismatch(const MessageHead& msg, const MessageCheck& expect, con
   return Mismatch::kNone;
 }
 
+inline bool ShmChannel::try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
+  op->source = msg.src;
+  const Mismatch why = mismatch(msg, op->check, op->contiguous(), op->bytes);
+  if (why == Mismatch::kNone) return true;
+  fail_match(msg, op, why);
+  return false;
+}
+
+// What finish(op, nullptr) does, inline where nothing more is needed: a receive that landed in
+// its own contiguous tensor, not failed before, the mapping intact. Anything else goes through
+// finish (the staging copy, the lost mapping's error).
+inline void ShmChannel::complete(const std::shared_ptr<ShmOp>& op) {
+  if (op->staging.defined() || op->error || op->done.load(std::memory_order_relaxed) || segment_.poisoned()) {
+    finish(op, nullptr);
+    return;
+  }
+  op->done.store(true, std::memory_order_release);  // pairs with acquire loads of done in waiters
+}
+
 // Messages at least this large are copied out of the ring with non-temporal stores.
 inline constexpr uint64_t kStreamingMessageBytes = uint64_t{8} << 20;
 

@@ -165,7 +165,7 @@ bool ShmChannel::land_posted(const std::shared_ptr<ShmOp>& op) {
   if (!take_whole(src, e, payload, op->data)) return false;
   op->source = src;
   matcher_.take_posted(found);
-  finish(op, nullptr);
+  complete(op);
   return true;
 }
 
@@ -174,13 +174,10 @@ void ShmChannel::drain(int src) {
   }
 }
 
-// Checks that `msg` fits `op` (mismatch); binds the source. On a mismatch fails `op` with the
-// error that says why and returns false.
-bool ShmChannel::try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
-  op->source = msg.src;
+// try_match's failure (channel_internal.h): fails `op` with the error that says why `msg` does
+// not fit it.
+void ShmChannel::fail_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op, Mismatch why) {
   const at::Tensor& t = op->contiguous();
-  const Mismatch why = mismatch(msg, op->check, t, op->bytes);
-  if (why == Mismatch::kNone) return true;
   auto from = [&] { return op->peer < 0 ? " (from rank " + std::to_string(msg.src) + ")" : std::string(); };
   std::string problem;
   switch (why) {
@@ -189,7 +186,7 @@ bool ShmChannel::try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
       finish(op, make_error<TransportError>(op->what() + from() + ": the sender's tree has " +
                                             std::to_string(msg.check.leaves) + " leaves but this receiving tree has " +
                                             std::to_string(op->check.leaves) + "; nothing was written"));
-      return false;
+      return;
     case Mismatch::kCheck:
       if (op->check.kind == MessageCheck::Kind::kSchema) {
         finish(op, make_error<SchemaError>(op->what() + from() + ": the sender's consolidated schema (hash " +
@@ -202,7 +199,7 @@ bool ShmChannel::try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
                                               hex32(op->check.value) + "): the two trees' keys differ; nothing was "
                                               "written"));
       }
-      return false;
+      return;
     case Mismatch::kBytes:
       problem = "the message has " + std::to_string(msg.total) + " bytes but the tensor has " + std::to_string(op->bytes);
       break;
@@ -221,7 +218,6 @@ bool ShmChannel::try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
     case Mismatch::kNone: break;
   }
   finish(op, make_error<TransportError>(op->what() + from() + ": " + problem));
-  return false;
 }
 
 // What the first entry `e` from `src` says of its message (the shape from the entry's third line,
@@ -273,7 +269,7 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
       std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
       if (try_match(head, op)) {  // else op failed on the mismatch and the message is dropped
         if (e.chunk_bytes != 0) copy_bytes(op->data, payload, e.chunk_bytes, e.total_bytes >= kStreamingMessageBytes);
-        finish(op, nullptr);
+        complete(op);
         pass.completed_posted = true;
       }
       return Taken::kYes;
@@ -310,7 +306,7 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
     msg.complete = true;
     auto done = std::move(cur);
     if (done->op) {
-      finish(done->op, nullptr);
+      complete(done->op);
       pass.completed_posted = true;
     }
     if (done->op || done->discard) {
