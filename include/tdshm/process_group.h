@@ -114,6 +114,11 @@ struct ShmOptions {
   /// posted. Past it, a new early message stays in its ring and its sender waits until the recv
   /// is posted (back-pressure): nothing is dropped, and no peer can make a rank allocate more.
   size_t max_unexpected_bytes = size_t{1} << 30;
+  /// Bytes of each rank's loan heap (rounded up to 4 KiB; memory: world × loan_bytes): the
+  /// tensors tdshm::loan hands out live there and travel by reference (loan.h). 0: no loans.
+  size_t loan_bytes = size_t{1} << 20;
+  /// Loans one rank may have lent at once (sends of loans not yet handed back), in [1, 2^16].
+  uint32_t loan_tickets = 64;
 };
 
 /// Size in bytes of the segment for `world_size` ranks with `options`.
@@ -188,6 +193,24 @@ class ProcessGroupShm : public c10d::ProcessGroup {
                                             const std::vector<int>& tags, const std::vector<MessageCheck>& checks);
   /// Receives the first matching message from any rank; Work::sourceRank() tells which.
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  // ---- Loans and views (docs/loans.md) ----
+  /// A contiguous CPU tensor of `sizes` and `dtype` whose bytes live in this rank's loan heap
+  /// (ShmOptions::loan_bytes) of the segment: a send of it (or of any contiguous part of it) to
+  /// any rank of this group posts a reference, not the bytes; the send's Work completes once the
+  /// receiver no longer reads them (it copied them out, or dropped its view). Its bytes are reused
+  /// once it is dropped and no receiver holds them. Waits for room while receivers hold earlier
+  /// loans (TimeoutError after ShmOptions::timeout, naming who holds what); a loan larger than the
+  /// heap is a SegmentError, a negative shape a ShapeError. Any thread.
+  at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype);
+  /// Whether `t`'s bytes lie wholly inside one live loan of this group (its sends go by reference).
+  bool is_loan(const at::Tensor& t) const;
+  /// Receives whatever tensor `srcRank` sends with `tag`, in a tensor of the sender's shape and
+  /// dtype (Work::result()): when the sender's tensor is a loan, a view of its bytes (no copy;
+  /// they go back to the sender when the view's last reference is dropped), else a fresh tensor.
+  c10::intrusive_ptr<c10d::Work> irecv_view(int srcRank, int tag, MessageCheck check = {});
+  /// irecv_view, waited for: the received tensor.
+  at::Tensor recv_view(int srcRank, int tag, MessageCheck check = {});
 
   // ---- Collectives (docs/transport.md, "Collectives over the windows"; protocol in src/shm/collective.h) ----
   // They run over the segment's collective windows in the calling thread: the returned Work is

@@ -404,6 +404,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_checked(std::vector<at::Ten
   return recv_works_->take(engine_, std::move(op), t, srcRank);  // (op null: its message was waiting)
 }
 
+at::Tensor ProcessGroupShm::loan(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return engine_->loan(sizes, dtype, std::chrono::steady_clock::now() + engine_->options().timeout);
+}
+
+bool ProcessGroupShm::is_loan(const at::Tensor& t) const { return engine_->is_loan(t); }
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::irecv_view(int srcRank, int tag, MessageCheck check) {
+  TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::irecv_view: source rank must be >= 0");
+  return make_work(engine_, engine_->post_recv_view(srcRank, tag, check), c10d::OpType::RECV);
+}
+
+at::Tensor ProcessGroupShm::recv_view(int srcRank, int tag, MessageCheck check) {
+  auto work = irecv_view(srcRank, tag, check);
+  work->wait();
+  return work->result().at(0);
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const at::Tensor& t = single_tensor(tensors, "recvAnysource");
   return make_work(engine_, engine_->post_recv(t, -1, tag, /*control=*/false), c10d::OpType::RECVANYSOURCE);

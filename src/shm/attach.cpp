@@ -85,6 +85,12 @@ void check_params(const SegmentParams& params, uint32_t rank) {
                        std::to_string(kWindowParts * kCacheLine) + " in [" + std::to_string(kWindowParts * kCacheLine) +
                        ", 2^30]");
   }
+  if (params.loan_tickets < 1 || params.loan_tickets > kMaxLoanTickets) {
+    throw SegmentError("loan_tickets " + std::to_string(params.loan_tickets) + " must be in [1, 2^16]");
+  }
+  if (params.loan_bytes > kMaxLoanBytes) {
+    throw SegmentError("loan_bytes " + std::to_string(params.loan_bytes) + " must be at most 2^36");
+  }
 }
 
 uint64_t random_id() {
@@ -101,15 +107,20 @@ SegmentError mismatch_error(const SegmentParams& p, const HeaderFields& h) {
   return SegmentError("segment '" + p.name + "' is in use with world size " + std::to_string(h.world_size) +
                       ", slot_bytes " + std::to_string(h.slot_bytes) + ", ring_entries " +
                       std::to_string(h.ring_entries) + ", slots_per_rank " + std::to_string(h.slots_per_rank) +
-                      ", window_bytes " + std::to_string(h.window_bytes) + "; this rank asked for world size " +
+                      ", window_bytes " + std::to_string(h.window_bytes) + ", loan_tickets " +
+                      std::to_string(h.loan_tickets) + ", loan_bytes " + std::to_string(h.loan_bytes) +
+                      "; this rank asked for world size " +
                       std::to_string(p.world_size) + ", slot_bytes " + std::to_string(p.slot_bytes) +
                       ", ring_entries " + std::to_string(p.ring_entries) + ", slots_per_rank " +
-                      std::to_string(p.slots_per_rank) + ", window_bytes " + std::to_string(p.window_bytes));
+                      std::to_string(p.slots_per_rank) + ", window_bytes " + std::to_string(p.window_bytes) +
+                      ", loan_tickets " + std::to_string(p.loan_tickets) + ", loan_bytes " +
+                      std::to_string(round_up(p.loan_bytes, kLoanPage)));
 }
 
 bool same_params(const SegmentParams& p, const HeaderFields& h) {
   return h.world_size == p.world_size && h.slot_bytes == p.slot_bytes && h.ring_entries == p.ring_entries &&
-         h.slots_per_rank == p.slots_per_rank && h.window_bytes == p.window_bytes;
+         h.slots_per_rank == p.slots_per_rank && h.window_bytes == p.window_bytes && h.loan_tickets == p.loan_tickets &&
+         h.loan_bytes == round_up(p.loan_bytes, kLoanPage);
 }
 
 }  // namespace
@@ -175,7 +186,7 @@ Attacher::Attacher(const SegmentParams& params, uint32_t rank, std::chrono::stea
 std::unique_ptr<Segment> Attacher::new_segment(const SegmentParams& params, uint32_t rank) {
   std::unique_ptr<Segment> seg(new Segment(params, rank));
   seg->geometry_ = segment_geometry(params.world_size, params.slot_bytes, params.ring_entries, params.slots_per_rank,
-                                    params.window_bytes);
+                                    params.window_bytes, params.loan_tickets, params.loan_bytes);
   return seg;
 }
 
@@ -327,6 +338,10 @@ void Attacher::write_header(uint64_t bytes) {
   hdr->slots_per_rank = params_.slots_per_rank;
   hdr->window_offset = g.window_offset;
   hdr->window_bytes = g.window_bytes;
+  hdr->loan_offset = g.loan_offset;
+  hdr->loan_region_bytes = g.loan_region_bytes;
+  hdr->loan_bytes = g.loan_bytes;
+  hdr->loan_tickets = params_.loan_tickets;
   hdr->creator_pid = me_.pid;
   hdr->creator_rank = rank_;
   hdr->creator_start_time = me_.start_time;

@@ -48,6 +48,9 @@ ShmChannel::ShmChannel(shm::Segment& segment, int rank, int size, const ShmOptio
     rx_[p] = shm::RingConsumer(shm::RingView(segment_.ring_memory(p, me), options.ring_entries));
   }
   slots_ = shm::SlotAllocator(regions_[me]);
+  loans_ = std::make_shared<shm::LoanPool>(segment_, me);
+  loan_regions_.resize(n);
+  for (uint32_t p = 0; p < static_cast<uint32_t>(size); ++p) loan_regions_[p] = shm::LoanRegionView::of(segment_, p);
   current_.resize(n);
   spare_.resize(n);
   peer_error_.resize(n);
@@ -96,6 +99,7 @@ std::shared_ptr<ShmOp> ShmChannel::queue_send(const at::Tensor& tensor, int dst,
   auto op = make_op(ShmOp::Kind::kSend, dst, tag, control, tensor);
   op->reference = std::move(reference);
   op->check = check;
+  bind_loan(*op);
   if (closed_ || poisoned_ || peer_error_[peer]) {
     finish(op, closed_ ? closed_ : poisoned_ ? poisoned_ : peer_error_[peer]);
     return op;
@@ -109,7 +113,8 @@ std::shared_ptr<ShmOp> ShmChannel::post_send(const at::Tensor& tensor, int dst, 
                                              bool control) {
   check_destination(dst);
   std::string reference = memmap_reference(tensor, options_.slot_bytes);
-  bool published = send_whole(tensor, dst, tag, check, control, reference);
+  // A loan goes by reference (queue_send), never by value through send_whole.
+  bool published = !loans_->in_heap(tensor.data_ptr()) && send_whole(tensor, dst, tag, check, control, reference);
   std::shared_ptr<ShmOp> op;
   // Published: done, unless the mapping was lost meanwhile (queue_send then fails the op).
   if (!published || check_poisoned()) op = queue_send(tensor, dst, tag, check, control, std::move(reference), published);
@@ -126,7 +131,7 @@ OpList ShmChannel::post_sends(std::span<const at::Tensor> tensors, int dst, std:
   bool published = false;
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::string reference = memmap_reference(tensors[i], options_.slot_bytes);
-    if (send_whole(tensors[i], dst, tags[i], checks[i], control, reference)) {
+    if (!loans_->in_heap(tensors[i].data_ptr()) && send_whole(tensors[i], dst, tags[i], checks[i], control, reference)) {
       published = true;
       if (!check_poisoned()) continue;  // else: queue_send fails its op with the poison error
     }
@@ -188,6 +193,25 @@ std::shared_ptr<ShmOp> ShmChannel::make_recv(const at::Tensor& tensor, int src, 
   return op;
 }
 
+std::shared_ptr<ShmOp> ShmChannel::make_recv_view(int src, int rank, int size, int64_t tag, const MessageCheck& check) {
+  check_source(src, rank, size);
+  auto op = new_op();
+  op->kind = ShmOp::Kind::kRecv;
+  op->peer = src;
+  op->tag = tag;
+  op->check = check;
+  op->view = true;
+  return op;
+}
+
+void ShmChannel::bind_loan(ShmOp& op) const {
+  if (op.staging.defined() || !loans_->in_heap(op.data)) return;
+  if (auto place = loans_->find(op.data, op.bytes)) {
+    op.loan = static_cast<int64_t>(place->allocation);
+    op.loan_offset = place->offset;
+  }
+}
+
 void ShmChannel::post_recvs(std::span<const std::shared_ptr<ShmOp>> ops, int src) {
   bool posted = false;
   for (const auto& op : ops) posted |= post_recv(op, src);
@@ -213,14 +237,30 @@ bool ShmChannel::post_recv(const std::shared_ptr<ShmOp>& op, int src) {
   // Messages drained earlier (unexpected) are older than what is still in the rings: match them
   // first; otherwise post, then drain the rings, so a message already there lands in place.
   if (const std::shared_ptr<Incoming> keep = matcher_.take_early(src, tag, control)) {
+    shm::LoanReference loan{};
+    const uint8_t* lent = nullptr;
+    if (keep->loan) {  // the bytes stayed in the sender's heap, under its ticket
+      std::memcpy(&loan, keep->heap.get(), sizeof loan);
+      lent = shm::lent_bytes(loan_regions_[static_cast<size_t>(keep->src)], loan, keep->total,
+                             static_cast<uint32_t>(rank_));
+    }
     if (!try_match(*keep, op)) {
       // The receive failed with a clear error and the message is dropped (as MPI drops a
       // truncated one), so that what follows on this tag stays in step.
       if (!keep->complete) keep->discard = true;
+      if (lent != nullptr) give_back_loan(keep->src, loan.ticket);
       release_unexpected(*keep);
       return false;
     }
-    if (keep->reference) {  // always complete: one entry, checked when it arrived
+    if (keep->loan) {
+      release_unexpected(*keep);
+      if (lent == nullptr) {
+        finish(op, make_error<TransportError>(op->what() + ": the sender's loan (ticket " + std::to_string(loan.ticket) +
+                                              ") is no longer lent to this rank"));
+      } else {
+        land_loan(keep->src, *keep, loan.ticket, lent, op);
+      }
+    } else if (keep->reference) {  // always complete: one entry, checked when it arrived
       shm::ReferenceFields ref;
       const std::string problem = shm::check_reference(keep->heap.get(), keep->heap_bytes, keep->total, ref);
       auto error = problem.empty() ? resolve_reference(*op, ref) : make_error<TransportError>(op->what() + ": " + problem);
@@ -256,6 +296,21 @@ bool ShmChannel::progress(bool drain_all) {
     moved |= progress_receives(p, drain_all);
     moved |= progress_sends(p);
   }
+  if (!lent_.empty()) moved |= progress_loans();
+  return moved;
+}
+
+// Sends of loans complete when their receiver gives the ticket back (after its copy, or when its
+// last view is dropped), or when the owner takes it back from a rank that is gone.
+bool ShmChannel::progress_loans() {
+  bool moved = false;
+  std::erase_if(lent_, [&](const Lent& l) {
+    if (!loans_->ticket_free(l.ticket)) return false;
+    loans_->ticket_returned(l.ticket);
+    finish(l.op, nullptr);  // (a no-op for one that failed already: its peer was lost)
+    moved = true;
+    return true;
+  });
   return moved;
 }
 
@@ -272,7 +327,7 @@ bool ShmChannel::busy() const noexcept {
     const auto i = static_cast<size_t>(p);
     if (!send_queues_[i].empty() || current_[i] || held_bytes_[i] != 0) return true;
   }
-  return false;
+  return !lent_.empty();
 }
 
 bool ShmChannel::progress_sends(int dst, bool wake) {
@@ -286,6 +341,18 @@ bool ShmChannel::progress_sends(int dst, bool wake) {
     uint32_t flags = op.control ? uint32_t{shm::kEntryControl} : 0u;
     uint64_t chunk;
     bool written;
+    if (op.loan >= 0) {  // a reference to the bytes in this rank's loan heap, under a ticket
+      const auto ticket = loans_->take_ticket(static_cast<uint32_t>(dst), static_cast<uint64_t>(op.loan));
+      if (!ticket) break;  // every ticket is out: a receiver gives one back
+      const shm::LoanReference ref{op.loan_offset, *ticket, 0};
+      flags |= shm::kEntryFirst | shm::kEntryLast | shm::kEntryLoan | check_flag(op.check);
+      write_entry(dst, flags, op.tag, op.contiguous(), reinterpret_cast<const uint8_t*>(&ref), 0, sizeof ref, op.check);
+      op.started = true;
+      moved = true;
+      lent_.push_back({queue.front(), *ticket});
+      queue.pop_front();
+      continue;
+    }
     if (!op.reference.empty()) {  // the whole message in one entry, whatever the tensor's size
       chunk = op.bytes;
       flags |= shm::kEntryFirst | shm::kEntryLast | shm::kEntryReference | check_flag(op.check);
@@ -397,6 +464,10 @@ void ShmChannel::fail_peer(int peer, std::exception_ptr error) {
   auto& queue = send_queues_[static_cast<size_t>(peer)];
   for (auto& op : queue) finish(op, slot);
   queue.clear();
+  // Its loans' tickets stay counted until they are free (reclaim_slots takes them back).
+  for (auto& l : lent_) {
+    if (l.op->peer == peer) finish(l.op, slot);
+  }
   auto& cur = current_[static_cast<size_t>(peer)];
   if (cur) {
     if (cur->op) finish(cur->op, slot);
@@ -412,7 +483,15 @@ void ShmChannel::fail_peer(int peer, std::exception_ptr error) {
   // still runs) may still be writing to them. Nothing more is read from or written to them.
 }
 
-uint32_t ShmChannel::reclaim_slots(int peer) { return slots_.reclaim(static_cast<uint32_t>(peer)); }
+uint32_t ShmChannel::reclaim_slots(int peer) {
+  loans_->reclaim(static_cast<uint32_t>(peer));
+  progress_loans();  // their allocations are free again once their tensors are gone
+  return slots_.reclaim(static_cast<uint32_t>(peer));
+}
+
+void ShmChannel::give_back_loan(int src, uint32_t ticket) {
+  shm::give_back(loan_regions_[static_cast<size_t>(src)], ticket, segment_.rank_slot(static_cast<uint32_t>(src)));
+}
 
 // Once the segment's mapping is lost (a peer truncated the file), every transfer fails.
 bool ShmChannel::poison() {
@@ -431,6 +510,7 @@ void ShmChannel::fail_pending(const std::exception_ptr& error) {
     q.clear();
   }
   matcher_.clear([&](const std::shared_ptr<ShmOp>& op) { finish(op, error); });
+  for (auto& l : lent_) finish(l.op, error);
   for (auto& msg : current_) {
     if (msg && msg->op) finish(msg->op, error);
     msg.reset();
@@ -460,6 +540,7 @@ std::exception_ptr ShmChannel::unusable() {
 
 std::string ShmChannel::held_messages() const {
   std::string held;
+  if (!lent_.empty()) held += "; " + loans_->holders();
   for (size_t p = 0; p < held_bytes_.size(); ++p) {
     if (held_bytes_[p] != 0) {
       held += "; a message of " + std::to_string(held_bytes_[p]) + " bytes from rank " + std::to_string(p) +

@@ -48,6 +48,7 @@
 
 #include "shm/arena.h"
 #include "shm/buffer_pool.h"
+#include "shm/loan_pool.h"
 #include "shm/matcher.h"
 #include "shm/ring.h"
 #include "shm/segment.h"
@@ -81,6 +82,11 @@ struct ShmOp {
   uint8_t* data = nullptr;
   uint64_t bytes = 0;
   std::string reference;      // send of a named memmap: the MemmapReference payload sent instead of the bytes
+  int64_t loan = -1;          // send of a loan: its allocation in this rank's loan heap (else -1)
+  uint64_t loan_offset = 0;   //   and the offset of its bytes there
+  bool view = false;          // recv_view: lands in a tensor of the message's shape and dtype (user),
+                              //   the sender's bytes themselves when they are a loan
+  c10::SmallVector<int64_t, 8> view_sizes;  // recv_view: the message's shape
   uint64_t posted = 0;        // send: payload bytes written to the ring
   bool started = false;       // send: first entry written
   std::atomic<bool> done{false};
@@ -133,6 +139,10 @@ class ShmChannel {
   /// an invalid `src`) and makes their ops. Touches no channel state: called without the lock.
   static OpList make_recvs(std::span<const at::Tensor> tensors, int src, int rank, int size,
                            std::span<const int64_t> tags, std::span<const MessageCheck> checks, bool control);
+  /// A receive from `src` of whatever tensor comes (recv_view): it lands in a tensor of the
+  /// message's shape and dtype, which is a view of the sender's bytes when they are a loan (no
+  /// copy; the bytes go back when the view is dropped), else a fresh tensor.
+  static std::shared_ptr<ShmOp> make_recv_view(int src, int rank, int size, int64_t tag, const MessageCheck& check);
   /// make_recvs of one tensor, without its list.
   static std::shared_ptr<ShmOp> make_recv(const at::Tensor& tensor, int src, int rank, int size, int64_t tag,
                                           const MessageCheck& check, bool control);
@@ -177,8 +187,10 @@ class ShmChannel {
   /// more); returns how many.
   uint32_t reclaim_slots(int peer);
   /// "; a message of N bytes from rank R waits in its ring ..." for every message held back by
-  /// the early-message budget (for a TimeoutError), else "".
+  /// the early-message budget, and who holds this rank's loans (for a TimeoutError), else "".
   std::string held_messages() const;
+  /// This rank's loan heap (loan_pool.h): shared with the loans it hands out.
+  const std::shared_ptr<shm::LoanPool>& loans() const noexcept { return loans_; }
 
  private:
   // What one progress pass over a source's ring carries from entry to entry.
@@ -202,9 +214,20 @@ class ShmChannel {
   std::shared_ptr<ShmOp> queue_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
                                     bool control, std::string reference, bool& published);
   bool progress_sends(int dst, bool wake = true);
+  bool progress_loans();
+  // Where a send's tensor lies in this rank's loan heap (wholly inside one loan), else -1 (a copy).
+  void bind_loan(ShmOp& op) const;
   bool write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
                    uint64_t offset, uint64_t chunk, MessageCheck check = {});
   bool post_recv(const std::shared_ptr<ShmOp>& op, int src);
+  // Gives ticket `ticket` of `src`'s loan region back and wakes `src`.
+  void give_back_loan(int src, uint32_t ticket);
+  // Lands `msg`, a loan whose bytes are `lent` under ticket `ticket` of `src`, in `op` (matched):
+  // a view of them (recv_view), or a copy, after which the ticket goes back at once.
+  void land_loan(int src, const MessageHead& msg, uint32_t ticket, const uint8_t* lent, const std::shared_ptr<ShmOp>& op);
+  // A recv_view's tensor for `msg` (its shape and dtype, checked); false with op failed when they
+  // make no tensor (a corrupt or unsupported message).
+  bool bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>& op);
   void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
   // finish(op, nullptr), inline for a receive that needs nothing more (channel_internal.h).
   void complete(const std::shared_ptr<ShmOp>& op);
@@ -231,6 +254,8 @@ class ShmChannel {
   void wake_sender_if_due(int src);
   Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
                      ReceivePass& pass);
+  Taken handle_loan(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
+                    ReceivePass& pass);
   static MessageHead message_head(int src, const shm::EntryFields& e, const shm::EntryShape& shape);
   // `found`: the posted receive that takes the message (matcher_.find_posted), or none().
   bool start_message(int src, const MessageHead& head, Matcher::Found found, uint32_t chunk_bytes,
@@ -254,6 +279,13 @@ class ShmChannel {
   std::vector<shm::RingProducer> tx_;                            // per destination: its ring's producer end
   std::vector<shm::RingConsumer> rx_;                            // per source: its ring's consumer end
   shm::SlotAllocator slots_;                                     // this rank's own region
+  std::shared_ptr<shm::LoanPool> loans_;                         // this rank's loan heap
+  std::vector<shm::LoanRegionView> loan_regions_;                // per rank: its loan region
+  struct Lent {
+    std::shared_ptr<ShmOp> op;  // completes when the ticket comes back
+    uint32_t ticket;
+  };
+  std::vector<Lent> lent_;  // sends of loans whose receiver may still read the bytes
   std::vector<std::shared_ptr<Incoming>> current_;               // per source: message being received
   std::vector<std::shared_ptr<Incoming>> spare_;                 // per source: a finished one, for reuse
   Matcher matcher_;                        // unmatched receives and early messages

@@ -29,6 +29,7 @@ struct MessageHead {
   uint8_t ndim = shm::kShapeNotSent;
   int64_t dims[shm::kMaxDims];  // the first `ndim` when ndim >= 2 (not cleared: a message per copy)
   bool reference = false;  // a MemmapReference (a whole message in one entry)
+  bool loan = false;       // a LoanReference (a whole message in one entry)
 };
 
 /// A message from one source whose entries are arriving, or that arrived before its recv.
@@ -39,7 +40,7 @@ struct Incoming : MessageHead {
   uint64_t heap_bytes = 0;       // counted in ShmChannel::unexpected_bytes_ while heap is held
   bool complete = false;
   bool discard = false;  // it failed the receive it matched: drained and dropped, never copied
-  // (MessageHead::reference: `heap` holds the reference while it is unexpected)
+  // (MessageHead::reference, ::loan: `heap` holds the reference while it is unexpected)
 };
 
 
@@ -68,6 +69,7 @@ inline Mismatch mismatch(const MessageHead& msg, const MessageCheck& expect, con
 
 inline bool ShmChannel::try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
   op->source = msg.src;
+  if (op->view) return bind_view(msg, op);
   const Mismatch why = mismatch(msg, op->check, op->contiguous(), op->bytes);
   if (why == Mismatch::kNone) return true;
   fail_match(msg, op, why);

@@ -103,7 +103,7 @@ const uint8_t* ShmChannel::whole_entry(int src, int64_t tag, bool control, shm::
   if (closed_ || poisoned_ || peer_error_[s] || current_[s]) return nullptr;
   if (!rx_[s].peek(e)) return nullptr;  // (the common miss: asked first)
   constexpr uint32_t kWhole = shm::kEntryFirst | shm::kEntryLast;
-  if ((e.flags & (kWhole | shm::kEntryReference)) != kWhole || e.tag != tag ||
+  if ((e.flags & (kWhole | shm::kEntryReference | shm::kEntryLoan)) != kWhole || e.tag != tag ||
       ((e.flags & shm::kEntryControl) != 0) != control) {
     return nullptr;
   }
@@ -149,7 +149,8 @@ bool ShmChannel::receive_now(const at::Tensor& tensor, int src, int64_t tag, con
 // waiting rank, ShmEngine::wait). False, with nothing changed, in every other case.
 bool ShmChannel::land_posted(const std::shared_ptr<ShmOp>& op) {
   const int src = op->peer;
-  if (src < 0 || op->kind != ShmOp::Kind::kRecv || op->staging.defined() || op->done.load(std::memory_order_relaxed)) {
+  if (src < 0 || op->kind != ShmOp::Kind::kRecv || op->view || op->staging.defined() ||
+      op->done.load(std::memory_order_relaxed)) {
     return false;
   }
   shm::EntryFields e;
@@ -228,6 +229,7 @@ MessageHead ShmChannel::message_head(int src, const shm::EntryFields& e, const s
   h.tag = e.tag;
   h.control = (e.flags & shm::kEntryControl) != 0;
   h.reference = (e.flags & shm::kEntryReference) != 0;
+  h.loan = (e.flags & shm::kEntryLoan) != 0;
   h.check = entry_check(e);
   h.total = e.total_bytes;
   h.dtype = e.dtype;
@@ -259,6 +261,7 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
       throw corrupt(problem);
     }
   }
+  if (e.flags & shm::kEntryLoan) return handle_loan(src, e, payload, shape, pass);
   if (e.flags & shm::kEntryFirst) {
     MessageHead head = message_head(src, e, shape);
     const auto found = matcher_.find_posted(src, head.tag, head.control);
@@ -315,6 +318,119 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
     }
   }
   return Taken::kYes;
+}
+
+// A loan (check_entry found it a whole message in one entry): its bytes, in the sender's heap under
+// a ticket handed to this rank, land in its posted receive (a view, or a copy after which the
+// ticket goes back), or it waits as an early message that holds the reference, not the bytes.
+ShmChannel::Taken ShmChannel::handle_loan(int src, const shm::EntryFields& e, const uint8_t* payload,
+                                          const shm::EntryShape& shape, ReceivePass& pass) {
+  shm::LoanReference ref;
+  std::memcpy(&ref, payload, sizeof ref);
+  const uint8_t* lent =
+      shm::lent_bytes(loan_regions_[static_cast<size_t>(src)], ref, e.total_bytes, static_cast<uint32_t>(rank_));
+  if (lent == nullptr) {
+    throw TransportError("corrupted entry from " + segment_.describe_rank(static_cast<uint32_t>(src)) + ": loan of " +
+                         std::to_string(e.total_bytes) + " bytes at offset " + std::to_string(ref.offset) +
+                         " under ticket " + std::to_string(ref.ticket) + " is not lent to this rank");
+  }
+  MessageHead head = message_head(src, e, shape);
+  const auto found = matcher_.find_posted(src, head.tag, head.control);
+  if (found != matcher_.none()) {
+    held_bytes_[static_cast<size_t>(src)] = 0;
+    std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
+    if (try_match(head, op)) {
+      land_loan(src, head, ref.ticket, lent, op);
+      pass.completed_posted = true;
+    } else {
+      give_back_loan(src, ref.ticket);  // op failed on the mismatch; the message is dropped
+    }
+    return Taken::kYes;
+  }
+  if (!start_message(src, head, found, e.chunk_bytes, pass)) return Taken::kHeld;
+  auto done = std::move(current_[static_cast<size_t>(src)]);
+  std::memcpy(done->heap.get(), payload, sizeof ref);  // the ticket stays out until a recv takes it
+  done->received = done->total;
+  done->complete = true;
+  return Taken::kYes;
+}
+
+void ShmChannel::land_loan(int src, const MessageHead& msg, uint32_t ticket, const uint8_t* lent,
+                           const std::shared_ptr<ShmOp>& op) {
+  const auto s = static_cast<size_t>(src);
+  if (op->view) {
+    try {
+      op->user = shm::view_of_loan(segment_.mapping(), loan_regions_[s], ticket, segment_.rank_slot(static_cast<uint32_t>(src)),
+                                   lent, c10::IntArrayRef(op->view_sizes.data(), op->view_sizes.size()),
+                                   static_cast<c10::ScalarType>(msg.dtype));
+    } catch (const std::exception& e) {
+      give_back_loan(src, ticket);
+      finish(op, make_error<TransportError>(op->what() + ": " + e.what()));
+      return;
+    }
+    op->data = static_cast<uint8_t*>(op->user.data_ptr());
+    complete(op);
+    return;
+  }
+  if (msg.total != 0) copy_bytes(op->data, lent, msg.total, msg.total >= kStreamingMessageBytes);
+  give_back_loan(src, ticket);
+  complete(op);
+}
+
+// A recv_view takes any tensor: the message's own checks still apply (another key, another
+// schema), then its dtype and shape must make a tensor of its size. A message that is not a loan
+// lands in a fresh tensor of that shape.
+bool ShmChannel::bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
+  const MessageCheck& expect = op->check;
+  if (expect.kind != MessageCheck::Kind::kNone && msg.check.kind == expect.kind) {
+    MessageHead m = msg;
+    if (msg.check.leaves != 0 && expect.leaves != 0 && msg.check.leaves != expect.leaves) {
+      fail_match(m, op, Mismatch::kLeaves);
+      return false;
+    }
+    if (msg.check.value != expect.value) {
+      fail_match(m, op, Mismatch::kCheck);
+      return false;
+    }
+  }
+  auto refuse = [&](const std::string& why) {
+    finish(op, make_error<TransportError>(op->what() + ": the message from rank " + std::to_string(msg.src) + " " + why));
+    return false;
+  };
+  if (msg.dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions)) return refuse("has no valid dtype");
+  const auto dtype = static_cast<c10::ScalarType>(msg.dtype);
+  if (c10::isQIntType(dtype) || dtype == c10::ScalarType::Undefined) {
+    return refuse(std::string("has dtype ") + c10::toString(dtype) + ", which a view cannot take");
+  }
+  const uint64_t element = c10::elementSize(dtype);
+  if (msg.ndim == shm::kShapeNotSent) return refuse("has more than 8 dimensions, whose shape is not sent");
+  if (msg.total % element != 0) return refuse("has a size that is not a whole number of elements");
+  op->view_sizes.clear();
+  if (msg.ndim == 1) {
+    op->view_sizes.push_back(static_cast<int64_t>(msg.total / element));
+  } else if (msg.ndim >= 2) {
+    uint64_t numel = 1;
+    for (uint8_t d = 0; d < msg.ndim; ++d) {
+      if (msg.dims[d] < 0 || (msg.dims[d] != 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(msg.dims[d]))) {
+        return refuse("has an invalid shape");
+      }
+      numel *= static_cast<uint64_t>(msg.dims[d]);
+      op->view_sizes.push_back(msg.dims[d]);
+    }
+    if (numel * element != msg.total) return refuse("has a shape that does not match its size");
+  } else if (msg.total != element) {
+    return refuse("has no dimensions but " + std::to_string(msg.total) + " bytes");
+  }
+  op->bytes = msg.total;
+  if (!msg.loan) {
+    try {
+      op->user = at::empty(c10::IntArrayRef(op->view_sizes.data(), op->view_sizes.size()), at::TensorOptions().dtype(dtype));
+    } catch (const std::exception& e) {
+      return refuse(std::string("cannot be allocated: ") + e.what());
+    }
+    op->data = static_cast<uint8_t*>(op->user.data_ptr());
+  }
+  return true;
 }
 
 // Lands a reference message (validated by check_reference) in `op`: nothing to do when op's
@@ -375,8 +491,8 @@ bool ShmChannel::start_message(int src, const MessageHead& head, Matcher::Found 
   if (!posted && !pass.drain_all && !matcher_.waits_on(src)) {
     return false;  // nobody waits on this source yet: it stays in the ring for now (progress)
   }
-  // An unexpected reference keeps the reference, not the bytes.
-  const uint64_t need = posted ? 0 : reference ? chunk_bytes : head.total;
+  // An unexpected reference (a memmap's or a loan's) keeps the reference, not the bytes.
+  const uint64_t need = posted ? 0 : reference || head.loan ? chunk_bytes : head.total;
   if (!posted && need > options_.max_unexpected_bytes - std::min<uint64_t>(unexpected_bytes_, options_.max_unexpected_bytes)) {
     held_bytes_[s] = std::max<uint64_t>(need, 1);
     return false;

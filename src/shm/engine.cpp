@@ -3,6 +3,7 @@
 
 #include "shm/engine_internal.h"
 
+#include "common/format.h"
 #include "common/log.h"
 
 #include <tdshm/errors.h>
@@ -30,10 +31,12 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   if (options.peer_check_interval.count() <= 0) throw SegmentError("ShmOptions::peer_check_interval must be positive");
   const auto deadline = Clock::now() + options.timeout;
   shm::SegmentParams params{name, static_cast<uint32_t>(size), options.slot_bytes, options.ring_entries,
-                            options.slots_per_rank, options.window_bytes};
+                            options.slots_per_rank, options.window_bytes, options.loan_tickets,
+                            options.loan_bytes};
   segment_ = shm::Segment::attach(params, static_cast<uint32_t>(rank), deadline);
 
   channel_.emplace(*segment_, rank, size, options);
+  loans_ = channel_->loans();
   shm::StepPeers& peers = *this;  // (a private base: converted here, where it is accessible)
   steps_ = std::make_unique<shm::CollectiveSteps>(*segment_, spin_budget_, peers);
   rendezvous(deadline);
@@ -172,6 +175,57 @@ OpList ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src, std::
   std::lock_guard lk(mu_);
   channel_->post_recvs(ops, src);
   return ops;
+}
+
+std::shared_ptr<ShmOp> ShmEngine::post_recv_view(int src, int64_t tag, MessageCheck check) {
+  auto op = ShmChannel::make_recv_view(src, rank_, size_, tag, check);
+  std::lock_guard lk(mu_);
+  channel_->post_recvs({&op, 1}, src);
+  return op;
+}
+
+at::Tensor ShmEngine::loan(c10::IntArrayRef sizes, c10::ScalarType dtype, Clock::time_point deadline) {
+  const std::shared_ptr<shm::LoanPool>& pool = loans_;
+  uint64_t numel = 1;
+  for (const int64_t d : sizes) {
+    if (d < 0) throw ShapeError("tdshm loan: negative size in shape " + shape_str(sizes));
+    if (d != 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(d)) {
+      throw ShapeError("tdshm loan: shape " + shape_str(sizes) + " is too large");
+    }
+    numel *= static_cast<uint64_t>(d);
+  }
+  const uint64_t bytes = numel * c10::elementSize(dtype);
+  if (bytes > pool->heap_bytes()) {
+    throw SegmentError("tdshm loan: " + std::to_string(bytes) + " bytes do not fit rank " + std::to_string(rank_) +
+                     "'s loan heap of " + std::to_string(pool->heap_bytes()) +
+                     " bytes (ShmOptions::loan_bytes; the segment's ranks must agree on it)");
+  }
+  for (;;) {
+    if (at::Tensor t = pool->allocate(sizes, dtype); t.defined()) return t;
+    {
+      std::lock_guard lk(mu_);
+      if (auto e = channel_->unusable()) std::rethrow_exception(e);
+      if (channel_->progress()) continue;  // tickets came back: their loans may be free now
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      throw TimeoutError("segment '" + name_ + "', rank " + std::to_string(rank_) + ": no room for a loan of " +
+                         std::to_string(bytes) + " bytes in the loan heap of " + std::to_string(pool->heap_bytes()) +
+                         " bytes within the timeout: " + [&] {
+                           const std::string h = pool->holders();
+                           return h.empty() ? std::string("this rank's own loans fill it (drop some)") : h;
+                         }());
+    }
+    maybe_check_peers(now);
+    // A receiver that gives a ticket back wakes this rank; a loan dropped by another thread of
+    // this process does not, hence the short sleeps.
+    sleep_until_event(std::min(deadline, now + std::chrono::milliseconds(1)));
+  }
+}
+
+bool ShmEngine::is_loan(const at::Tensor& t) const {
+  if (!t.defined() || !t.is_contiguous() || !loans_->in_heap(t.data_ptr())) return false;
+  return loans_->find(t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size()).has_value();
 }
 
 void ShmEngine::poll() {

@@ -65,6 +65,14 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
                     std::span<const MessageCheck> checks, bool control = false);
   OpList post_recvs(std::span<const at::Tensor> tensors, int src, std::span<const int64_t> tags,
                     std::span<const MessageCheck> checks, bool control = false);
+  /// Posts a receive of whatever tensor comes from `src` with `tag` (ShmChannel::make_recv_view).
+  std::shared_ptr<ShmOp> post_recv_view(int src, int64_t tag, MessageCheck check = {});
+  /// A loan of `sizes` and `dtype` from this rank's heap, waiting (progress, then sleep) until
+  /// receivers give enough back; TimeoutError at `deadline`, SegmentError if it can never fit
+  /// (ShapeError: a negative or huge shape).
+  at::Tensor loan(c10::IntArrayRef sizes, c10::ScalarType dtype, std::chrono::steady_clock::time_point deadline);
+  /// Whether `t` lies wholly inside one live loan of this rank.
+  bool is_loan(const at::Tensor& t) const;
   /// Moves everything pending until every op in `ops` (null ones count as done) is done (or failed), spinning then
   /// sleeping; throws TimeoutError at `deadline`, after withdrawing the ops that are not done
   /// (they fail with that error). Does not rethrow the ops' errors. With `stop_on_error` it also
@@ -128,6 +136,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   int size_;
   ShmOptions options_;
   std::unique_ptr<shm::Segment> segment_;
+  std::shared_ptr<shm::LoanPool> loans_;  // the channel's (its own lock: loans come and go on any thread)
 
   // Under mu_: the point-to-point channel, which is also the group's failure state (closed,
   // poisoned, lost peers). Engaged once the segment is attached.

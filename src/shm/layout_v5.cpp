@@ -1,5 +1,5 @@
-// The reader of the layout-specific part of layout versions 5, 6 and 7: metadata rings, slot
-// arenas and collective windows.
+// The reader of the layout-specific part of layout versions 5 to 8: metadata rings, slot arenas,
+// collective windows (and version 8's loan regions, whose size it checks).
 
 #include "shm/file_read.h"
 #include "shm/inspect.h"
@@ -22,8 +22,17 @@ namespace tdshm::shm::reader {
 // Version 6 is version 5 plus one collective window per rank after the arena (window_offset and
 // window_bytes in the header; step words in RankSlot's first cache line): read here too. Version 7
 // is version 6 with another entry header (40 bytes, 24 inline bytes on line 0; chunk offset and
-// slot after the inline bytes): only the entry's field offsets differ.
+// slot after the inline bytes): only the entry's field offsets differ. Version 8 is version 7 plus
+// one loan region per rank after the windows (its offset rounded up to a page; loan_offset,
+// loan_region_bytes, loan_bytes and loan_tickets in the header).
 namespace v5 {
+constexpr size_t kLoanAt = 136;
+constexpr size_t kLoanRegionBytesAt = 144;
+constexpr size_t kLoanBytesAt = 152;
+constexpr size_t kLoanTicketsAt = 160;
+constexpr uint64_t kPage = 4096;
+constexpr uint32_t kMaxLoanTickets = 1u << 16;
+constexpr uint64_t kMaxLoanBytes = uint64_t{1} << 36;
 constexpr size_t kWindowAt = 120;
 constexpr size_t kWindowBytesAt = 128;
 constexpr uint64_t kMaxWindowBytes = uint64_t{1} << 30;
@@ -79,13 +88,15 @@ constexpr int kIndexReads = 4;
 
 struct Geometry {
   uint64_t ring_bytes, rings_offset, slot_table_bytes, slot_stride, region_bytes, arena_offset, window_offset,
-      segment_bytes;
+      segment_bytes, loan_offset, loan_region_bytes;
 };
 
 /// Version 5's segment_geometry (version 6's with `window_bytes`, 0 in version 5); false if it
 /// overflows (it cannot within the limits above).
 bool geometry(uint32_t world, uint64_t slot_bytes, uint32_t ring_entries, uint32_t slots, uint64_t window_bytes,
-              Geometry& g) {
+              uint32_t loan_tickets, uint64_t loan_bytes, Geometry& g) {
+  // Version 8's loan regions (none before): within the limits checked first, no overflow.
+  g.loan_region_bytes = round_up_to(kArenaSlotBytes * loan_tickets, kPage) + round_up_to(loan_bytes, kPage);
   g.ring_bytes = kRingControlBytes + kEntryBytes * ring_entries;
   g.rings_offset = round_up_to(kHeaderBytes + kRankSlotBytes * world, kCacheLineBytes);
   g.slot_table_bytes = round_up_to(kArenaSlotBytes * slots, kCacheLineBytes);
@@ -99,11 +110,12 @@ bool geometry(uint32_t world, uint64_t slot_bytes, uint32_t ring_entries, uint32
          !__builtin_mul_overflow(g.region_bytes, uint64_t{world}, &regions) &&
          !__builtin_add_overflow(g.arena_offset, regions, &g.window_offset) &&
          g.window_offset + window_bytes * world >= g.window_offset &&
-         (g.segment_bytes = g.window_offset + window_bytes * world, true);
+         (g.segment_bytes = g.window_offset + window_bytes * world, true) &&
+         (g.loan_offset = round_up_to(g.segment_bytes, kPage), true);
 }
 
 // While this build's layout is version 5, the constants above are its structs.
-static_assert((kLayoutVersion < 5 || kLayoutVersion > 7) ||
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 8) ||
                   (sizeof(SegmentHeader) == kHeaderBytes && offsetof(SegmentHeader, ring_entries) == kRingEntriesAt &&
                    offsetof(SegmentHeader, slot_bytes) == kSlotBytesAt &&
                    offsetof(SegmentHeader, rank_table_offset) == kRankTableAt &&
@@ -114,14 +126,14 @@ static_assert((kLayoutVersion < 5 || kLayoutVersion > 7) ||
                    offsetof(SegmentHeader, region_bytes) == kRegionBytesAt &&
                    offsetof(SegmentHeader, slots_per_rank) == kSlotsPerRankAt),
               "version 5 header constants");
-static_assert((kLayoutVersion < 5 || kLayoutVersion > 7) ||
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 8) ||
                   (sizeof(RankSlot) == kRankSlotBytes && offsetof(RankSlot, wake_seq) == kWakeSeqAt &&
                    offsetof(RankSlot, sleepers) == kSleepersAt && sizeof(RingControl) == kRingControlBytes &&
                    offsetof(RingControl, head) == kHeadAt && offsetof(RingControl, tail) == kTailAt),
               "version 5 rank slot and ring control constants");
 // Versions 5 and 6's entry constants above were checked against EntryHeader by a static_assert
 // while this build was version 6; they stay fixed now that EntryHeader is version 7's.
-static_assert(kLayoutVersion != 7 ||
+static_assert((kLayoutVersion != 7 && kLayoutVersion != 8) ||
                   (kEntryBytes == shm::kEntryBytes && offsetof(EntryHeader, seq) == kSeqAt &&
                    offsetof(EntryHeader, chunk_bytes) == kChunkBytesAt7 && offsetof(EntryHeader, flags) == kFlagsAt7 &&
                    kEntryTailOffset + offsetof(EntryTail, slot) == kSlotAt7 && kSlotAt7 + 4 <= kEntryReadBytes &&
@@ -129,20 +141,33 @@ static_assert(kLayoutVersion != 7 ||
                    kInlineChunkBytes == shm::kInlineBytes && sizeof(ArenaSlot) == kArenaSlotBytes &&
                    offsetof(ArenaSlot, state) == 0 && kFree == kSlotFree),
               "version 7 entry and arena constants");
-static_assert((kLayoutVersion < 5 || kLayoutVersion > 7) || (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 8) || (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
                                       kMaxSlotsPerRank == shm::kMaxSlotsPerRank && kMaxWorldSize == shm::kMaxWorld),
               "version 5 limits");
 constexpr bool same_geometry(uint32_t world, uint64_t slot_bytes, uint32_t entries, uint32_t slots, uint64_t window) {
-  const SegmentGeometry want = segment_geometry(world, slot_bytes, entries, slots, window);
+  const SegmentGeometry want = segment_geometry(world, slot_bytes, entries, slots, window, 1, 0);
   const uint64_t ring = kRingControlBytes + kEntryBytes * entries;
   const uint64_t rings = round_up_to(kHeaderBytes + kRankSlotBytes * world, kCacheLineBytes);
   const uint64_t region = round_up_to(kArenaSlotBytes * slots, kCacheLineBytes) + round_up_to(slot_bytes, kCacheLineBytes) * slots;
   const uint64_t arena = rings + ring * world * world;
   return want.ring_bytes == ring && want.rings_offset == rings && want.region_bytes == region &&
          want.arena_offset == arena && want.window_offset == arena + region * world &&
-         want.segment_bytes == arena + region * world + window * world;
+         want.loan_offset == round_up_to(arena + region * world + window * world, kPage);
 }
-static_assert((kLayoutVersion != 6 && kLayoutVersion != 7) || (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 256)),
+constexpr bool same_loans(uint32_t world, uint32_t tickets, uint64_t loan_bytes) {
+  const SegmentGeometry want = segment_geometry(world, 65536, 64, 64, 1 << 20, tickets, loan_bytes);
+  const uint64_t region = round_up_to(tickets * kArenaSlotBytes, kPage) + round_up_to(loan_bytes, kPage);
+  return want.loan_region_bytes == region && want.segment_bytes == want.loan_offset + region * world;
+}
+static_assert(kLayoutVersion != 8 || (same_loans(3, 64, 1 << 20) && same_loans(5, 1000, 12345) &&
+                                      offsetof(SegmentHeader, loan_offset) == kLoanAt &&
+                                      offsetof(SegmentHeader, loan_region_bytes) == kLoanRegionBytesAt &&
+                                      offsetof(SegmentHeader, loan_bytes) == kLoanBytesAt &&
+                                      offsetof(SegmentHeader, loan_tickets) == kLoanTicketsAt &&
+                                      kPage == shm::kLoanPage && kMaxLoanTickets == shm::kMaxLoanTickets &&
+                                      kMaxLoanBytes == shm::kMaxLoanBytes),
+              "version 8 loan constants");
+static_assert((kLayoutVersion < 6 || kLayoutVersion > 8) || (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 256)),
               "version 6 geometry");
 static_assert((kLayoutVersion != 6 && kLayoutVersion != 7) || (offsetof(SegmentHeader, window_offset) == kWindowAt &&
                                       offsetof(SegmentHeader, window_bytes) == kWindowBytesAt &&
@@ -200,7 +225,12 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
   const uint64_t arena = load<uint64_t>(header + kArenaAt);
   const uint64_t region_bytes = load<uint64_t>(header + kRegionBytesAt);
   const uint32_t slots = load<uint32_t>(header + kSlotsPerRankAt);
-  const bool has_window = version != kVersion;  // 6 and 7
+  const bool has_window = version != kVersion;  // 6, 7 and 8
+  const bool has_loans = version == kVersion8;
+  const uint64_t loan_at = has_loans ? load<uint64_t>(header + kLoanAt) : 0;
+  const uint64_t loan_region_bytes = has_loans ? load<uint64_t>(header + kLoanRegionBytesAt) : 0;
+  const uint64_t loan_bytes = has_loans ? load<uint64_t>(header + kLoanBytesAt) : 0;
+  const uint32_t loan_tickets = has_loans ? load<uint32_t>(header + kLoanTicketsAt) : 0;
   const uint64_t window_at = has_window ? load<uint64_t>(header + kWindowAt) : 0;
   const uint64_t window_bytes = has_window ? load<uint64_t>(header + kWindowBytesAt) : 0;
   d.geometry = {{"ring_entries", ring_entries},
@@ -216,20 +246,30 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
     d.geometry.emplace_back("window_offset", window_at);
     d.geometry.emplace_back("window_bytes", window_bytes);
   }
+  if (has_loans) {
+    d.geometry.emplace_back("loan_offset", loan_at);
+    d.geometry.emplace_back("loan_region_bytes", loan_region_bytes);
+    d.geometry.emplace_back("loan_bytes", loan_bytes);
+    d.geometry.emplace_back("loan_tickets", loan_tickets);
+  }
   if (ring_entries < 1 || ring_entries > kMaxRingEntries || slot_bytes < 1 || slot_bytes > kMaxSlotBytes ||
       slots < 1 || slots > kMaxSlotsPerRank || world < 1 || world > kMaxWorldSize ||
       (has_window && (window_bytes < kWindowUnit || window_bytes > kMaxWindowBytes ||
-                                window_bytes % kWindowUnit != 0))) {
+                                window_bytes % kWindowUnit != 0)) ||
+      (has_loans && (loan_tickets < 1 || loan_tickets > kMaxLoanTickets || loan_bytes > kMaxLoanBytes ||
+                     loan_bytes % kPage != 0))) {
     d.note = "version " + to_s(version) + " header out of range (ring_entries " + to_s(ring_entries) + ", slot_bytes " + to_s(slot_bytes) +
              ", slots_per_rank " + to_s(slots) + ", world size " + to_s(world) + ")";
     return d;
   }
   // The geometry recomputed from the four parameters and compared: only then are offsets used.
   Geometry g{};
-  if (!geometry(world, slot_bytes, ring_entries, slots, window_bytes, g) || header_bytes != kHeaderBytes ||
+  if (!geometry(world, slot_bytes, ring_entries, slots, window_bytes, loan_tickets, loan_bytes, g) || header_bytes != kHeaderBytes ||
       entry_bytes != kEntryBytes || ring_bytes != g.ring_bytes || rank_table != kHeaderBytes ||
       rings != g.rings_offset || arena != g.arena_offset || region_bytes != g.region_bytes ||
-      (has_window && window_at != g.window_offset) || segment_bytes != g.segment_bytes) {
+      (has_window && window_at != g.window_offset) ||
+      segment_bytes != (has_loans ? g.loan_offset + g.loan_region_bytes * world : g.segment_bytes) ||
+      (has_loans && (loan_at != g.loan_offset || loan_region_bytes != g.loan_region_bytes))) {
     d.note = "version " + to_s(version) + " offsets and sizes disagree with world size, slot bytes, ring entries, "
              "slots per rank and window bytes";
     return d;
@@ -248,9 +288,10 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
     EntryBudget budget{options.max_entries};
     uint64_t malformed = 0, inconsistent = 0;
     std::array<uint8_t, kEntryReadBytes> entry{};
-    const size_t chunk_at = version == kVersion7 ? kChunkBytesAt7 : kChunkBytesAt;
-    const size_t flags_at = version == kVersion7 ? kFlagsAt7 : kFlagsAt;
-    const size_t slot_at = version == kVersion7 ? kSlotAt7 : kSlotAt;
+    const bool entry7 = version >= kVersion7;
+    const size_t chunk_at = entry7 ? kChunkBytesAt7 : kChunkBytesAt;
+    const size_t flags_at = entry7 ? kFlagsAt7 : kFlagsAt;
+    const size_t slot_at = entry7 ? kSlotAt7 : kSlotAt;
     const EntriesAt entries_at{kRingControlBytes, ring_entries, kEntryBytes};
     // Each base < arena: no overflow.
     for_each_pair(world, rings, ring_bytes, d, [&](PairInfo& p, uint64_t base) {

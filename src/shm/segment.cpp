@@ -27,7 +27,8 @@ namespace tdshm {
 
 size_t shm_segment_bytes(int world_size, const ShmOptions& options) {
   return shm::segment_geometry(static_cast<uint32_t>(world_size), options.slot_bytes, options.ring_entries,
-                               options.slots_per_rank, options.window_bytes)
+                               options.slots_per_rank, options.window_bytes, options.loan_tickets,
+                               options.loan_bytes)
       .segment_bytes;
 }
 
@@ -49,10 +50,10 @@ void Segment::map(int fd, uint64_t bytes) {
     throw SegmentError("cannot map segment '" + params_.name + "' (" + std::to_string(bytes) + " bytes): " +
                        std::strerror(errno));
   }
-  base_ = static_cast<uint8_t*>(p);
+  mapping_ = std::make_shared<const Mapping>(static_cast<uint8_t*>(p), bytes);
+  base_ = mapping_->base;
   mapped_bytes_ = bytes;
-  guard_ = BusGuard::add(base_, bytes);
-  bus_poisoned_ = BusGuard::flag(guard_);
+  bus_poisoned_ = BusGuard::flag(mapping_->guard);
   fd_ = ::dup(fd);  // kept: the file's size is watched, and a lost mapping is updated through it
   if (fd_ >= 0) ::fcntl(fd_, F_SETFD, FD_CLOEXEC);
   struct stat st {};
@@ -106,12 +107,16 @@ void Segment::store_state(uint32_t state) noexcept {
   }
 }
 
+Mapping::Mapping(uint8_t* b, uint64_t n) noexcept : base(b), bytes(n), guard(BusGuard::add(b, n)) {}
+
+Mapping::~Mapping() {
+  BusGuard::remove(guard);
+  ::munmap(base, bytes);
+}
+
 Segment::~Segment() {
   leave();
-  if (base_ != nullptr) {
-    BusGuard::remove(guard_);
-    ::munmap(base_, mapped_bytes_);
-  }
+  mapping_.reset();  // unmapped here unless a loan or a view still points into it
   if (fd_ >= 0) ::close(fd_);
 }
 

@@ -26,6 +26,20 @@ struct SegmentParams {
   uint32_t ring_entries = 0;
   uint32_t slots_per_rank = 0;
   uint64_t window_bytes = 0;  // collective window per rank
+  uint32_t loan_tickets = 0;  // loans one rank may have lent at once (segment_layout.h)
+  uint64_t loan_bytes = 0;    // one rank's loan heap
+};
+
+/// A segment's mapping, unmapped when its last holder goes: the Segment, and the loans and views
+/// (loan_pool.h) that may outlive it, since a user's tensor may point into it.
+struct Mapping {
+  Mapping(uint8_t* base, uint64_t bytes) noexcept;  // registers it with the bus guard
+  ~Mapping();
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  uint8_t* const base;
+  const uint64_t bytes;
+  const int guard;  // BusGuard registration (-1: none)
 };
 
 class Segment {
@@ -53,6 +67,8 @@ class Segment {
   /// Compares the file's size with the mapping (one fstat): a file cut where this rank reads no
   /// page past the new end raises no fault, but is just as lost.
   void check_file() noexcept;
+  /// The mapping, for what must keep it alive beyond this Segment (loans and views).
+  const std::shared_ptr<const Mapping>& mapping() const noexcept { return mapping_; }
   /// The random id of this incarnation (in messages).
   uint64_t incarnation() const noexcept { return incarnation_; }
 
@@ -76,6 +92,10 @@ class Segment {
   }
   uint8_t* region_memory(uint32_t owner) const noexcept {
     return base_ + geometry_.arena_offset + uint64_t{owner} * geometry_.region_bytes;
+  }
+  /// Rank `owner`'s loan region: its LoanTicket table, then its heap (geometry().loan_table_bytes on).
+  uint8_t* loan_memory(uint32_t owner) const noexcept {
+    return base_ + geometry_.loan_offset + uint64_t{owner} * geometry_.loan_region_bytes;
   }
 
   /// Whether rank `r` is attached and its process alive (left or dead ranks are not).
@@ -124,9 +144,9 @@ class Segment {
   SegmentParams params_;
   uint32_t rank_;
   SegmentGeometry geometry_{};
-  uint8_t* base_ = nullptr;
+  std::shared_ptr<const Mapping> mapping_;
+  uint8_t* base_ = nullptr;          // mapping_->base
   uint64_t mapped_bytes_ = 0;
-  int guard_ = -1;                   // BusGuard registration
   const std::atomic<bool>* bus_poisoned_ = nullptr;  // its flag (BusGuard::flag)
   int fd_ = -1;                      // the segment file
   std::atomic<bool> truncated_{false};

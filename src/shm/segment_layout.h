@@ -49,9 +49,10 @@ namespace tdshm::shm {
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
 inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
-inline constexpr uint32_t kLayoutVersion = 7;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
+inline constexpr uint32_t kLayoutVersion = 8;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
                                                // 5: metadata rings + slot arena; 6: collective windows;
-                                               // 7: a 40-byte entry header (24 inline bytes on line 0)
+                                               // 7: a 40-byte entry header (24 inline bytes on line 0);
+                                               // 8: loan regions (kEntryLoan)
 inline constexpr size_t kMaxDims = 8;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words and states must be lock-free");
@@ -83,7 +84,12 @@ struct SegmentHeader {
   uint32_t reserved0;                    // 116 zero
   uint64_t window_offset;                // 120 collective window of rank r at window_offset + r * window_bytes
   uint64_t window_bytes;                 // 128 one rank's window (two halves)
-  uint8_t reserved[120];                 // 136 zero
+  uint64_t loan_offset;                  // 136 loan region of rank r at loan_offset + r * loan_region_bytes
+  uint64_t loan_region_bytes;            // 144 LoanTicket table + heap of one rank
+  uint64_t loan_bytes;                   // 152 one rank's loan heap
+  uint32_t loan_tickets;                 // 160 tickets per rank
+  uint32_t reserved1;                    // 164 zero
+  uint8_t reserved[88];                  // 168 zero
 };
 static_assert(sizeof(SegmentHeader) == 256);
 static_assert(offsetof(SegmentHeader, layout_version) == 8);
@@ -94,6 +100,8 @@ static_assert(offsetof(SegmentHeader, incarnation) == 88);
 static_assert(offsetof(SegmentHeader, arena_offset) == 96);
 static_assert(offsetof(SegmentHeader, slots_per_rank) == 112);
 static_assert(offsetof(SegmentHeader, window_offset) == 120 && offsetof(SegmentHeader, window_bytes) == 128);
+static_assert(offsetof(SegmentHeader, loan_offset) == 136 && offsetof(SegmentHeader, loan_bytes) == 152 &&
+              offsetof(SegmentHeader, loan_tickets) == 160);
 
 /// A slot's life in one incarnation: Free -> Live -> Left or Abandoned, each step once.
 enum RankState : uint32_t {
@@ -158,7 +166,20 @@ enum EntryFlags : uint32_t {
   // The chunk's bytes (at most kInlineBytes) follow the header in the entry itself; without it
   // they are in the sender's arena slot `slot`.
   kEntryInline = 64,
+  // The message's bytes are in the sender's loan heap: the inline payload is a LoanReference
+  // (always a whole message: kEntryFirst | kEntryLast | kEntryInline).
+  kEntryLoan = 128,
 };
+
+/// Payload of a kEntryLoan entry: the message's total_bytes are at `offset` in the sender's loan
+/// heap, lent to the receiver under the sender's ticket `ticket` (LoanTicket), which the receiver
+/// hands back once it no longer reads them (after its copy, or when its last view is dropped).
+struct LoanReference {
+  uint64_t offset;  // 0
+  uint32_t ticket;  // 8
+  uint32_t reserved;  // 12 zero
+};
+static_assert(sizeof(LoanReference) == 16);
 
 /// Payload of a kEntryReference entry (always a whole message: kEntryFirst | kEntryLast): the
 /// message's total_bytes are at `offset` in the file whose absolute path follows this struct
@@ -234,6 +255,15 @@ struct ArenaSlot {
 static_assert(sizeof(ArenaSlot) == 8);
 inline constexpr uint32_t kSlotFree = 0;
 
+/// Each rank's loan region (after the collective windows): LoanTicket[loan_tickets], padded to a
+/// page, then its loan heap of loan_bytes (a multiple of a page). The owner alone allocates in its
+/// heap (process memory keeps the allocations, loan_pool.h); a send of a loan takes a ticket, marks
+/// it handed to the receiver (as an arena slot is), and names it with the bytes' offset in the
+/// ring entry. The receiver reads the bytes only while the ticket names it, and frees the ticket
+/// (release) once it no longer reads them; the owner takes back the tickets of a rank that is gone.
+using LoanTicket = ArenaSlot;
+inline constexpr uint64_t kLoanPage = 4096;
+
 static_assert(std::is_standard_layout_v<SegmentHeader> && std::is_standard_layout_v<RankSlot> &&
                   std::is_standard_layout_v<RingControl> && std::is_standard_layout_v<EntryHeader> &&
                   std::is_standard_layout_v<EntryShape> && std::is_standard_layout_v<ArenaSlot>,
@@ -285,13 +315,18 @@ struct SegmentGeometry {
   uint64_t arena_offset;
   uint64_t window_offset;
   uint64_t window_bytes;  // per rank, a multiple of kWindowParts cache lines
+  uint64_t loan_offset;        // page-aligned
+  uint64_t loan_table_bytes;   // LoanTicket[loan_tickets], padded to a page
+  uint64_t loan_bytes;         // one rank's heap, a multiple of a page
+  uint64_t loan_region_bytes;  // table + heap
   uint64_t segment_bytes;
 };
 
 constexpr uint64_t round_up(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
 
 constexpr SegmentGeometry segment_geometry(uint32_t world_size, uint64_t slot_bytes, uint32_t ring_entries,
-                                           uint32_t slots_per_rank, uint64_t window_bytes) {
+                                           uint32_t slots_per_rank, uint64_t window_bytes, uint32_t loan_tickets,
+                                           uint64_t loan_bytes) {
   SegmentGeometry g{};
   g.entry_bytes = kEntryBytes;
   g.ring_bytes = sizeof(RingControl) + g.entry_bytes * ring_entries;
@@ -303,7 +338,11 @@ constexpr SegmentGeometry segment_geometry(uint32_t world_size, uint64_t slot_by
   g.arena_offset = g.rings_offset + g.ring_bytes * world_size * world_size;
   g.window_offset = g.arena_offset + g.region_bytes * world_size;
   g.window_bytes = round_up(window_bytes, kWindowParts * kCacheLine);
-  g.segment_bytes = g.window_offset + g.window_bytes * world_size;
+  g.loan_offset = round_up(g.window_offset + g.window_bytes * world_size, kLoanPage);
+  g.loan_table_bytes = round_up(sizeof(LoanTicket) * uint64_t{loan_tickets}, kLoanPage);
+  g.loan_bytes = round_up(loan_bytes, kLoanPage);
+  g.loan_region_bytes = g.loan_table_bytes + g.loan_bytes;
+  g.segment_bytes = g.loan_offset + g.loan_region_bytes * world_size;
   return g;
 }
 

@@ -40,6 +40,10 @@ HeaderFields read_header(const SegmentHeader& shared) noexcept {
   h.slots_per_rank = load_field<uint32_t>(b, offsetof(SegmentHeader, slots_per_rank));
   h.window_offset = load_field<uint64_t>(b, offsetof(SegmentHeader, window_offset));
   h.window_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, window_bytes));
+  h.loan_offset = load_field<uint64_t>(b, offsetof(SegmentHeader, loan_offset));
+  h.loan_region_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, loan_region_bytes));
+  h.loan_bytes = load_field<uint64_t>(b, offsetof(SegmentHeader, loan_bytes));
+  h.loan_tickets = load_field<uint32_t>(b, offsetof(SegmentHeader, loan_tickets));
   return h;
 }
 
@@ -70,18 +74,25 @@ HeaderCheck check_header(const HeaderFields& h, uint64_t file_bytes) {
       h.window_bytes % (kWindowParts * kCacheLine) != 0) {
     return fail(HeaderVerdict::kCorrupt, "collective window bytes " + std::to_string(h.window_bytes));
   }
+  if (h.loan_tickets < 1 || h.loan_tickets > kMaxLoanTickets) {
+    return fail(HeaderVerdict::kCorrupt, "loan tickets " + std::to_string(h.loan_tickets));
+  }
+  if (h.loan_bytes > kMaxLoanBytes || h.loan_bytes % kLoanPage != 0) {
+    return fail(HeaderVerdict::kCorrupt, "loan bytes " + std::to_string(h.loan_bytes));
+  }
   if (h.creator_rank >= h.world_size) {
     return fail(HeaderVerdict::kCorrupt, "creator rank " + std::to_string(h.creator_rank));
   }
   // With the bounds above the geometry cannot overflow 64 bits: rings 2^12 * 2^12 * 2^28, arena
-  // 2^12 * 2^16 * 2^30, windows 2^12 * 2^30.
-  const SegmentGeometry g =
-      segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes);
+  // 2^12 * 2^16 * 2^30, windows 2^12 * 2^30, loans 2^12 * (2^19 + 2^36).
+  const SegmentGeometry g = segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank,
+                                             h.window_bytes, h.loan_tickets, h.loan_bytes);
   if (h.entry_bytes != g.entry_bytes || h.ring_bytes != g.ring_bytes || h.rank_table_offset != g.rank_table_offset ||
       h.rings_offset != g.rings_offset || h.arena_offset != g.arena_offset || h.region_bytes != g.region_bytes ||
-      h.window_offset != g.window_offset || h.window_bytes != g.window_bytes || h.segment_bytes != g.segment_bytes) {
+      h.window_offset != g.window_offset || h.window_bytes != g.window_bytes || h.loan_offset != g.loan_offset ||
+      h.loan_region_bytes != g.loan_region_bytes || h.segment_bytes != g.segment_bytes) {
     return fail(HeaderVerdict::kCorrupt, "offsets and sizes do not agree with world size, slot bytes, ring entries, "
-                                         "slots per rank and window bytes");
+                                         "slots per rank, window bytes and loan sizes");
   }
   if (h.segment_bytes != file_bytes) {
     return fail(HeaderVerdict::kTruncated, "the header says " + std::to_string(h.segment_bytes) +
@@ -110,7 +121,8 @@ EntryFields read_entry(const EntryHeader& shared, const EntryTail& tail) noexcep
 
 std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaShape& arena, uint64_t max_message_bytes) {
   constexpr uint32_t kChecks = kEntryKeyCheck | kEntrySchemaCheck;
-  constexpr uint32_t kKnown = kEntryFirst | kEntryLast | kEntryControl | kEntryReference | kChecks | kEntryInline;
+  constexpr uint32_t kKnown =
+      kEntryFirst | kEntryLast | kEntryControl | kEntryReference | kChecks | kEntryInline | kEntryLoan;
   if (e.flags & ~kKnown) return "unknown flags " + std::to_string(e.flags);
   const bool first = (e.flags & kEntryFirst) != 0, last = (e.flags & kEntryLast) != 0;
   if ((e.flags & kChecks) == kChecks) return "both a key check and a schema check";
@@ -134,6 +146,13 @@ std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaS
   } else {
     if (!rx.in_message) return "a continuation without a first entry";
     if (control != rx.control) return "control flag changed mid-message";
+  }
+  if (e.flags & kEntryLoan) {
+    if (!first || !last || !(e.flags & kEntryInline) || (e.flags & kEntryReference)) {
+      return "a loan that is not a whole message in one entry";
+    }
+    if (e.chunk_bytes != sizeof(LoanReference)) return "loan reference of " + std::to_string(e.chunk_bytes) + " bytes";
+    return {};
   }
   if (e.flags & kEntryReference) {
     if (!first || !last) return "a memmap reference that is not a whole message";

@@ -17,6 +17,8 @@ inline constexpr uint32_t kMaxRingEntries = 1u << 20;
 inline constexpr uint64_t kMaxSlotBytes = uint64_t{1} << 30;
 inline constexpr uint32_t kMaxSlotsPerRank = 1u << 16;
 inline constexpr uint64_t kMaxWindowBytes = uint64_t{1} << 30;
+inline constexpr uint32_t kMaxLoanTickets = 1u << 16;
+inline constexpr uint64_t kMaxLoanBytes = uint64_t{1} << 36;
 
 /// The header's fields, copied out of shared memory.
 struct HeaderFields {
@@ -40,6 +42,10 @@ struct HeaderFields {
   uint32_t slots_per_rank = 0;
   uint64_t window_offset = 0;
   uint64_t window_bytes = 0;
+  uint64_t loan_offset = 0;
+  uint64_t loan_region_bytes = 0;
+  uint64_t loan_bytes = 0;
+  uint32_t loan_tickets = 0;
 };
 
 /// Copies the header at `shared` (layout_version with acquire order first, so that a published

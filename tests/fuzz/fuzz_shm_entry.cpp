@@ -71,11 +71,16 @@ void fuzz_header(InputReader& r) {
   constexpr uint64_t kWindowUnit = uint64_t{shm::kWindowParts} * shm::kCacheLine;
   expect(h.window_bytes >= kWindowUnit && h.window_bytes <= shm::kMaxWindowBytes && h.window_bytes % kWindowUnit == 0,
          "check_header accepted a collective window size out of range");
+  expect(h.loan_tickets >= 1 && h.loan_tickets <= shm::kMaxLoanTickets && h.loan_bytes <= shm::kMaxLoanBytes &&
+             h.loan_bytes % shm::kLoanPage == 0,
+         "check_header accepted a loan region out of range");
   const shm::SegmentGeometry g =
-      shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes);
+      shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes,
+                            h.loan_tickets, h.loan_bytes);
   expect(h.entry_bytes == g.entry_bytes && h.ring_bytes == g.ring_bytes && h.rank_table_offset == g.rank_table_offset &&
              h.rings_offset == g.rings_offset && h.arena_offset == g.arena_offset &&
              h.region_bytes == g.region_bytes && h.window_offset == g.window_offset &&
+             h.loan_offset == g.loan_offset && h.loan_region_bytes == g.loan_region_bytes &&
              h.segment_bytes == g.segment_bytes,
          "check_header accepted offsets or sizes other than segment_geometry's");
   expect(h.segment_bytes == file_bytes, "check_header accepted a header whose size is not the file's");
@@ -126,9 +131,10 @@ void fuzz_entries(InputReader& r) {
     const bool last = (e.flags & shm::kEntryLast) != 0;
     const bool control = (e.flags & shm::kEntryControl) != 0;
     const bool reference = (e.flags & shm::kEntryReference) != 0;
+    const bool loan = (e.flags & shm::kEntryLoan) != 0;
     constexpr uint32_t kChecks = shm::kEntryKeyCheck | shm::kEntrySchemaCheck;
-    constexpr uint32_t kKnown =
-        shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl | shm::kEntryReference | kChecks | shm::kEntryInline;
+    constexpr uint32_t kKnown = shm::kEntryFirst | shm::kEntryLast | shm::kEntryControl | shm::kEntryReference |
+                                kChecks | shm::kEntryInline | shm::kEntryLoan;
     expect((e.flags & ~kKnown) == 0, "check_entry accepted unknown flags", std::to_string(e.flags));
     expect((e.flags & kChecks) != kChecks, "check_entry accepted a key check and a schema check at once");
     expect((e.flags & kChecks) == 0 || first, "check_entry accepted a check on a continuation entry");
@@ -144,6 +150,12 @@ void fuzz_entries(InputReader& r) {
     } else {
       expect(rx.in_message, "check_entry accepted a continuation outside a message");
       expect(control == rx.control, "check_entry accepted a change of the control flag mid-message");
+    }
+    if (loan) {
+      expect(first && last && in_line && !reference, "check_entry accepted a loan that is not one inline entry");
+      expect(e.chunk_bytes == sizeof(shm::LoanReference), "check_entry accepted a loan reference of another size");
+      rx = shm::RxProgress{};
+      continue;
     }
     if (reference) {
       expect(first && last, "check_entry accepted a reference that is not a whole message");

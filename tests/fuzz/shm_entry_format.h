@@ -87,6 +87,10 @@ inline shm::HeaderFields read_header_fields(InputReader& r) {
   h.slots_per_rank = r.u32();
   h.window_offset = r.u64();
   h.window_bytes = r.u64();
+  h.loan_offset = r.u64();
+  h.loan_region_bytes = r.u64();
+  h.loan_bytes = r.u64();
+  h.loan_tickets = r.u32();
   return h;
 }
 
@@ -111,6 +115,10 @@ inline void write_header_fields(InputWriter& w, const shm::HeaderFields& h) {
   w.u32(h.slots_per_rank);
   w.u64(h.window_offset);
   w.u64(h.window_bytes);
+  w.u64(h.loan_offset);
+  w.u64(h.loan_region_bytes);
+  w.u64(h.loan_bytes);
+  w.u32(h.loan_tickets);
 }
 
 inline shm::EntryFields read_entry_fields(InputReader& r) {

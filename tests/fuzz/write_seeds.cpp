@@ -258,8 +258,8 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("a seed meant to be accepted is refused: " + what);
 }
 
-// A complete header of this layout for 2 ranks, rings of 64 entries, 16 arena slots of 4 KiB and
-// an 8 KiB collective window per rank.
+// A complete header of this layout for 2 ranks, rings of 64 entries, 16 arena slots of 4 KiB, an
+// 8 KiB collective window and a loan region of 8 tickets and 16 KiB per rank.
 shm::HeaderFields valid_header() {
   shm::HeaderFields h;
   h.magic = shm::kSegmentMagic;
@@ -270,9 +270,14 @@ shm::HeaderFields valid_header() {
   h.slot_bytes = 4096;
   h.slots_per_rank = 16;
   h.window_bytes = 8192;
+  h.loan_tickets = 8;
+  h.loan_bytes = 16384;
   const shm::SegmentGeometry g =
-      shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes);
+      shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes,
+                            h.loan_tickets, h.loan_bytes);
   h.window_offset = g.window_offset;
+  h.loan_offset = g.loan_offset;
+  h.loan_region_bytes = g.loan_region_bytes;
   h.arena_offset = g.arena_offset;
   h.region_bytes = g.region_bytes;
   h.segment_bytes = g.segment_bytes;

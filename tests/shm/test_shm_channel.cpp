@@ -28,8 +28,10 @@ class ShmChannelTest : public ShmTest {
  protected:
   void open(const ShmOptions& options) {
     options_ = options;
-    const shm::SegmentParams params{unique_name(), 2, options.slot_bytes, options.ring_entries, options.slots_per_rank,
-                                    options.window_bytes};
+    const shm::SegmentParams params{unique_name(),          2,
+                                    options.slot_bytes,     options.ring_entries,
+                                    options.slots_per_rank, options.window_bytes,
+                                    options.loan_tickets,   options.loan_bytes};
     const auto deadline = Clock::now() + 10s;
     for (uint32_t r = 0; r < 2; ++r) {
       segments_[r] = shm::Segment::attach(params, r, deadline);

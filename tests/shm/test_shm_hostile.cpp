@@ -137,7 +137,7 @@ class RingWriter {
     entries_ = h.ring_entries;
     slot_ = h.slot_bytes;
     slots_ = h.slots_per_rank;
-    geo_ = shm::segment_geometry(world_, slot_, entries_, slots_, h.window_bytes);
+    geo_ = shm::segment_geometry(world_, slot_, entries_, slots_, h.window_bytes, h.loan_tickets, h.loan_bytes);
     SHM_CHECK(h.rank_table_offset == geo_.rank_table_offset && h.rings_offset == geo_.rings_offset &&
                   h.ring_bytes == geo_.ring_bytes && h.entry_bytes == geo_.entry_bytes &&
                   h.arena_offset == geo_.arena_offset && h.region_bytes == geo_.region_bytes &&

@@ -948,7 +948,7 @@ TEST_F(ShmTools, AWaiterLeavesOtherSourcesInTheRingWhileTheRankItWaitsForRuns) {
 TEST_F(ShmTools, LayoutVersion5DetailsOfASyntheticSegment) {
   if (shm::kLayoutVersion == 5) {
     // The numbers above are this build's geometry.
-    const shm::SegmentGeometry g = shm::segment_geometry(3, 100, 4, 3, 0);
+    const shm::SegmentGeometry g = shm::segment_geometry(3, 100, 4, 3, 0, 1, 0);
     ASSERT_EQ(g.rings_offset, kV5Rings);
     ASSERT_EQ(g.ring_bytes, kV5RingBytes);
     ASSERT_EQ(g.arena_offset, kV5Arena);

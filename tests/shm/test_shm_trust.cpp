@@ -168,7 +168,7 @@ std::string plausible_segment(int world, const ShmOptions& opts, bool published,
                               uint64_t start_time) {
   const shm::SegmentGeometry g =
       shm::segment_geometry(static_cast<uint32_t>(world), opts.slot_bytes, opts.ring_entries, opts.slots_per_rank,
-                            opts.window_bytes);
+                            opts.window_bytes, opts.loan_tickets, opts.loan_bytes);
   std::string bytes(g.segment_bytes, '\0');
   auto* h = new (bytes.data()) shm::SegmentHeader{};
   h->magic = shm::kSegmentMagic;

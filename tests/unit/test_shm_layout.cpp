@@ -1,8 +1,10 @@
 // Binary compatibility of the structs that live in a segment. These numbers are the layout that
-// kLayoutVersion 7 promises to every process attached to a segment: changing a struct without
+// kLayoutVersion 8 promises to every process attached to a segment: changing a struct without
 // bumping the version makes one of these fail.
 
 #include "shm/segment_layout.h"
+
+#include <tdshm/process_group.h>
 
 #include <cstring>
 #include <vector>
@@ -12,7 +14,7 @@ namespace {
 using namespace tdshm::shm;
 
 TEST(ShmLayout, VersionAndMagicArePinned) {
-  EXPECT_EQ(kLayoutVersion, 7u);
+  EXPECT_EQ(kLayoutVersion, 8u);
   char magic[8];
   std::memcpy(magic, &kSegmentMagic, 8);
   EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");
@@ -43,6 +45,10 @@ TEST(ShmLayout, SegmentHeaderV3) {
   EXPECT_EQ(offsetof(SegmentHeader, slots_per_rank), 112u);
   EXPECT_EQ(offsetof(SegmentHeader, window_offset), 120u);
   EXPECT_EQ(offsetof(SegmentHeader, window_bytes), 128u);
+  EXPECT_EQ(offsetof(SegmentHeader, loan_offset), 136u);
+  EXPECT_EQ(offsetof(SegmentHeader, loan_region_bytes), 144u);
+  EXPECT_EQ(offsetof(SegmentHeader, loan_bytes), 152u);
+  EXPECT_EQ(offsetof(SegmentHeader, loan_tickets), 160u);
   EXPECT_TRUE(std::is_standard_layout_v<SegmentHeader>);
 }
 
@@ -101,6 +107,7 @@ TEST(ShmLayout, EntryHeaderV7) {
   EXPECT_EQ(kEntryKeyCheck, 16u);
   EXPECT_EQ(kEntrySchemaCheck, 32u);
   EXPECT_EQ(kEntryInline, 64u);
+  EXPECT_EQ(kEntryLoan, 128u);
   EXPECT_EQ(kShapeNotSent, 255u);
 }
 
@@ -116,9 +123,17 @@ TEST(ShmLayout, MemmapReference) {
   EXPECT_EQ(offsetof(MemmapReference, path_bytes), 8u);
 }
 
+TEST(ShmLayout, LoanReference) {
+  EXPECT_EQ(sizeof(LoanReference), 16u);
+  EXPECT_EQ(offsetof(LoanReference, offset), 0u);
+  EXPECT_EQ(offsetof(LoanReference, ticket), 8u);
+  EXPECT_EQ(sizeof(LoanTicket), 8u);
+  EXPECT_EQ(kLoanPage, 4096u);
+}
+
 TEST(ShmLayout, GeometryOfAKnownSegment) {
   // 2 ranks, 4 KiB slots, rings of 4 entries, 8 slots per rank, 1 KiB windows.
-  const SegmentGeometry g = segment_geometry(2, 4096, 4, 8, 1024);
+  const SegmentGeometry g = segment_geometry(2, 4096, 4, 8, 1024, 64, 10000);
   EXPECT_EQ(g.entry_bytes, 192u);
   EXPECT_EQ(g.ring_bytes, 128u + 4u * 192u);
   EXPECT_EQ(g.rank_table_offset, 256u);
@@ -129,13 +144,19 @@ TEST(ShmLayout, GeometryOfAKnownSegment) {
   EXPECT_EQ(g.region_bytes, 64u + 8u * 4096u);
   EXPECT_EQ(g.window_offset, g.arena_offset + 2u * g.region_bytes);
   EXPECT_EQ(g.window_bytes, 1024u);
-  EXPECT_EQ(g.segment_bytes, g.window_offset + 2u * 1024u);
+  // Layout 8: the loan regions after the windows, on a page; 64 tickets take one page, a heap
+  // of 10000 bytes three.
+  EXPECT_EQ(g.loan_offset, (g.window_offset + 2u * 1024u + 4095u) / 4096u * 4096u);
+  EXPECT_EQ(g.loan_table_bytes, 4096u);
+  EXPECT_EQ(g.loan_bytes, 12288u);
+  EXPECT_EQ(g.loan_region_bytes, 4096u + 12288u);
+  EXPECT_EQ(g.segment_bytes, g.loan_offset + 2u * g.loan_region_bytes);
   // A window is four cache-line-aligned parts.
-  EXPECT_EQ(segment_geometry(2, 4096, 4, 8, 100).window_bytes, 256u);
+  EXPECT_EQ(segment_geometry(2, 4096, 4, 8, 100, 1, 0).window_bytes, 256u);
   // A slot size that is not a multiple of a cache line is padded to one; 9 slots take 2 lines of states.
-  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256).slot_stride, 128u);
-  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256).slot_table_bytes, 128u);
-  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256).rings_offset, 640u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256, 1, 0).slot_stride, 128u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256, 1, 0).slot_table_bytes, 128u);
+  EXPECT_EQ(segment_geometry(3, 100, 2, 9, 256, 1, 0).rings_offset, 640u);
   // The first 24 inline payload bytes share the header's cache line.
   EXPECT_EQ(sizeof(EntryHeader) + 24, kCacheLine);
 }
@@ -143,13 +164,17 @@ TEST(ShmLayout, GeometryOfAKnownSegment) {
 TEST(ShmLayout, MemoryGrowsWithTheWorldNotItsSquare) {
   // Defaults: 64 KiB slots, 64 slots per rank, rings of 64 entries, 1 MiB windows.
   auto mib = [](uint32_t world) {
-    return double(segment_geometry(world, 64 << 10, 64, 64, 1 << 20).segment_bytes) / (1 << 20);
+    return double(segment_geometry(world, 64 << 10, 64, 64, 1 << 20, 64, 1 << 20).segment_bytes) / (1 << 20);
   };
-  EXPECT_LT(mib(9), 48.0);    // an 8-worker loader fits Docker's 64 MiB /dev/shm
+  EXPECT_LT(mib(9), 64.0);    // an 8-worker loader fits Docker's 64 MiB /dev/shm
   EXPECT_LT(mib(64), 512.0);  // was 16.9 GiB in layout 4
-  // The arena and the windows are linear in the world; the rings (12 KiB per ordered pair) are
-  // the square term.
-  EXPECT_NEAR(mib(64) - 64 * 5.0, 64.0 * 64 * (128 + 64 * 192) / (1 << 20), 1.0);
+  // The arena, the windows and the loan regions (a page of tickets and 1 MiB of heap) are linear
+  // in the world; the rings (12 KiB per ordered pair) are the square term.
+  EXPECT_NEAR(mib(64) - 64 * (6.0 + 4096.0 / (1 << 20)), 64.0 * 64 * (128 + 64 * 192) / (1 << 20), 1.0);
+  // The defaults of ShmOptions are these.
+  const tdshm::ShmOptions o;
+  EXPECT_EQ(o.loan_bytes, size_t{1} << 20);
+  EXPECT_EQ(o.loan_tickets, 64u);
 }
 
 TEST(ShmLayout, StructsWorkOnAPlainByteBuffer) {

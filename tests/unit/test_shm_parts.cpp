@@ -408,7 +408,15 @@ TEST_F(ShmRingCheck, HostileEntriesAreRefused) {
   EXPECT_EQ(check(through_ring(whole, 65537, 0, 65537, 0)), "chunk of 65537 bytes in a slot of 65536");
   EXPECT_EQ(check(through_ring(whole, 1u << 31, 0, 0xffffffffu, 0)), "chunk of 4294967295 bytes in a slot of 65536");
   // Flags tdshm does not know.
-  EXPECT_EQ(check(through_ring(whole | 128, 8, 0, 8, 0)), "unknown flags 131");
+  EXPECT_EQ(check(through_ring(whole | 256, 8, 0, 8, 0)), "unknown flags 259");
+  // A loan is one whole inline entry whose chunk is a LoanReference.
+  EXPECT_EQ(check(through_ring(whole | kEntryInline | kEntryLoan, 100, 0, 16, 0)), "");
+  EXPECT_EQ(check(through_ring(whole | kEntryInline | kEntryLoan, 100, 0, 8, 0)), "loan reference of 8 bytes");
+  EXPECT_EQ(check(through_ring(whole | kEntryLoan, 100, 0, 16, 0)), "a loan that is not a whole message in one entry");
+  EXPECT_EQ(check(through_ring(kEntryFirst | kEntryInline | kEntryLoan, 100, 0, 16, 0)),
+            "a loan that is not a whole message in one entry");
+  EXPECT_EQ(check(through_ring(whole | kEntryInline | kEntryLoan | kEntryReference, 100, 0, 16, 0)),
+            "a loan that is not a whole message in one entry");
   EXPECT_EQ(check(through_ring(whole | kEntryInline | 0x80000000u, 8, 0, 8, 0)),
             "unknown flags " + std::to_string(whole | kEntryInline | 0x80000000u));
   // The arena checks apply to continuation chunks too.
@@ -494,7 +502,7 @@ struct TestRegion {
   static constexpr uint8_t kGuardByte = 0x5a;
 
   TestRegion(uint64_t slot_bytes_, uint32_t slots)
-      : g(segment_geometry(3, slot_bytes_, 4, slots, 256)),
+      : g(segment_geometry(3, slot_bytes_, 4, slots, 256, 1, 0)),
         slot_bytes(slot_bytes_),
         buffer(kGuard + g.region_bytes + kGuard),
         view(buffer.data() + kGuard, slots, g.slot_table_bytes, g.slot_stride) {

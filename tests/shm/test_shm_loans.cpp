@@ -1,0 +1,331 @@
+// Loans and views (ProcessGroupShm::loan, irecv_view / recv_view; src/shm/loan_pool.h): a send of
+// a loan posts a reference and completes only once the receiver no longer reads the bytes; a
+// receiver copies them once or takes a view that gives them back when dropped; a receiver that
+// keeps views makes the sender wait (TimeoutError naming the holder), never lose data; a dead
+// receiver's tickets come back, a dead sender's bytes stay readable in the views; a forged
+// reference is refused. Ranks are threads (also under TSan) and forked processes.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <tdshm/errors.h>
+#include <tdshm/process_group.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include "shm/segment_layout.h"
+#include "shm/waiter.h"
+#include "shm_test_support.h"
+
+namespace tdshm::test {
+namespace {
+
+class ShmLoan : public ShmTest {};
+
+ShmOptions loan_options(size_t loan_bytes = size_t{256} << 10, uint32_t tickets = 16) {
+  ShmOptions o = small_options();
+  o.loan_bytes = loan_bytes;
+  o.loan_tickets = tickets;
+  return o;
+}
+
+/// Flags the two ranks of a scenario share (threads or forked processes alike).
+struct Flags {
+  std::atomic<int> step{0};
+  std::atomic<int> dropped{0};
+};
+
+void wait_step(const Flags& f, int at_least) {
+  const auto deadline = Clock::now() + 10s;
+  while (f.step.load() < at_least) {
+    SHM_CHECK(Clock::now() < deadline, "the peer never reached step " << at_least);
+    std::this_thread::sleep_for(1ms);
+  }
+}
+
+at::Tensor filled_loan(ProcessGroupShm& pg, int64_t n, uint64_t seed) {
+  at::Tensor t = pg.loan({n}, at::kFloat);
+  SHM_CHECK(t.defined() && t.is_contiguous() && t.numel() == n, "loan of " << n << " floats");
+  SHM_CHECK(pg.is_loan(t) && pg.is_loan(t.narrow(0, 1, n / 2)), "a loan and its contiguous parts are loans");
+  t.copy_(pattern(at::kFloat, n, seed));
+  return t;
+}
+
+// Rank 0 sends a loan to rank 1, which copies it into its own tensor; the send completes only once
+// the copy is done. Then the same with the message arriving before its receive (an early loan),
+// and a receive of the wrong size, which fails while the loan still comes back.
+void copy_scenario(const std::string& name, int rank, Flags& f) {
+  ProcessGroupShm pg(name, rank, 2, loan_options());
+  constexpr int64_t n = 10000;
+  if (rank == 0) {
+    at::Tensor loan = filled_loan(pg, n, 1);
+    auto work = post_send(pg, loan, 1, 7);
+    std::this_thread::sleep_for(50ms);
+    SHM_CHECK(!work->isCompleted(), "a loan's send completed before its receiver took it");
+    f.step = 1;  // rank 1 may receive now
+    SHM_CHECK(work->wait(), "send");
+    // Early: the message waits in the ring as a reference until rank 1 posts its receive.
+    at::Tensor second = filled_loan(pg, n, 2);
+    auto early = post_send(pg, second, 1, 8);
+    f.step = 2;
+    SHM_CHECK(early->wait(), "early send");
+    // A receive of another size fails; the loan still comes back (its send completes).
+    auto wrong = post_send(pg, second, 1, 9);
+    SHM_CHECK(wrong->wait(), "mismatched send");
+    // A strided part of a loan travels by value.
+    at::Tensor strided = second.as_strided({n / 2}, {2});
+    SHM_CHECK(!pg.is_loan(strided), "a strided view is not sent by reference");
+    SHM_CHECK(post_send(pg, strided, 1, 10)->wait(), "strided send");
+  } else {
+    wait_step(f, 1);
+    at::Tensor mine = at::zeros({n});
+    SHM_CHECK(post_recv(pg, mine, 0, 7)->wait(), "recv");
+    SHM_CHECK(same_bytes(mine, pattern(at::kFloat, n, 1)), "the copy differs from the loan");
+    wait_step(f, 2);
+    std::this_thread::sleep_for(20ms);  // the early message is in the ring (or drained)
+    at::Tensor second = at::zeros({n});
+    SHM_CHECK(post_recv(pg, second, 0, 8)->wait(), "recv of the early loan");
+    SHM_CHECK(same_bytes(second, pattern(at::kFloat, n, 2)), "the early loan's copy differs");
+    at::Tensor small = at::zeros({n - 1});
+    SHM_CHECK_THROWS(TransportError, [&] { post_recv(pg, small, 0, 9)->wait(); }, {"bytes"});
+    at::Tensor half = at::zeros({n / 2});
+    SHM_CHECK(post_recv(pg, half, 0, 10)->wait(), "recv of the strided part");
+    SHM_CHECK(same_bytes(half, pattern(at::kFloat, n, 2).as_strided({n / 2}, {2}).contiguous()), "strided part");
+  }
+}
+
+TEST_F(ShmLoan, ALoanIsCopiedOnceAndItsSendCompletesAfterTheCopy) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { copy_scenario(name, r, *flags); }));
+}
+
+TEST_F(ShmLoan, ALoanIsCopiedOnceBetweenProcesses) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) { copy_scenario(name, r, *flags); }));
+}
+
+// Rank 1 takes views: the send completes only when the view is dropped; views of ordinary
+// messages are fresh tensors of the sender's shape and dtype; a view outlives the group.
+void view_scenario(const std::string& name, int rank, Flags& f) {
+  auto pg = std::make_unique<ProcessGroupShm>(name, rank, 2, loan_options());
+  constexpr int64_t n = 4096;
+  if (rank == 0) {
+    at::Tensor loan = filled_loan(*pg, n, 3);
+    auto work = post_send(*pg, loan, 1, 1);
+    wait_step(f, 1);  // rank 1 holds its view
+    std::this_thread::sleep_for(30ms);
+    SHM_CHECK(!work->isCompleted(), "the send completed while the receiver held its view");
+    SHM_CHECK(work->wait(), "send");
+    SHM_CHECK(f.dropped.load() == 1, "the send completed before the view was dropped");
+    // An ordinary 2-D int tensor, and a loan reshaped to 2-D (its shape travels).
+    SHM_CHECK(post_send(*pg, at::arange(12, at::kInt).reshape({3, 4}), 1, 2)->wait(), "ordinary send");
+    at::Tensor grid = pg->loan({8, 16}, at::kDouble);
+    grid.copy_(at::arange(128, at::kDouble).reshape({8, 16}));
+    SHM_CHECK(post_send(*pg, grid, 1, 3)->wait(), "2-D loan");
+    wait_step(f, 2);
+  } else {
+    {
+      at::Tensor view = pg->recv_view(0, 1);
+      f.step = 1;
+      SHM_CHECK(view.scalar_type() == at::kFloat && view.sizes() == at::IntArrayRef({n}), "view's dtype or shape");
+      std::this_thread::sleep_for(60ms);
+      SHM_CHECK(same_bytes(view, pattern(at::kFloat, n, 3)), "the view differs from the loan");
+      f.dropped = 1;
+    }  // dropped: the ticket goes back
+    at::Tensor ordinary = pg->recv_view(0, 2);
+    SHM_CHECK(ordinary.scalar_type() == at::kInt && ordinary.sizes() == at::IntArrayRef({3, 4}) &&
+                  at::equal(ordinary, at::arange(12, at::kInt).reshape({3, 4})),
+              "view of an ordinary message");
+    at::Tensor grid = pg->recv_view(0, 3);
+    SHM_CHECK(grid.scalar_type() == at::kDouble && grid.sizes() == at::IntArrayRef({8, 16}) &&
+                  at::equal(grid, at::arange(128, at::kDouble).reshape({8, 16})),
+              "view of a 2-D loan");
+    f.step = 2;
+    pg.reset();  // the group goes; the view keeps the mapping
+    SHM_CHECK(at::equal(grid, at::arange(128, at::kDouble).reshape({8, 16})), "the view after its group was destroyed");
+  }
+}
+
+TEST_F(ShmLoan, AViewHoldsTheLoanUntilDroppedAndOutlivesTheGroup) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { view_scenario(name, r, *flags); }));
+}
+
+TEST_F(ShmLoan, AViewHoldsTheLoanUntilDroppedBetweenProcesses) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) { view_scenario(name, r, *flags); }));
+}
+
+// A receiver that keeps its views: a new loan waits for room and times out naming the holder; a
+// send waits for a ticket. Nothing is overwritten: the views still read the first bytes.
+void back_pressure_scenario(const std::string& name, int rank, Flags& f) {
+  ShmOptions o = loan_options(size_t{64} << 10, 2);
+  o.timeout = 600ms;
+  ProcessGroupShm pg(name, rank, 2, o);
+  constexpr int64_t n = 6000;  // 24000 bytes: two fit the 64 KiB heap, three do not
+  if (rank == 0) {
+    SHM_CHECK_THROWS(SegmentError, [&] { pg.loan({int64_t{1} << 20}, at::kFloat); }, {"loan heap"});
+    SHM_CHECK_THROWS(ShapeError, [&] { pg.loan({-1}, at::kFloat); }, {"negative"});
+    auto a = filled_loan(pg, n, 4);
+    auto b = filled_loan(pg, n, 5);
+    auto wa = post_send(pg, a, 1, 1);
+    auto wb = post_send(pg, b, 1, 2);
+    wait_step(f, 1);  // rank 1 holds views of both
+    a = at::Tensor();
+    b = at::Tensor();  // dropped here, but rank 1 still reads them
+    const Caught c = SHM_CHECK_THROWS(TimeoutError, [&] { pg.loan({n}, at::kFloat); }, {"rank 1 holds 2 loans"});
+    (void)c;
+    f.step = 2;  // rank 1 checks its views, then drops them
+    SHM_CHECK(wa->wait() && wb->wait(), "sends");
+    wa.reset();  // a send's Work holds its tensor, and so its loan
+    wb.reset();
+    at::Tensor again = pg.loan({2 * n}, at::kFloat);  // the whole room is back
+    SHM_CHECK(again.defined(), "loan after the views were dropped");
+  } else {
+    at::Tensor va = pg.recv_view(0, 1);
+    at::Tensor vb = pg.recv_view(0, 2);
+    f.step = 1;
+    wait_step(f, 2);
+    SHM_CHECK(same_bytes(va, pattern(at::kFloat, n, 4)) && same_bytes(vb, pattern(at::kFloat, n, 5)),
+              "a held view was overwritten");
+  }
+}
+
+TEST_F(ShmLoan, AReceiverThatKeepsItsViewsMakesTheSenderWaitNeverOverwrites) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { back_pressure_scenario(name, r, *flags); }));
+}
+
+// One ticket: a second send of a loan waits until the first comes back, then goes.
+void ticket_scenario(const std::string& name, int rank, Flags& f) {
+  ProcessGroupShm pg(name, rank, 2, loan_options(size_t{64} << 10, 1));
+  if (rank == 0) {
+    auto a = filled_loan(pg, 100, 6);
+    auto w1 = post_send(pg, a, 1, 1);
+    auto w2 = post_send(pg, a, 1, 2);
+    wait_step(f, 1);
+    std::this_thread::sleep_for(30ms);
+    SHM_CHECK(!w2->isCompleted(), "a send went without a ticket");
+    f.step = 2;
+    SHM_CHECK(w1->wait() && w2->wait(), "sends");
+  } else {
+    {
+      at::Tensor v1 = pg.recv_view(0, 1);
+      f.step = 1;
+      wait_step(f, 2);
+      SHM_CHECK(same_bytes(v1, pattern(at::kFloat, 100, 6)), "first view");
+    }
+    at::Tensor v2 = pg.recv_view(0, 2);
+    SHM_CHECK(same_bytes(v2, pattern(at::kFloat, 100, 6)), "second view");
+  }
+}
+
+TEST_F(ShmLoan, ASendWaitsForAFreeTicket) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { ticket_scenario(name, r, *flags); }));
+}
+
+// A receiver killed while it holds a view: the sender's send fails with PeerLostError and the
+// loan's room comes back.
+TEST_F(ShmLoan, AReceiverKilledWhileHoldingAViewGivesTheLoanBack) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  Child receiver([&] {
+    ProcessGroupShm pg(name, 1, 2, loan_options(size_t{64} << 10));
+    at::Tensor view = pg.recv_view(0, 1);
+    flags->step = 1;
+    std::this_thread::sleep_for(60s);  // killed
+  });
+  Child sender([&] {
+    ProcessGroupShm pg(name, 0, 2, loan_options(size_t{64} << 10));
+    {
+      at::Tensor loan = filled_loan(pg, 16000, 7);  // 64000 of the 65536 bytes
+      auto work = post_send(pg, loan, 1, 1);
+      wait_step(*flags, 1);
+      flags->step = 2;  // the parent kills the receiver
+      SHM_CHECK_THROWS(PeerLostError, [&] { work->wait(); }, {"rank 1"});
+    }
+    SHM_CHECK(pg.loan({16000}, at::kFloat).defined(), "the loan's room after its receiver died");
+  });
+  wait_step(*flags, 2);
+  receiver.kill();
+  EXPECT_TRUE(sender.wait(20s)) << sender.describe();
+  EXPECT_TRUE(sender.ok()) << sender.describe();
+  receiver.wait(5s);
+}
+
+// A sender that dies while the receiver holds a view: the view still reads the bytes.
+TEST_F(ShmLoan, AViewStaysReadableAfterItsSenderDied) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  Child sender([&] {
+    ProcessGroupShm pg(name, 0, 2, loan_options());
+    at::Tensor loan = filled_loan(pg, 1000, 8);
+    auto work = post_send(pg, loan, 1, 1);
+    wait_step(*flags, 1);
+    ::_exit(0);  // dies without leaving the group
+  });
+  Child receiver([&] {
+    ProcessGroupShm pg(name, 1, 2, loan_options());
+    at::Tensor view = pg.recv_view(0, 1);
+    flags->step = 1;
+    std::this_thread::sleep_for(200ms);  // the sender is gone by now
+    SHM_CHECK(same_bytes(view, pattern(at::kFloat, 1000, 8)), "the view after its sender died");
+  });
+  EXPECT_TRUE(sender.wait(20s)) << sender.describe();
+  EXPECT_TRUE(receiver.wait(20s)) << receiver.describe();
+  EXPECT_TRUE(receiver.ok()) << receiver.describe();
+}
+
+// A forged loan entry (a ticket not handed to the receiver, an offset past the heap) fails the
+// receive with a TransportError; nothing is read.
+TEST_F(ShmLoan, AForgedLoanReferenceIsRefused) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  Child victim([&] {
+    ProcessGroupShm pg(name, 0, 2, loan_options());
+    at::Tensor t = at::zeros({16}, at::kByte);
+    SHM_CHECK_THROWS(TransportError, [&] { post_recv(pg, t, 1, 5)->wait(); }, {"not lent to this rank"});
+    flags->step = 1;
+  });
+  Child hostile([&] {
+    ProcessGroupShm pg(name, 1, 2, loan_options());
+    RawSegment seg(name);
+    const shm::SegmentHeader& h = seg.header();
+    const auto g = shm::segment_geometry(h.world_size, h.slot_bytes, h.ring_entries, h.slots_per_rank, h.window_bytes,
+                                         h.loan_tickets, h.loan_bytes);
+    std::byte* ring = seg.data() + g.rings_offset + (uint64_t{1} * h.world_size + 0) * g.ring_bytes;
+    auto* e = reinterpret_cast<shm::EntryHeader*>(ring + sizeof(shm::RingControl));
+    e->tag = 5;
+    e->total_bytes = 16;
+    e->chunk_bytes = sizeof(shm::LoanReference);
+    e->flags = shm::kEntryFirst | shm::kEntryLast | shm::kEntryInline | shm::kEntryLoan;
+    e->dtype = static_cast<uint8_t>(at::kByte);
+    e->ndim = 1;
+    const shm::LoanReference ref{h.loan_bytes - 8, 0, 0};  // ticket 0 is free, the bytes run past the heap
+    std::memcpy(reinterpret_cast<std::byte*>(e) + sizeof(shm::EntryHeader), &ref, sizeof ref);
+    e->seq.store(1, std::memory_order_release);
+    reinterpret_cast<shm::RingControl*>(ring)->head.store(1, std::memory_order_release);
+    shm::wake(seg.rank_slot(0));
+    wait_step(*flags, 1);
+  });
+  EXPECT_TRUE(victim.wait(20s)) << victim.describe();
+  EXPECT_TRUE(victim.ok()) << victim.describe();
+  EXPECT_TRUE(hostile.wait(20s)) << hostile.describe();
+}
+
+}  // namespace
+}  // namespace tdshm::test
