@@ -191,6 +191,28 @@ Group gloo_group_from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int
 // Options and results of the transfer methods. Peers: exactly one of dst / group_dst (src /
 // group_src); group_dst requires group. See docs/semantics.md for tags and leaf order.
 
+/// Options of tdshm::loan.
+struct LoanOptions {
+  Group group{};  ///< default: the default group
+  /// The rank the loan is meant for (group rank, for the docs' symmetry with send): any rank of
+  /// the group may receive it, since a loan lives in its owner's heap, which every rank maps.
+  std::optional<int> dst{};
+  /// For a tensordict: one storage holding every leaf as consolidate() lays it out (the result
+  /// is consolidated and locked), sent with `consolidated` as one reference; else one loan per leaf.
+  bool consolidated = false;
+};
+
+/// A tensor of `sizes` and `dtype` whose bytes live in this rank's loan heap of the group's
+/// segment (shm): sending it (or a contiguous part of it) to any rank of the group posts a
+/// reference, not the bytes, and the send completes once the receiver no longer reads them.
+/// Its contents are undefined until written (as torch.empty). Waits for room while receivers
+/// hold earlier loans (TimeoutError after the group's timeout, naming who holds what); over a
+/// backend without loans (gloo) it is an ordinary tensor. See docs/loans.md.
+at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype, const LoanOptions& options = {});
+/// A tensordict like `like` (keys, dtypes, shapes, batch size, tensorclass name, non-tensor
+/// values) whose leaves are loans, or with `consolidated` whose consolidated storage is one.
+TensorDict loan(const TensorDict& like, const LoanOptions& options = {});
+
 /// isend / send (TensorDictBase.isend's keyword arguments).
 struct SendOptions {
   std::optional<int> dst{};        ///< global rank of the destination

@@ -260,6 +260,14 @@ class TensorDict {
   Transfer irecv(const RecvOptions& options);
   /// irecv, then waits; returns the last tag used (init_tag - 1 for no leaves).
   int64_t recv(const RecvOptions& options);
+  /// Receives what recv would, but into a new tensordict (this one is left as it is and only
+  /// gives the keys, or with `consolidated` the schema): over shm each leaf (or the consolidated
+  /// storage) the sender sent from a loan (tdshm::loan) is a view of the sender's bytes, no copy,
+  /// which go back to the sender when the view is dropped; any other message lands in a fresh
+  /// tensor. Leaves take the sender's dtypes and shapes (per-leaf; they must fit this batch
+  /// size, ShapeError otherwise); keys, key checks, schema checks and errors are recv's. Over
+  /// other backends: recv into fresh tensors like these. See docs/loans.md.
+  TensorDict recv_view(const RecvOptions& options) const;
   /// Sends metadata (schema, non-tensor values, tensorclass name) and the consolidated storage
   /// to `dst` (or, with use_broadcast, to every rank of the group).
   void init_remote(const InitRemoteOptions& options) const;

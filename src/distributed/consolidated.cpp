@@ -17,7 +17,6 @@ namespace tdshm::detail {
 namespace {
 
 constexpr int64_t kConsolidatedMagic = 0x7464736d636f6e31;  // "tdsmcon1"
-constexpr int kConsolidatedTag = 0;
 
 std::exception_ptr schema_mismatch(uint64_t theirs, int64_t their_bytes, uint64_t mine, int64_t my_bytes) {
   return std::make_exception_ptr(SchemaError(

@@ -354,5 +354,7 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
 Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag = nullptr);
 Transfer isend_consolidated(const TensorDict& td, const Peer& p, const SendOptions& o);
 Transfer irecv_consolidated(const TensorDict& td, const Peer& p, const RecvOptions& o);
+inline constexpr int kConsolidatedTag = 0;  // tensordict's consolidated transfers use tag 0
+TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o);  // loans.cpp
 
 }  // namespace tdshm::detail

@@ -6,6 +6,8 @@
 
 #include <tdshm/errors.h>
 
+#include <ATen/ops/empty.h>
+
 #include <string>
 #include <utility>
 
@@ -45,7 +47,7 @@ class C10dTransport final : public Transport {
 class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(c10::intrusive_ptr<ProcessGroupShm> backend)
-      : Transport(Can{.check_messages = true, .batch = true, .strided = true, .drop_mismatched = true}),
+      : Transport(Can{.check_messages = true, .batch = true, .strided = true, .drop_mismatched = true, .loans = true}),
         backend_(std::move(backend)) {}
 
   TransportWork send(at::Tensor t, int peer, int tag, MessageCheck check) const override {
@@ -66,6 +68,10 @@ class ShmTransport final : public Transport {
                                            const std::vector<MessageCheck>& checks) const override {
     return as_batch(backend_->recv_batch(tensors, peer, tags, checks));
   }
+  at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype) const override { return backend_->loan(sizes, dtype); }
+  TransportWork recv_view(int peer, int tag, MessageCheck check) const override {
+    return backend_->irecv_view(peer, tag, check);
+  }
 
  private:
   c10::intrusive_ptr<ProcessGroupShm> backend_;
@@ -80,6 +86,13 @@ c10::intrusive_ptr<BatchWork> Transport::send_batch(std::span<const at::Tensor>,
 c10::intrusive_ptr<BatchWork> Transport::recv_batch(std::span<const at::Tensor>, int, const std::vector<int>&,
                                                     const std::vector<MessageCheck>&) const {
   no_batches();
+}
+
+at::Tensor Transport::loan(at::IntArrayRef sizes, at::ScalarType dtype) const {
+  return at::empty(sizes, at::TensorOptions().dtype(dtype));
+}
+TransportWork Transport::recv_view(int, int, MessageCheck) const {
+  throw Error("this group's backend does not receive views");
 }
 
 std::shared_ptr<const Transport> make_transport(c10::intrusive_ptr<c10d::ProcessGroup> backend) {

@@ -35,6 +35,9 @@ class Transport {
     /// A receive whose tensor does not fit the message takes the message and drops it, so a
     /// receive of no bytes skips one message and the pair stays in step.
     bool drop_mismatched = false;
+    /// Hands out loans (tensors in the sender's shared memory, sent by reference) and receives
+    /// views of them (recv_view). Without it a loan is an ordinary tensor.
+    bool loans = false;
   };
 
   virtual ~Transport() = default;
@@ -54,6 +57,13 @@ class Transport {
   virtual c10::intrusive_ptr<BatchWork> recv_batch(std::span<const at::Tensor> tensors, int peer,
                                                    const std::vector<int>& tags,
                                                    const std::vector<MessageCheck>& checks) const;
+
+  // ---- Loans (docs/loans.md) ----
+  /// A tensor of `sizes` and `dtype` whose sends go by reference (can().loans), else at::empty.
+  virtual at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype) const;
+  /// A receive of whatever tensor comes, in the sender's shape and dtype (Work::result()): a view
+  /// of the sender's loan, or a fresh tensor. can().loans only (the others throw Error).
+  virtual TransportWork recv_view(int peer, int tag, MessageCheck check) const;
 
  protected:
   explicit Transport(Can can) noexcept : can_(can) {}
