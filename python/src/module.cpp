@@ -23,7 +23,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <torch/csrc/Dtype.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
+#include <optional>
 #include <string>
 
 #ifndef TDSHM_VERSION
@@ -36,9 +41,27 @@ void bind_transfer(py::module_& m);  // transfer.cpp
 
 namespace {
 
-tdshm::ShmOptions options_with(std::chrono::milliseconds timeout) {
+// The loan heap's size from the environment (TDSHM_LOAN_BYTES, TDSHM_LOAN_TICKETS), for groups
+// that torch.distributed creates (init_process_group, new_group), which take no options of ours.
+tdshm::ShmOptions options_with(std::chrono::milliseconds timeout, std::optional<size_t> loan_bytes = std::nullopt,
+                               std::optional<uint32_t> loan_tickets = std::nullopt) {
   tdshm::ShmOptions options;
   options.timeout = timeout;
+  auto from_env = [](const char* name, uint64_t fallback) -> uint64_t {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') return fallback;
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long parsed = std::strtoull(v, &end, 10);
+    if (errno != 0 || end == v || *end != '\0') {
+      throw tdshm::SegmentError(std::string(name) + "=" + v + " is not a number of bytes or tickets");
+    }
+    return parsed;
+  };
+  options.loan_bytes = loan_bytes ? *loan_bytes : static_cast<size_t>(from_env("TDSHM_LOAN_BYTES", options.loan_bytes));
+  const uint64_t tickets = loan_tickets ? *loan_tickets : from_env("TDSHM_LOAN_TICKETS", options.loan_tickets);
+  if (tickets > UINT32_MAX) throw tdshm::SegmentError("loan_tickets " + std::to_string(tickets) + " is too large");
+  options.loan_tickets = static_cast<uint32_t>(tickets);
   return options;
 }
 
@@ -57,21 +80,46 @@ PYBIND11_MODULE(_C, m) {
       "(torch.distributed's all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single are the "
       "_base ones). alltoall (lists of tensors), allgather_coalesced and monitored_barrier raise "
       "RuntimeError, as does a reduce op the dtype does not have, or PREMUL_SUM.")
-      .def(py::init([](const std::string& name, int rank, int size, std::chrono::milliseconds timeout) {
-             return c10::make_intrusive<tdshm::ProcessGroupShm>(name, rank, size, options_with(timeout));
+      .def(py::init([](const std::string& name, int rank, int size, std::chrono::milliseconds timeout,
+                       std::optional<size_t> loan_bytes, std::optional<uint32_t> loan_tickets) {
+             return c10::make_intrusive<tdshm::ProcessGroupShm>(name, rank, size,
+                                                                options_with(timeout, loan_bytes, loan_tickets));
            }),
            py::arg("name"), py::arg("rank"), py::arg("size"),
-           py::arg("timeout") = std::chrono::milliseconds(std::chrono::minutes(30)),
-           py::call_guard<py::gil_scoped_release>(),
+           py::arg("timeout") = std::chrono::milliseconds(std::chrono::minutes(30)), py::arg("loan_bytes") = py::none(),
+           py::arg("loan_tickets") = py::none(), py::call_guard<py::gil_scoped_release>(),
            "Joins (or creates) the segment /dev/shm/tdshm.<name> as `rank` of `size` and waits for every "
-           "rank, at most `timeout` (a datetime.timedelta).")
+           "rank, at most `timeout` (a datetime.timedelta). loan_bytes / loan_tickets: each rank's loan heap "
+           "(default: $TDSHM_LOAN_BYTES or 1 MiB, $TDSHM_LOAN_TICKETS or 64); every rank must give the same.")
+      .def(
+          "loan",
+          [](tdshm::ProcessGroupShm& pg, std::vector<int64_t> shape, py::object dtype) {
+            if (!THPDtype_Check(dtype.ptr())) throw tdshm::TypeError("loan: dtype must be a torch.dtype");
+            const at::ScalarType st = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+            py::gil_scoped_release nogil;
+            return pg.loan(shape, st);
+          },
+          py::arg("shape"), py::arg("dtype"),
+          "A tensor whose bytes live in this rank's loan heap: sent to a rank of this group it goes by "
+          "reference, and the send completes once the receiver no longer reads it (tdshm.empty).")
+      .def("is_loan", &tdshm::ProcessGroupShm::is_loan, py::arg("tensor"),
+           "Whether the tensor lies wholly inside one live loan of this group.")
+      .def(
+          "recv_view",
+          [](tdshm::ProcessGroupShm& pg, int src, int tag) {
+            py::gil_scoped_release nogil;
+            return pg.recv_view(src, tag);
+          },
+          py::arg("src"), py::arg("tag") = 0,
+          "Receives whatever tensor group rank `src` sends with `tag`, in the sender's shape and dtype: a "
+          "view of its bytes when they are a loan (given back when the view is dropped), else a fresh tensor.")
       .def_property_readonly("segment_name", &tdshm::ProcessGroupShm::segment_name,
                              "The segment's name (the file is /dev/shm/tdshm.<segment_name>).");
 
   m.def(
       "_create_shm_group",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {
-        return tdshm::make_shm_group_from_store(store, rank, size, options_with(timeout));
+        return tdshm::make_shm_group_from_store(store, rank, size, options_with(timeout));  // (loans: from the environment)
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
       "The creator torch.distributed calls for backend \"shm\": (prefix store, group rank, group size, timeout).");

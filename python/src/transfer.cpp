@@ -88,6 +88,25 @@ class PreparedTransfer {
     return to_python(released([&] { return td_.irecv(options); }));
   }
 
+  /// recv into a new tree (see TensorDict::recv_view): nested dicts of the received tensors, views
+  /// of the sender's loans over shm (no copy), fresh tensors otherwise.
+  py::dict recv_view(std::optional<int> src, std::optional<int> group_src) {
+    const tdshm::RecvOptions& options = recv_options(src, group_src, false);
+    const tdshm::TensorDict got = released([&] { return td_.recv_view(options); });
+    py::dict out;
+    for (const auto& key : got.sorted_leaf_keys()) {
+      const auto& parts = key.parts();
+      py::dict level = out;
+      for (size_t i = 0; i + 1 < parts.size(); ++i) {
+        py::str name(parts[i]);
+        if (!level.contains(name)) level[name] = py::dict();
+        level = level[name].cast<py::dict>();
+      }
+      level[py::str(parts.back())] = got.get(key);
+    }
+    return out;
+  }
+
   /// The leaves' key paths in transfer order (tuples of str).
   py::list keys() {
     refresh();
@@ -253,6 +272,7 @@ void bind_transfer(py::module_& m) {
       .def("recv", &PreparedTransfer::recv, py::arg("src") = py::none(), py::arg("group_src") = py::none())
       .def("irecv", &PreparedTransfer::irecv, py::arg("src") = py::none(), py::arg("group_src") = py::none(),
            py::arg("return_premature") = false)
+      .def("recv_view", &PreparedTransfer::recv_view, py::arg("src") = py::none(), py::arg("group_src") = py::none())
       .def("keys", &PreparedTransfer::keys)
       .def("tags", &PreparedTransfer::tags);
 }

@@ -31,6 +31,15 @@ tdshm::init_process_group("shm", ...) with the same init_method joins the same w
 ``tdshm.ProcessGroupShm(name, rank, size, timeout=timedelta(minutes=30))`` makes a group on the
 named segment directly, without a store.
 
+Loans (docs/loans.md): ``tdshm.empty(shape, dtype=..., dst=None, group=None)`` and
+``tdshm.loan(like, ...)`` give tensors (or dicts of them) whose bytes live in the sender's shared
+memory; sending them over "shm" (``dist.send``, ``isend``, tensordict's ``td.send``, a
+``Transfer``) posts a reference, and the send completes once the receiver no longer reads them.
+``tdshm.recv_view(src, ...)`` and ``Transfer.recv_view(src)`` receive views of them, no copy;
+an ordinary ``recv`` copies them once. Over other backends a loan is an ordinary tensor. The
+heap's size: ``TDSHM_LOAN_BYTES`` (default 1 MiB per rank) and ``TDSHM_LOAN_TICKETS`` (64), the
+same on every rank.
+
 ``tdshm.Transfer(tree, group=None, init_tag=0, pseudo_rand=False)`` prepares a per-leaf transfer
 of a tensordict (or of nested dicts of tensors) once; its ``send``, ``isend``, ``recv`` and
 ``irecv`` then move every leaf in one call into C++ with the GIL released, on tensordict's wire
@@ -44,7 +53,7 @@ import torch.distributed as _dist
 from ._C import ProcessGroupShm, __version__
 from . import _C
 
-__all__ = ["ProcessGroupShm", "Transfer", "__version__", "BACKEND"]
+__all__ = ["ProcessGroupShm", "Transfer", "empty", "loan", "recv_view", "__version__", "BACKEND"]
 
 #: The name under which the backend is registered with torch.distributed.
 BACKEND = "shm"
@@ -91,3 +100,54 @@ def Transfer(tree, group=None, *, init_tag=0, pseudo_rand=False):
         group = _dist.distributed_c10d._get_default_group()
     ranks = _dist.distributed_c10d.get_process_group_ranks(group)
     return _C._Transfer(tree, group, list(ranks), int(init_tag), bool(pseudo_rand))
+
+
+def _shm_backend(group):
+    """The ProcessGroupShm behind ``group`` (default: the default group), or None."""
+    if group is None:
+        group = _dist.distributed_c10d._get_default_group()
+    return group if isinstance(group, ProcessGroupShm) else None
+
+
+def empty(shape, *, dtype=torch.float32, dst=None, group=None):
+    """A tensor of ``shape`` and ``dtype`` (contents undefined, as ``torch.empty``) whose bytes
+    live in this rank's loan heap of ``group``'s shared memory (default: the default group):
+    sending it, or a contiguous part of it, to any rank of the group posts a reference, and the
+    send completes once the receiver no longer reads the bytes (it copied them, or dropped its
+    view). Reuse it once that send completed (double-buffer with two). ``dst`` names the rank it
+    is meant for; any rank of the group may receive it. Raises TimeoutError while receivers hold
+    the whole heap past the group's timeout. Over a backend without loans: ``torch.empty``."""
+    pg = _shm_backend(group)
+    if pg is None:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return pg.loan([int(d) for d in shape], dtype)
+
+
+def loan(like, *, dst=None, group=None):
+    """``tdshm.empty`` shaped like ``like``: a tensor, or a dict / tensordict of them (the same
+    keys, nested; a tensordict's ``apply`` keeps its batch size and non-tensor values)."""
+    if isinstance(like, torch.Tensor):
+        return empty(like.shape, dtype=like.dtype, dst=dst, group=group)
+    if isinstance(like, dict):
+        return {k: loan(v, dst=dst, group=group) for k, v in like.items()}
+    if hasattr(like, "apply"):
+        return like.apply(lambda t: empty(t.shape, dtype=t.dtype, dst=dst, group=group))
+    raise TypeError("tdshm.loan: like is a tensor, a dict of tensors or a tensordict; got " + type(like).__name__)
+
+
+def recv_view(src, *, tag=0, group=None, like=None):
+    """Receives the tensor global rank ``src`` sends with ``tag`` over ``group`` (default: the
+    default group) in the sender's shape and dtype: over "shm" a view of the sender's loan (no
+    copy; the bytes go back when the view is dropped), or a fresh tensor for an ordinary message.
+    Over another backend the shape is not on the wire: ``like`` (a tensor) gives it and the
+    message is received into ``torch.empty_like(like)``."""
+    pg = _shm_backend(group)
+    if pg is None:
+        if like is None:
+            raise TypeError("tdshm.recv_view: this group's backend sends no shapes; pass like=")
+        out = torch.empty_like(like)
+        _dist.recv(out, src=src, tag=tag, group=group)
+        return out
+    g = group if group is not None else _dist.distributed_c10d._get_default_group()
+    group_src = _dist.distributed_c10d.get_group_rank(g, src) if group is not None else src
+    return pg.recv_view(group_src, tag)

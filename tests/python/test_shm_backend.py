@@ -206,6 +206,53 @@ def _worker(scenario, rank, world, init_method, outdir):
             expect_equal("second subgroup recv", t, torch.tensor([1]))
         dist.barrier()
 
+    elif scenario == "loans":
+        # Rank 1 loans a batch (tdshm.empty, tdshm.loan of a dict), fills it and sends it three
+        # ways: dist.isend (rank 0 takes a view: the send completes only once it is dropped),
+        # dist.send (rank 0 copies it with dist.recv), a Transfer of the dict (rank 0's
+        # Transfer.recv_view gives views of every leaf).
+        pg = default_pg
+        batch = {"image": torch.zeros(4, 3, 8, 8, dtype=torch.uint8), "meta": {"idx": torch.zeros(4, dtype=torch.int64)}}
+        if rank == 1:
+            t = tdshm.empty((6, 5), dtype=torch.float64, dst=0)
+            if not pg.is_loan(t) or not pg.is_loan(t[1:3]):
+                raise AssertionError("tdshm.empty gave no loan")
+            t.copy_(torch.arange(30, dtype=torch.float64).reshape(6, 5))
+            work = dist.isend(t, dst=0, tag=3)
+            dist.barrier()  # rank 0 holds its view now, and keeps it until the next barrier
+            if work.is_completed():
+                raise AssertionError("a loan's send completed while its view was held")
+            dist.barrier()
+            wait(work)  # completes once rank 0 dropped its view
+            dist.send(t, dst=0, tag=4)
+            lent = tdshm.loan(batch, dst=0)
+            lent["image"].copy_(torch.arange(4 * 3 * 8 * 8).remainder(251).to(torch.uint8).reshape(4, 3, 8, 8))
+            lent["meta"]["idx"].copy_(torch.arange(4) * 7)
+            tdshm.Transfer(lent).send(0)
+            try:
+                tdshm.empty((1 << 30,), dtype=torch.uint8)
+            except RuntimeError as e:
+                if "loan heap" not in str(e):
+                    raise
+            else:
+                raise AssertionError("a loan larger than the heap was handed out")
+        else:
+            v = tdshm.recv_view(1, tag=3)
+            expect_equal("view of a loan", v, torch.arange(30, dtype=torch.float64).reshape(6, 5))
+            dist.barrier()
+            dist.barrier()
+            del v
+            mine = torch.zeros(6, 5, dtype=torch.float64)
+            dist.recv(mine, src=1, tag=4)
+            expect_equal("copy of a loan", mine, torch.arange(30, dtype=torch.float64).reshape(6, 5))
+            views = tdshm.Transfer(batch).recv_view(1)
+            expect_equal("image view", views["image"], torch.arange(4 * 3 * 8 * 8).remainder(251).to(torch.uint8).reshape(4, 3, 8, 8))
+            expect_equal("meta.idx view", views["meta"]["idx"], torch.arange(4) * 7)
+            if batch["meta"]["idx"].any():
+                raise AssertionError("recv_view wrote into its template")
+            del views  # rank 1's blocking send returns once they are dropped
+        dist.barrier()
+
     else:
         raise AssertionError(f"unknown scenario {scenario}")
     dist.destroy_process_group()
@@ -268,6 +315,9 @@ class ShmBackendTest(unittest.TestCase):
 
     def test_p2p_tcp(self):
         self.run_world("p2p", 2, "tcp")
+
+    def test_loans(self):
+        self.run_world("loans", 2, "file")
 
     def test_collectives(self):
         self.run_world("collectives", 3, "file")
