@@ -29,6 +29,7 @@ inline constexpr TransportInfo kTransports[] = {
     {"c10d-spin", "spinning", "floor through c10d: the spin floor's wire behind a c10d::ProcessGroup (send, recv, Work, wait)", true, false},
     {"shm", "spinning", "tdshm::ProcessGroupShm, waiters spin (default ShmOptions::spin, 250 us) then sleep on a futex", true, false},
     {"shm-blocking", "blocking", "tdshm::ProcessGroupShm with spin = 0 (waiters only sleep)", true, false},
+    {"shm-loan", "spinning", "tdshm::ProcessGroupShm, loans sent by reference, received as views (no copy; docs/loans.md)", true, false},
     {"td-shm", "spinning", "TensorDict send/recv over tdshm::ProcessGroupShm (\"shm\") as a standalone Group", false, true},
     {"gloo", "tcp-loopback", "c10d::ProcessGroupGloo over TCP on 127.0.0.1", true, false},
     {"td-gloo", "tcp-loopback", "TensorDict send/recv over the same gloo group as a standalone Group", false, true},
