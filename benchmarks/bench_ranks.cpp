@@ -117,6 +117,8 @@ Groups make_groups(const std::string& segment, int rank, int world, Control& con
     Groups g;
     ShmOptions shm_options;
     shm_options.timeout = kGroupTimeout;
+    // The loan patterns: a worker's two batches (2 x 385 KiB), a learner's 4 MiB of weights.
+    shm_options.loan_bytes = size_t{8} << 20;  // (4 batches of 385 KiB)
     g.shm = Group(c10::make_intrusive<ProcessGroupShm>(segment, rank, world, shm_options));
 
     c10d::TCPStoreOptions store_options;

@@ -1,4 +1,4 @@
-// The scenarios' memcpy reference channel (copy_channel.h).
+// The scenarios' hand-written references (copy_channel.h): the memcpy channel and the in-place one.
 
 #include "copy_channel.h"
 
@@ -25,7 +25,7 @@ void spin_until(Ready ready, Clock::time_point deadline, const char* what) {
       tdshm::detail::cpu_relax();
       continue;
     }
-    if (Clock::now() > deadline) throw std::runtime_error(std::string("memcpy reference: timed out waiting ") + what);
+    if (Clock::now() > deadline) throw std::runtime_error(std::string("reference channel: timed out waiting ") + what);
     sched_yield();
   }
 }
@@ -69,5 +69,22 @@ void CopyChannel::recv(void* data, size_t bytes, Clock::time_point deadline) {
     if (bytes == 0) break;
   }
 }
+
+size_t InplaceChannel::bytes_needed(size_t payload_bytes) noexcept { return sizeof(Flag) + (payload_bytes + 63) / 64 * 64; }
+
+InplaceChannel::InplaceChannel(void* memory, size_t) noexcept
+    : flag_(static_cast<Flag*>(memory)), payload_(static_cast<uint8_t*>(memory) + sizeof(Flag)) {}
+
+void InplaceChannel::wait_empty(Clock::time_point deadline) {
+  spin_until([&] { return flag_->full.load(std::memory_order_acquire) == 0; }, deadline, "for an empty buffer");
+}
+
+void InplaceChannel::publish() noexcept { flag_->full.store(1, std::memory_order_release); }
+
+void InplaceChannel::wait_full(Clock::time_point deadline) {
+  spin_until([&] { return flag_->full.load(std::memory_order_acquire) != 0; }, deadline, "for a full buffer");
+}
+
+void InplaceChannel::consume() noexcept { flag_->full.store(0, std::memory_order_release); }
 
 }  // namespace tdshm::bench

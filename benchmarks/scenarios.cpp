@@ -42,7 +42,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-const char* const kTransports[] = {"shm", "gloo", "memcpy"};
+const char* const kTransports[] = {"shm", "gloo", "memcpy", "inplace"};
 
 // The memcpy reference (copy_channel.h) streams through ProcessGroupShm's default arena: 64
 // slots of 64 KiB per sender.
@@ -55,6 +55,8 @@ const size_t kCopyChannelBytes = (CopyChannel::bytes_needed(kCopySlotBytes, kCop
 constexpr int64_t kBatch = 32;
 constexpr int64_t kImageBytes = kBatch * 3 * 64 * 64;
 constexpr size_t kBatchBytes = static_cast<size_t>(kImageBytes) + 3 * kBatch * sizeof(int64_t);
+// The in-place reference's buffer holds a batch as image, label, idx, worker, one after the other.
+const size_t kInplaceChannelBytes = InplaceChannel::bytes_needed(kBatchBytes);
 
 TensorDict make_batch() {
   return TensorDict({{"image", at::zeros({kBatch, 3, 64, 64}, at::kByte)},
@@ -76,17 +78,20 @@ BatchView view(const TensorDict& td) {
           td.get({"meta", "idx"}).data_ptr<int64_t>(), td.get({"meta", "worker"}).data_ptr<int64_t>()};
 }
 
-// The bytes a worker's image holds everywhere but at the three places that change per batch.
-uint8_t image_byte(int worker) { return static_cast<uint8_t>(worker * 37 + 1); }
-uint8_t first_byte(int64_t seq) { return static_cast<uint8_t>(seq); }
-uint8_t last_byte(int64_t seq, int worker) { return static_cast<uint8_t>(seq * 7 + worker); }
+// The in-place reference's buffer as a batch.
+BatchView view(const InplaceChannel& ch) {
+  auto* ints = reinterpret_cast<int64_t*>(ch.payload() + kImageBytes);  // kImageBytes is a multiple of 8
+  return {ch.payload(), ints, ints + kBatch, ints + 2 * kBatch};
+}
+
+// What every byte of worker w's image holds in batch `seq` (seq keeps growing across measurements).
+uint8_t image_value(int64_t seq, int worker) { return static_cast<uint8_t>(seq * 31 + worker * 7 + 1); }
 int64_t label_of(int64_t seq, int64_t i, int worker) { return (seq * kBatch + i + worker) % 1000; }
 
-// Batch `seq` of worker `w` (seq keeps growing across measurements).
-void fill_batch(const TensorDict& td, int w, int64_t seq) {
-  const BatchView v = view(td);
-  v.image[0] = first_byte(seq);
-  v.image[kImageBytes - 1] = last_byte(seq, w);
+// Batch `seq` of worker `w`: every byte written once, in every transport (the production a
+// worker does anyway), so that what differs between transports is only what they add.
+void fill_batch(const BatchView& v, int w, int64_t seq) {
+  std::memset(v.image, image_value(seq, w), static_cast<size_t>(kImageBytes));
   for (int64_t i = 0; i < kBatch; ++i) {
     v.label[i] = label_of(seq, i, w);
     v.idx[i] = seq * kBatch + i;
@@ -94,8 +99,8 @@ void fill_batch(const TensorDict& td, int w, int64_t seq) {
   }
 }
 
-void check_batch(const TensorDict& td, int w, int64_t seq, const std::string& where) {
-  const BatchView v = view(td);
+// Main reads every byte of the batch once, in every transport (the consumption), and checks it.
+void check_batch(const BatchView& v, int w, int64_t seq, const std::string& where) {
   auto fail = [&](const std::string& what, int64_t got, int64_t expected) {
     throw std::runtime_error(where + ": batch " + std::to_string(seq) + " of worker " + std::to_string(w) + ": " +
                              what + " is " + std::to_string(got) + ", expected " + std::to_string(expected));
@@ -105,9 +110,19 @@ void check_batch(const TensorDict& td, int w, int64_t seq, const std::string& wh
     if (v.idx[i] != seq * kBatch + i) fail("meta.idx[" + std::to_string(i) + "]", v.idx[i], seq * kBatch + i);
     if (v.label[i] != label_of(seq, i, w)) fail("label[" + std::to_string(i) + "]", v.label[i], label_of(seq, i, w));
   }
-  if (v.image[0] != first_byte(seq)) fail("image byte 0", v.image[0], first_byte(seq));
-  if (v.image[kImageBytes / 2] != image_byte(w)) fail("image middle byte", v.image[kImageBytes / 2], image_byte(w));
-  if (v.image[kImageBytes - 1] != last_byte(seq, w)) fail("image last byte", v.image[kImageBytes - 1], last_byte(seq, w));
+  // Eight bytes at a time: every byte is read, at the speed a consumer would read it.
+  const uint64_t want = uint64_t{image_value(seq, w)} * 0x0101010101010101ull;
+  uint64_t differ = 0;
+  for (int64_t i = 0; i < kImageBytes; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, v.image + i, sizeof word);
+    differ |= word ^ want;
+  }
+  if (differ != 0) {
+    for (int64_t i = 0; i < kImageBytes; ++i) {
+      if (v.image[i] != image_value(seq, w)) fail("image byte " + std::to_string(i), v.image[i], image_value(seq, w));
+    }
+  }
 }
 
 // ---- the actor-learner's tensordicts ----
@@ -157,7 +172,13 @@ struct Layout {
   // The memcpy reference's channels (made before fork, shared by the ranks): loader: one per
   // worker (worker -> main); actor-learner: two per actor (weights out, trajectory back).
   uint8_t* copy_memory = nullptr;
+  // The in-place reference's buffers (loader: one per worker), after the memcpy channels.
+  uint8_t* inplace_memory = nullptr;
   size_t channels() const { return scenario == "loader" ? static_cast<size_t>(peers) : 2 * static_cast<size_t>(peers); }
+  size_t inplace_channels() const { return scenario == "loader" ? static_cast<size_t>(peers) : 0; }
+  InplaceChannel inplace_channel(int w) const {
+    return {inplace_memory + static_cast<size_t>(w - 1) * kInplaceChannelBytes, kBatchBytes};
+  }
   CopyChannel worker_channel(int w) const { return channel(static_cast<size_t>(w - 1)); }
   CopyChannel weights_channel(int a) const { return channel(2 * static_cast<size_t>(a - 1)); }
   CopyChannel trajectory_channel(int a) const { return channel(2 * static_cast<size_t>(a - 1) + 1); }
@@ -167,8 +188,21 @@ struct Layout {
 };
 
 std::vector<std::string> patterns_of(const std::string& scenario) {
-  if (scenario == "loader") return {"blocking", "irecv-ahead", "consolidated"};
-  return {"weights-trajectory"};
+  if (scenario == "loader") return {"blocking", "irecv-ahead", "consolidated", "loan-copy", "loan-view", "loan-view-c"};
+  return {"weights-trajectory", "loan-view"};
+}
+
+// Loans (docs/loans.md): the sender fills loans (double-buffered) and sends references; main
+// copies once (loan-copy) or takes views (loan-view). Over gloo a loan is an ordinary tensor.
+bool is_loan_pattern(const std::string& pattern) { return pattern.rfind("loan-", 0) == 0; }
+
+// Which transports a pattern runs over: shm and gloo every one; the memcpy reference the copying
+// patterns (a loan is the shm transport's); the in-place reference the loader's loan-view, whose
+// hand-written counterpart it is (worker writes in place, main reads in place).
+bool runs(const std::string& scenario, const std::string& pattern, const std::string& transport) {
+  if (transport == "memcpy") return !is_loan_pattern(pattern);
+  if (transport == "inplace") return scenario == "loader" && pattern == "loan-view";
+  return true;
 }
 
 std::vector<Step> make_schedule(const std::string& scenario, int repeat, int count) {
@@ -176,12 +210,17 @@ std::vector<Step> make_schedule(const std::string& scenario, int repeat, int cou
   const int warm = std::max(2, count / 10);
   constexpr size_t kCount = std::size(kTransports);
   for (const auto& p : patterns_of(scenario)) {
-    for (const char* t : kTransports) s.push_back({p, t, -1, warm});
+    for (const char* t : kTransports) {
+      if (runs(scenario, p, t)) s.push_back({p, t, -1, warm});
+    }
   }
   for (int r = 0; r < repeat; ++r) {
     for (const auto& p : patterns_of(scenario)) {
       // The order rotates, so that no transport always runs right after the same other one.
-      for (size_t i = 0; i < kCount; ++i) s.push_back({p, kTransports[(i + static_cast<size_t>(r)) % kCount], r, count});
+      for (size_t i = 0; i < kCount; ++i) {
+        const char* t = kTransports[(i + static_cast<size_t>(r)) % kCount];
+        if (runs(scenario, p, t)) s.push_back({p, t, r, count});
+      }
     }
   }
   return s;
@@ -232,7 +271,7 @@ void copy_recv(CopyChannel ch, const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) ch.recv(t.data_ptr(), byte_size(t), deadline);
 }
 
-// The group a step synchronizes on (the memcpy reference uses the shm group's barrier).
+// The group a step synchronizes on (the references use the shm group's barrier).
 const Group& step_group(const Groups& groups, const Step& s) { return s.transport == "gloo" ? groups.gloo : groups.shm; }
 
 // Rank 0 of the loader: receives `s.count` batches of every worker; returns the loop's seconds.
@@ -246,31 +285,49 @@ double loader_main(const Layout& layout, const Groups& groups, const Step& s, in
   const std::vector<TensorDict>& copy_into = s.pattern == "consolidated" ? consolidated : plain;
   std::vector<std::vector<at::Tensor>> copied(static_cast<size_t>(layout.peers) + 1);
   for (int w = 1; by_copy && w <= layout.peers; ++w) copied[w] = copied_tensors(copy_into[w]);
+  const auto deadline = Clock::now() + kGroupTimeout;
   const auto start = Clock::now();
   for (int b = 0; b < s.count; ++b) {
     const int64_t seq = seq0 + b;
     if (by_copy) {
       for (int w = 1; w <= layout.peers; ++w) {
         copy_recv(layout.worker_channel(w), copied[w]);
-        check_batch(copy_into[w], w, seq, where);
+        check_batch(view(copy_into[w]), w, seq, where);
+      }
+    } else if (s.transport == "inplace") {
+      for (int w = 1; w <= layout.peers; ++w) {
+        InplaceChannel ch = layout.inplace_channel(w);
+        ch.wait_full(deadline);
+        check_batch(view(ch), w, seq, where);
+        ch.consume();
       }
     } else if (s.pattern == "blocking") {
       for (int w = 1; w <= layout.peers; ++w) {
         plain[w].recv({.group = g, .group_src = w});
-        check_batch(plain[w], w, seq, where);
+        check_batch(view(plain[w]), w, seq, where);
       }
-    } else if (s.pattern == "irecv-ahead") {
+    } else if (s.pattern == "irecv-ahead" || s.pattern == "loan-copy") {
       for (int w = 1; w <= layout.peers; ++w) {
         pending[w] = plain[w].irecv({.group = g, .group_src = w, .return_premature = true});
       }
       for (int w = 1; w <= layout.peers; ++w) {
         pending[w].wait();
-        check_batch(plain[w], w, seq, where);
+        check_batch(view(plain[w]), w, seq, where);
+      }
+    } else if (s.pattern == "loan-view") {
+      for (int w = 1; w <= layout.peers; ++w) {
+        const TensorDict batch = plain[w].recv_view({.group = g, .group_src = w});
+        check_batch(view(batch), w, seq, where);
+      }  // each view is dropped here: its worker may fill that loan again
+    } else if (s.pattern == "loan-view-c") {
+      for (int w = 1; w <= layout.peers; ++w) {
+        const TensorDict batch = consolidated[w].recv_view({.group = g, .group_src = w, .consolidated = true});
+        check_batch(view(batch), w, seq, where);
       }
     } else {
       for (int w = 1; w <= layout.peers; ++w) {
         consolidated[w].recv({.group = g, .group_src = w, .consolidated = true});
-        check_batch(consolidated[w], w, seq, where);
+        check_batch(view(consolidated[w]), w, seq, where);
       }
     }
   }
@@ -278,20 +335,59 @@ double loader_main(const Layout& layout, const Groups& groups, const Step& s, in
 }
 
 // The test hook of TDSHM_BENCH_FAULT (see Layout::fault), called before batch or step `seq`.
-void inject_fault(const std::string& fault, int rank, int64_t seq, const TensorDict* batch) {
+void inject_fault(const std::string& fault, int rank, int64_t seq, const BatchView* batch) {
   if (rank != 1 || fault.empty()) return;
   if (fault == "worker-exit" && seq == 3) ::_exit(7);
-  if (fault == "loader-data" && seq == 5 && batch != nullptr) view(*batch).worker[0] = 99;
+  if (fault == "loader-data" && seq == 5 && batch != nullptr) batch->worker[0] = 99;
+}
+
+constexpr int kLoanBuffers = 4;
+
+// A worker of the loan patterns: kLoanBuffers loans filled in turn, each sent by
+// reference; a loan is filled again once its previous send completed (main dropped its view,
+// or copied it out).
+void loan_worker(const Layout& layout, const Group& g, const Step& s, int64_t seq0, int w) {
+  const LoanOptions o{.group = g, .dst = 0, .consolidated = s.pattern == "loan-view-c"};
+  std::vector<TensorDict> loans;
+  for (int i = 0; i < kLoanBuffers; ++i) loans.push_back(loan(make_batch(), o));
+  std::vector<Transfer> sent(kLoanBuffers);
+  for (int b = 0; b < s.count; ++b) {
+    const TensorDict& batch = loans[static_cast<size_t>(b % kLoanBuffers)];
+    Transfer& previous = sent[static_cast<size_t>(b % kLoanBuffers)];
+    previous.wait();
+    const BatchView v = view(batch);
+    fill_batch(v, w, seq0 + b);
+    inject_fault(layout.fault, w, seq0 + b, &v);
+    previous = batch.isend({.group = g, .group_dst = 0, .return_early = true, .consolidated = o.consolidated});
+  }
+  for (const Transfer& t : sent) t.wait();
 }
 
 void loader_worker(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, int w,
                    const TensorDict& batch) {
   const Group& g = step_group(groups, s);
+  if (s.transport == "inplace") {
+    const auto deadline = Clock::now() + kGroupTimeout;
+    InplaceChannel ch = layout.inplace_channel(w);
+    for (int b = 0; b < s.count; ++b) {
+      ch.wait_empty(deadline);
+      const BatchView v = view(ch);
+      fill_batch(v, w, seq0 + b);
+      inject_fault(layout.fault, w, seq0 + b, &v);
+      ch.publish();
+    }
+    return;
+  }
+  if (is_loan_pattern(s.pattern)) {
+    loan_worker(layout, g, s, seq0, w);
+    return;
+  }
   const bool by_copy = s.transport == "memcpy";
   const std::vector<at::Tensor> leaves = copied_tensors(batch);
   for (int b = 0; b < s.count; ++b) {
-    fill_batch(batch, w, seq0 + b);
-    inject_fault(layout.fault, w, seq0 + b, &batch);
+    const BatchView v = view(batch);
+    fill_batch(v, w, seq0 + b);
+    inject_fault(layout.fault, w, seq0 + b, &v);
     if (by_copy) {
       // The consolidated pattern pays its consolidate() per batch here too.
       copy_send(layout.worker_channel(w),
@@ -314,6 +410,12 @@ double learner(const Layout& layout, const Groups& groups, const Step& s, int64_
   // The memcpy reference: actor a's weights go through channel 2(a-1), its trajectory comes
   // back through 2(a-1)+1.
   const bool by_copy = s.transport == "memcpy";
+  // loan-view: the weights live in a loan, sent by reference to every actor (one ticket each),
+  // which takes a view; the learner writes into them again once every actor dropped its view.
+  const TensorDict sent_weights =
+      is_loan_pattern(s.pattern) ? loan(weights, {.group = g, .consolidated = true}).update_(weights) : weights;
+  first = sent_weights.get("w0").data_ptr<float>();
+  last = sent_weights.get("w" + std::to_string(kWeightLeaves - 1)).data_ptr<float>() + (kWeightFloats - 1);
   const std::vector<at::Tensor> weight_bytes = copied_tensors(weights);
   std::vector<std::vector<at::Tensor>> trajectory_leaves;
   for (const auto& tr : trajectories) trajectory_leaves.push_back(copied_tensors(tr));
@@ -326,7 +428,7 @@ double learner(const Layout& layout, const Groups& groups, const Step& s, int64_
     recvs.clear();
     for (int a = 1; by_copy && a <= layout.peers; ++a) copy_send(layout.weights_channel(a), weight_bytes);
     for (int a = 1; !by_copy && a <= layout.peers; ++a) {
-      sends.push_back(weights.isend({.group = g, .group_dst = a, .return_early = true, .consolidated = true}));
+      sends.push_back(sent_weights.isend({.group = g, .group_dst = a, .return_early = true, .consolidated = true}));
     }
     for (int a = 1; !by_copy && a <= layout.peers; ++a) {
       recvs.push_back(trajectories[a].irecv({.group = g, .group_src = a, .return_premature = true}));
@@ -361,13 +463,17 @@ void actor(const Layout& layout, const Groups& groups, const Step& s, int64_t se
   for (int i = 0; i < s.count; ++i) {
     const int64_t seq = seq0 + i;
     inject_fault(layout.fault, a, seq, nullptr);
+    TensorDict got = weights;  // loan-view: a view of the learner's loan, dropped before the reply
     if (by_copy) {
       copy_recv(layout.weights_channel(a), weight_bytes);
+    } else if (is_loan_pattern(s.pattern)) {
+      got = weights.recv_view({.group = g, .group_src = 0, .consolidated = true});
     } else {
       weights.recv({.group = g, .group_src = 0, .consolidated = true});
     }
-    const float first = weights.get("w0").data_ptr<float>()[0];
-    const float last = weights.get("w" + std::to_string(kWeightLeaves - 1)).data_ptr<float>()[kWeightFloats - 1];
+    const float first = got.get("w0").data_ptr<float>()[0];
+    const float last = got.get("w" + std::to_string(kWeightLeaves - 1)).data_ptr<float>()[kWeightFloats - 1];
+    got = weights;
     if (first != static_cast<float>(seq) || last != static_cast<float>(2 * seq)) {
       throw std::runtime_error("actor " + std::to_string(a) + " " + s.transport + ": step " + std::to_string(seq) +
                                ": the weights hold " + std::to_string(first) + " and " + std::to_string(last));
@@ -400,7 +506,6 @@ int run_rank(const Layout& layout, int rank, Control& control, const Reporter& r
       }
     } else if (loader) {
       batch = make_batch();
-      std::memset(view(batch).image, image_byte(rank), static_cast<size_t>(kImageBytes));
     } else {
       weights = make_weights();
       if (rank == 0) {
@@ -483,8 +588,8 @@ void handle_line(const std::string& line, LayoutResult& result) {
 
 // Forks every rank of `layout`, collects rank 0's measurements, reaps every rank (bench_ranks.h).
 LayoutResult run_layout(Layout layout, std::chrono::seconds deadline_after) {
-  // The memcpy reference's channels, shared by the ranks forked below (zero-filled).
-  const size_t copy_bytes = layout.channels() * kCopyChannelBytes;
+  // The references' channels and buffers, shared by the ranks forked below (zero-filled).
+  const size_t copy_bytes = layout.channels() * kCopyChannelBytes + layout.inplace_channels() * kInplaceChannelBytes;
   void* copy_memory = ::mmap(nullptr, copy_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (copy_memory == MAP_FAILED) {
     throw std::system_error(errno, std::generic_category(), "mmap of the memcpy reference's channels");
@@ -495,6 +600,7 @@ LayoutResult run_layout(Layout layout, std::chrono::seconds deadline_after) {
     ~Unmap() { ::munmap(p, n); }
   } unmap{copy_memory, copy_bytes};
   layout.copy_memory = static_cast<uint8_t*>(copy_memory);
+  layout.inplace_memory = layout.copy_memory + layout.channels() * kCopyChannelBytes;
   RankJob job;
   job.world = layout.world();
   job.segment = layout.segment;
@@ -554,33 +660,62 @@ void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
                 "  irecv-ahead   main: irecv from every worker, then waits for each\n"
                 "  consolidated  workers consolidate() each batch and send it as one message; main receives into\n"
                 "                a consolidated tensordict per worker, round-robin\n"
+                "  loan-copy     workers fill loans (tdshm::loan, two in turn) and isend them by reference; main\n"
+                "                irecvs into its own tensordicts as irecv-ahead does: one copy per byte\n"
+                "  loan-view     the same workers; main takes views (recv_view) round-robin: no copy\n"
+                "  loan-view-c   the same with one consolidated loan per batch: one reference, one view\n"
                 "  memcpy        the same processes and bytes through plain memcpy into shared memory and out\n"
-                "                (the bench's copy_channel.h: no tags, matching or checks), in every pattern\n"
-                "                (irecv-ahead is blocking there); what two copies per byte cost here\n"
+                "                (the bench's copy_channel.h: no tags, matching or checks), in the copying\n"
+                "                patterns (irecv-ahead is blocking there); what two copies per byte cost here\n"
+                "  inplace       (loan-view) what a user writes by hand: a spin flag over one shared buffer per\n"
+                "                worker, written in place by the worker and read in place by main (rl#3854)\n"
+                "  every transport: the worker writes every byte of every batch once, main reads every byte once\n"
                 "  batches/s = batches main received / seconds of its receive loop; GB/s = batches/s x %zu B;\n"
-                "  median of %d measurement(s), min-max beside it; shm/gloo and shm/memcpy = ratios of the medians\n",
+                "  median of %d measurement(s), min-max beside it; shm/gloo and shm/ref = ratios of the medians\n"
+                "  (ref: memcpy, or inplace for loan-view)\n",
                 kBatchBytes, o.batches, kBatchBytes, o.repeat);
   } else {
     std::printf("\nscenario actor-learner: 1 learner, %d actor process(es), over shm and gloo in the same processes\n"
                 "  per step: the learner isends 4 MiB of weights (consolidated: 4 float leaves of 1 MiB) to every\n"
                 "  actor and irecvs each actor's trajectory {\"obs\": float [64,16], \"action\": int64 [64],\n"
                 "  \"reward\": float [64]} (per-leaf, %zu B); %d steps per measurement, both sides check every step\n"
+                "  loan-view: the weights are a consolidated loan sent by reference; actors take views\n"
                 "  memcpy: the same processes and bytes through plain memcpy into shared memory and out (the\n"
                 "  bench's copy_channel.h: no tags, matching or checks): what two copies per byte cost here\n"
                 "  steps/s = steps / seconds of the learner's loop; GB/s counts both directions;\n"
-                "  median of %d measurement(s), min-max beside it; shm/gloo and shm/memcpy = ratios of the medians\n",
+                "  median of %d measurement(s), min-max beside it; shm/gloo and shm/ref = ratios of the medians\n",
                 o.actors, kTrajectoryBytes, o.steps, o.repeat);
   }
   std::fflush(stdout);
 }
 
+// The ratios the loans are judged by (docs/loans.md), from this layout's medians.
+void print_loan_goals(const LayoutResult& r, const std::string& scenario, int items) {
+  auto median = [&](const char* pattern, const char* transport) { return stats_of(r, pattern, transport, items).median; };
+  auto line = [](const char* what, double num, double den, const char* goal, double limit) {
+    if (num <= 0 || den <= 0) return;
+    std::printf("  goal: %-44s %6.2f  %s %.1f  %s\n", what, num / den, goal, limit, num / den >= limit ? "PASS" : "MISS");
+  };
+  if (scenario == "loader") {
+    line("shm loan-view / shm irecv-ahead", median("loan-view", "shm"), median("irecv-ahead", "shm"), ">=", 2.0);
+    line("shm loan-view / inplace (hand-written)", median("loan-view", "shm"), median("loan-view", "inplace"), ">=", 1.2);
+    line("shm loan-view-c / shm irecv-ahead", median("loan-view-c", "shm"), median("irecv-ahead", "shm"), ">=", 2.0);
+    line("shm loan-view-c / inplace (hand-written)", median("loan-view-c", "shm"), median("loan-view", "inplace"), ">=",
+         1.2);
+    line("shm loan-copy / shm irecv-ahead", median("loan-copy", "shm"), median("irecv-ahead", "shm"), ">=", 1.3);
+  } else {
+    line("shm loan-view / shm weights-trajectory", median("loan-view", "shm"), median("weights-trajectory", "shm"), ">=",
+         2.0);
+  }
+}
+
 void print_columns(const std::string& scenario) {
   if (scenario == "loader") {
     std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s %11s\n", "workers", "pattern", "transport", "batches/s",
-                "  min - max", "GB/s", "shm/gloo", "shm/memcpy");
+                "  min - max", "GB/s", "shm/gloo", "shm/ref");
   } else {
     std::printf("\n%7s  %-19s %-9s %11s  %-23s %8s %9s %11s\n", "actors", "pattern", "transport", "steps/s",
-                "  min - max", "GB/s", "shm/gloo", "shm/memcpy");
+                "  min - max", "GB/s", "shm/gloo", "shm/ref");
   }
   std::fflush(stdout);
 }
@@ -683,9 +818,12 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
         const Stats shm = stats_of(result, pattern, "shm", items);
         const Stats gloo = stats_of(result, pattern, "gloo", items);
         const Stats copy = stats_of(result, pattern, "memcpy", items);
+        const Stats inplace = stats_of(result, pattern, "inplace", items);
+        const Stats& ref = runs(scenario, pattern, "inplace") ? inplace : copy;
         for (const char* transport : kTransports) {
           const std::string t = transport;
-          const Stats& st = t == "shm" ? shm : t == "gloo" ? gloo : copy;
+          if (!runs(scenario, pattern, t)) continue;
+          const Stats& st = t == "shm" ? shm : t == "gloo" ? gloo : t == "memcpy" ? copy : inplace;
           const std::string peers_text = first ? std::to_string(peers) : "";
           first = false;
           if (st.n < options.repeat) {
@@ -703,8 +841,8 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
           if (t == "shm" && gloo.n > 0 && gloo.median > 0) {
             std::snprintf(ratio, sizeof ratio, "%8.2fx", shm.median / gloo.median);
           }
-          if (t == "shm" && copy.n > 0 && copy.median > 0) {
-            std::snprintf(of_copy, sizeof of_copy, "%10.2fx", shm.median / copy.median);
+          if (t == "shm" && ref.n > 0 && ref.median > 0) {
+            std::snprintf(of_copy, sizeof of_copy, "%10.2fx", shm.median / ref.median);
           }
           std::printf("%7s  %-*s %-9s %11.1f  %-23s %8.3f %9s %11s\n", peers_text.c_str(), loader ? 13 : 19,
                       pattern.c_str(), transport, st.median, spread, gbps, ratio, of_copy);
@@ -724,6 +862,7 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
           run.rows.push_back(std::move(r));
         }
       }
+      print_loan_goals(result, scenario, items);
       std::printf("\n");
       std::fflush(stdout);
     }
