@@ -660,7 +660,7 @@ void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
                 "  irecv-ahead   main: irecv from every worker, then waits for each\n"
                 "  consolidated  workers consolidate() each batch and send it as one message; main receives into\n"
                 "                a consolidated tensordict per worker, round-robin\n"
-                "  loan-copy     workers fill loans (tdshm::loan, two in turn) and isend them by reference; main\n"
+                "  loan-copy     workers fill loans (tdshm::loan, four in turn) and isend them by reference; main\n"
                 "                irecvs into its own tensordicts as irecv-ahead does: one copy per byte\n"
                 "  loan-view     the same workers; main takes views (recv_view) round-robin: no copy\n"
                 "  loan-view-c   the same with one consolidated loan per batch: one reference, one view\n"
