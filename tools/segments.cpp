@@ -183,6 +183,21 @@ std::string json_details(const shm::LayoutDetails& d) {
                          .done());
   }
   o.add("arenas", json_array(arenas));
+  std::vector<std::string> loans;
+  for (const shm::ArenaInfo& a : d.loans) {
+    std::vector<std::string> by_holder;
+    for (const auto& [dst, n] : a.taken_by_dst) by_holder.push_back(JsonObject().num("holder", dst).num("loans", n).done());
+    loans.push_back(JsonObject()
+                        .num("owner", a.owner)
+                        .num("tickets", a.slots)
+                        .num("tickets_out", a.slots_taken)
+                        .add("held_by", json_array(by_holder))
+                        .num("invalid_states", a.invalid_states)
+                        .boolean("read", a.read)
+                        .str("note", a.note)
+                        .done());
+  }
+  o.add("loans", json_array(loans));
   std::vector<std::string> counters;
   for (const shm::RankCounters& c : d.counters) {
     counters.push_back(JsonObject().num("rank", c.rank).num("wake_seq", c.wake_seq).num("sleepers", c.sleepers).done());
@@ -379,6 +394,23 @@ void print_inspect(const SegmentInfo& info) {
       std::printf("%s\n", line.c_str());
     }
     if (idle > 0) std::printf("  (%zu ranks with no arena slot in use not shown)\n", idle);
+  }
+  // Loans lent and not yet given back (layout 8): only ranks with some out, or a note.
+  for (const shm::ArenaInfo& a : d.loans) {
+    if (a.read && a.slots_taken == 0 && a.note.empty()) continue;
+    std::string line = "  loans of rank " + std::to_string(a.owner) + ": ";
+    if (!a.read) {
+      std::printf("%s%s\n", line.c_str(), a.note.c_str());
+      continue;
+    }
+    line += std::to_string(a.slots_taken) + " of " + std::to_string(a.slots) + " tickets out";
+    std::string held;
+    for (const auto& [holder, n] : a.taken_by_dst) {
+      held += (held.empty() ? "" : ", ") + std::to_string(n) + " held by rank " + std::to_string(holder);
+    }
+    if (!held.empty()) line += " (" + held + ")";
+    if (!a.note.empty()) line += "; " + a.note;
+    std::printf("%s\n", line.c_str());
   }
   if (!d.counters.empty()) {
     std::printf("  %-6s %12s %9s\n", "RANK", "WAKE_SEQ", "SLEEPERS");

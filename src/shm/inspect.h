@@ -143,6 +143,10 @@ struct LayoutDetails {
   std::optional<uint64_t> rank_table_offset;
   std::vector<PairInfo> pairs;
   std::vector<ArenaInfo> arenas;
+  /// Layout 8: each rank's loan tickets, read as an arena's slots are (slots: tickets; slots_taken:
+  /// tickets out, each a loan lent to the rank in taken_by_dst; bytes_taken 0: loan sizes live in
+  /// their owner's process memory).
+  std::vector<ArenaInfo> loans;
   std::vector<RankCounters> counters;
 };
 

@@ -335,52 +335,58 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
     if (budget.ran_out) notes.push_back(entries_budget_note(options.max_entries));
   }
 
-  // The arena: each rank's slot states.
+  // The arena's slot states and (version 8) the loan tickets' states of each rank: the same kind
+  // of table (a 32-bit state per 8 bytes, 0 free, else 1 + the rank it was handed to).
   uint64_t slots_budget = options.max_slots;
-  uint64_t invalid = 0;
-  std::vector<uint8_t> states(static_cast<size_t>(kArenaSlotBytes * slots));  // <= 512 KiB
+  uint64_t invalid = 0, invalid_tickets = 0;
   std::vector<uint64_t> per_dst(world);
   bool slots_note = false;
-  for (uint32_t owner = 0; owner < world; ++owner) {
-    ArenaInfo a;
-    a.owner = owner;
-    a.slots = slots;
-    const uint64_t at = arena + uint64_t{owner} * region_bytes;  // <= segment_bytes: no overflow
-    if (slots_budget < slots) {
-      slots_note = true;
-      a.note = "not read (limit)";
-      d.arenas.push_back(std::move(a));
-      continue;
-    }
-    if (at > file_bytes || states.size() > file_bytes - at ||
-        read_at(fd, states.data(), states.size(), at) != states.size()) {
-      a.note = "beyond the end of the file";
-      d.arenas.push_back(std::move(a));
-      continue;
-    }
-    slots_budget -= slots;
-    a.read = true;
-    std::fill(per_dst.begin(), per_dst.end(), 0);
-    for (uint32_t s = 0; s < slots; ++s) {
-      const uint32_t state = load<uint32_t>(states.data() + uint64_t{s} * kArenaSlotBytes);
-      if (state == kFree) continue;
-      ++a.slots_taken;
-      if (state - 1 < world) {
-        ++per_dst[state - 1];
-      } else {
-        ++a.invalid_states;
+  auto read_table = [&](uint64_t base, uint64_t stride, uint32_t count, uint64_t& bad, std::vector<ArenaInfo>& out) {
+    std::vector<uint8_t> states(static_cast<size_t>(kArenaSlotBytes * count));  // <= 512 KiB
+    for (uint32_t owner = 0; owner < world; ++owner) {
+      ArenaInfo a;
+      a.owner = owner;
+      a.slots = count;
+      const uint64_t at = base + uint64_t{owner} * stride;  // <= segment_bytes: no overflow
+      if (slots_budget < count) {
+        slots_note = true;
+        a.note = "not read (limit)";
+        out.push_back(std::move(a));
+        continue;
       }
+      if (at > file_bytes || states.size() > file_bytes - at ||
+          read_at(fd, states.data(), states.size(), at) != states.size()) {
+        a.note = "beyond the end of the file";
+        out.push_back(std::move(a));
+        continue;
+      }
+      slots_budget -= count;
+      a.read = true;
+      std::fill(per_dst.begin(), per_dst.end(), 0);
+      for (uint32_t s = 0; s < count; ++s) {
+        const uint32_t state = load<uint32_t>(states.data() + uint64_t{s} * kArenaSlotBytes);
+        if (state == kFree) continue;
+        ++a.slots_taken;
+        if (state - 1 < world) {
+          ++per_dst[state - 1];
+        } else {
+          ++a.invalid_states;
+        }
+      }
+      for (uint32_t dst = 0; dst < world; ++dst) {
+        if (per_dst[dst] != 0) a.taken_by_dst.emplace_back(dst, per_dst[dst]);
+      }
+      if (a.invalid_states != 0) {
+        a.note = to_s(a.invalid_states) + " entries in a state that names no rank";
+        bad += a.invalid_states;
+      }
+      out.push_back(std::move(a));
     }
-    a.bytes_taken = a.slots_taken * slot_bytes;  // <= 2^16 * 2^30
-    for (uint32_t dst = 0; dst < world; ++dst) {
-      if (per_dst[dst] != 0) a.taken_by_dst.emplace_back(dst, per_dst[dst]);
-    }
-    if (a.invalid_states != 0) {
-      a.note = to_s(a.invalid_states) + " slots in a state that names no rank";
-      invalid += a.invalid_states;
-    }
-    d.arenas.push_back(std::move(a));
-  }
+  };
+  read_table(arena, region_bytes, slots, invalid, d.arenas);
+  for (ArenaInfo& a : d.arenas) a.bytes_taken = a.slots_taken * slot_bytes;  // <= 2^16 * 2^30
+  if (has_loans) read_table(loan_at, loan_region_bytes, loan_tickets, invalid_tickets, d.loans);
+  if (invalid_tickets != 0) notes.push_back(to_s(invalid_tickets) + " loan tickets in a state that names no rank");
   if (invalid != 0) notes.push_back(to_s(invalid) + " arena slots in a state that names no rank");
   if (slots_note) notes.push_back("more than " + to_s(options.max_slots) + " arena slots: regions partly read");
   for (const std::string& n : notes) d.note += (d.note.empty() ? "" : "; ") + n;

@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "shm/inspect.h"
 #include "shm/segment_layout.h"
 #include "shm/waiter.h"
 #include "shm_test_support.h"
@@ -186,6 +187,14 @@ void back_pressure_scenario(const std::string& name, int rank, Flags& f) {
     b = at::Tensor();  // dropped here, but rank 1 still reads them
     const Caught c = SHM_CHECK_THROWS(TimeoutError, [&] { pg.loan({n}, at::kFloat); }, {"rank 1 holds 2 loans"});
     (void)c;
+    // `tdshm inspect` reads the same: two of rank 0's tickets are out, both held by rank 1.
+    const shm::SegmentInfo info = shm::inspect_segment(name, {.details = true});
+    SHM_CHECK(info.details && info.details->loans.size() == 2, "inspect: no loan tables");
+    const shm::ArenaInfo& mine = info.details->loans[0];
+    SHM_CHECK(mine.read && mine.slots == 2 && mine.slots_taken == 2 && mine.taken_by_dst.size() == 1 &&
+                  mine.taken_by_dst[0] == std::make_pair(uint32_t{1}, uint64_t{2}),
+              "inspect: rank 0's loans: " << mine.slots_taken << " of " << mine.slots << " out");
+    SHM_CHECK(info.details->loans[1].slots_taken == 0, "inspect: rank 1 lent nothing");
     f.step = 2;  // rank 1 checks its views, then drops them
     SHM_CHECK(wa->wait() && wb->wait(), "sends");
     wa.reset();  // a send's Work holds its tensor, and so its loan
