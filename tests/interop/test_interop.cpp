@@ -459,11 +459,25 @@ struct PerLeaf {
   Api api = Api::kSync;
   int64_t init_tag = 0;
   bool pseudo = false;
+  bool loan = false;  // the C++ sender's tree is a loan (tdshm::loan): by reference over shm
 };
+
+/// `td` itself, or a loan like it holding its values (the transport sends it by reference over
+/// shm; a Python peer still receives its bytes).
+TensorDict maybe_loaned(const TensorDict& td, const Group& g, bool loaned, bool consolidated = false) {
+  if (!loaned) return td;
+  TensorDict lent = loan(td, {.group = g, .consolidated = consolidated});
+  const auto* shm = dynamic_cast<const ProcessGroupShm*>(&g.backend());
+  for (const auto& key : td.sorted_leaf_keys()) {
+    lent.get(key).copy_(td.get(key));  // (its non-tensor values came with loan())
+    SHM_CHECK(!shm || shm->is_loan(lent.get(key)), "leaf " << key.str() << " is not a loan of the shm group");
+  }
+  return lent;
+}
 
 std::function<void(const Group&)> cpp_send(int dst, PerLeaf p) {
   return [dst, p](const Group& g) {
-    const TensorDict td = build_tree(p.tree, p.salt);
+    const TensorDict td = maybe_loaned(build_tree(p.tree, p.salt), g, p.loan);
     SendOptions o = to(dst, g);
     o.init_tag = p.init_tag;
     o.pseudo_rand = p.pseudo;
@@ -515,9 +529,10 @@ std::vector<std::string> py_perleaf(const std::string& role, int peer, PerLeaf p
 }
 
 /// Two consolidated rounds (salt, then salt + 1 written in place with update_).
-std::function<void(const Group&)> cpp_consolidated_send(int dst, const std::string& tree, int64_t salt) {
+std::function<void(const Group&)> cpp_consolidated_send(int dst, const std::string& tree, int64_t salt,
+                                                        bool loaned = false) {
   return [=](const Group& g) {
-    TensorDict td_c = build_tree(tree, salt).consolidate();
+    TensorDict td_c = maybe_loaned(build_tree(tree, salt).consolidate(), g, loaned, /*consolidated=*/true);
     SendOptions o = to(dst, g);
     o.consolidated = true;
     td_c.send(o);
@@ -906,10 +921,10 @@ struct Exchanges : InteropTest {
     }
     run(w);
   }
-  void consolidated(bool cpp_sends, const std::string& tree) {
+  void consolidated(bool cpp_sends, const std::string& tree, bool loaned = false) {
     World w{.backend = backend};
     if (cpp_sends) {
-      w.cpp[1] = cpp_consolidated_send(0, tree, 2);
+      w.cpp[1] = cpp_consolidated_send(0, tree, 2, loaned);
       w.py[0] = py_consolidated("recv", 1, tree, 2);
     } else {
       w.py[1] = py_consolidated("send", 0, tree, 2);
@@ -1134,6 +1149,13 @@ TEST_F(InteropShm, RemoteTensorClassPyToCpp) { remote(false, "record"); }
 TEST_F(InteropShm, BroadcastFromPy) { broadcast(true, "mixed", false); }
 TEST_F(InteropShm, UseBroadcastFromCpp) { broadcast(false, "record", true); }
 // The rest of the mode x direction matrix over shm (the same scenarios as over gloo).
+// A loaned tree (tdshm::loan) goes by reference over shm; the Python tensordict rank receives its
+// bytes as from any sender (its ProcessGroupShm copies out of the loan), and over gloo a loan is
+// an ordinary tensor.
+TEST_F(InteropShm, LoanedPerLeafCppToPy) { perleaf_cpp_to_py({.salt = 3, .api = Api::kEarly, .loan = true}, Api::kSync); }
+TEST_F(InteropShm, LoanedConsolidatedCppToPy) { consolidated(true, "mixed", /*loaned=*/true); }
+TEST_F(InteropGloo, LoanedPerLeafCppToPy) { perleaf_cpp_to_py({.salt = 3, .api = Api::kSync, .loan = true}, Api::kEarly); }
+
 TEST_F(InteropShm, PerLeafPyIsendCppIrecv) { perleaf_py_to_cpp({.salt = 2, .api = Api::kAsync}, Api::kAsync); }
 TEST_F(InteropShm, InitTagCppToPy) { perleaf_cpp_to_py({.tree = "seed", .api = Api::kEarly, .init_tag = 17}, Api::kSync); }
 TEST_F(InteropShm, InitTagPyToCpp) { perleaf_py_to_cpp({.tree = "seed", .api = Api::kSync, .init_tag = 17}, Api::kAsync); }
