@@ -467,7 +467,7 @@ struct PerLeaf {
 TensorDict maybe_loaned(const TensorDict& td, const Group& g, bool loaned, bool consolidated = false) {
   if (!loaned) return td;
   TensorDict lent = loan(td, {.group = g, .consolidated = consolidated});
-  const auto* shm = dynamic_cast<const ProcessGroupShm*>(&g.backend());
+  const auto* shm = dynamic_cast<const ProcessGroupShm*>(&(g.defined() ? g : default_group()).backend());
   for (const auto& key : td.sorted_leaf_keys()) {
     lent.get(key).copy_(td.get(key));  // (its non-tensor values came with loan())
     SHM_CHECK(!shm || shm->is_loan(lent.get(key)), "leaf " << key.str() << " is not a loan of the shm group");
