@@ -464,7 +464,7 @@ void ShmChannel::fail_peer(int peer, std::exception_ptr error) {
   auto& queue = send_queues_[static_cast<size_t>(peer)];
   for (auto& op : queue) finish(op, slot);
   queue.clear();
-  // Its loans' tickets stay counted until they are free (reclaim_slots takes them back).
+  // Its loans' tickets stay counted until they are free (reclaim_loans takes them back).
   for (auto& l : lent_) {
     if (l.op->peer == peer) finish(l.op, slot);
   }
@@ -483,10 +483,12 @@ void ShmChannel::fail_peer(int peer, std::exception_ptr error) {
   // still runs) may still be writing to them. Nothing more is read from or written to them.
 }
 
-uint32_t ShmChannel::reclaim_slots(int peer) {
-  loans_->reclaim(static_cast<uint32_t>(peer));
+uint32_t ShmChannel::reclaim_slots(int peer) { return slots_.reclaim(static_cast<uint32_t>(peer)); }
+
+uint32_t ShmChannel::reclaim_loans(int peer) {
+  const uint32_t n = loans_->reclaim(static_cast<uint32_t>(peer));
   progress_loans();  // their allocations are free again once their tensors are gone
-  return slots_.reclaim(static_cast<uint32_t>(peer));
+  return n;
 }
 
 void ShmChannel::give_back_loan(int src, uint32_t ticket) {

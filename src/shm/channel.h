@@ -186,6 +186,9 @@ class ShmChannel {
   /// Takes back the arena slots this rank handed to `peer`, which is gone (it reads nothing
   /// more); returns how many.
   uint32_t reclaim_slots(int peer);
+  /// Takes back the loan tickets `peer` holds: only once its process is dead, since a rank that
+  /// left its group may still read its views. Returns how many.
+  uint32_t reclaim_loans(int peer);
   /// "; a message of N bytes from rank R waits in its ring ..." for every message held back by
   /// the early-message budget, and who holds this rank's loans (for a TimeoutError), else "".
   std::string held_messages() const;

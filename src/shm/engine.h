@@ -142,6 +142,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   // poisoned, lost peers). Engaged once the segment is attached.
   LightMutex mu_;  // held on every message: one word, inline (light_mutex.h)
   std::optional<ShmChannel> channel_;
+  std::vector<int> view_holders_;  // lost peers whose process runs: the loans they hold stay lent
 
   // Atomics, any thread, no lock (relaxed: hints, re-checked under mu_ where it matters).
   shm::SpinBudget spin_budget_;  // how long a waiter spins before it sleeps (waiter.h)

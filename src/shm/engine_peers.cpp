@@ -14,6 +14,13 @@ void ShmEngine::check_peers() {
   if (channel.closed()) return;
   segment_->check_file();
   if (channel.check_poisoned()) return;
+  // Lost peers that may still hold views of this rank's loans: their tickets come back once
+  // their process is dead.
+  std::erase_if(view_holders_, [&](int p) {
+    if (segment_->rank_process_alive(static_cast<uint32_t>(p))) return false;
+    channel.reclaim_loans(p);
+    return true;
+  });
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || channel.peer_error(p)) continue;
     if (segment_->rank_alive(static_cast<uint32_t>(p))) continue;
@@ -25,6 +32,11 @@ void ShmEngine::check_peers() {
                                                                " of segment '" + name_ + "' is gone (it exited or died)")));
     // A gone rank reads nothing more: the slots this rank handed to it are free again.
     const uint32_t reclaimed = channel.reclaim_slots(p);
+    if (segment_->rank_process_alive(static_cast<uint32_t>(p))) {
+      view_holders_.push_back(p);  // it left its group: its views stay readable, and lent
+    } else {
+      channel.reclaim_loans(p);
+    }
     log().warn("segment '{}': {} is gone; its pending transfers failed ({} arena slots taken back)", name_,
                segment_->describe_rank(static_cast<uint32_t>(p)), reclaimed);
   }

@@ -155,6 +155,11 @@ bool Segment::rank_alive(uint32_t r) const {
   return alive_or_self(v.process());
 }
 
+bool Segment::rank_process_alive(uint32_t r) const {
+  const SlotView v = read_slot(r);
+  return v.state != kRankFree && alive_or_self(v.process());
+}
+
 bool Segment::all_arrived() const {
   for (uint32_t r = 0; r < params_.world_size; ++r) {
     const uint32_t state = rank_slot(r).state.load(std::memory_order_acquire);

@@ -100,6 +100,9 @@ class Segment {
 
   /// Whether rank `r` is attached and its process alive (left or dead ranks are not).
   bool rank_alive(uint32_t r) const;
+  /// Whether the process that was rank `r` in this incarnation still runs, whether or not it left
+  /// (its views of loans may outlive its group); false for a rank that never arrived.
+  bool rank_process_alive(uint32_t r) const;
   /// Whether every rank has arrived in this incarnation: it is live, or it has left after its
   /// own rendezvous completed (a fast peer may send and leave before this rank looks).
   bool all_arrived() const;

@@ -115,9 +115,13 @@ TEST_F(ShmLoan, ALoanIsCopiedOnceBetweenProcesses) {
 }
 
 // Rank 1 takes views: the send completes only when the view is dropped; views of ordinary
-// messages are fresh tensors of the sender's shape and dtype; a view outlives the group.
+// messages are fresh tensors of the sender's shape and dtype; a view outlives the group, and
+// while its process runs the sender never takes its loan back (the send fails with
+// PeerLostError once rank 1 left, but the bytes stay lent until the view is dropped).
 void view_scenario(const std::string& name, int rank, Flags& f) {
-  auto pg = std::make_unique<ProcessGroupShm>(name, rank, 2, loan_options());
+  ShmOptions o = loan_options();
+  o.timeout = 2s;
+  auto pg = std::make_unique<ProcessGroupShm>(name, rank, 2, o);
   constexpr int64_t n = 4096;
   if (rank == 0) {
     at::Tensor loan = filled_loan(*pg, n, 3);
@@ -131,8 +135,22 @@ void view_scenario(const std::string& name, int rank, Flags& f) {
     SHM_CHECK(post_send(*pg, at::arange(12, at::kInt).reshape({3, 4}), 1, 2)->wait(), "ordinary send");
     at::Tensor grid = pg->loan({8, 16}, at::kDouble);
     grid.copy_(at::arange(128, at::kDouble).reshape({8, 16}));
-    SHM_CHECK(post_send(*pg, grid, 1, 3)->wait(), "2-D loan");
-    wait_step(f, 2);
+    auto grid_sent = post_send(*pg, grid, 1, 3);  // rank 1 keeps its view past its group
+    // An empty loan, and one of 9 dimensions (whose shape a ring entry does not carry): the
+    // receiver's view fails, and the loan still comes back (the send completes).
+    SHM_CHECK(post_send(*pg, pg->loan({0, 4}, at::kBFloat16), 1, 4)->wait(), "empty loan");
+    SHM_CHECK(post_send(*pg, pg->loan({1, 1, 1, 1, 1, 1, 1, 1, 2}, at::kBool), 1, 5)->wait(), "9-D loan");
+    wait_step(f, 3);  // rank 1 destroyed its group, and holds its view of `grid`
+    SHM_CHECK_THROWS(PeerLostError, [&] { grid_sent->wait(); }, {"rank 1"});
+    grid_sent.reset();
+    grid = at::Tensor();
+    loan = at::Tensor();  // this rank's loans are all dropped now (with the Work that held the first)
+    work.reset();
+    const int64_t whole = static_cast<int64_t>(pg->options().loan_bytes);
+    SHM_CHECK_THROWS(TimeoutError, [&] { pg->loan({whole}, at::kByte); }, {"rank 1 holds 1 loan"});
+    f.step = 4;
+    wait_step(f, 5);  // rank 1 dropped its view
+    SHM_CHECK(pg->loan({whole}, at::kByte).defined(), "the whole heap once the view was dropped");
   } else {
     {
       at::Tensor view = pg->recv_view(0, 1);
@@ -150,9 +168,17 @@ void view_scenario(const std::string& name, int rank, Flags& f) {
     SHM_CHECK(grid.scalar_type() == at::kDouble && grid.sizes() == at::IntArrayRef({8, 16}) &&
                   at::equal(grid, at::arange(128, at::kDouble).reshape({8, 16})),
               "view of a 2-D loan");
+    const at::Tensor empty = pg->recv_view(0, 4);
+    SHM_CHECK(empty.numel() == 0 && empty.sizes() == at::IntArrayRef({0, 4}) && empty.scalar_type() == at::kBFloat16,
+              "view of an empty loan: " << empty.sizes());
+    SHM_CHECK_THROWS(TransportError, [&] { pg->recv_view(0, 5); }, {"more than 8 dimensions"});
     f.step = 2;
     pg.reset();  // the group goes; the view keeps the mapping
+    f.step = 3;
+    wait_step(f, 4);
     SHM_CHECK(at::equal(grid, at::arange(128, at::kDouble).reshape({8, 16})), "the view after its group was destroyed");
+    grid = at::Tensor();
+    f.step = 5;
   }
 }
 
