@@ -212,6 +212,10 @@ at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype, const LoanOptions& 
 /// A tensordict like `like` (keys, dtypes, shapes, batch size, tensorclass name, non-tensor
 /// values) whose leaves are loans, or with `consolidated` whose consolidated storage is one.
 TensorDict loan(const TensorDict& like, const LoanOptions& options = {});
+/// release_view (<tdshm/process_group.h>) of every leaf of `td` (and of its consolidated
+/// storage): the senders' loans go back now; `td` must not be read afterwards. Returns how many
+/// loans went back (a consolidated view is one).
+size_t release_views(const TensorDict& td);
 
 /// isend / send (TensorDictBase.isend's keyword arguments).
 struct SendOptions {

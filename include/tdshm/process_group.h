@@ -121,6 +121,12 @@ struct ShmOptions {
   uint32_t loan_tickets = 64;
 };
 
+/// Gives the bytes of a view (ProcessGroupShm::irecv_view / recv_view, TensorDict::recv_view) back
+/// to their sender now rather than when the view's last reference is dropped: the sender may then
+/// write into them, so the view (and every tensor sharing its storage) must not be read again.
+/// Returns false, doing nothing, for a tensor that does not view a loan (or was released already).
+bool release_view(const at::Tensor& view) noexcept;
+
 /// Size in bytes of the segment for `world_size` ranks with `options`.
 size_t shm_segment_bytes(int world_size, const ShmOptions& options = {});
 

@@ -124,6 +124,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
       "The creator torch.distributed calls for backend \"shm\": (prefix store, group rank, group size, timeout).");
 
+  m.def("_release_view", &tdshm::release_view, py::arg("tensor"),
+        "Gives a view's bytes back to their sender now (tdshm.release).");
+
   bind_transfer(m);
   m.attr("__version__") = TDSHM_VERSION;
 }

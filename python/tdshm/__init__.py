@@ -35,8 +35,9 @@ Loans (docs/loans.md): ``tdshm.empty(shape, dtype=..., dst=None, group=None)`` a
 ``tdshm.loan(like, ...)`` give tensors (or dicts of them) whose bytes live in the sender's shared
 memory; sending them over "shm" (``dist.send``, ``isend``, tensordict's ``td.send``, a
 ``Transfer``) posts a reference, and the send completes once the receiver no longer reads them.
-``tdshm.recv_view(src, ...)`` and ``Transfer.recv_view(src)`` receive views of them, no copy;
-an ordinary ``recv`` copies them once. Over other backends a loan is an ordinary tensor. The
+``tdshm.recv_view(src, ...)`` and ``Transfer.recv_view(src)`` receive views of them, no copy,
+which go back to the sender when dropped or at ``tdshm.release(views)``; an ordinary ``recv``
+copies them once. Over other backends a loan is an ordinary tensor. The
 heap's size: ``TDSHM_LOAN_BYTES`` (default 1 MiB per rank) and ``TDSHM_LOAN_TICKETS`` (64), the
 same on every rank.
 
@@ -53,7 +54,7 @@ import torch.distributed as _dist
 from ._C import ProcessGroupShm, __version__
 from . import _C
 
-__all__ = ["ProcessGroupShm", "Transfer", "empty", "loan", "recv_view", "__version__", "BACKEND"]
+__all__ = ["ProcessGroupShm", "Transfer", "empty", "loan", "recv_view", "release", "__version__", "BACKEND"]
 
 #: The name under which the backend is registered with torch.distributed.
 BACKEND = "shm"
@@ -151,3 +152,17 @@ def recv_view(src, *, tag=0, group=None, like=None):
     g = group if group is not None else _dist.distributed_c10d._get_default_group()
     group_src = _dist.distributed_c10d.get_group_rank(g, src) if group is not None else src
     return pg.recv_view(group_src, tag)
+
+
+def release(views):
+    """Gives the bytes of received views (``recv_view``, ``Transfer.recv_view``) back to their
+    senders now rather than when the views are garbage-collected: a tensor, or a dict / tensordict
+    of them. The views must not be read afterwards (the sender may write into the bytes). Returns
+    how many loans went back (0 for tensors that are not views of a loan, or were released)."""
+    if isinstance(views, torch.Tensor):
+        return 1 if _C._release_view(views) else 0
+    if isinstance(views, dict):
+        return sum(release(v) for v in views.values())
+    if hasattr(views, "values"):
+        return sum(release(v) for v in views.values())
+    raise TypeError("tdshm.release: a tensor, a dict of tensors or a tensordict; got " + type(views).__name__)

@@ -39,6 +39,12 @@ TensorDict loan(const TensorDict& like, const LoanOptions& o) {
   return like.apply([&](const at::Tensor& t) { return transport.loan(t.sizes(), t.scalar_type()); });
 }
 
+size_t release_views(const TensorDict& td) {
+  size_t n = td.is_consolidated() && release_view(td.consolidated_storage()) ? 1 : 0;
+  for (const auto& key : td.sorted_leaf_keys()) n += release_view(td.get(key)) ? 1 : 0;
+  return n;
+}
+
 TensorDict TensorDict::recv_view(const RecvOptions& o) const {
   const detail::Peer p = detail::resolve_peer("src", "group_src", o.src, o.group_src, o.group);
   return detail::recv_view(*this, p, o);

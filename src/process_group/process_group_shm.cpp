@@ -404,6 +404,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_checked(std::vector<at::Ten
   return recv_works_->take(engine_, std::move(op), t, srcRank);  // (op null: its message was waiting)
 }
 
+bool release_view(const at::Tensor& view) noexcept { return shm::release_view(view); }
+
 at::Tensor ProcessGroupShm::loan(at::IntArrayRef sizes, at::ScalarType dtype) {
   return engine_->loan(sizes, dtype, std::chrono::steady_clock::now() + engine_->options().timeout);
 }

@@ -164,15 +164,53 @@ void give_back(const LoanRegionView& region, uint32_t t, RankSlot& owner_slot) n
   wake(owner_slot);
 }
 
+namespace {
+
+// What a view's storage carries: its ticket, given back once (by release_view, or when the
+// storage goes), and the mapping it keeps alive.
+struct ViewContext {
+  std::shared_ptr<const Mapping> mapping;
+  LoanRegionView region;
+  uint32_t ticket;
+  RankSlot* owner;
+  std::atomic<bool> given_back{false};
+  bool give_back_once() noexcept {
+    if (given_back.exchange(true, std::memory_order_acq_rel)) return false;
+    give_back(region, ticket, *owner);
+    return true;
+  }
+};
+
+void delete_view_context(void* p) {
+  auto* ctx = static_cast<ViewContext*>(p);
+  ctx->give_back_once();
+  delete ctx;
+}
+
+}  // namespace
+
 at::Tensor view_of_loan(std::shared_ptr<const Mapping> mapping, const LoanRegionView& region, uint32_t t,
                         RankSlot& owner_slot, const uint8_t* data, c10::IntArrayRef sizes, c10::ScalarType dtype) {
-  RankSlot* owner = &owner_slot;
+  auto ctx = std::make_unique<ViewContext>();
+  ctx->mapping = std::move(mapping);
+  ctx->region = region;
+  ctx->ticket = t;
+  ctx->owner = &owner_slot;
   // The view is read-only in spirit (the bytes are the sender's), but torch has no read-only
   // tensors: writing into it writes into the sender's loan, which the sender does not read back.
-  return at::from_blob(
-      const_cast<uint8_t*>(data), sizes,
-      [mapping = std::move(mapping), region, t, owner](void*) { give_back(region, t, *owner); },
-      at::TensorOptions().dtype(dtype).device(at::kCPU));
+  at::Tensor view = at::for_blob(const_cast<uint8_t*>(data), sizes)
+                        .context(ctx.get(), &delete_view_context)
+                        .options(at::TensorOptions().dtype(dtype).device(at::kCPU))
+                        .make_tensor();
+  ctx.release();  // owned by the view's storage now
+  return view;
+}
+
+bool release_view(const at::Tensor& view) noexcept {
+  if (!view.defined() || !view.has_storage()) return false;
+  const c10::DataPtr& data = view.storage().data_ptr();
+  if (data.get_deleter() != &delete_view_context) return false;
+  return static_cast<ViewContext*>(data.get_context())->give_back_once();
 }
 
 }  // namespace tdshm::shm

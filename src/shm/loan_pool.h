@@ -110,8 +110,11 @@ class LoanPool : public std::enable_shared_from_this<LoanPool> {
 const uint8_t* lent_bytes(const LoanRegionView& region, const LoanReference& ref, uint64_t bytes, uint32_t me) noexcept;
 /// Gives ticket `t` of `region` back (release) and wakes its owner (`owner_slot`).
 void give_back(const LoanRegionView& region, uint32_t t, RankSlot& owner_slot) noexcept;
+/// Gives the bytes of a view (view_of_loan) back to their sender now, before the view is dropped;
+/// false (doing nothing) for a tensor that is not such a view, or one given back already.
+bool release_view(const at::Tensor& view) noexcept;
 /// A tensor of `sizes` and `dtype` over `data` (lent bytes) that gives ticket `t` back when its
-/// last reference goes; it keeps `mapping` alive.
+/// last reference goes (or at release_view); it keeps `mapping` alive.
 at::Tensor view_of_loan(std::shared_ptr<const Mapping> mapping, const LoanRegionView& region, uint32_t t,
                         RankSlot& owner_slot, const uint8_t* data, c10::IntArrayRef sizes, c10::ScalarType dtype);
 

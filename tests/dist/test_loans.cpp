@@ -109,7 +109,10 @@ TEST_P(TransferLoans, ALoanedTreeTravelsAsViewsOrCopies) {
         flags.step[0] = 1;
         std::this_thread::sleep_for(std::chrono::milliseconds(60));
         check(v, 8, "held view");
-        flags.step[1] = 1;  // dropped right after this
+        flags.step[1] = 1;
+        // Given back now, though `v` is still in scope (over gloo nothing is a view).
+        SHM_CHECK(release_views(v) == (shm ? 3u : 0u), "release_views gave back the wrong number of loans");
+        SHM_CHECK(release_views(v) == 0, "a second release_views gave something back");
       }
     }
   });

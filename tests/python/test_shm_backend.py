@@ -250,7 +250,9 @@ def _worker(scenario, rank, world, init_method, outdir):
             expect_equal("meta.idx view", views["meta"]["idx"], torch.arange(4) * 7)
             if batch["meta"]["idx"].any():
                 raise AssertionError("recv_view wrote into its template")
-            del views  # rank 1's blocking send returns once they are dropped
+            # Given back now (rank 1's blocking send returns), though `views` is still referenced.
+            if tdshm.release(views) != 2 or tdshm.release(views) != 0 or tdshm.release(torch.zeros(2)) != 0:
+                raise AssertionError("tdshm.release gave back the wrong number of loans")
         dist.barrier()
 
     else:

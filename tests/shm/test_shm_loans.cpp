@@ -256,12 +256,14 @@ void ticket_scenario(const std::string& name, int rank, Flags& f) {
     f.step = 2;
     SHM_CHECK(w1->wait() && w2->wait(), "sends");
   } else {
-    {
-      at::Tensor v1 = pg.recv_view(0, 1);
-      f.step = 1;
-      wait_step(f, 2);
-      SHM_CHECK(same_bytes(v1, pattern(at::kFloat, 100, 6)), "first view");
-    }
+    at::Tensor v1 = pg.recv_view(0, 1);
+    f.step = 1;
+    wait_step(f, 2);
+    SHM_CHECK(same_bytes(v1, pattern(at::kFloat, 100, 6)), "first view");
+    // Given back explicitly while v1 is still referenced: the second send gets its ticket.
+    SHM_CHECK(release_view(v1), "release_view of a view");
+    SHM_CHECK(!release_view(v1) && !release_view(at::zeros({3})) && !release_view(at::Tensor()),
+              "release_view: a second time, an ordinary tensor, an undefined one");
     at::Tensor v2 = pg.recv_view(0, 2);
     SHM_CHECK(same_bytes(v2, pattern(at::kFloat, 100, 6)), "second view");
   }
