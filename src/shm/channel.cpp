@@ -114,7 +114,7 @@ std::shared_ptr<ShmOp> ShmChannel::post_send(const at::Tensor& tensor, int dst, 
   check_destination(dst);
   std::string reference = memmap_reference(tensor, options_.slot_bytes);
   // A loan goes by reference (queue_send), never by value through send_whole.
-  bool published = !loans_->in_heap(tensor.data_ptr()) && send_whole(tensor, dst, tag, check, control, reference);
+  bool published = !is_lent(tensor) && send_whole(tensor, dst, tag, check, control, reference);
   std::shared_ptr<ShmOp> op;
   // Published: done, unless the mapping was lost meanwhile (queue_send then fails the op).
   if (!published || check_poisoned()) op = queue_send(tensor, dst, tag, check, control, std::move(reference), published);
@@ -131,7 +131,7 @@ OpList ShmChannel::post_sends(std::span<const at::Tensor> tensors, int dst, std:
   bool published = false;
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::string reference = memmap_reference(tensors[i], options_.slot_bytes);
-    if (!loans_->in_heap(tensors[i].data_ptr()) && send_whole(tensors[i], dst, tags[i], checks[i], control, reference)) {
+    if (!is_lent(tensors[i]) && send_whole(tensors[i], dst, tags[i], checks[i], control, reference)) {
       published = true;
       if (!check_poisoned()) continue;  // else: queue_send fails its op with the poison error
     }

@@ -86,7 +86,6 @@ struct ShmOp {
   uint64_t loan_offset = 0;   //   and the offset of its bytes there
   bool view = false;          // recv_view: lands in a tensor of the message's shape and dtype (user),
                               //   the sender's bytes themselves when they are a loan
-  c10::SmallVector<int64_t, 8> view_sizes;  // recv_view: the message's shape
   uint64_t posted = 0;        // send: payload bytes written to the ring
   bool started = false;       // send: first entry written
   std::atomic<bool> done{false};
@@ -218,6 +217,8 @@ class ShmChannel {
                                     bool control, std::string reference, bool& published);
   bool progress_sends(int dst, bool wake = true);
   bool progress_loans();
+  // Whether `t`'s bytes may be a loan of this rank (then it goes by reference, not send_whole).
+  bool is_lent(const at::Tensor& t) const { return loans_->ever_lent() && loans_->in_heap(t.data_ptr()); }
   // Where a send's tensor lies in this rank's loan heap (wholly inside one loan), else -1 (a copy).
   void bind_loan(ShmOp& op) const;
   bool write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
@@ -230,7 +231,12 @@ class ShmChannel {
   void land_loan(int src, const MessageHead& msg, uint32_t ticket, const uint8_t* lent, const std::shared_ptr<ShmOp>& op);
   // A recv_view's tensor for `msg` (its shape and dtype, checked); false with op failed when they
   // make no tensor (a corrupt or unsupported message).
-  bool bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>& op);
+  [[gnu::noinline]] bool bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>& op);
+  struct ViewShape {
+    c10::SmallVector<int64_t, 8> sizes;
+    c10::ScalarType dtype = c10::ScalarType::Byte;
+  };
+  static std::string view_shape(const MessageHead& msg, ViewShape& out);
   void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
   // finish(op, nullptr), inline for a receive that needs nothing more (channel_internal.h).
   void complete(const std::shared_ptr<ShmOp>& op);
@@ -257,8 +263,10 @@ class ShmChannel {
   void wake_sender_if_due(int src);
   Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
                      ReceivePass& pass);
-  Taken handle_loan(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
-                    ReceivePass& pass);
+  // Out of line: inlined into handle_entry it made the common path's matcher call out of line
+  // (+2 % instructions per small message).
+  [[gnu::noinline]] Taken handle_loan(int src, const shm::EntryFields& e, const uint8_t* payload,
+                                      const shm::EntryShape& shape, ReceivePass& pass);
   static MessageHead message_head(int src, const shm::EntryFields& e, const shm::EntryShape& shape);
   // `found`: the posted receive that takes the message (matcher_.find_posted), or none().
   bool start_message(int src, const MessageHead& head, Matcher::Found found, uint32_t chunk_bytes,

@@ -360,9 +360,10 @@ void ShmChannel::land_loan(int src, const MessageHead& msg, uint32_t ticket, con
   const auto s = static_cast<size_t>(src);
   if (op->view) {
     try {
-      op->user = shm::view_of_loan(segment_.mapping(), loan_regions_[s], ticket, segment_.rank_slot(static_cast<uint32_t>(src)),
-                                   lent, c10::IntArrayRef(op->view_sizes.data(), op->view_sizes.size()),
-                                   static_cast<c10::ScalarType>(msg.dtype));
+      ViewShape shape;
+      view_shape(msg, shape);  // (checked by bind_view when the receive matched)
+      op->user = shm::view_of_loan(segment_.mapping(), loan_regions_[s], ticket,
+                                   segment_.rank_slot(static_cast<uint32_t>(src)), lent, shape.sizes, shape.dtype);
     } catch (const std::exception& e) {
       give_back_loan(src, ticket);
       finish(op, make_error<TransportError>(op->what() + ": " + e.what()));
@@ -375,6 +376,35 @@ void ShmChannel::land_loan(int src, const MessageHead& msg, uint32_t ticket, con
   if (msg.total != 0) copy_bytes(op->data, lent, msg.total, msg.total >= kStreamingMessageBytes);
   give_back_loan(src, ticket);
   complete(op);
+}
+
+// The shape and dtype of the tensor `msg` holds, or why it makes none ("" when it does).
+std::string ShmChannel::view_shape(const MessageHead& msg, ViewShape& out) {
+  if (msg.dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions)) return "has no valid dtype";
+  out.dtype = static_cast<c10::ScalarType>(msg.dtype);
+  if (c10::isQIntType(out.dtype) || out.dtype == c10::ScalarType::Undefined) {
+    return std::string("has dtype ") + c10::toString(out.dtype) + ", which a view cannot take";
+  }
+  const uint64_t element = c10::elementSize(out.dtype);
+  if (msg.ndim == shm::kShapeNotSent) return "has more than 8 dimensions, whose shape is not sent";
+  if (msg.total % element != 0) return "has a size that is not a whole number of elements";
+  out.sizes.clear();
+  if (msg.ndim == 1) {
+    out.sizes.push_back(static_cast<int64_t>(msg.total / element));
+  } else if (msg.ndim >= 2) {
+    uint64_t numel = 1;
+    for (uint8_t d = 0; d < msg.ndim; ++d) {
+      if (msg.dims[d] < 0 || (msg.dims[d] != 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(msg.dims[d]))) {
+        return "has an invalid shape";
+      }
+      numel *= static_cast<uint64_t>(msg.dims[d]);
+      out.sizes.push_back(msg.dims[d]);
+    }
+    if (numel * element != msg.total) return "has a shape that does not match its size";
+  } else if (msg.total != element) {
+    return "has no dimensions but " + std::to_string(msg.total) + " bytes";
+  }
+  return {};
 }
 
 // A recv_view takes any tensor: the message's own checks still apply (another key, another
@@ -393,40 +423,19 @@ bool ShmChannel::bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>&
       return false;
     }
   }
-  auto refuse = [&](const std::string& why) {
+  ViewShape shape;
+  if (const std::string why = view_shape(msg, shape); !why.empty()) {
     finish(op, make_error<TransportError>(op->what() + ": the message from rank " + std::to_string(msg.src) + " " + why));
     return false;
-  };
-  if (msg.dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions)) return refuse("has no valid dtype");
-  const auto dtype = static_cast<c10::ScalarType>(msg.dtype);
-  if (c10::isQIntType(dtype) || dtype == c10::ScalarType::Undefined) {
-    return refuse(std::string("has dtype ") + c10::toString(dtype) + ", which a view cannot take");
-  }
-  const uint64_t element = c10::elementSize(dtype);
-  if (msg.ndim == shm::kShapeNotSent) return refuse("has more than 8 dimensions, whose shape is not sent");
-  if (msg.total % element != 0) return refuse("has a size that is not a whole number of elements");
-  op->view_sizes.clear();
-  if (msg.ndim == 1) {
-    op->view_sizes.push_back(static_cast<int64_t>(msg.total / element));
-  } else if (msg.ndim >= 2) {
-    uint64_t numel = 1;
-    for (uint8_t d = 0; d < msg.ndim; ++d) {
-      if (msg.dims[d] < 0 || (msg.dims[d] != 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(msg.dims[d]))) {
-        return refuse("has an invalid shape");
-      }
-      numel *= static_cast<uint64_t>(msg.dims[d]);
-      op->view_sizes.push_back(msg.dims[d]);
-    }
-    if (numel * element != msg.total) return refuse("has a shape that does not match its size");
-  } else if (msg.total != element) {
-    return refuse("has no dimensions but " + std::to_string(msg.total) + " bytes");
   }
   op->bytes = msg.total;
-  if (!msg.loan) {
+  if (!msg.loan) {  // (a loan's view is made where its bytes are: land_loan)
     try {
-      op->user = at::empty(c10::IntArrayRef(op->view_sizes.data(), op->view_sizes.size()), at::TensorOptions().dtype(dtype));
+      op->user = at::empty(shape.sizes, at::TensorOptions().dtype(shape.dtype));
     } catch (const std::exception& e) {
-      return refuse(std::string("cannot be allocated: ") + e.what());
+      finish(op, make_error<TransportError>(op->what() + ": a tensor for the message from rank " +
+                                            std::to_string(msg.src) + " cannot be allocated: " + e.what()));
+      return false;
     }
     op->data = static_cast<uint8_t*>(op->user.data_ptr());
   }

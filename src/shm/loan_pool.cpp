@@ -39,6 +39,7 @@ at::Tensor LoanPool::allocate(c10::IntArrayRef sizes, c10::ScalarType dtype) {
     if (left != 0) free_.emplace(offset + want, left);
     allocations_[offset] = Allocation{want};
   }
+  ever_lent_.store(true, std::memory_order_relaxed);
   // The deleter holds the pool (and so the mapping): a loan may outlive its group.
   auto self = shared_from_this();
   return at::from_blob(

@@ -53,6 +53,9 @@ class LoanPool : public std::enable_shared_from_this<LoanPool> {
   LoanPool& operator=(const LoanPool&) = delete;
 
   uint64_t heap_bytes() const noexcept { return region_.heap_bytes; }
+  /// Whether this pool ever handed out a loan (inline: before it has, no tensor can be one, and a
+  /// send need not look at its tensor's address).
+  bool ever_lent() const noexcept { return ever_lent_.load(std::memory_order_relaxed); }
   /// Whether `data` points into the heap (inline: every send asks).
   bool in_heap(const void* data) const noexcept {
     const auto* p = static_cast<const uint8_t*>(data);
@@ -103,6 +106,9 @@ class LoanPool : public std::enable_shared_from_this<LoanPool> {
   std::vector<uint64_t> ticket_allocation_;     // per ticket: its allocation while out
   std::vector<uint8_t> out_;                    // per ticket: 1 from take_ticket to ticket_returned
   uint32_t next_ticket_ = 0;
+  // Set by the first allocate (any thread; relaxed: a tensor reaches another thread's send with a
+  // synchronisation of its own, which makes the store visible).
+  std::atomic<bool> ever_lent_{false};
 };
 
 /// The receiver's side of `owner`'s region: the bytes a LoanReference names if its ticket is
