@@ -69,9 +69,4 @@ struct ScenarioRun {
 /// called while this process has started no LibTorch thread (it forks).
 ScenarioRun run_scenarios(const BenchOptions& options);
 
-/// Prints the size of the shm segment for each world size in `worlds` with default ShmOptions
-/// (tdshm::shm_segment_bytes) and returns one row per world size:
-/// {"scenario":"segment","world":N,"segment_bytes":B}.
-std::vector<Row> print_segment_sizes(const std::vector<int>& worlds);
-
 }  // namespace tdshm::bench

@@ -22,6 +22,7 @@
 #include "demo.h"
 #include "pingpong.h"
 #include "scenarios.h"
+#include "segment_sizes.h"
 #include "segments.h"
 #include "stress.h"
 
