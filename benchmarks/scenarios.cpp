@@ -204,10 +204,19 @@ void copy_recv(CopyChannel ch, const std::vector<at::Tensor>& tensors) {
 // The group a step synchronizes on (the references use the shm group's barrier).
 const Group& step_group(const Groups& groups, const Step& s) { return s.transport == "gloo" ? groups.gloo : groups.shm; }
 
-// Rank 0 of the loader: receives `s.count` batches of every worker; returns the loop's seconds.
+// What main's loop took: all of it, and what reading and checking its batches costs (the
+// consumption every transport pays alike; the rest is what the transport costs main). Reading
+// is the median batch's read time times the batches: a read that another process preempted
+// (N > CPUs) does not count its wait as reading.
+struct MainTime {
+  double seconds = 0;
+  double read_seconds = 0;
+};
+
+// Rank 0 of the loader: receives `s.count` batches of every worker.
 // Over the memcpy reference, irecv-ahead is blocking (the reference has no asynchronous receive).
-double loader_main(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0,
-                   std::vector<TensorDict>& plain, std::vector<TensorDict>& consolidated) {
+MainTime loader_main(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0,
+                     std::vector<TensorDict>& plain, std::vector<TensorDict>& consolidated) {
   const Group& g = step_group(groups, s);
   const std::string where = "loader " + s.pattern + " " + s.transport + " N=" + std::to_string(layout.peers);
   std::vector<Transfer> pending(static_cast<size_t>(layout.peers) + 1);
@@ -216,6 +225,14 @@ double loader_main(const Layout& layout, const Groups& groups, const Step& s, in
   std::vector<std::vector<at::Tensor>> copied(static_cast<size_t>(layout.peers) + 1);
   for (int w = 1; by_copy && w <= layout.peers; ++w) copied[w] = copied_tensors(copy_into[w]);
   const auto deadline = Clock::now() + kGroupTimeout;
+  std::vector<Clock::duration> reads;
+  reads.reserve(static_cast<size_t>(s.count) * static_cast<size_t>(layout.peers));
+  // Two clock reads per batch (~0.1 % of a batch's time here), in every transport alike.
+  auto check_batch = [&reads](const BatchView& v, int w, int64_t seq, const std::string& at) {
+    const auto t0 = Clock::now();
+    bench::check_batch(v, w, seq, at);
+    reads.push_back(Clock::now() - t0);
+  };
   const auto start = Clock::now();
   for (int b = 0; b < s.count; ++b) {
     const int64_t seq = seq0 + b;
@@ -261,7 +278,11 @@ double loader_main(const Layout& layout, const Groups& groups, const Step& s, in
       }
     }
   }
-  return std::chrono::duration<double>(Clock::now() - start).count();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (reads.empty()) return {seconds, 0};
+  std::nth_element(reads.begin(), reads.begin() + static_cast<std::ptrdiff_t>(reads.size() / 2), reads.end());
+  const double median_read = std::chrono::duration<double>(reads[reads.size() / 2]).count();
+  return {seconds, median_read * static_cast<double>(reads.size())};
 }
 
 // The test hook of TDSHM_BENCH_FAULT (see Layout::fault), called before batch or step `seq`.
@@ -450,7 +471,7 @@ int run_rank(const Layout& layout, int rank, Control& control, const Reporter& r
     for (const Step& s : layout.schedule) {
       if (rank == 0) show_progress(layout, done, s);
       barrier(step_group(groups, s));
-      double seconds = 0;
+      MainTime seconds;
       if (loader) {
         if (rank == 0) {
           seconds = loader_main(layout, groups, s, seq, plain, consolidated);
@@ -458,7 +479,7 @@ int run_rank(const Layout& layout, int rank, Control& control, const Reporter& r
           loader_worker(layout, groups, s, seq, rank, batch);
         }
       } else if (rank == 0) {
-        seconds = learner(layout, groups, s, seq, weights, trajectories);
+        seconds.seconds = learner(layout, groups, s, seq, weights, trajectories);
       } else {
         actor(layout, groups, s, seq, rank, weights, traj);
       }
@@ -466,8 +487,8 @@ int run_rank(const Layout& layout, int rank, Control& control, const Reporter& r
       if (rank == 0 && s.repeat >= 0) {
         ++done;
         char line[256];
-        std::snprintf(line, sizeof line, "M %s %s %d %d %.9g", s.pattern.c_str(), s.transport.c_str(), s.repeat,
-                      s.count, seconds);
+        std::snprintf(line, sizeof line, "M %s %s %d %d %.9g %.9g", s.pattern.c_str(), s.transport.c_str(), s.repeat,
+                      s.count, seconds.seconds, seconds.read_seconds);
         report.line(line);
       }
     }
@@ -489,6 +510,7 @@ struct Measured {
   int repeat = 0;
   int count = 0;
   double seconds = 0;
+  double read_seconds = 0;  // loader: main's time reading and checking batches
 };
 
 struct LayoutResult {
@@ -501,12 +523,13 @@ std::string rank_name(const Layout& layout, int rank) {
   return std::string(layout.scenario == "loader" ? "worker " : "actor ") + std::to_string(rank);
 }
 
-// The measurements in rank 0's report lines ("M pattern transport repeat count seconds").
+// The measurements in rank 0's report lines ("M pattern transport repeat count seconds read_seconds").
 void handle_line(const std::string& line, LayoutResult& result) {
   if (line.rfind("M ", 0) == 0) {
     char pattern[64], transport[16];
     Measured m;
-    if (std::sscanf(line.c_str(), "M %63s %15s %d %d %lf", pattern, transport, &m.repeat, &m.count, &m.seconds) == 5) {
+    if (std::sscanf(line.c_str(), "M %63s %15s %d %d %lf %lf", pattern, transport, &m.repeat, &m.count, &m.seconds,
+                    &m.read_seconds) == 6) {
       m.pattern = pattern;
       m.transport = transport;
       result.measured.push_back(m);
@@ -551,15 +574,22 @@ struct Stats {
   int n = 0;
   double median = 0, min = 0, max = 0;
   double median_seconds = 0;
+  // Loader: the share of main's loop spent reading batches, and the rate main would reach if
+  // it did nothing else (batches / reading seconds): no transport passes it (medians).
+  double read_share = 0, read_bound = 0;
 };
 
 // Rates (items per second) of the measurements of (pattern, transport).
 Stats stats_of(const LayoutResult& r, const std::string& pattern, const std::string& transport, int items_per_count) {
-  std::vector<double> rates, seconds;
+  std::vector<double> rates, seconds, shares, bounds;
   for (const auto& m : r.measured) {
     if (m.pattern != pattern || m.transport != transport || m.seconds <= 0) continue;
     rates.push_back(static_cast<double>(m.count) * items_per_count / m.seconds);
     seconds.push_back(m.seconds);
+    if (m.read_seconds > 0) {
+      shares.push_back(m.read_seconds / m.seconds);
+      bounds.push_back(static_cast<double>(m.count) * items_per_count / m.read_seconds);
+    }
   }
   Stats s;
   s.n = static_cast<int>(rates.size());
@@ -568,6 +598,10 @@ Stats stats_of(const LayoutResult& r, const std::string& pattern, const std::str
   s.min = *std::min_element(rates.begin(), rates.end());
   s.max = *std::max_element(rates.begin(), rates.end());
   s.median_seconds = median_of(seconds);
+  if (!shares.empty()) {
+    s.read_share = median_of(shares);
+    s.read_bound = median_of(bounds);
+  }
   return s;
 }
 
@@ -623,6 +657,16 @@ void print_loan_goals(const LayoutResult& r, const std::string& scenario, int it
     line("shm loan-view-c / inplace (hand-written)", median("loan-view-c", "shm"), median("loan-view", "inplace"), ">=",
          1.2);
     line("shm loan-copy / shm irecv-ahead", median("loan-copy", "shm"), median("irecv-ahead", "shm"), ">=", 1.3);
+    // What no transport passes: main reading every byte and nothing else (measured in the
+    // in-place reference, whose main does nothing else but wait on one flag).
+    const Stats inplace = stats_of(r, "loan-view", "inplace", items);
+    const double copying = median("irecv-ahead", "shm");
+    if (inplace.read_bound > 0 && inplace.median > 0 && copying > 0) {
+      std::printf("  ceiling: inplace's main reads for %.0f %% of its loop; reading alone, main would take %.1f batches/s\n"
+                  "           = %.2fx inplace, %.2fx shm irecv-ahead: no transport passes these ratios\n",
+                  100 * inplace.read_share, inplace.read_bound, inplace.read_bound / inplace.median,
+                  inplace.read_bound / copying);
+    }
   } else {
     line("shm loan-view / shm weights-trajectory", median("loan-view", "shm"), median("weights-trajectory", "shm"), ">=",
          2.0);
@@ -631,8 +675,8 @@ void print_loan_goals(const LayoutResult& r, const std::string& scenario, int it
 
 void print_columns(const std::string& scenario) {
   if (scenario == "loader") {
-    std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s %11s\n", "workers", "pattern", "transport", "batches/s",
-                "  min - max", "GB/s", "shm/gloo", "shm/ref");
+    std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s %11s %10s\n", "workers", "pattern", "transport", "batches/s",
+                "  min - max", "GB/s", "shm/gloo", "shm/ref", "main reads");
   } else {
     std::printf("\n%7s  %-19s %-9s %11s  %-23s %8s %9s %11s\n", "actors", "pattern", "transport", "steps/s",
                 "  min - max", "GB/s", "shm/gloo", "shm/ref");
@@ -741,14 +785,17 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
           if (t == "shm" && ref.n > 0 && ref.median > 0) {
             std::snprintf(of_copy, sizeof of_copy, "%10.2fx", shm.median / ref.median);
           }
-          std::printf("%7s  %-*s %-9s %11.1f  %-23s %8.3f %9s %11s\n", peers_text.c_str(), loader ? 13 : 19,
-                      pattern.c_str(), transport, st.median, spread, gbps, ratio, of_copy);
+          char reads[16] = "";
+          if (loader) std::snprintf(reads, sizeof reads, "%9.0f%%", 100 * st.read_share);
+          std::printf("%7s  %-*s %-9s %11.1f  %-23s %8.3f %9s %11s %10s\n", peers_text.c_str(), loader ? 13 : 19,
+                      pattern.c_str(), transport, st.median, spread, gbps, ratio, of_copy, reads);
           Row r;
           r.set("scenario", scenario).set("pattern", pattern).set("transport", transport);
           const std::string rate = loader ? "batches_per_s" : "steps_per_s";
           if (loader) {
             r.set_int("workers", peers).set_int("batches", static_cast<int64_t>(count) * peers);
             r.set_int("batch_bytes", static_cast<int64_t>(kBatchBytes));
+            r.set_number("main_read_share", st.read_share).set_number("read_bound_batches_per_s", st.read_bound);
           } else {
             r.set_int("actors", peers).set_int("steps", count);
             r.set_int("step_bytes", static_cast<int64_t>(item_bytes));

@@ -102,23 +102,19 @@ TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) 
     return fresh;
   }
   const std::shared_ptr<const SortedLeaves> sorted = sorted_leaves(td);
+  const std::shared_ptr<const PerLeafWire> wire = wire_of(*sorted, o.init_tag, o.pseudo_rand);
   const size_t n = sorted->keys.size();
-  const std::vector<int64_t> tags = transfer_tags(o.init_tag, n, o.pseudo_rand);
   std::vector<WorkPtr> works;
   works.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    works.push_back(transport.recv_view(p.rank, c10d_tag(tags[i]), key_check_of_hash(sorted->key_hashes[i], n)));
-  }
+  for (size_t i = 0; i < n; ++i) works.push_back(transport.recv_view(p.rank, wire->c10d_tags[i], wire->checks[i]));
   wait_each(works, [&](size_t i) { return "recv_view of key " + sorted->keys[i].str() + ": "; });
-  TensorDict out = td.apply([](const at::Tensor& t) { return t; });  // the structure; its leaves are replaced
-  for (size_t i = 0; i < n; ++i) {
-    try {
-      out.set(sorted->keys[i], works[i]->result().at(0));
-    } catch (...) {
-      rethrow_with_context("recv_view of key " + sorted->keys[i].str() + ": ");
-    }
+  c10::SmallVector<at::Tensor, 8> views;
+  for (const WorkPtr& w : works) views.push_back(w->result().at(0));
+  try {
+    return with_leaves(td, *sorted, views);  // the structure around the views, no key looked up
+  } catch (...) {
+    rethrow_with_context("recv_view: ");
   }
-  return out;
 }
 
 }  // namespace detail

@@ -30,27 +30,11 @@
 
 namespace tdshm::detail {
 
-namespace {
-
 // ---------------------------------------------------------------------------------------------
 // Per-leaf transfers
 
-}  // namespace
-
-/// The per-leaf wire of a tree's leaves for one init_tag and pseudo_rand: the tags (checked as
-/// c10d takes them) and the shm key checks, which every transfer of an unchanged tree repeats.
-/// Outside the anonymous namespace: SortedLeaves (tensordict/impl.h) holds it by its name.
-struct PerLeafWire {
-  int64_t init_tag = 0;
-  bool pseudo_rand = false;
-  std::vector<int64_t> tags;
-  std::vector<int> c10d_tags;
-  std::vector<MessageCheck> checks;  // the shm key check of each leaf
-};
-
-namespace {
-
-/// `sorted`'s wire for init_tag / pseudo_rand, from its cache when those were the last used.
+/// `sorted`'s wire for init_tag / pseudo_rand (transfer_common.h), from its cache when those were
+/// the last used.
 std::shared_ptr<const PerLeafWire> wire_of(const SortedLeaves& sorted, int64_t init_tag, bool pseudo_rand) {
   if (auto cached = sorted.wire.load(std::memory_order_acquire);
       cached && cached->init_tag == init_tag && cached->pseudo_rand == pseudo_rand) {
@@ -69,6 +53,8 @@ std::shared_ptr<const PerLeafWire> wire_of(const SortedLeaves& sorted, int64_t i
   sorted.wire.store(fresh, std::memory_order_release);
   return fresh;
 }
+
+namespace {
 
 struct Leaves {
   std::shared_ptr<const SortedLeaves> sorted;  // keys and key hashes, cached by the tensordict

@@ -314,6 +314,21 @@ inline MessageCheck schema_check(uint64_t fingerprint) noexcept {
   return {MessageCheck::Kind::kSchema, fold32(fingerprint)};
 }
 
+struct SortedLeaves;  // tensordict/impl.h
+
+/// The per-leaf wire of a tree's leaves for one init_tag and pseudo_rand: the tags (checked as
+/// c10d takes them) and the shm key checks, which every transfer of an unchanged tree repeats.
+/// SortedLeaves (tensordict/impl.h) holds the last one used.
+struct PerLeafWire {
+  int64_t init_tag = 0;
+  bool pseudo_rand = false;
+  std::vector<int64_t> tags;
+  std::vector<int> c10d_tags;
+  std::vector<MessageCheck> checks;  // the shm key check of each leaf
+};
+/// `sorted`'s wire for init_tag / pseudo_rand, from its cache when those were the last used.
+std::shared_ptr<const PerLeafWire> wire_of(const SortedLeaves& sorted, int64_t init_tag, bool pseudo_rand);
+
 /// A leaf that can be a message: a defined, dense CPU tensor. `what()` names it ("key 'c'"),
 /// built only on error. Throws TypeError.
 template <class Name>

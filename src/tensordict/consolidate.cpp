@@ -132,12 +132,12 @@ std::shared_ptr<TensorDictImpl> build_node(const SchemaNode& node, const at::Ten
         throw SchemaError("schema leaf " + key.str() + " has shape " + detail::shape_str(t->shape) +
                           " that does not start with the batch size " + detail::shape_str(node.batch_size));
       }
-      impl->append(e.key, Value(view_into(storage, t->start, t->dtype, t->shape)));
+      impl->append_fresh(e.key, Value(view_into(storage, t->start, t->dtype, t->shape)));
     } else if (const auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value)) {
       if (!*child) throw SchemaError("schema node " + key.str() + " is null");
-      impl->append(e.key, Value(TensorDict(build_node(**child, storage, &key))));
+      impl->append_fresh(e.key, Value(TensorDict(build_node(**child, storage, &key))));
     } else {
-      impl->append(e.key, Value(std::get<NonTensorData>(e.value)));
+      impl->append_fresh(e.key, Value(std::get<NonTensorData>(e.value)));
     }
   }
   return impl;

@@ -90,9 +90,14 @@ struct TensorDictImpl {
     return it == index.end() ? nullptr : &entries[it->second].second;
   }
   void append(std::string key, Value value) {
+    append_fresh(std::move(key), std::move(value));
+    keys_changed();
+  }
+  /// append() to a node under construction, which no tensordict holds yet: no cache can have
+  /// seen its keys, so the epoch stays (building a tensordict leaves every cache valid).
+  void append_fresh(std::string key, Value value) {
     index.emplace(key, entries.size());
     entries.emplace_back(std::move(key), std::move(value));
-    keys_changed();
   }
 };
 
@@ -103,6 +108,11 @@ std::shared_ptr<const SortedLeaves> sorted_leaves(const TensorDict& td);
 /// The tensor of leaf `i` of `leaves` (which sorted_leaves(td) returned, for this `td`), as
 /// td.get(leaves.keys[i]) would return it, found by position.
 at::Tensor leaf_tensor(const TensorDict& td, const SortedLeaves& leaves, size_t i);
+
+/// `td`'s structure (sub-tensordicts, batch sizes, non-tensor values) with tensor leaf i of
+/// `leaves` (sorted_leaves(td)) replaced by tensors[i], each checked as set() checks a value;
+/// no key is hashed or looked up.
+TensorDict with_leaves(const TensorDict& td, const SortedLeaves& leaves, c10::ArrayRef<at::Tensor> tensors);
 
 
 }  // namespace tdshm::detail

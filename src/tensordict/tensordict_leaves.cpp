@@ -3,6 +3,7 @@
 #include "tensordict/tensordict_internal.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <sstream>
@@ -69,11 +70,11 @@ TensorDict map_leaves(const TensorDictImpl& node, const Key* prefix,
     Key key = prefix ? *prefix / k : Key(k);
     if (v.is_tensor()) {
       at::Tensor r = fn(key, v.tensor());
-      out->append(k, prepare_value(key, Value(std::move(r)), out->batch_size, std::nullopt));
+      out->append_fresh(k, prepare_value(key, Value(std::move(r)), out->batch_size, std::nullopt));
     } else if (v.is_tensordict()) {
-      out->append(k, Value(map_leaves(*v.tensordict().impl(), &key, fn, keep_non_tensor)));
+      out->append_fresh(k, Value(map_leaves(*v.tensordict().impl(), &key, fn, keep_non_tensor)));
     } else if (keep_non_tensor) {
-      out->append(k, v);
+      out->append_fresh(k, v);
     }
   }
   return TensorDict(out);
@@ -105,9 +106,9 @@ TensorDict zip_leaves(const TensorDictImpl& a, const TensorDictImpl& b, const Ke
                       " in the other tensordict");
     }
     if (v.is_tensor()) {
-      out->append(k, Value(fn(v.tensor(), w->tensor())));
+      out->append_fresh(k, Value(fn(v.tensor(), w->tensor())));
     } else if (v.is_tensordict()) {
-      out->append(k, Value(zip_leaves(*v.tensordict().impl(), *w->tensordict().impl(), &key, fn)));
+      out->append_fresh(k, Value(zip_leaves(*v.tensordict().impl(), *w->tensordict().impl(), &key, fn)));
     }
   }
   for (const auto& [k, w] : b.entries) {
@@ -212,6 +213,25 @@ at::Tensor detail::leaf_tensor(const TensorDict& td, const SortedLeaves& leaves,
   return node->entries[leaves.positions[end - 1]].second.tensor();
 }
 
+TensorDict detail::with_leaves(const TensorDict& td, const SortedLeaves& leaves, c10::ArrayRef<at::Tensor> tensors) {
+  const size_t n = leaves.keys.size();
+  TORCH_INTERNAL_ASSERT(tensors.size() == n);
+  // map_leaves visits leaves depth-first in insertion order, which is the lexicographic order
+  // of their position paths; `visit[j]` is the sorted index of the j-th leaf visited.
+  c10::SmallVector<uint32_t, 16> visit(n);
+  for (size_t i = 0; i < n; ++i) visit[i] = static_cast<uint32_t>(i);
+  auto path = [&](uint32_t i) {
+    return c10::ArrayRef<uint32_t>(leaves.positions.data() + leaves.path_begin[i],
+                                   leaves.path_begin[i + 1] - leaves.path_begin[i]);
+  };
+  std::sort(visit.begin(), visit.end(), [&](uint32_t a, uint32_t b) {
+    const auto pa = path(a), pb = path(b);
+    return std::lexicographical_compare(pa.begin(), pa.end(), pb.begin(), pb.end());
+  });
+  size_t j = 0;
+  return map_leaves(*td.impl(), nullptr, [&](const Key&, const at::Tensor&) { return tensors[visit[j++]]; }, true);
+}
+
 // ---------------------------------------------------------------------------------------------
 // TensorDict: new tensordicts
 
@@ -240,14 +260,14 @@ TensorDict TensorDict::expand(std::vector<int64_t> new_batch_size) const {
       const at::Tensor& t = v.tensor();
       std::vector<int64_t> shape = new_batch_size;
       shape.insert(shape.end(), t.sizes().begin() + static_cast<std::ptrdiff_t>(old.size()), t.sizes().end());
-      out->append(k, Value(t.expand(shape)));
+      out->append_fresh(k, Value(t.expand(shape)));
     } else if (v.is_tensordict()) {
       const TensorDict& c = v.tensordict();
       std::vector<int64_t> shape = new_batch_size;
       shape.insert(shape.end(), c.batch_size().begin() + static_cast<std::ptrdiff_t>(old.size()), c.batch_size().end());
-      out->append(k, Value(c.expand(shape)));
+      out->append_fresh(k, Value(c.expand(shape)));
     } else {
-      out->append(k, v);
+      out->append_fresh(k, v);
     }
   }
   return TensorDict(out);
