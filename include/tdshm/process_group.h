@@ -119,6 +119,11 @@ struct ShmOptions {
   size_t loan_bytes = size_t{1} << 20;
   /// Loans one rank may have lent at once (sends of loans not yet handed back), in [1, 2^16].
   uint32_t loan_tickets = 64;
+  /// Whether this rank's TensorDict::init_remote / from_remote_init (point to point) exchange
+  /// MemoryMappedTensor leaves by reference with a rank that allows it too: the receiver's leaf
+  /// maps the sender's file and its bytes do not cross the segment (docs/semantics.md). Off in
+  /// the Python "shm" backend, whose from_remote_init is tensordict's.
+  bool memmap_by_reference = true;
 };
 
 /// Gives the bytes of a view (ProcessGroupShm::irecv_view / recv_view, TensorDict::recv_view) back
@@ -217,6 +222,9 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> irecv_view(int srcRank, int tag, MessageCheck check = {});
   /// irecv_view, waited for: the received tensor.
   at::Tensor recv_view(int srcRank, int tag, MessageCheck check = {});
+  /// Whether this rank and `peer` both set ShmOptions::memmap_by_reference: their
+  /// init_remote / from_remote_init then pass MemoryMappedTensor leaves as files, not bytes.
+  bool memmap_by_reference_with(int peer) const noexcept;
 
   // ---- Collectives (docs/transport.md, "Collectives over the windows"; protocol in src/shm/collective.h) ----
   // They run over the segment's collective windows in the calling thread: the returned Work is

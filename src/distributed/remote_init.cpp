@@ -13,8 +13,11 @@
 // decoder that refuses anything but plain data (no globals beyond a tensorclass's name, no
 // REDUCE), and the metadata is checked against the storage it describes (from_metadata) before
 // the tree is rebuilt. A MemoryMappedTensor leaf travels by value (in the storage), as under
-// tensordict: its bytes arrive, its file does not.
+// tensordict: its bytes arrive, its file does not; except point to point between two ranks that
+// both pass memmaps by reference (remote_memmaps.h: one message more, and the storage without
+// those leaves' bytes).
 
+#include "distributed/remote_memmaps.h"
 #include "distributed/remote_metadata.h"
 #include "distributed/transfer_common.h"
 #include "pickle/pickle.h"
@@ -137,8 +140,23 @@ void TensorDict::init_remote(const InitRemoteOptions& o) const {
   const Peer p = resolve_peer("dst", "group_dst", o.dst, std::nullopt, o.group);
   const TensorDict c = consolidate();
   ObjectList meta = pickle_metadata(c, std::nullopt);
-  wait_all({send_one(p.group, meta.sizes, p.rank, kRemoteInitTag), send_one(p.group, meta.bytes, p.rank, kRemoteInitTag),
-            send_one(p.group, c.consolidated_storage(), p.rank, kRemoteInitTag)});
+  std::vector<WorkPtr> works{send_one(p.group, meta.sizes, p.rank, kRemoteInitTag),
+                             send_one(p.group, meta.bytes, p.rank, kRemoteInitTag)};
+  const at::Tensor storage = c.consolidated_storage();
+  if (!p.group.transport().memmap_by_reference_with(p.rank)) {
+    works.push_back(send_one(p.group, storage, p.rank, kRemoteInitTag));
+    wait_all(works);
+    return;
+  }
+  const std::vector<MemmapReference> refs = memmap_references(*this, c.schema());
+  const at::Tensor table = encode_references(refs);
+  works.push_back(send_one(p.group, int64_tensor({table.numel()}), p.rank, kRemoteInitTag));
+  works.push_back(send_one(p.group, table, p.rank, kRemoteInitTag));
+  for (const auto& [from, to] : storage_ranges(static_cast<uint64_t>(storage.numel()), refs)) {
+    works.push_back(send_one(p.group, storage.narrow(0, static_cast<int64_t>(from), static_cast<int64_t>(to - from)),
+                             p.rank, kRemoteInitTag));
+  }
+  wait_all(works);
 }
 
 TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
@@ -167,8 +185,29 @@ TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
     }
     throw;
   }
-  recv_now(p.group, r.storage, p.rank, kRemoteInitTag);
-  return rebuild_consolidated(r.metadata, r.storage, o.device);
+  if (!p.group.transport().memmap_by_reference_with(p.rank)) {
+    recv_now(p.group, r.storage, p.rank, kRemoteInitTag);
+    return rebuild_consolidated(r.metadata, r.storage, o.device);
+  }
+  // The memmap table, then the storage without the referenced leaves (remote_memmaps.h). A
+  // refused table leaves the pair out of step; the error says so through its type (SchemaError).
+  Schema schema = from_metadata(r.metadata, static_cast<uint64_t>(r.storage.numel()));
+  auto table_size = int64_tensor({0});
+  recv_now(p.group, table_size, p.rank, kRemoteInitTag);
+  const int64_t n = table_size.data_ptr<int64_t>()[0];
+  if (n < 0 || n > kMaxReferenceTableBytes) {
+    throw SchemaError("from_remote_init: the sender announces a memmap table of " + std::to_string(n) + " bytes");
+  }
+  const at::Tensor table = bytes_tensor(n);
+  recv_now(p.group, table, p.rank, kRemoteInitTag);
+  const std::vector<MemmapReference> refs = decode_references(table, schema);
+  for (const auto& [from, to] : storage_ranges(static_cast<uint64_t>(r.storage.numel()), refs)) {
+    recv_now(p.group, r.storage.narrow(0, static_cast<int64_t>(from), static_cast<int64_t>(to - from)), p.rank,
+             kRemoteInitTag);
+  }
+  TensorDict td = rebuild_with_references(r.storage, schema, refs);
+  if (o.device && *o.device != r.storage.device()) td = td.to(*o.device);
+  return td;
 }
 
 TensorDict TensorDict::broadcast(const BroadcastOptions& o) const {

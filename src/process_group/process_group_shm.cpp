@@ -412,6 +412,10 @@ at::Tensor ProcessGroupShm::loan(at::IntArrayRef sizes, at::ScalarType dtype) {
 
 bool ProcessGroupShm::is_loan(const at::Tensor& t) const { return engine_->is_loan(t); }
 
+bool ProcessGroupShm::memmap_by_reference_with(int peer) const noexcept {
+  return engine_->memmap_by_reference_with(peer);
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::irecv_view(int srcRank, int tag, MessageCheck check) {
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::irecv_view: source rank must be >= 0");
   return make_work(engine_, engine_->post_recv_view(srcRank, tag, check), c10d::OpType::RECV);

@@ -72,6 +72,7 @@ class ShmTransport final : public Transport {
   TransportWork recv_view(int peer, int tag, MessageCheck check) const override {
     return backend_->irecv_view(peer, tag, check);
   }
+  bool memmap_by_reference_with(int peer) const noexcept override { return backend_->memmap_by_reference_with(peer); }
 
  private:
   c10::intrusive_ptr<ProcessGroupShm> backend_;

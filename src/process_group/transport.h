@@ -65,6 +65,10 @@ class Transport {
   /// of the sender's loan, or a fresh tensor. can().loans only (the others throw Error).
   virtual TransportWork recv_view(int peer, int tag, MessageCheck check) const;
 
+  /// Whether this rank and `peer` pass MemoryMappedTensor leaves of init_remote as files (both
+  /// map the same files and run tdshm's from_remote_init), not as bytes. False by default.
+  virtual bool memmap_by_reference_with(int /*peer*/) const noexcept { return false; }
+
  protected:
   explicit Transport(Can can) noexcept : can_(can) {}
 

@@ -364,6 +364,7 @@ void Attacher::claim() {
   slot.pid = me_.pid;
   slot.start_time = me_.start_time;
   slot.pid_ns = me_.pid_ns;
+  slot.features = params_.features;
   // The JoinRecord goes before the slot is claimed, not after: a process killed between the two
   // left a dead joiner for its rank behind, and the next incarnation's rendezvous failed at once
   // with "rank N died while joining" (ShmSegmentProcs.StaleSegmentOfWaitingRankIsReplaced, under

@@ -160,6 +160,12 @@ bool Segment::rank_process_alive(uint32_t r) const {
   return v.state != kRankFree && alive_or_self(v.process());
 }
 
+uint32_t Segment::rank_features(uint32_t r) const noexcept {
+  const RankSlot& slot = rank_slot(r);
+  const uint32_t state = slot.state.load(std::memory_order_acquire);  // pairs with the claim's release
+  return state == kRankLive || state == kRankLeft ? slot.features : 0;
+}
+
 bool Segment::all_arrived() const {
   for (uint32_t r = 0; r < params_.world_size; ++r) {
     const uint32_t state = rank_slot(r).state.load(std::memory_order_acquire);

@@ -28,6 +28,7 @@ struct SegmentParams {
   uint64_t window_bytes = 0;  // collective window per rank
   uint32_t loan_tickets = 0;  // loans one rank may have lent at once (segment_layout.h)
   uint64_t loan_bytes = 0;    // one rank's loan heap
+  uint32_t features = 0;      // this rank's RankSlot::features (not geometry: ranks may differ)
 };
 
 /// A segment's mapping, unmapped when its last holder goes: the Segment, and the loans and views
@@ -103,6 +104,8 @@ class Segment {
   /// Whether the process that was rank `r` in this incarnation still runs, whether or not it left
   /// (its views of loans may outlive its group); false for a rank that never arrived.
   bool rank_process_alive(uint32_t r) const;
+  /// Rank r's RankSlot::features (read once it is live; 0 before).
+  uint32_t rank_features(uint32_t r) const noexcept;
   /// Whether every rank has arrived in this incarnation: it is live, or it has left after its
   /// own rendezvous completed (a fast peer may send and leave before this rank looks).
   bool all_arrived() const;

@@ -134,10 +134,19 @@ struct RankSlot {
   // bytes, so 0 (a build that did not write it) means "not known": that rank's liveness is then
   // judged by pid alone, as before.
   uint32_t pid_ns;                      // 72  inode of the process's PID namespace (its pid is valid there)
-  uint8_t reserved1[52];                // 76
+  // Written with pid (layout 8's reserved bytes: 0 from a build that did not write it, which
+  // offers nothing). kRankFeature* bits.
+  uint32_t features;                    // 76
+  uint8_t reserved1[48];                // 80
 };
 static_assert(sizeof(RankSlot) == 128);
-static_assert(offsetof(RankSlot, wake_seq) == 64 && offsetof(RankSlot, pid_ns) == 72);
+static_assert(offsetof(RankSlot, wake_seq) == 64 && offsetof(RankSlot, pid_ns) == 72 &&
+              offsetof(RankSlot, features) == 76);
+
+/// RankSlot::features: this rank's init_remote and from_remote_init exchange MemoryMappedTensor
+/// leaves by reference with a rank that offers it too (remote_init.cpp); a rank whose
+/// from_remote_init is tensordict's (a Python rank) does not offer it.
+inline constexpr uint32_t kRankFeatureMemmapByReference = 1;
 static_assert(offsetof(RankSlot, published) == 16 && offsetof(RankSlot, consumed) == 24 &&
               offsetof(RankSlot, step_check) == 32);
 

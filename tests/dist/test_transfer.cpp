@@ -533,6 +533,7 @@ TensorDict remote_example_tree(const std::string& memmap_file) {
 
 TEST_P(TransferRemote, SeedExample) {
   const std::string memmap_file = file("remote_example.mm");
+  const bool shm = GetParam() == Method::kShm;
   run_world(2, [&](int rank, Flags&) {
     if (rank == 0) {
       remote_example_tree(memmap_file).init_remote({.dst = 1});
@@ -542,43 +543,96 @@ TEST_P(TransferRemote, SeedExample) {
       for (const Key& k : r.keys()) keys.insert(k.str());
       SHM_CHECK((keys == std::set<std::string>{"'a'", "'c'", "'d'"}), values(r));
       SHM_CHECK((r == 1).all(), values(r));
-      SHM_CHECK(r.is_consolidated() && r.is_locked());
+      SHM_CHECK(r.is_locked());
       SHM_CHECK((r.batch_size() == std::vector<int64_t>{1, 2}));
       SHM_CHECK((r.get({"a", "b"}).sizes().vec() == std::vector<int64_t>{1, 2}));
       SHM_CHECK((r.get({"d", "e", "f"}).sizes().vec() == std::vector<int64_t>{1, 2, 2}));
       SHM_CHECK(r.class_name().empty());
-      // The same layout as the sender's consolidation (same keys, order, dtypes, shapes).
-      SHM_CHECK(r.schema_fingerprint() == remote_example_tree("").consolidate().schema_fingerprint());
-      // Every leaf views the one storage, the memory-mapped one too: init_remote speaks
-      // tensordict's wire (metadata pickle, then the storage), which has no room for a file.
-      const at::Tensor storage = r.consolidated_storage();
-      for (const Key& k : r.sorted_leaf_keys()) {
-        SHM_CHECK(r.get(k).is_alias_of(storage), k.str());
+      // Over gloo, the same layout as the sender's consolidation (same keys, order, dtypes, shapes).
+      if (!shm) SHM_CHECK(r.schema_fingerprint() == remote_example_tree("").consolidate().schema_fingerprint());
+      // Over gloo every leaf views the one storage, the memory-mapped one too: tensordict's wire
+      // (metadata pickle, then the storage) has no room for a file. Over shm between two C++ ranks
+      // the memory-mapped leaf maps the sender's file and the others view the storage.
+      const auto info = MemoryMappedTensor::info(r.get({"d", "e", "f"}));
+      SHM_CHECK(shm == (info && info->filename == memmap_file), values(r));
+      SHM_CHECK(r.is_consolidated() == !shm);
+      if (!shm) {
+        const at::Tensor storage = r.consolidated_storage();
+        for (const Key& k : r.sorted_leaf_keys()) SHM_CHECK(r.get(k).is_alias_of(storage), k.str());
+      } else {
+        SHM_CHECK(r.get({"a", "b"}).storage().is_alias_of(r.get("c").storage()));
       }
     }
   });
 }
 
-// init_remote speaks tensordict's wire on every backend (the metadata pickle, then the storage):
-// a MemoryMappedTensor leaf travels by value in the storage, and the receiver's leaf views its
-// own storage, never the sender's file. (Per-leaf transfers over shm still send it by reference.)
-TEST_P(TransferRemote, MemmapLeafTravelsByValue) {
-  const Method m = GetParam();
+// Over gloo init_remote speaks tensordict's wire (the metadata pickle, then the storage): a
+// MemoryMappedTensor leaf travels by value, and the receiver's leaf views its own storage. Over
+// shm between two C++ ranks it travels by reference: the receiver's leaf maps the sender's file
+// (writes are shared both ways) and its bytes never cross the segment; an anonymous memmap, or a
+// strided view of one, still goes by value.
+TEST_P(TransferRemote, MemmapLeafByReferenceOverShm) {
+  const bool shm = GetParam() == Method::kShm;
   const std::string memmap_file = file("remote_leaf.mm");
-  run_world(2, [&](int rank, Flags&) {
+  const std::string strided_file = file("remote_strided.mm");
+  run_world(2, [&](int rank, Flags& flags) {
     const at::Tensor expected = at::arange(4, at::kFloat).reshape({2, 2});
     if (rank == 0) {
-      TensorDict td({{"x", at::ones({2})}, {{"d", "e"}, MemoryMappedTensor::from_tensor(expected, memmap_file)}}, {2});
+      const MemoryMappedTensor mm = MemoryMappedTensor::from_tensor(expected, memmap_file);
+      const MemoryMappedTensor strided = MemoryMappedTensor::from_tensor(expected.t().contiguous(), strided_file);
+      TensorDict td({{"x", at::ones({2})},
+                     {{"d", "e"}, mm.tensor()},
+                     {"anon", MemoryMappedTensor::from_tensor(expected).tensor()},
+                     {"strided", strided.tensor().t()},
+                     {"z", at::full({2}, 5.0)}},
+                    {2});
       td.init_remote({.dst = 1});
+      wait_until(flags.step[0], 1, "the receiver's write");
+      SHM_CHECK(mm.tensor()[1][1].item<float>() == (shm ? 42.0f : 3.0f), "the sender's file after the receiver wrote");
     } else {
       const TensorDict r = TensorDict::from_remote_init({.src = 0});
+      for (const char* k : {"anon", "strided"}) SHM_CHECK(at::equal(r.get(k), expected), k);
       SHM_CHECK(at::equal(r.get({"d", "e"}), expected), values(r));
-      SHM_CHECK(at::equal(r.get("x"), at::ones({2})), values(r));
+      SHM_CHECK(at::equal(r.get("x"), at::ones({2})) && at::equal(r.get("z"), at::full({2}, 5.0)), values(r));
       const auto info = MemoryMappedTensor::info(r.get({"d", "e"}));
-      SHM_CHECK(!(info && info->filename == memmap_file) && r.get({"d", "e"}).is_alias_of(r.consolidated_storage()),
-                "over " << (m == Method::kShm ? "shm" : "gloo") << " the memory-mapped leaf maps the sender's file");
+      SHM_CHECK(shm == (info && info->filename == memmap_file && info->offset == 0),
+                "over " << (shm ? "shm" : "gloo") << " the memory-mapped leaf " << (shm ? "does not map" : "maps")
+                        << " the sender's file");
+      for (const char* k : {"anon", "strided", "x"}) {
+        const auto other = MemoryMappedTensor::info(r.get(k));
+        SHM_CHECK(!(other && !other->filename.empty()), k << " travels by value");
+      }
+      r.get({"d", "e"})[1][1].fill_(42.0f);  // into the file (over shm), into the storage (gloo)
+      flags.step[0].store(1);
     }
   });
+}
+
+// A rank that turns ShmOptions::memmap_by_reference off (as the Python backend does) gets the
+// bytes from a rank that has it on: both ends agree from the segment, so neither waits for a
+// message the other does not send.
+TEST_P(TransferRemote, MemmapByValueWhenOneRankOptsOut) {
+  if (GetParam() != Method::kShm) GTEST_SKIP() << "an option of the shm backend";
+  const std::string memmap_file = file("remote_optout.mm");
+  const Rendezvous rv = rendezvous(GetParam());
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, counting_failures(*flags, [&](int rank) {
+    InitOptions o = init_options(rv, rank, 2);
+    o.shm.memmap_by_reference = rank == 0;
+    init_process_group("shm", o);
+    const at::Tensor expected = at::arange(6, at::kDouble);
+    for (int round = 0; round < 2; ++round) {  // each direction
+      if (rank == round) {
+        TensorDict({{"m", MemoryMappedTensor::from_tensor(expected, memmap_file + std::to_string(round)).tensor()}}, {6})
+            .init_remote({.dst = 1 - rank});
+      } else {
+        const TensorDict r = TensorDict::from_remote_init({.src = 1 - rank});
+        SHM_CHECK(at::equal(r.get("m"), expected) && r.is_consolidated(), values(r));
+        SHM_CHECK(r.get("m").is_alias_of(r.consolidated_storage()), "round " << round);
+      }
+    }
+    finish(*flags, 2);
+  })));
 }
 
 TEST_P(TransferRemote, NonTensorValues) {

@@ -1,0 +1,197 @@
+// MemoryMappedTensor leaves of init_remote passed by reference (remote_memmaps.h).
+
+#include "distributed/remote_memmaps.h"
+
+#include <tdshm/errors.h>
+#include <tdshm/memmap.h>
+
+#include <ATen/ops/empty.h>
+
+#include <cstring>
+#include <map>
+
+namespace tdshm::detail {
+
+namespace {
+
+// The table: "TDMR", u32 count, then per reference u64 start, u64 stop, i64 offset,
+// u32 writable, u32 path bytes, the path (no terminator). Host byte order: both ends map the
+// same files, so they run on one host.
+constexpr char kMagic[4] = {'T', 'D', 'M', 'R'};
+constexpr size_t kHeaderBytes = 8;
+constexpr size_t kEntryBytes = 32;
+constexpr uint32_t kMaxPathBytes = 4096;
+
+struct Leaf {
+  Key key;
+  const SchemaTensor* tensor;
+};
+
+void collect_leaves(const SchemaNode& node, const Key* prefix, std::vector<Leaf>& out) {
+  for (const SchemaEntry& e : node.entries) {
+    Key key = prefix ? *prefix / e.key : Key(e.key);
+    if (const auto* t = std::get_if<SchemaTensor>(&e.value)) {
+      out.push_back({std::move(key), t});
+    } else if (const auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value); child && *child) {
+      collect_leaves(**child, &key, out);
+    }
+  }
+}
+
+std::vector<Leaf> leaves_of(const Schema& schema) {
+  std::vector<Leaf> out;
+  collect_leaves(schema.root, nullptr, out);
+  return out;
+}
+
+template <class T>
+void put(std::vector<uint8_t>& out, T v) {
+  const size_t at = out.size();
+  out.resize(at + sizeof v);
+  std::memcpy(out.data() + at, &v, sizeof v);
+}
+
+class Reader {
+ public:
+  Reader(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  template <class T>
+  T get(const char* what) {
+    T v;
+    need(sizeof v, what);
+    std::memcpy(&v, data_ + at_, sizeof v);
+    at_ += sizeof v;
+    return v;
+  }
+  std::string bytes(size_t n, const char* what) {
+    need(n, what);
+    std::string s(reinterpret_cast<const char*>(data_ + at_), n);
+    at_ += n;
+    return s;
+  }
+  bool done() const noexcept { return at_ == size_; }
+
+ private:
+  void need(size_t n, const char* what) const {
+    if (n > size_ - at_) {
+      throw SchemaError("from_remote_init: the sender's memmap table ends inside " + std::string(what));
+    }
+  }
+  const uint8_t* data_;
+  size_t size_;
+  size_t at_ = 0;
+};
+
+}  // namespace
+
+std::vector<MemmapReference> memmap_references(const TensorDict& td, const Schema& schema) {
+  std::vector<MemmapReference> refs;
+  for (const Leaf& leaf : leaves_of(schema)) {
+    if (leaf.tensor->stop == leaf.tensor->start) continue;  // no bytes: nothing to spare
+    const at::Tensor t = td.get(leaf.key);
+    if (!MemoryMappedTensor::is_mapped(t) || !t.is_contiguous()) continue;
+    const std::optional<MemmapInfo> info = MemoryMappedTensor::info(t);
+    if (!info || info->filename.empty() || info->filename.size() > kMaxPathBytes) continue;  // anonymous: by value
+    refs.push_back({leaf.tensor->start, leaf.tensor->stop, info->filename, info->offset, info->writable});
+  }
+  std::sort(refs.begin(), refs.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
+  return refs;
+}
+
+at::Tensor encode_references(const std::vector<MemmapReference>& refs) {
+  std::vector<uint8_t> out(kMagic, kMagic + sizeof kMagic);
+  put(out, static_cast<uint32_t>(refs.size()));
+  for (const MemmapReference& r : refs) {
+    put(out, r.start);
+    put(out, r.stop);
+    put(out, r.offset);
+    put(out, static_cast<uint32_t>(r.writable));
+    put(out, static_cast<uint32_t>(r.file.size()));
+    out.insert(out.end(), r.file.begin(), r.file.end());
+  }
+  at::Tensor t = at::empty({static_cast<int64_t>(out.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), out.data(), out.size());
+  return t;
+}
+
+std::vector<MemmapReference> decode_references(const at::Tensor& bytes, const Schema& schema) {
+  Reader in(bytes.data_ptr<uint8_t>(), static_cast<size_t>(bytes.numel()));
+  if (in.bytes(sizeof kMagic, "its header") != std::string(kMagic, sizeof kMagic)) {
+    throw SchemaError("from_remote_init: the sender's memmap table does not start with its magic");
+  }
+  std::map<uint64_t, const SchemaTensor*> by_start;  // the leaves a reference may name
+  for (const Leaf& leaf : leaves_of(schema)) {
+    if (leaf.tensor->stop > leaf.tensor->start) by_start.emplace(leaf.tensor->start, leaf.tensor);
+  }
+  const uint32_t count = in.get<uint32_t>("its header");
+  if (count > by_start.size()) {
+    throw SchemaError("from_remote_init: the sender's memmap table names " + std::to_string(count) +
+                      " leaves; its tree has " + std::to_string(by_start.size()) + " with bytes");
+  }
+  std::vector<MemmapReference> refs;
+  uint64_t end = 0;
+  for (uint32_t i = 0; i < count; ++i) {
+    MemmapReference r;
+    r.start = in.get<uint64_t>("an entry");
+    r.stop = in.get<uint64_t>("an entry");
+    r.offset = in.get<int64_t>("an entry");
+    r.writable = in.get<uint32_t>("an entry") != 0;
+    const uint32_t path_bytes = in.get<uint32_t>("an entry");
+    const auto leaf = by_start.find(r.start);
+    if (leaf == by_start.end() || leaf->second->stop != r.stop || (i > 0 && r.start < end)) {
+      throw SchemaError("from_remote_init: the sender's memmap table entry " + std::to_string(i) + " (bytes " +
+                        std::to_string(r.start) + " to " + std::to_string(r.stop) +
+                        ") is not one leaf of its tree, in order");
+    }
+    if (r.offset < 0 || path_bytes == 0 || path_bytes > kMaxPathBytes) {
+      throw SchemaError("from_remote_init: the sender's memmap table entry " + std::to_string(i) +
+                        " has offset " + std::to_string(r.offset) + " and a path of " + std::to_string(path_bytes) +
+                        " bytes");
+    }
+    r.file = in.bytes(path_bytes, "a path");
+    if (r.file[0] != '/' || r.file.find('\0') != std::string::npos) {
+      throw SchemaError("from_remote_init: the sender's memmap table entry " + std::to_string(i) +
+                        " is not an absolute path");
+    }
+    end = r.stop;
+    refs.push_back(std::move(r));
+  }
+  if (!in.done()) throw SchemaError("from_remote_init: the sender's memmap table has bytes after its entries");
+  return refs;
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> storage_ranges(uint64_t total, const std::vector<MemmapReference>& refs) {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  uint64_t from = 0;
+  for (const MemmapReference& r : refs) {
+    if (r.start > from) ranges.emplace_back(from, r.start);
+    from = r.stop;
+  }
+  if (total > from) ranges.emplace_back(from, total);
+  return ranges;
+}
+
+TensorDict rebuild_with_references(const at::Tensor& storage, const Schema& schema,
+                                   const std::vector<MemmapReference>& refs) {
+  TensorDict td = TensorDict::from_consolidated(storage, schema);
+  if (refs.empty()) return td;
+  std::map<uint64_t, const MemmapReference*> by_start;
+  for (const MemmapReference& r : refs) by_start.emplace(r.start, &r);
+  TensorDict out = td.apply([](const at::Tensor& t) { return t; });  // the same tree, not consolidated
+  for (const Leaf& leaf : leaves_of(schema)) {
+    const auto it = by_start.find(leaf.tensor->start);
+    if (it == by_start.end() || leaf.tensor->stop == leaf.tensor->start) continue;
+    const MemmapReference& r = *it->second;
+    try {
+      out.set(leaf.key, MemoryMappedTensor::from_filename(r.file, leaf.tensor->dtype, leaf.tensor->shape, r.offset,
+                                                          r.writable ? MemmapMode::kReadWrite : MemmapMode::kReadOnly)
+                            .tensor());
+    } catch (const MemmapError& e) {
+      throw MemmapError("from_remote_init: leaf " + leaf.key.str() + " is the sender's file, which this rank cannot map: " +
+                        e.what());
+    }
+  }
+  if (td.is_locked()) out.lock_();  // as from_consolidated returns it
+  return out;
+}
+
+}  // namespace tdshm::detail
