@@ -27,7 +27,8 @@ forked from this one (torch already imported), one after the other in each repea
                dataset that makes the batches (its default pickling through shared memory)
 
 Prints batches/s (N x batches / seconds of main's receive loop), median and min-max over the
-repeats, and the ratios loan-view / walk and loan-view / torchrl. tensordict itself is not
+repeats, the ratios loan-view / walk and loan-view / torchrl, and a ceiling: the rate of main's
+check alone (one batch, in cache, in this process), which no pattern can pass. tensordict itself is not
 packaged for Debian; its td.send does more per leaf in Python than td_peer's walk.
 """
 
@@ -83,6 +84,19 @@ def check(batch, w, seq):
         raise AssertionError(f"worker {w} batch {seq}: image differs")
     if int(batch["label"][0]) != seq * 1000 + w or int(batch["meta"]["idx"][BATCH - 1]) != (seq + 1) * BATCH - 1:
         raise AssertionError(f"worker {w} batch {seq}: label or idx differs")
+
+
+def reading_alone(seconds=1.0):
+    """Batches/s of check() alone on one filled batch (in cache): what main cannot pass."""
+    batch = new_batch()
+    fill(batch, 1, 0)
+    check(batch, 1, 0)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(100):
+            check(batch, 1, 0)
+        n += 100
+    return n / (time.perf_counter() - start)
 
 
 def as_td(batch):
@@ -266,6 +280,10 @@ def main():
         med[pattern] = statistics.median(rates[pattern])
         print(f"{pattern:12s} {med[pattern]:11.1f}  {min(rates[pattern]):10.1f} - {max(rates[pattern]):<10.1f}  "
               f"{med[pattern] * BATCH_BYTES / 1e9:7.3f}")
+    ceiling = reading_alone()
+    vs = ", ".join(f"{ceiling / med[x]:.2f}x {x}" for x in ("walk", "torchrl") if med.get(x))
+    print(f"ceiling: main's check alone {ceiling:.1f} batches/s (one batch in cache, this process)" +
+          (f" = {vs}" if vs else ""))
     for num, den in (("loan-view", "walk"), ("loan-view", "transfer"), ("loan-view", "torchrl"),
                      ("loan-view", "dataloader"), ("walk", "torchrl")):
         if num in med and den in med:
