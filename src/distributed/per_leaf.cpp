@@ -76,6 +76,28 @@ Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
   return l;
 }
 
+/// The leaves of a lazy stack: each member's in its sorted order, member after member, the tags
+/// running on (tensordict's _lazy.py). Leaf j of member m is named (m, key...) in errors and key
+/// checks. Built per transfer: a stack has no cache of its own.
+Leaves collect(const LazyStackedTensorDict& stack, int64_t init_tag, bool pseudo_rand) {
+  auto sorted = std::make_shared<SortedLeaves>();
+  Leaves l;
+  for (size_t m = 0; m < stack.size(); ++m) {
+    const TensorDict& td = stack.tensordicts()[m];
+    const std::shared_ptr<const SortedLeaves> own = sorted_leaves(td);
+    for (size_t i = 0; i < own->keys.size(); ++i) {
+      std::vector<std::string> parts{std::to_string(m)};
+      parts.insert(parts.end(), own->keys[i].parts().begin(), own->keys[i].parts().end());
+      sorted->keys.emplace_back(std::move(parts));
+      sorted->key_hashes.push_back(key_path_hash(sorted->keys.back()));
+      l.tensors.push_back(leaf_tensor(td, *own, i));
+    }
+  }
+  l.wire = wire_of(*sorted, init_tag, pseudo_rand);
+  l.sorted = std::move(sorted);
+  return l;
+}
+
 /// The tag the descriptor travels with: the first leaf's (or the one it would have).
 int descriptor_tag(const Leaves& l, int64_t init_tag, bool pseudo_rand) {
   return c10d_tag(l.tags().empty() ? transfer_tags(init_tag, 1, pseudo_rand)[0] : l.tags()[0]);
@@ -377,9 +399,10 @@ PostedLeaves post_leaf_receives(const Leaves& l, const Peer& p, const RecvOption
 
 }  // namespace
 
-Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o) {
+namespace {
+
+Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o) {
   Transfer out;
-  const Leaves l = collect(td, o.init_tag, o.pseudo_rand);
   for (size_t i = 0; i < l.keys().size(); ++i) {
     check_leaf(l.tensors[i], [&] { return "key " + l.keys()[i].str(); });
   }
@@ -436,8 +459,7 @@ Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& 
   return out;
 }
 
-Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag) {
-  const Leaves l = collect(td, o.init_tag, o.pseudo_rand);
+Transfer irecv_leaves(const Leaves& l, const Peer& p, const RecvOptions& o, int64_t* last_tag) {
   if (last_tag != nullptr) *last_tag = l.last_tag();
   // Every leaf is checked before any receive is posted; a refused transfer still consumes the
   // sender's messages, so the next transfer on the pair is in step.
@@ -486,6 +508,21 @@ Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& 
   for (size_t i = 0; i < l.keys().size(); ++i) out.works.push_back(posted.leaf_work(l, i, targets[i]));
   if (l.keys().empty() && posted.deferred) wait_last(*posted.deferred);  // the descriptor is consumed (and checked) all the same
   return out;
+}
+
+}  // namespace
+
+Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o) {
+  return isend_leaves(collect(td, o.init_tag, o.pseudo_rand), p, o);
+}
+Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag) {
+  return irecv_leaves(collect(td, o.init_tag, o.pseudo_rand), p, o, last_tag);
+}
+Transfer isend_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const SendOptions& o) {
+  return isend_leaves(collect(stack, o.init_tag, o.pseudo_rand), p, o);
+}
+Transfer irecv_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const RecvOptions& o, int64_t* last_tag) {
+  return irecv_leaves(collect(stack, o.init_tag, o.pseudo_rand), p, o, last_tag);
 }
 
 }  // namespace tdshm::detail

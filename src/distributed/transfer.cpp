@@ -28,6 +28,46 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
   return o.consolidated ? detail::irecv_consolidated(*this, p, o) : detail::irecv_per_leaf(*this, p, o);
 }
 
+namespace {
+
+void refuse_consolidated(bool consolidated, const char* method) {
+  if (consolidated) {
+    throw Error(std::string("LazyStackedTensorDict::") + method +
+                ": consolidated transfers of a lazy stack are not supported; send it per leaf, or send "
+                "to_tensordict().consolidate()");
+  }
+}
+
+}  // namespace
+
+Transfer LazyStackedTensorDict::isend(const SendOptions& o) const {
+  refuse_consolidated(o.consolidated, "isend");
+  const Peer p = resolve_peer("dst", "group_dst", o.dst, o.group_dst, o.group);
+  return detail::isend_per_leaf(*this, p, o);
+}
+
+void LazyStackedTensorDict::send(const SendOptions& o) const {
+  SendOptions waited = o;
+  waited.return_early = false;
+  isend(waited);
+}
+
+Transfer LazyStackedTensorDict::irecv(const RecvOptions& o) {
+  refuse_consolidated(o.consolidated, "irecv");
+  const Peer p = resolve_peer("src", "group_src", o.src, o.group_src, o.group);
+  return detail::irecv_per_leaf(*this, p, o);
+}
+
+int64_t LazyStackedTensorDict::recv(const RecvOptions& o) {
+  refuse_consolidated(o.consolidated, "recv");
+  RecvOptions waited = o;
+  waited.return_premature = false;
+  const Peer p = resolve_peer("src", "group_src", o.src, o.group_src, o.group);
+  int64_t last_tag = 0;
+  detail::irecv_per_leaf(*this, p, waited, &last_tag);
+  return last_tag;
+}
+
 int64_t TensorDict::recv(const RecvOptions& o) {
   RecvOptions waited = o;
   waited.return_premature = false;

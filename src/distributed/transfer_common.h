@@ -10,6 +10,7 @@
 // protocol: a layout descriptor before per-leaf leaves, a header before a consolidated storage.
 
 #include <tdshm/distributed.h>
+#include <tdshm/lazy_stack.h>
 
 #include "common/format.h"
 #include "distributed/transfer_errors.h"
@@ -367,6 +368,10 @@ void check_receive_target(const at::Tensor& t, const Name& what) {
 Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o);
 /// `last_tag`, when given, is set to the transfer's last tag (what recv returns).
 Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag = nullptr);
+/// The same for a lazy stack: its members' leaves in order, the tags running on.
+Transfer isend_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const SendOptions& o);
+Transfer irecv_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const RecvOptions& o,
+                        int64_t* last_tag = nullptr);
 Transfer isend_consolidated(const TensorDict& td, const Peer& p, const SendOptions& o);
 Transfer irecv_consolidated(const TensorDict& td, const Peer& p, const RecvOptions& o);
 inline constexpr int kConsolidatedTag = 0;  // tensordict's consolidated transfers use tag 0

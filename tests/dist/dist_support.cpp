@@ -119,6 +119,19 @@ std::function<void(int)> counting_failures(Flags& flags, std::function<void(int)
   };
 }
 
+void DistTest::run_default_world(Method m, int world, const std::function<void(int, Flags&)>& scenario,
+                                 const std::function<void(int, InitOptions&)>& adjust) {
+  const Rendezvous rv = rendezvous(m);
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, world, counting_failures(*flags, [&](int rank) {
+    InitOptions o = init_options(rv, rank, world);
+    if (adjust) adjust(rank, o);
+    init_process_group(backend_of(m), o);
+    scenario(rank, *flags);
+    finish(*flags, world);
+  })));
+}
+
 Rendezvous DistTest::rendezvous(Method m) {
   Rendezvous rv;
   rv.method = m;

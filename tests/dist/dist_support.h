@@ -108,6 +108,10 @@ class DistTest : public ShmTest {
   /// A free port that this test has not handed out yet (the ports of one test must differ: a
   /// store's port may still be in use when the next group starts).
   uint16_t distinct_free_port();
+  /// Runs `scenario` in `world` real processes, each in the default group of `m` (init_options,
+  /// then `adjust` when given), then finish(); expects every rank to end well.
+  void run_default_world(Method m, int world, const std::function<void(int, Flags&)>& scenario,
+                         const std::function<void(int, InitOptions&)>& adjust = {});
 
   TempDir dir_;
   int files_ = 0;

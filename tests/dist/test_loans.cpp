@@ -24,16 +24,7 @@ namespace {
 class TransferLoans : public DistTest, public ::testing::WithParamInterface<Method> {
  protected:
   void run_world(int world, const std::function<void(int, Flags&)>& scenario) {
-    const Method m = GetParam();
-    const Rendezvous rv = rendezvous(m);
-    Shared<Flags> flags;
-    SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, world, counting_failures(*flags, [&](int rank) {
-      InitOptions o = init_options(rv, rank, world);
-      o.shm.loan_bytes = size_t{1} << 20;
-      init_process_group(backend_of(m), o);
-      scenario(rank, *flags);
-      finish(*flags, world);
-    })));
+    run_default_world(GetParam(), world, scenario, [](int, InitOptions& o) { o.shm.loan_bytes = size_t{1} << 20; });
   }
 };
 

@@ -183,16 +183,7 @@ class TransferTest : public DistTest, public ::testing::WithParamInterface<Metho
   /// groups (finish). A rank that fails fails the test, and its peers stop waiting for it.
   void run_world(int world, const std::function<void(int, Flags&)>& scenario,
                  std::chrono::milliseconds timeout = kGroupTimeout) {
-    const Method m = GetParam();
-    const Rendezvous rv = rendezvous(m);
-    Shared<Flags> flags;
-    SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, world, counting_failures(*flags, [&](int rank) {
-      InitOptions o = init_options(rv, rank, world);
-      o.timeout = timeout;
-      init_process_group(backend_of(m), o);
-      scenario(rank, *flags);
-      finish(*flags, world);
-    })));
+    run_default_world(GetParam(), world, scenario, [&](int, InitOptions& o) { o.timeout = timeout; });
   }
 };
 

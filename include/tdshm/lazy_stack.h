@@ -1,0 +1,65 @@
+#pragma once
+/// \file
+/// LazyStackedTensorDict: tensordicts stacked along a new dimension without copying, as
+/// tensordict's class of that name (tensordict/_lazy.py). Members share a batch size; their keys
+/// and leaf shapes may differ (a heterogeneous stack). Transfers walk the members in order, each
+/// sending its leaves as a TensorDict does, the tag running on from one member to the next:
+/// tensordict's wire, so a Python peer's lazy stack of the same members matches
+/// (docs/semantics.md, "Lazy stacks").
+
+#include <tdshm/distributed.h>
+#include <tdshm/tensordict.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace tdshm {
+
+class LazyStackedTensorDict {
+ public:
+  /// Stacks `tensordicts` along a new dimension `stack_dim` of the batch (0 <= stack_dim <= the
+  /// members' batch dims; negative counts from the end of the stacked batch). The members are
+  /// held, not copied: writes into their leaves are writes into the stack. ShapeError when the
+  /// members' batch sizes differ or stack_dim is out of range. An empty stack has batch [0].
+  explicit LazyStackedTensorDict(std::vector<TensorDict> tensordicts, int64_t stack_dim = 0);
+
+  const std::vector<TensorDict>& tensordicts() const noexcept { return tensordicts_; }
+  int64_t stack_dim() const noexcept { return stack_dim_; }
+  /// The members' batch size with the number of members inserted at stack_dim.
+  std::vector<int64_t> batch_size() const;
+  /// Number of members.
+  size_t size() const noexcept { return tensordicts_.size(); }
+  /// Member `i` along the stack dimension (negative from the end); ShapeError out of range.
+  const TensorDict& operator[](int64_t i) const;
+
+  /// tensordict's keys of a lazy stack: the keys every member has (sorted by their string), and
+  /// with include_nested the nested keys every member has; leaves_only: tensor leaves only.
+  std::vector<Key> keys(bool include_nested = false, bool leaves_only = false) const;
+
+  /// Member-wise comparison: a lazy stack of each pair's `==` (ShapeError when the member counts
+  /// or stack dims differ). all(): every member's every leaf true.
+  LazyStackedTensorDict eq(const LazyStackedTensorDict& other) const;
+  bool all() const;
+
+  /// The dense TensorDict: each leaf stacked along stack_dim (at::stack). Needs members of the
+  /// same keys and leaf shapes (ShapeError / KeyError naming what differs).
+  TensorDict to_tensordict() const;
+
+  // ---- Transfers (docs/semantics.md, "Lazy stacks") ----
+  // Per-leaf only, with the options of TensorDict's transfers: member after member, each in its
+  // sorted-key order, the tags running on. `consolidated` is refused (Error): tdshm does not
+  // consolidate lazy stacks (yet).
+  Transfer isend(const SendOptions& options) const;
+  void send(const SendOptions& options) const;
+  /// Receives into the members' leaves (the receiver's stack has the sender's structure).
+  Transfer irecv(const RecvOptions& options);
+  int64_t recv(const RecvOptions& options);
+
+ private:
+  std::vector<TensorDict> tensordicts_;
+  int64_t stack_dim_ = 0;
+};
+
+LazyStackedTensorDict operator==(const LazyStackedTensorDict& a, const LazyStackedTensorDict& b);
+
+}  // namespace tdshm

@@ -1,0 +1,156 @@
+// LazyStackedTensorDict's transfers (include/tdshm/lazy_stack.h) between real processes on both
+// backends: per-leaf send / isend / recv / irecv with tensordict's options, heterogeneous
+// members, the tags running on from member to member (as tensordict's _lazy.py sends them: each
+// member's messages are those of a TensorDict transfer starting where the previous one ended),
+// a subgroup, and the refusals (consolidated, a receiver of another structure).
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <tdshm/distributed.h>
+#include <tdshm/errors.h>
+#include <tdshm/lazy_stack.h>
+#include <tdshm/tensordict.h>
+
+#include <string>
+#include <vector>
+
+#include "dist/dist_support.h"
+
+namespace tdshm::test {
+namespace {
+
+class TransferLazyStack : public DistTest, public ::testing::WithParamInterface<Method> {
+ protected:
+  /// checked_wire = false: over gloo the ranks speak tensordict's exact wire (as to a Python peer).
+  void run_world(int world, const std::function<void(int, Flags&)>& scenario, bool checked_wire = true) {
+    run_default_world(GetParam(), world, scenario, [&](int, InitOptions& o) { o.checked_wire = checked_wire; });
+  }
+};
+
+/// Three heterogeneous members of batch [2]: member m has "a" (float [2, m + 1]), member 1 also
+/// "extra" (int64 [2]), every member ("n", "x") (double [2, 3]); values v + m (zeros: v = 0).
+LazyStackedTensorDict hetero_stack(double v) {
+  std::vector<TensorDict> members;
+  for (int64_t m = 0; m < 3; ++m) {
+    TensorDict td({{"a", at::full({2, m + 1}, v == 0 ? 0 : v + m)}, {{"n", "x"}, at::full({2, 3}, v == 0 ? 0 : v + m, at::kDouble)}},
+                  {2});
+    if (m == 1) td.set("extra", at::full({2}, v == 0 ? 0 : static_cast<int64_t>(v) * 10, at::kLong));
+    members.push_back(td);
+  }
+  return LazyStackedTensorDict(std::move(members));
+}
+
+void check_stack(const LazyStackedTensorDict& s, double v, const std::string& what) {
+  const LazyStackedTensorDict want = hetero_stack(v);
+  for (size_t m = 0; m < want.size(); ++m) {
+    for (const Key& k : want[static_cast<int64_t>(m)].sorted_leaf_keys()) {
+      SHM_CHECK(at::equal(s[static_cast<int64_t>(m)].get(k), want[static_cast<int64_t>(m)].get(k)),
+                what << ": member " << m << " key " << k.str() << " is " << s[static_cast<int64_t>(m)].get(k));
+    }
+  }
+}
+
+// send / recv and isend / irecv (return_early, return_premature), init_tag and pseudo_rand: the
+// values land member by member and recv returns the tag of the last leaf of the last member.
+TEST_P(TransferLazyStack, HeterogeneousMembersBothWays) {
+  run_world(2, [&](int rank, Flags&) {
+    if (rank == 0) {
+      hetero_stack(1).send({.dst = 1});
+      hetero_stack(2).send({.dst = 1, .init_tag = 40, .pseudo_rand = true});
+      const Transfer t = hetero_stack(3).isend({.dst = 1, .init_tag = 7, .return_early = true});
+      SHM_CHECK(t.has_works && t.works.size() == 7, "one work per leaf of every member: " << t.works.size());
+      t.wait();
+      LazyStackedTensorDict back = hetero_stack(0);
+      const Transfer r = back.irecv({.src = 1, .return_premature = true});
+      r.wait();
+      check_stack(back, 4, "irecv(return_premature)");
+    } else {
+      LazyStackedTensorDict s = hetero_stack(0);
+      SHM_CHECK(s.recv({.src = 0}) == 6, "7 leaves from init_tag 0: the last tag is 6");
+      check_stack(s, 1, "recv");
+      s.recv({.src = 0, .init_tag = 40, .pseudo_rand = true});
+      check_stack(s, 2, "recv(pseudo_rand)");
+      SHM_CHECK(s.recv({.src = 0, .init_tag = 7}) == 13);
+      check_stack(s, 3, "recv after isend(return_early)");
+      hetero_stack(4).send({.dst = 0});
+    }
+  });
+}
+
+// The tags run on from one member to the next, as tensordict's _lazy.py sends a stack: a stack
+// of [m0, m1] sent with init_tag 0 is the messages of m0 sent with init_tag 0 then of m1 sent
+// with init_tag = m0's last tag + 1. Over gloo, speaking tensordict's exact wire, the receiver
+// takes the members one by one with TensorDict::recv (the wire carries nothing else); over shm
+// tdshm's key checks also name the member, so only a stack receives a stack (the refusal is the
+// next test's).
+TEST_P(TransferLazyStack, TagsRunOnFromMemberToMember) {
+  const bool shm = GetParam() == Method::kShm;
+  run_world(2, [&](int rank, Flags&) {
+    const TensorDict m0({{"b", at::full({2}, 1.0)}, {"a", at::full({2}, 2.0)}}, {2});
+    const TensorDict m1({{"c", at::full({2}, 3.0)}}, {2});
+    if (rank == 0) {
+      LazyStackedTensorDict({m0, m1}).send({.dst = 1, .init_tag = 5});
+      if (!shm) {
+        // The same messages, sent member by member.
+        m0.send({.dst = 1, .init_tag = 5});
+        m1.send({.dst = 1, .init_tag = 7});
+      }
+    } else {
+      TensorDict r0({{"b", at::zeros({2})}, {"a", at::zeros({2})}}, {2});
+      TensorDict r1({{"c", at::zeros({2})}}, {2});
+      if (!shm) {
+        SHM_CHECK(r0.recv({.src = 0, .init_tag = 5}) == 6);
+        SHM_CHECK(r1.recv({.src = 0, .init_tag = 7}) == 7);
+        SHM_CHECK((r0 == m0).all() && (r1 == m1).all(), "members received one by one");
+        r0.get("a").zero_();
+        r1.get("c").zero_();
+      }
+      LazyStackedTensorDict s({r0, r1});
+      SHM_CHECK(s.recv({.src = 0, .init_tag = 5}) == 7);
+      SHM_CHECK((s[0] == m0).all() && (s[1] == m1).all(), "the stack received as one");
+    }
+  }, /*checked_wire=*/false);
+}
+
+// A receiver whose stack has other members or keys: over shm the key checks refuse it
+// (TransportError naming the leaf, the pair still in step for the next transfer); consolidated
+// transfers of a stack are refused before anything is sent.
+TEST_P(TransferLazyStack, RefusalsKeepThePairInStep) {
+  const bool shm = GetParam() == Method::kShm;
+  run_world(2, [&](int rank, Flags&) {
+    if (rank == 0) {
+      SHM_CHECK_THROWS(Error, [] { hetero_stack(1).send({.dst = 1, .consolidated = true}); }, "consolidated");
+      if (shm) hetero_stack(1).send({.dst = 1});
+      hetero_stack(2).send({.dst = 1});
+    } else {
+      LazyStackedTensorDict s = hetero_stack(0);
+      SHM_CHECK_THROWS(Error, [&] { s.recv({.src = 0, .consolidated = true}); }, "consolidated");
+      if (shm) {
+        // Members swapped: every leaf's key check names another member.
+        LazyStackedTensorDict swapped({s[1], s[0], s[2]});
+        SHM_CHECK_THROWS(Error, [&] { swapped.recv({.src = 0}); }, "key ('0', 'a')");
+      }
+      s.recv({.src = 0});
+      check_stack(s, 2, "the transfer after the refusal");
+    }
+  });
+}
+
+// A subgroup: group_dst / group_src are ranks inside it.
+TEST_P(TransferLazyStack, InASubgroup) {
+  run_world(3, [&](int rank, Flags&) {
+    const Group g = new_group({0, 2});
+    if (rank == 2) hetero_stack(5).send({.group = g, .group_dst = 0});
+    if (rank == 0) {
+      LazyStackedTensorDict s = hetero_stack(0);
+      s.recv({.group = g, .group_src = 1});
+      check_stack(s, 5, "recv in a subgroup");
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, TransferLazyStack, ::testing::Values(Method::kShm, Method::kGlooFile), param_name);
+
+}  // namespace
+}  // namespace tdshm::test
