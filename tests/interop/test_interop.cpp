@@ -44,6 +44,7 @@
 
 #include <tdshm/distributed.h>
 #include <tdshm/errors.h>
+#include <tdshm/lazy_stack.h>
 #include <tdshm/process_group.h>
 #include <tdshm/tensorclass.h>
 #include <tdshm/tensordict.h>
@@ -446,8 +447,8 @@ RecvOptions from(int peer, const Group& g) {
   return o;
 }
 
-int64_t expected_last_tag(const std::string& tree, int64_t init_tag, bool pseudo) {
-  const size_t n = build_tree(tree, 0).sorted_leaf_keys().size();
+/// The tags of `n` leaves from init_tag: the last one.
+int64_t expected_last_tag(size_t n, int64_t init_tag, bool pseudo) {
   int64_t tag = init_tag - 1;
   for (size_t i = 0; i < n; ++i) tag = pseudo ? pseudo_rand_tag(tag + 1) : tag + 1;
   return tag;
@@ -460,7 +461,22 @@ struct PerLeaf {
   int64_t init_tag = 0;
   bool pseudo = false;
   bool loan = false;  // the C++ sender's tree is a loan (tdshm::loan): by reference over shm
+  /// Not empty: a LazyStackedTensorDict of these trees (member m at salt + m) instead of `tree`.
+  std::vector<std::string> lazy{};
 };
+
+LazyStackedTensorDict lazy_stack_of(const std::vector<std::string>& trees, int64_t salt, bool blank) {
+  std::vector<TensorDict> members;
+  for (size_t m = 0; m < trees.size(); ++m) members.push_back(build_tree(trees[m], salt + static_cast<int64_t>(m), blank));
+  return LazyStackedTensorDict(std::move(members));
+}
+
+size_t leaf_count(const TensorDict& td) { return td.sorted_leaf_keys().size(); }
+size_t leaf_count(const LazyStackedTensorDict& s) {
+  size_t n = 0;
+  for (const TensorDict& td : s.tensordicts()) n += leaf_count(td);
+  return n;
+}
 
 /// `td` itself, or a loan like it holding its values (the transport sends it by reference over
 /// shm; a Python peer still receives its bytes).
@@ -475,47 +491,66 @@ TensorDict maybe_loaned(const TensorDict& td, const Group& g, bool loaned, bool 
   return lent;
 }
 
+/// The sends of cpp_send, on a TensorDict or a lazy stack.
+template <class Tree>
+void send_as(const Tree& td, const PerLeaf& p, SendOptions o) {
+  o.init_tag = p.init_tag;
+  o.pseudo_rand = p.pseudo;
+  const size_t n = leaf_count(td);
+  if (p.api == Api::kSync) {
+    td.send(o);
+  } else if (p.api == Api::kAsync) {
+    const Transfer t = td.isend(o);
+    SHM_CHECK(t.last_tag && *t.last_tag == expected_last_tag(n, p.init_tag, p.pseudo),
+              "isend returned the last tag " << (t.last_tag ? *t.last_tag : -999));
+  } else {
+    o.return_early = true;
+    const Transfer t = td.isend(o);
+    SHM_CHECK(t.has_works && t.works.size() == n, "isend(return_early) returned " << t.works.size() << " works");
+    for (const WorkPtr& w : t.works) w->wait(kTimeout);
+  }
+}
+
 std::function<void(const Group&)> cpp_send(int dst, PerLeaf p) {
   return [dst, p](const Group& g) {
-    const TensorDict td = maybe_loaned(build_tree(p.tree, p.salt), g, p.loan);
-    SendOptions o = to(dst, g);
-    o.init_tag = p.init_tag;
-    o.pseudo_rand = p.pseudo;
-    const size_t n = td.sorted_leaf_keys().size();
-    if (p.api == Api::kSync) {
-      td.send(o);
-    } else if (p.api == Api::kAsync) {
-      const Transfer t = td.isend(o);
-      SHM_CHECK(t.last_tag && *t.last_tag == expected_last_tag(p.tree, p.init_tag, p.pseudo),
-                "isend returned the last tag " << (t.last_tag ? *t.last_tag : -999));
-    } else {
-      o.return_early = true;
-      const Transfer t = td.isend(o);
-      SHM_CHECK(t.has_works && t.works.size() == n, "isend(return_early) returned " << t.works.size() << " works");
-      for (const WorkPtr& w : t.works) w->wait(kTimeout);
-    }
+    if (!p.lazy.empty()) return send_as(lazy_stack_of(p.lazy, p.salt, false), p, to(dst, g));
+    send_as(maybe_loaned(build_tree(p.tree, p.salt), g, p.loan), p, to(dst, g));
   };
+}
+
+/// The receives of cpp_recv, into a TensorDict or a lazy stack.
+template <class Tree>
+void recv_as(Tree& td, const PerLeaf& p, RecvOptions o) {
+  o.init_tag = p.init_tag;
+  o.pseudo_rand = p.pseudo;
+  const size_t n = leaf_count(td);
+  if (p.api == Api::kSync) {
+    const int64_t last = td.recv(o);
+    SHM_CHECK(last == expected_last_tag(n, p.init_tag, p.pseudo), "recv returned the last tag " << last);
+  } else if (p.api == Api::kAsync) {
+    const Transfer t = td.irecv(o);
+    SHM_CHECK(!t.has_works && !t.last_tag, "irecv returned something");
+  } else {
+    o.return_premature = true;
+    const Transfer t = td.irecv(o);
+    SHM_CHECK(t.has_works && t.works.size() == n, "irecv(return_premature) returned " << t.works.size() << " works");
+    for (const WorkPtr& w : t.works) w->wait(kTimeout);
+  }
 }
 
 std::function<void(const Group&)> cpp_recv(int src, PerLeaf p) {
   return [src, p](const Group& g) {
-    TensorDict td = build_tree(p.tree, 0, /*blank=*/true);
-    RecvOptions o = from(src, g);
-    o.init_tag = p.init_tag;
-    o.pseudo_rand = p.pseudo;
-    const size_t n = td.sorted_leaf_keys().size();
-    if (p.api == Api::kSync) {
-      const int64_t last = td.recv(o);
-      SHM_CHECK(last == expected_last_tag(p.tree, p.init_tag, p.pseudo), "recv returned the last tag " << last);
-    } else if (p.api == Api::kAsync) {
-      const Transfer t = td.irecv(o);
-      SHM_CHECK(!t.has_works && !t.last_tag, "irecv returned something");
-    } else {
-      o.return_premature = true;
-      const Transfer t = td.irecv(o);
-      SHM_CHECK(t.has_works && t.works.size() == n, "irecv(return_premature) returned " << t.works.size() << " works");
-      for (const WorkPtr& w : t.works) w->wait(kTimeout);
+    if (!p.lazy.empty()) {
+      LazyStackedTensorDict s = lazy_stack_of(p.lazy, 0, /*blank=*/true);
+      recv_as(s, p, from(src, g));
+      for (size_t m = 0; m < s.size(); ++m) {
+        check_tree(s.tensordicts()[m], p.lazy[m], p.salt + static_cast<int64_t>(m),
+                   "lazy stack member " + std::to_string(m) + " from the Python rank");
+      }
+      return;
     }
+    TensorDict td = build_tree(p.tree, 0, /*blank=*/true);
+    recv_as(td, p, from(src, g));
     check_tree(td, p.tree, p.salt, "per-leaf from the Python rank");
   };
 }
@@ -525,6 +560,11 @@ std::vector<std::string> py_perleaf(const std::string& role, int peer, PerLeaf p
                                 p.tree, "--salt", std::to_string(p.salt), "--api", api_arg(p.api), "--init-tag",
                                 std::to_string(p.init_tag)};
   if (p.pseudo) a.push_back("--pseudo-rand");
+  if (!p.lazy.empty()) {
+    std::string members;
+    for (const std::string& t : p.lazy) members += (members.empty() ? "" : ",") + t;
+    a.insert(a.end(), {"--lazy-members", members});
+  }
   return a;
 }
 
@@ -1008,6 +1048,14 @@ TEST_F(InteropGloo, PerLeafPySendCppIrecvPremature) {
   perleaf_py_to_cpp({.tree = "seed", .salt = 1, .api = Api::kEarly}, Api::kSync);
 }
 TEST_F(InteropGloo, PerLeafPyIsendCppIrecv) { perleaf_py_to_cpp({.salt = 2, .api = Api::kAsync}, Api::kAsync); }
+// A heterogeneous lazy stack (members of other keys and shapes): tensordict's _lazy.py wire.
+const std::vector<std::string> kLazyMembers{"seed", "mixed", "reducible"};
+TEST_F(InteropGloo, LazyStackCppToPy) {
+  perleaf_cpp_to_py({.salt = 3, .api = Api::kEarly, .init_tag = 4, .lazy = kLazyMembers}, Api::kSync);
+}
+TEST_F(InteropGloo, LazyStackPyToCpp) {
+  perleaf_py_to_cpp({.salt = 5, .api = Api::kSync, .pseudo = true, .lazy = kLazyMembers}, Api::kEarly);
+}
 TEST_F(InteropGloo, InitTagCppToPy) { perleaf_cpp_to_py({.tree = "seed", .api = Api::kEarly, .init_tag = 17}, Api::kSync); }
 TEST_F(InteropGloo, InitTagPyToCpp) { perleaf_py_to_cpp({.tree = "seed", .api = Api::kSync, .init_tag = 17}, Api::kAsync); }
 TEST_F(InteropGloo, PseudoRandCppToPy) {
@@ -1140,6 +1188,12 @@ TEST_F(InteropCppHalves, Collectives) {
 // ---- the shm backend from Python (PYTHONPATH holds the tdshm package) ----
 TEST_F(InteropShm, PerLeafCppToPy) { perleaf_cpp_to_py({.api = Api::kAsync}, Api::kEarly); }
 TEST_F(InteropShm, PerLeafPyToCpp) { perleaf_py_to_cpp({.api = Api::kEarly}, Api::kSync); }
+TEST_F(InteropShm, LazyStackCppToPy) {
+  perleaf_cpp_to_py({.salt = 6, .api = Api::kAsync, .pseudo = true, .lazy = kLazyMembers}, Api::kEarly);
+}
+TEST_F(InteropShm, LazyStackPyToCpp) {
+  perleaf_py_to_cpp({.salt = 7, .api = Api::kEarly, .init_tag = 9, .lazy = kLazyMembers}, Api::kAsync);
+}
 TEST_F(InteropShm, PseudoRandPyToCpp) { perleaf_py_to_cpp({.api = Api::kSync, .init_tag = 1, .pseudo = true}, Api::kAsync); }
 TEST_F(InteropShm, GroupDstCppToPy) { group_dst(true); }
 TEST_F(InteropShm, ConsolidatedCppToPy) { consolidated(true, "mixed"); }

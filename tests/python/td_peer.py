@@ -184,6 +184,15 @@ class TD:
 # Tags
 
 
+class LazyStack:
+    """tensordict's LazyStackedTensorDict as its transfers see it (_lazy.py, v0.14): the members,
+    in order; each sends its leaves as a TensorDict does, the tag running on."""
+
+    def __init__(self, tensordicts, stack_dim=0):
+        self.tensordicts = list(tensordicts)
+        self.stack_dim = stack_dim
+
+
 def int_generator(seed):
     """tensordict.utils.int_generator."""
     max_seed_val = 10_000
@@ -211,9 +220,13 @@ def _check_p2p_peer(peer, group_peer, group, peer_name, group_peer_name):
 
 
 def _send(td, dst, _tag, pseudo_rand, group, group_dst):
+    if isinstance(td, LazyStack):  # _lazy.py: member after member, the tag running on
+        for member in td.tensordicts:
+            _tag = _send(member, dst, _tag, pseudo_rand, group, group_dst)
+        return _tag
     for key in td.sorted_keys():
         value = td.items[key]
-        if isinstance(value, TD):
+        if isinstance(value, (TD, LazyStack)):
             _tag = _send(value, dst, _tag, pseudo_rand, group, group_dst)
             continue
         if not isinstance(value, torch.Tensor):
@@ -241,9 +254,13 @@ def send(td, dst=None, *, group=None, group_dst=None, init_tag=0, pseudo_rand=Fa
 
 
 def _isend(td, dst, _tag, _futures, pseudo_rand, group, group_dst):
+    if isinstance(td, LazyStack):  # _lazy.py: member after member, the tag running on
+        for member in td.tensordicts:
+            _tag = _isend(member, dst, _tag, _futures, pseudo_rand, group, group_dst)
+        return _tag
     for key in td.sorted_keys():
         value = td.items[key]
-        if isinstance(value, TD):
+        if isinstance(value, (TD, LazyStack)):
             _tag = _isend(value, dst, _tag, _futures, pseudo_rand, group, group_dst)
             continue
         if not isinstance(value, torch.Tensor):
@@ -268,9 +285,13 @@ def isend(td, dst=None, *, group=None, group_dst=None, init_tag=0, pseudo_rand=F
 
 
 def _recv(td, src, _tag, pseudo_rand, group, group_src):
+    if isinstance(td, LazyStack):  # _lazy.py: member after member, the tag running on
+        for member in td.tensordicts:
+            _tag = _recv(member, src, _tag, pseudo_rand, group, group_src)
+        return _tag
     for key in td.sorted_keys():
         value = td.items[key]
-        if isinstance(value, TD):
+        if isinstance(value, (TD, LazyStack)):
             _tag = _recv(value, src, _tag, pseudo_rand, group, group_src)
             continue
         if not isinstance(value, torch.Tensor):
@@ -296,9 +317,13 @@ def recv(td, src=None, *, group=None, group_src=None, init_tag=0, pseudo_rand=Fa
 
 
 def _irecv(td, src, _tag, _futures, pseudo_rand, group, group_src):
+    if isinstance(td, LazyStack):  # _lazy.py: member after member, the tag running on
+        for member in td.tensordicts:
+            _tag = _irecv(member, src, _tag, _futures, pseudo_rand, group, group_src)
+        return _tag
     for key in td.sorted_keys():
         value = td.items[key]
-        if isinstance(value, TD):
+        if isinstance(value, (TD, LazyStack)):
             _tag = _irecv(value, src, _tag, _futures, pseudo_rand, group, group_src)
             continue
         if not isinstance(value, torch.Tensor):
@@ -1065,8 +1090,23 @@ def run_scenario(args, result):
         peer["group"] = group
 
     if args.scenario == "perleaf":
+        # The transferred object: tree `args.tree`, or with --lazy-members a LazyStack of those
+        # trees (member m at salt + m).
+        members = args.lazy_members.split(",") if args.lazy_members else None
+
+        def make(blank, salt):
+            if members is None:
+                return build_tree(args.tree, salt, blank=blank)
+            return LazyStack([_tree_of(build_tree(t, salt + m, blank=blank)) for m, t in enumerate(members)])
+
+        def check(got):
+            if members is None:
+                return check_tree(got, args.tree, args.salt, "per-leaf")
+            return [e for m, t in enumerate(members)
+                    for e in check_tree(got.tensordicts[m], t, args.salt + m, f"per-leaf, lazy stack member {m}")]
+
         if args.role == "send":
-            td = build_tree(args.tree, args.salt)
+            td = make(False, args.salt)
             if args.api == "sync":
                 send(_tree_of(td), init_tag=args.init_tag, pseudo_rand=args.pseudo_rand, **peer)
             elif args.api == "async":
@@ -1079,7 +1119,7 @@ def run_scenario(args, result):
                 send(_tree_of(build_tree(args.then_tree, args.salt + 1)), init_tag=args.init_tag,
                      pseudo_rand=args.pseudo_rand, **peer)
         else:
-            td = _tree_of(build_tree(args.tree, blank=True))
+            td = _tree_of(make(True, 0))
             if args.api == "sync":
                 result["last_tag"] = recv(td, init_tag=args.init_tag, pseudo_rand=args.pseudo_rand, **peer)
             elif args.api == "async":
@@ -1089,8 +1129,8 @@ def run_scenario(args, result):
                 works = irecv(td, init_tag=args.init_tag, pseudo_rand=args.pseudo_rand, return_premature=True, **peer)
                 result["works"] = len(works)
                 _wait_all(works)
-            _check(check_tree(td, args.tree, args.salt, "per-leaf"))
-        n = sum(1 for _ in _tree_of(build_tree(args.tree)).leaves_sorted())
+            _check(check(td))
+        n = sum(sum(1 for _ in _tree_of(build_tree(t)).leaves_sorted()) for t in (members or [args.tree]))
         tag = args.init_tag - 1
         for _ in range(n):
             tag = _next_tag(tag, args.pseudo_rand)
@@ -1273,6 +1313,7 @@ def main(argv=None):
     p.add_argument("--tree", default="seed", choices=sorted(TREES))
     p.add_argument("--salt", type=int, default=0)
     p.add_argument("--then-tree", choices=sorted(TREES), help="send: then send this tree too (values at salt + 1)")
+    p.add_argument("--lazy-members", help="perleaf: a LazyStack of these comma-separated trees (member m at salt + m)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--init-tag", type=int, default=0)
     p.add_argument("--pseudo-rand", action="store_true")
