@@ -239,6 +239,12 @@ struct RecvOptions {
   bool consolidated = false;
 };
 
+/// TensorDict::gather_and_stack: every rank of `group` calls it with the same dst.
+struct GatherAndStackOptions {
+  int dst = 0;     ///< global rank that receives and stacks
+  Group group{};   ///< default: the default group
+};
+
 /// What isend / irecv return. Python returns one of int, List[Work] or None; here:
 ///  * isend per-leaf, return_early false: `last_tag` set, `works` empty;
 ///  * return_early / return_premature true: `works` holds the handles (a list of one for a

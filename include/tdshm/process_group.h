@@ -124,6 +124,10 @@ struct ShmOptions {
   /// maps the sender's file and its bytes do not cross the segment (docs/semantics.md). Off in
   /// the Python "shm" backend, whose from_remote_init is tensordict's.
   bool memmap_by_reference = true;
+  /// Whether this rank's tensordict transfers are tdshm's C++ ones (TensorDict's methods), which
+  /// its peers read from the segment: protocols only tdshm speaks (gather_and_stack) are refused
+  /// up front in a group with a rank that says false. The Python backend says false.
+  bool tdshm_transfers = true;
 };
 
 /// Gives the bytes of a view (ProcessGroupShm::irecv_view / recv_view, TensorDict::recv_view) back
@@ -225,6 +229,9 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// Whether this rank and `peer` both set ShmOptions::memmap_by_reference: their
   /// init_remote / from_remote_init then pass MemoryMappedTensor leaves as files, not bytes.
   bool memmap_by_reference_with(int peer) const noexcept;
+  /// Whether rank `peer` runs tdshm's C++ tensordict transfers, not a Python process's
+  /// tensordict (protocols only tdshm speaks, such as gather_and_stack's, need every rank to).
+  bool runs_tdshm_transfers(int peer) const noexcept;
 
   // ---- Collectives (docs/transport.md, "Collectives over the windows"; protocol in src/shm/collective.h) ----
   // They run over the segment's collective windows in the calling thread: the returned Work is

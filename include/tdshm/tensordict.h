@@ -75,6 +75,7 @@ struct Transfer;
 struct InitRemoteOptions;
 struct FromRemoteInitOptions;
 struct BroadcastOptions;
+struct GatherAndStackOptions;
 struct ReduceOptions;
 struct AllReduceOptions;
 struct AllGatherOptions;
@@ -272,10 +273,20 @@ class TensorDict {
   /// to `dst` (or, with use_broadcast, to every rank of the group).
   void init_remote(const InitRemoteOptions& options) const;
   /// Receives what init_remote sent and rebuilds it as a consolidated tensordict on `device`;
-  /// class_name() is the sender's tensorclass name, if any. On every backend a leaf that was a
-  /// MemoryMappedTensor on the sender travels by value inside the storage, as under tensordict:
-  /// the result's leaf views its own storage, never the sender's file.
+  /// class_name() is the sender's tensorclass name, if any. A leaf that was a MemoryMappedTensor
+  /// on the sender travels by value inside the storage, as under tensordict, except point to
+  /// point over shm between two ranks with ShmOptions::memmap_by_reference (C++ ranks): there
+  /// the result's leaf maps the sender's file (MemmapError if this rank cannot) and the result
+  /// is locked but not consolidated (docs/semantics.md).
   static TensorDict from_remote_init(const FromRemoteInitOptions& options);
+  /// tensordict's gather_and_stack: every rank of `group` calls it; rank `dst` (global) receives
+  /// every other rank's tensordict, in rank order without its own, into its own, whose first
+  /// batch dimension must be the group's size - 1 (written in place, as update_ of the stack);
+  /// returns *this there, nullopt elsewhere. Per leaf, no pickle: between tdshm ranks only. A
+  /// group with a Python (tensordict) rank, whose gather_and_stack pickles the whole tensordict,
+  /// is refused on every tdshm rank before anything is sent (Error); a dst whose batch does not
+  /// fit refuses (ShapeError) and tells the senders, which raise Error.
+  std::optional<TensorDict> gather_and_stack(const GatherAndStackOptions& options);
   /// Collective: the root (options.src) broadcasts this tensordict; every rank returns the
   /// consolidated result (on non-root ranks `*this` is not used and may be empty).
   TensorDict broadcast(const BroadcastOptions& options) const;

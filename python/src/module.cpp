@@ -62,8 +62,10 @@ tdshm::ShmOptions options_with(std::chrono::milliseconds timeout, std::optional<
   const uint64_t tickets = loan_tickets ? *loan_tickets : from_env("TDSHM_LOAN_TICKETS", options.loan_tickets);
   if (tickets > UINT32_MAX) throw tdshm::SegmentError("loan_tickets " + std::to_string(tickets) + " is too large");
   options.loan_tickets = static_cast<uint32_t>(tickets);
-  // Python's from_remote_init is tensordict's: it expects every byte in the storage.
+  // Python's tensordict transfers are tensordict's own: from_remote_init expects every byte in
+  // the storage, gather_and_stack pickles.
   options.memmap_by_reference = false;
+  options.tdshm_transfers = false;
   return options;
 }
 

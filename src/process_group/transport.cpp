@@ -73,6 +73,7 @@ class ShmTransport final : public Transport {
     return backend_->irecv_view(peer, tag, check);
   }
   bool memmap_by_reference_with(int peer) const noexcept override { return backend_->memmap_by_reference_with(peer); }
+  bool peer_runs_tdshm(int peer) const noexcept override { return backend_->runs_tdshm_transfers(peer); }
 
  private:
   c10::intrusive_ptr<ProcessGroupShm> backend_;

@@ -68,6 +68,9 @@ class Transport {
   /// Whether this rank and `peer` pass MemoryMappedTensor leaves of init_remote as files (both
   /// map the same files and run tdshm's from_remote_init), not as bytes. False by default.
   virtual bool memmap_by_reference_with(int /*peer*/) const noexcept { return false; }
+  /// Whether `peer` is known to run tdshm's C++ transfers (the shm segment says so); false when
+  /// the transport cannot tell (gloo: the group's checked-wire advertisement tells instead).
+  virtual bool peer_runs_tdshm(int /*peer*/) const noexcept { return false; }
 
  protected:
   explicit Transport(Can can) noexcept : can_(can) {}

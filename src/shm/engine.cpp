@@ -33,7 +33,8 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
   shm::SegmentParams params{name, static_cast<uint32_t>(size), options.slot_bytes, options.ring_entries,
                             options.slots_per_rank, options.window_bytes, options.loan_tickets,
                             options.loan_bytes,
-                            options.memmap_by_reference ? shm::kRankFeatureMemmapByReference : 0};
+                            (options.memmap_by_reference ? shm::kRankFeatureMemmapByReference : 0u) |
+                                (options.tdshm_transfers ? shm::kRankFeatureTdshmTransfers : 0u)};
   segment_ = shm::Segment::attach(params, static_cast<uint32_t>(rank), deadline);
 
   channel_.emplace(*segment_, rank, size, options);
@@ -227,6 +228,11 @@ at::Tensor ShmEngine::loan(c10::IntArrayRef sizes, c10::ScalarType dtype, Clock:
 bool ShmEngine::is_loan(const at::Tensor& t) const {
   if (!t.defined() || !t.is_contiguous() || !loans_->in_heap(t.data_ptr())) return false;
   return loans_->find(t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size()).has_value();
+}
+
+bool ShmEngine::runs_tdshm_transfers(int peer) const noexcept {
+  return peer >= 0 && peer < size_ &&
+         (segment_->rank_features(static_cast<uint32_t>(peer)) & shm::kRankFeatureTdshmTransfers) != 0;
 }
 
 bool ShmEngine::memmap_by_reference_with(int peer) const noexcept {

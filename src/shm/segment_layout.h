@@ -147,6 +147,10 @@ static_assert(offsetof(RankSlot, wake_seq) == 64 && offsetof(RankSlot, pid_ns) =
 /// leaves by reference with a rank that offers it too (remote_init.cpp); a rank whose
 /// from_remote_init is tensordict's (a Python rank) does not offer it.
 inline constexpr uint32_t kRankFeatureMemmapByReference = 1;
+/// RankSlot::features: this rank's tensordict transfers are tdshm's C++ ones
+/// (ShmOptions::tdshm_transfers; a Python rank's are tensordict's), so it speaks
+/// gather_and_stack's protocol (distributed/gather_and_stack.cpp).
+inline constexpr uint32_t kRankFeatureTdshmTransfers = 2;
 static_assert(offsetof(RankSlot, published) == 16 && offsetof(RankSlot, consumed) == 24 &&
               offsetof(RankSlot, step_check) == 32);
 

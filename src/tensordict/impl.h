@@ -114,5 +114,10 @@ at::Tensor leaf_tensor(const TensorDict& td, const SortedLeaves& leaves, size_t 
 /// no key is hashed or looked up.
 TensorDict with_leaves(const TensorDict& td, const SortedLeaves& leaves, c10::ArrayRef<at::Tensor> tensors);
 
+/// Entry `i` of `td` along its first batch dimension, as views: every leaf t.select(0, i), every
+/// batch size (sub-tensordicts' too) without its first dimension, non-tensor values kept. The
+/// caller checks that the first dimension exists and holds i.
+TensorDict select_first(const TensorDict& td, int64_t i);
+
 
 }  // namespace tdshm::detail

@@ -232,6 +232,27 @@ TensorDict detail::with_leaves(const TensorDict& td, const SortedLeaves& leaves,
   return map_leaves(*td.impl(), nullptr, [&](const Key&, const at::Tensor&) { return tensors[visit[j++]]; }, true);
 }
 
+namespace {
+
+std::shared_ptr<TensorDictImpl> select_first_node(const TensorDictImpl& node, int64_t i) {
+  auto out = new_impl(std::vector<int64_t>(node.batch_size.begin() + 1, node.batch_size.end()), node.device);
+  out->class_name = node.class_name;
+  for (const auto& [k, v] : node.entries) {
+    if (v.is_tensor()) {
+      out->append_fresh(k, Value(v.tensor().select(0, i)));
+    } else if (v.is_tensordict()) {
+      out->append_fresh(k, Value(TensorDict(select_first_node(*v.tensordict().impl(), i))));
+    } else {
+      out->append_fresh(k, v);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TensorDict detail::select_first(const TensorDict& td, int64_t i) { return TensorDict(select_first_node(*td.impl(), i)); }
+
 // ---------------------------------------------------------------------------------------------
 // TensorDict: new tensordicts
 

@@ -1015,6 +1015,26 @@ struct Exchanges : InteropTest {
     }
     run(w);
   }
+  /// gather_and_stack in a world with a Python rank: every C++ rank refuses before any message
+  /// (the Python rank's gather_and_stack would pickle; it stays idle here), and stays in step.
+  void gather_and_stack_with_python() {
+    World w{.backend = backend, .size = 3};
+    for (int r : {0, 1}) {
+      w.cpp[r] = [r](const Group&) {
+        TensorDict t = r == 0 ? build_tree("seed", 0, true) : build_tree("seed", 1);
+        const Caught c = catch_any([&] { t.gather_and_stack({.dst = 0}); });
+        SHM_CHECK(c.is<Error>() && contains_nocase(c.what, "Python"), "expected the refusal, got " << c.describe());
+        if (r == 1) build_tree("seed", 2).send({.dst = 0});
+        if (r == 0) {
+          TensorDict next = build_tree("seed", 0, true);
+          next.recv({.src = 1});
+          check_tree(next, "seed", 2, "the transfer after the refusal");
+        }
+      };
+    }
+    w.py[2] = kPyIdle;
+    run(w);
+  }
   /// A 3-rank world: the root at rank `root`, C++ unless py_root; ranks alternate languages.
   void broadcast(bool py_root, const std::string& tree, bool via_init_remote) {
     World w{.backend = backend, .size = 3};
@@ -1066,6 +1086,7 @@ TEST_F(InteropGloo, PseudoRandPyToCpp) {
 }
 TEST_F(InteropGloo, GroupDstCppToPy) { group_dst(true); }
 TEST_F(InteropGloo, GroupDstPyToCpp) { group_dst(false); }
+TEST_F(InteropGloo, GatherAndStackRefusedWithAPythonRank) { gather_and_stack_with_python(); }
 // ---- consolidated ----
 TEST_F(InteropGloo, ConsolidatedCppToPy) { consolidated(true, "mixed"); }
 TEST_F(InteropGloo, ConsolidatedPyToCpp) { consolidated(false, "mixed"); }
@@ -1196,6 +1217,7 @@ TEST_F(InteropShm, LazyStackPyToCpp) {
 }
 TEST_F(InteropShm, PseudoRandPyToCpp) { perleaf_py_to_cpp({.api = Api::kSync, .init_tag = 1, .pseudo = true}, Api::kAsync); }
 TEST_F(InteropShm, GroupDstCppToPy) { group_dst(true); }
+TEST_F(InteropShm, GatherAndStackRefusedWithAPythonRank) { gather_and_stack_with_python(); }
 TEST_F(InteropShm, ConsolidatedCppToPy) { consolidated(true, "mixed"); }
 TEST_F(InteropShm, ConsolidatedPyToCpp) { consolidated(false, "mixed"); }
 TEST_F(InteropShm, RemoteCppToPy) { remote(true, "mixed"); }
