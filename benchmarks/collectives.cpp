@@ -147,11 +147,11 @@ class OpBuffers {
   std::vector<std::vector<at::Tensor>> lists_;
 };
 
-// ---- TensorDict::all_reduce / all_gather ----
+// ---- TensorDict::all_reduce / all_gather / gather_and_stack ----
 
 // The TD workloads: the seed tree {("a","b"): zeros(2), "c": zeros(2,3), "_": zeros(2,1,5)},
 // batch [2] (72 B), and ten float leaves of 1 MiB.
-const char* const kTdOps[] = {"td.all_reduce", "td.all_gather"};
+const char* const kTdOps[] = {"td.all_reduce", "td.all_gather", "td.gather_and_stack"};
 const char* const kTdWorkloads[] = {"seed", "10x1MiB"};
 constexpr int64_t kMiBFloats = (int64_t{1} << 20) / static_cast<int64_t>(sizeof(float));
 
@@ -181,11 +181,20 @@ size_t td_bytes(const std::string& workload) {
 class TdBuffers {
  public:
   TdBuffers(const std::string& op, const std::string& workload, int rank, int world)
-      : op_(op), workload_(workload), rank_(rank), world_(world), td_(make_td(workload)) {}
+      : op_(op), workload_(workload), rank_(rank), world_(world), td_(make_td(workload)) {
+    if (op_ == "td.gather_and_stack" && rank_ == 0) {
+      // Rank 0 gathers: its tree has the other ranks' entries along a new first dimension.
+      std::vector<int64_t> batch{world_ - 1};
+      for (const int64_t d : td_.batch_size()) batch.push_back(d);
+      stacked_ = td_.expand(batch).contiguous();
+    }
+  }
 
   void run(const Group& g) {
     if (op_ == "td.all_reduce") {
       td_.all_reduce({.group = g});
+    } else if (op_ == "td.gather_and_stack") {
+      (rank_ == 0 ? stacked_ : td_).gather_and_stack({.group = g, .group_dst = 0});
     } else {
       gathered_ = td_.all_gather({.group = g});
     }
@@ -196,6 +205,13 @@ class TdBuffers {
     run(g);
     if (op_ == "td.all_reduce") {
       for (const auto& t : leaves_of(td_, workload_)) check(t, static_cast<float>(world_ * (world_ + 1) / 2), rank_, where);
+    } else if (op_ == "td.gather_and_stack") {
+      if (rank_ == 0) {
+        for (const auto& t : leaves_of(stacked_, workload_)) {
+          for (int j = 0; j + 1 < world_; ++j) check(t[j], static_cast<float>(j + 2), rank_, where);  // rank j + 1
+          t.zero_();
+        }
+      }
     } else {
       if (gathered_.size() != static_cast<size_t>(world_)) {
         throw std::runtime_error(where + ": all_gather returned " + std::to_string(gathered_.size()) + " tensordicts");
@@ -214,6 +230,7 @@ class TdBuffers {
   std::string op_, workload_;
   int rank_, world_;
   TensorDict td_;
+  TensorDict stacked_;  // td.gather_and_stack on rank 0
   std::vector<TensorDict> gathered_;
 };
 
@@ -460,8 +477,9 @@ ScenarioRun run_collectives(const BenchOptions& options) {
                 "      rows measure time sharing of the CPUs as much as the transports\n",
                 crowded.c_str(), crowded.find(',') == std::string::npos ? "s" : "", cpus);
   }
-  std::printf("  TensorDict rows: td.all_reduce / td.all_gather (TensorDict::all_reduce, TensorDict::all_gather:\n"
-              "  one all_reduce per leaf; consolidate + metadata all_gather_object + one storage all_gather) of\n"
+  std::printf("  TensorDict rows: td.all_reduce / td.all_gather / td.gather_and_stack (TensorDict::all_reduce,\n"
+              "  TensorDict::all_gather, TensorDict::gather_and_stack to rank 0: one all_reduce per leaf;\n"
+              "  consolidate + metadata all_gather_object + one storage all_gather; per leaf into rank 0's entries) of\n"
               "  the seed tree {(\"a\",\"b\"): zeros(2), \"c\": zeros(2,3), \"_\": zeros(2,1,5)}, batch [2] (%zu B), and\n"
               "  of 10 float leaves of 1 MiB (%zu B); bytes = the leaves' bytes per rank\n",
               td_bytes("seed"), td_bytes("10x1MiB"));
@@ -602,6 +620,7 @@ ScenarioRun run_collectives(const BenchOptions& options) {
       {"all_reduce 1 MiB", "world 4: gloo p50 / shm p50", 5, speedup("all_reduce", 4, size_t{1} << 20)},
       {"all_reduce 8 B", "world 4: gloo p50 / shm p50", 20, speedup("all_reduce", 4, 8)},
       {"broadcast 64 MiB", "world 4: shm GB/s / memcpy GB/s", 0.8, bcast},
+      {"gather_and_stack", "seed, world 4: gloo p50 / shm p50", 20, speedup("td.gather_and_stack:seed", 4, td_bytes("seed"))},
   };
   std::printf("\ngoals (ratios from this run's medians):\n");
   for (const auto& g : goals) {

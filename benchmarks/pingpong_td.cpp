@@ -5,6 +5,7 @@
 #include "pingpong_td.h"
 
 #include <tdshm/distributed.h>
+#include <tdshm/lazy_stack.h>
 #include <tdshm/memmap.h>
 #include <tdshm/tensordict.h>
 
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <stdexcept>
 #include <system_error>
 
@@ -39,8 +41,10 @@ Workload td_workload(std::string name, Workload::Tree tree, int leaves, size_t l
   w.leaves = leaves;
   w.leaf_bytes = leaf_bytes;
   w.consolidated = consolidated;
-  // The seed tree: 2 + 2*3 + 2*1*5 floats.
-  w.bytes = tree == Workload::Tree::seed ? (2 + 6 + 10) * sizeof(float) : static_cast<size_t>(leaves) * leaf_bytes;
+  // The seed tree: 2 + 2*3 + 2*1*5 floats (four of them in the lazy stack).
+  w.bytes = tree == Workload::Tree::seed        ? (2 + 6 + 10) * sizeof(float)
+            : tree == Workload::Tree::lazy_seed ? 4 * (2 + 6 + 10) * sizeof(float)
+                                                : static_cast<size_t>(leaves) * leaf_bytes;
   return w;
 }
 
@@ -51,6 +55,7 @@ int64_t floats(size_t bytes) { return static_cast<int64_t>(bytes / sizeof(float)
 TensorDict make_tree(const Workload& w) {
   switch (w.tree) {
     case Workload::Tree::seed:
+    case Workload::Tree::lazy_seed:  // (a member; make_object stacks four)
       return TensorDict({{{"a", "b"}, at::zeros({2})}, {"c", at::zeros({2, 3})}, {"_", at::zeros({2, 1, 5})}}, {2});
     case Workload::Tree::uniform: {
       TensorDict td;
@@ -69,14 +74,54 @@ TensorDict make_tree(const Workload& w) {
   throw std::invalid_argument("the TensorDict transports measure TD workloads only (tdshm bench --td)");
 }
 
-// Leaf i of sorted_leaf_keys() holds the pattern of seed i + 1 (a memmap file: seed 1).
+// Leaf i of the transfer order holds the pattern of seed i + 1 (a memmap file: seed 1).
 size_t leaf_seed(size_t index) { return index + 1; }
 
-void fill_leaves(const TensorDict& td) {
-  const auto keys = td.sorted_leaf_keys();
-  for (size_t i = 0; i < keys.size(); ++i) {
-    const at::Tensor t = td.get(keys[i]);
-    fill_pattern(static_cast<uint8_t*>(t.data_ptr()), t.nbytes(), leaf_seed(i));
+/// What a workload transfers: a TensorDict, or (lazy_seed) a lazy stack of four of them.
+struct Object {
+  TensorDict td;
+  std::optional<LazyStackedTensorDict> stack;
+
+  void send(const SendOptions& o) const {
+    if (stack) {
+      stack->send(o);
+    } else {
+      td.send(o);
+    }
+  }
+  void recv(const RecvOptions& o) {
+    if (stack) {
+      stack->recv(o);
+    } else {
+      td.recv(o);
+    }
+  }
+  /// The leaves in transfer order.
+  std::vector<at::Tensor> leaves() const {
+    std::vector<at::Tensor> out;
+    for (const TensorDict& t : stack ? stack->tensordicts() : std::vector<TensorDict>{td}) {
+      for (const Key& k : t.sorted_leaf_keys()) out.push_back(t.get(k));
+    }
+    return out;
+  }
+};
+
+Object make_object(const Workload& w) {
+  Object o;
+  if (w.tree != Workload::Tree::lazy_seed) {
+    o.td = make_tree(w);
+    return o;
+  }
+  std::vector<TensorDict> members;
+  for (int m = 0; m < 4; ++m) members.push_back(make_tree(w));
+  o.stack.emplace(std::move(members));
+  return o;
+}
+
+void fill_leaves(const Object& o) {
+  const std::vector<at::Tensor> leaves = o.leaves();
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    fill_pattern(static_cast<uint8_t*>(leaves[i].data_ptr()), leaves[i].nbytes(), leaf_seed(i));
   }
 }
 
@@ -87,17 +132,17 @@ class TdPingPong final : public PingPong {
   void prepare(const Workload& w) override {
     send_ = SendOptions{.group = group_, .group_dst = 1 - rank_, .consolidated = w.consolidated};
     recv_ = RecvOptions{.group = group_, .group_src = 1 - rank_, .consolidated = w.consolidated};
-    td_ = make_tree(w);
-    back_ = TensorDict();
+    td_ = make_object(w);
+    back_ = Object();
     if (rank_ == 0) {
       // A memmap file holds the pattern already; every other echo lands in zeros.
       if (w.tree != Workload::Tree::memmap) fill_leaves(td_);
-      back_ = make_tree(w);
+      back_ = make_object(w);
     }
     if (w.consolidated) {
       // Kept: consolidate() on a consolidated tensordict returns it as is, so no send copies.
-      td_ = td_.consolidate();
-      if (rank_ == 0) back_ = back_.consolidate();
+      td_.td = td_.td.consolidate();
+      if (rank_ == 0) back_.td = back_.td.consolidate();
     }
   }
 
@@ -112,14 +157,14 @@ class TdPingPong final : public PingPong {
   }
 
   bool verify() const override {
-    const auto keys = back_.sorted_leaf_keys();
-    for (size_t i = 0; i < keys.size(); ++i) {
-      const at::Tensor t = back_.get(keys[i]);
+    const std::vector<at::Tensor> leaves = back_.leaves();
+    for (size_t i = 0; i < leaves.size(); ++i) {
+      const at::Tensor& t = leaves[i];
       if (!t.is_contiguous() || !has_pattern(static_cast<const uint8_t*>(t.data_ptr()), t.nbytes(), leaf_seed(i))) {
         return false;
       }
     }
-    return !keys.empty();
+    return !leaves.empty();
   }
 
  private:
@@ -127,8 +172,8 @@ class TdPingPong final : public PingPong {
   int rank_;
   SendOptions send_;
   RecvOptions recv_;
-  TensorDict td_;    // rank 0: what it sends; rank 1: what it receives and sends back
-  TensorDict back_;  // rank 0: where the echo lands
+  Object td_;    // rank 0: what it sends; rank 1: what it receives and sends back
+  Object back_;  // rank 0: where the echo lands
 };
 
 // ---- the memmap workloads' file and its removal on a signal ----
@@ -172,6 +217,7 @@ const std::vector<Workload>& td_workloads() {
   static const std::vector<Workload> workloads{
       td_workload("seed", Tree::seed, 3, 0, false),
       td_workload("seed-consolidated", Tree::seed, 3, 0, true),
+      td_workload("lazy-4xseed", Tree::lazy_seed, 12, 0, false),
       td_workload("100x1KiB", Tree::uniform, 100, kKiB, false),
       td_workload("10x1MiB", Tree::uniform, 10, kMiB, false),
       td_workload("64MiB-consolidated", Tree::uniform, 1, 64 * kMiB, true),

@@ -36,6 +36,11 @@ std::vector<size_t> leaf_messages(const Workload& workload) {
   switch (workload.consolidated ? Workload::Tree::message : workload.tree) {
     case Workload::Tree::seed:
       return {2 * sizeof(float), 2 * 3 * sizeof(float), 2 * 1 * 5 * sizeof(float)};  // as pingpong_td.cpp builds it
+    case Workload::Tree::lazy_seed: {
+      std::vector<size_t> four;
+      for (int m = 0; m < 4; ++m) four.insert(four.end(), {2 * sizeof(float), 2 * 3 * sizeof(float), 2 * 1 * 5 * sizeof(float)});
+      return four;
+    }
     case Workload::Tree::uniform:
     case Workload::Tree::memmap:
       return std::vector<size_t>(static_cast<size_t>(workload.leaves), workload.leaf_bytes);

@@ -51,6 +51,7 @@ struct Workload {
     seed,     ///< {("a","b"): 2 floats, "c": 2x3 floats, "_": 2x1x5 floats}, batch [2]
     uniform,  ///< `leaves` float leaves of `leaf_bytes` each, batch []
     memmap,   ///< one float leaf of `leaf_bytes` that maps `file` (both ranks map the same file)
+    lazy_seed,  ///< a LazyStackedTensorDict of four seed trees (per leaf, the tags running on)
   };
   std::string name;  ///< "" in size mode
   Tree tree = Tree::message;

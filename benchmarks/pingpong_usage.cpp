@@ -29,6 +29,8 @@ void print_bench_usage(FILE* out) {
                "                                           \"_\": 2x1x5}, batch [2]: 3 leaves, 72 B, per-leaf\n"
                "                       seed-consolidated   the same, send/recv(consolidated=True) between\n"
                "                                           consolidated tensordicts\n"
+               "                       lazy-4xseed         a LazyStackedTensorDict of four seed trees,\n"
+               "                                           per-leaf: 12 leaves, the tags running on\n"
                "                       100x1KiB            100 leaves of 1 KiB, per-leaf\n"
                "                       10x1MiB             10 leaves of 1 MiB, per-leaf\n"
                "                       64MiB-consolidated  one 64 MiB storage, consolidated\n"

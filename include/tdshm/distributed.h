@@ -92,9 +92,8 @@ class Group {
   /// Whether this rank and group rank `peer` both run tdshm's transfer layer and agreed, when the
   /// group was formed, to use its checked gloo protocol (see docs/wire.md): a
   /// per-leaf layout descriptor and a consolidated header that let the receiver name the key
-  /// that differs. False for every Python (tensordict) peer, for standalone groups and over shm
-  /// (where the checks ride inside the transport's own message metadata): then the wire is
-  /// exactly tensordict's.
+  /// that differs. False for every Python (tensordict) peer and over shm (where the checks ride
+  /// inside the transport's own message metadata): then the wire is exactly tensordict's.
   bool checked_wire_with(int peer) const noexcept {
     if (!shared_) return false;
     const std::vector<bool>& checked = shared_->checked;  // empty: never set
@@ -182,8 +181,9 @@ Group new_group(const std::vector<int>& ranks);
 void destroy_process_group();
 /// A standalone gloo group over `store` (a c10d TCPStore or FileStore, possibly wrapped in a
 /// PrefixStore), never registered: address its ranks with group_dst / group_src. The device is
-/// chosen as for init_process_group (loopback for a TCPStore on a loopback host). Throws Error
-/// for a null store or a rank outside [0, size).
+/// chosen as for init_process_group (loopback for a TCPStore on a loopback host). It advertises
+/// tdshm's checked wire in the store, as init_process_group does (Group::checked_wire_with).
+/// Throws Error for a null store or a rank outside [0, size).
 Group gloo_group_from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                             std::chrono::milliseconds timeout = std::chrono::minutes(30));
 
@@ -239,10 +239,12 @@ struct RecvOptions {
   bool consolidated = false;
 };
 
-/// TensorDict::gather_and_stack: every rank of `group` calls it with the same dst.
+/// TensorDict::gather_and_stack: every rank of `group` calls it with the same destination,
+/// exactly one of dst / group_dst (group_dst requires group; a standalone group has only it).
 struct GatherAndStackOptions {
-  int dst = 0;     ///< global rank that receives and stacks
-  Group group{};   ///< default: the default group
+  std::optional<int> dst{};        ///< global rank that receives and stacks
+  Group group{};                   ///< default: the default group
+  std::optional<int> group_dst{};  ///< the same, as a rank of `group`
 };
 
 /// What isend / irecv return. Python returns one of int, List[Work] or None; here:

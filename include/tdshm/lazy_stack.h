@@ -11,9 +11,16 @@
 #include <tdshm/tensordict.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace tdshm {
+
+class LazyStackedTensorDict;
+namespace detail {
+struct LazyLeavesCache;  // tensordict/impl.h
+LazyLeavesCache& lazy_leaves_cache(const LazyStackedTensorDict& stack) noexcept;
+}  // namespace detail
 
 class LazyStackedTensorDict {
  public:
@@ -56,8 +63,12 @@ class LazyStackedTensorDict {
   int64_t recv(const RecvOptions& options);
 
  private:
+  friend detail::LazyLeavesCache& detail::lazy_leaves_cache(const LazyStackedTensorDict& stack) noexcept;
   std::vector<TensorDict> tensordicts_;
   int64_t stack_dim_ = 0;
+  /// The transfers' leaf order, tags and checks, kept while no member's keys changed (shared by
+  /// copies, which share the members too).
+  std::shared_ptr<detail::LazyLeavesCache> leaves_cache_;
 };
 
 LazyStackedTensorDict operator==(const LazyStackedTensorDict& a, const LazyStackedTensorDict& b);

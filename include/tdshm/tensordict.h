@@ -279,7 +279,7 @@ class TensorDict {
   /// the result's leaf maps the sender's file (MemmapError if this rank cannot) and the result
   /// is locked but not consolidated (docs/semantics.md).
   static TensorDict from_remote_init(const FromRemoteInitOptions& options);
-  /// tensordict's gather_and_stack: every rank of `group` calls it; rank `dst` (global) receives
+  /// tensordict's gather_and_stack: every rank of `group` calls it; rank `dst` receives
   /// every other rank's tensordict, in rank order without its own, into its own, whose first
   /// batch dimension must be the group's size - 1 (written in place, as update_ of the stack);
   /// returns *this there, nullopt elsewhere. Per leaf, no pickle: between tdshm ranks only. A

@@ -35,8 +35,17 @@ bool every_member_runs_tdshm(const Group& g) {
 }  // namespace
 
 std::optional<TensorDict> TensorDict::gather_and_stack(const GatherAndStackOptions& o) {
+  if (o.dst.has_value() == o.group_dst.has_value()) {
+    throw Error("gather_and_stack: exactly one of `dst` and `group_dst` must be given");
+  }
+  if (o.group_dst && !o.group.defined()) throw Error("gather_and_stack: `group_dst` requires `group`");
   const Group g = group_or_default(o.group);
-  const int dst = root_in_group(g, o.dst);
+  if (o.group_dst && (*o.group_dst < 0 || *o.group_dst >= g.size())) {
+    throw Error("gather_and_stack: group_dst " + std::to_string(*o.group_dst) + " is not a rank of the group (size " +
+                std::to_string(g.size()) + ")");
+  }
+  const int dst = o.group_dst ? *o.group_dst : root_in_group(g, *o.dst);
+  const std::string dst_name = o.group_dst ? "group rank " + std::to_string(dst) : "rank " + std::to_string(*o.dst);
   if (!every_member_runs_tdshm(g)) {
     throw Error("gather_and_stack: a rank of this group is a Python (tensordict) rank, whose gather_and_stack "
                 "pickles the whole tensordict (gather_object); tdshm ranks do not read that: gather with "
@@ -47,7 +56,7 @@ std::optional<TensorDict> TensorDict::gather_and_stack(const GatherAndStackOptio
     at::Tensor go = int64_tensor({0});
     recv_now(g, go, dst, kGatherTag);
     if (go.data_ptr<int64_t>()[0] != 1) {
-      throw Error("gather_and_stack: rank " + std::to_string(o.dst) +
+      throw Error("gather_and_stack: " + dst_name +
                   " refused: its tensordict's first batch dimension is not the group size - 1 (" +
                   std::to_string(others) + ")");
     }

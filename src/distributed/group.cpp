@@ -537,9 +537,15 @@ Group gloo_group_from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int
   if (!store) throw Error("gloo_group_from_store: the store is null");
   check_rank(rank, size, "gloo_group_from_store");
   const std::string what = "gloo_group_from_store(rank " + std::to_string(rank) + " of " + std::to_string(size) + ")";
-  return Group(translate_timeout(what, timeout, [&] {
-    return make_gloo(store, rank, size, timeout, make_gloo_device(tcp_store_host(store)));
-  }));
+  return translate_timeout(what, timeout, [&] {
+    // tdshm's checked wire, advertised as init_process_group does: the key goes in before gloo's
+    // rendezvous, which every rank passes only after every other rank wrote its address (so after
+    // its key too).
+    store->set(checked_wire_key(rank), std::vector<uint8_t>{'1'});
+    Group group(make_gloo(store, rank, size, timeout, make_gloo_device(tcp_store_host(store))));
+    group.set_checked_wire(read_checked_wire(*store, size));
+    return group;
+  });
 }
 
 }  // namespace tdshm

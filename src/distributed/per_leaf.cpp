@@ -78,23 +78,32 @@ Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
 
 /// The leaves of a lazy stack: each member's in its sorted order, member after member, the tags
 /// running on (tensordict's _lazy.py). Leaf j of member m is named (m, key...) in errors and key
-/// checks. Built per transfer: a stack has no cache of its own.
+/// checks. Kept in the stack's cache while every member's own sorted leaves are current.
 Leaves collect(const LazyStackedTensorDict& stack, int64_t init_tag, bool pseudo_rand) {
-  auto sorted = std::make_shared<SortedLeaves>();
   Leaves l;
-  for (size_t m = 0; m < stack.size(); ++m) {
-    const TensorDict& td = stack.tensordicts()[m];
-    const std::shared_ptr<const SortedLeaves> own = sorted_leaves(td);
-    for (size_t i = 0; i < own->keys.size(); ++i) {
-      std::vector<std::string> parts{std::to_string(m)};
-      parts.insert(parts.end(), own->keys[i].parts().begin(), own->keys[i].parts().end());
-      sorted->keys.emplace_back(std::move(parts));
-      sorted->key_hashes.push_back(key_path_hash(sorted->keys.back()));
-      l.tensors.push_back(leaf_tensor(td, *own, i));
+  std::vector<std::shared_ptr<const SortedLeaves>> members;
+  members.reserve(stack.size());
+  for (const TensorDict& td : stack.tensordicts()) members.push_back(sorted_leaves(td));
+  LazyLeavesCache& cache = lazy_leaves_cache(stack);
+  std::shared_ptr<const LazyLeavesCache::Entry> entry = cache.value.load(std::memory_order_acquire);
+  if (!entry || entry->members != members) {
+    auto sorted = std::make_shared<SortedLeaves>();
+    for (size_t m = 0; m < members.size(); ++m) {
+      for (const Key& key : members[m]->keys) {
+        std::vector<std::string> parts{std::to_string(m)};
+        parts.insert(parts.end(), key.parts().begin(), key.parts().end());
+        sorted->keys.emplace_back(std::move(parts));
+        sorted->key_hashes.push_back(key_path_hash(sorted->keys.back()));
+      }
     }
+    entry = std::make_shared<const LazyLeavesCache::Entry>(LazyLeavesCache::Entry{members, std::move(sorted)});
+    cache.value.store(entry, std::memory_order_release);
   }
-  l.wire = wire_of(*sorted, init_tag, pseudo_rand);
-  l.sorted = std::move(sorted);
+  for (size_t m = 0; m < members.size(); ++m) {
+    for (size_t i = 0; i < members[m]->keys.size(); ++i) l.tensors.push_back(leaf_tensor(stack.tensordicts()[m], *members[m], i));
+  }
+  l.wire = wire_of(*entry->leaves, init_tag, pseudo_rand);
+  l.sorted = entry->leaves;
   return l;
 }
 

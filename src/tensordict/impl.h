@@ -101,6 +101,16 @@ struct TensorDictImpl {
   }
 };
 
+/// A lazy stack's leaves in transfer order (distributed/per_leaf.cpp builds them), kept with the
+/// members' own SortedLeaves they came from: valid while each member's is still current.
+struct LazyLeavesCache {
+  struct Entry {
+    std::vector<std::shared_ptr<const SortedLeaves>> members;
+    std::shared_ptr<const SortedLeaves> leaves;
+  };
+  std::atomic<std::shared_ptr<const Entry>> value;
+};
+
 /// `td`'s leaves in transfer order with their key hashes, from the cache while no tensordict's
 /// keys changed since it was computed.
 std::shared_ptr<const SortedLeaves> sorted_leaves(const TensorDict& td);

@@ -5,6 +5,7 @@
 #include <tdshm/lazy_stack.h>
 
 #include "common/format.h"
+#include "tensordict/impl.h"
 
 #include <ATen/ops/stack.h>
 
@@ -48,8 +49,12 @@ void shared_keys(const std::vector<TensorDict>& members, const Key* prefix, bool
 
 }  // namespace
 
+detail::LazyLeavesCache& detail::lazy_leaves_cache(const LazyStackedTensorDict& stack) noexcept {
+  return *stack.leaves_cache_;
+}
+
 LazyStackedTensorDict::LazyStackedTensorDict(std::vector<TensorDict> tensordicts, int64_t stack_dim)
-    : tensordicts_(std::move(tensordicts)) {
+    : tensordicts_(std::move(tensordicts)), leaves_cache_(std::make_shared<detail::LazyLeavesCache>()) {
   const int64_t dims = tensordicts_.empty() ? 0 : tensordicts_[0].batch_dims();
   for (size_t m = 1; m < tensordicts_.size(); ++m) {
     if (tensordicts_[m].batch_size() != tensordicts_[0].batch_size()) {

@@ -67,13 +67,22 @@ TEST_P(TransferGatherAndStack, InASubgroup) {
   run_world(4, [&](int rank, Flags&) {
     const Group g = new_group({0, 2, 3});
     if (rank == 1) return;
-    if (rank == 3) {
-      TensorDict mine = stacked(2);
-      mine.gather_and_stack({.dst = 3, .group = g});
-      SHM_CHECK(at::equal(mine.get({"a", "b"})[0], at::full({2}, 1.0)) && at::equal(mine.get({"a", "b"})[1], at::full({2}, 3.0)),
-                mine.get({"a", "b"}));
-    } else {
-      tree(rank + 1).gather_and_stack({.dst = 3, .group = g});
+    SHM_CHECK_THROWS(Error, [&] { tree(0).gather_and_stack({.group = g}); }, "exactly one");
+    SHM_CHECK_THROWS(Error, [&] { tree(0).gather_and_stack({.dst = 3, .group = g, .group_dst = 2}); }, "exactly one");
+    SHM_CHECK_THROWS(Error, [&] { tree(0).gather_and_stack({.group = g, .group_dst = 3}); }, "not a rank");
+    // Global rank 3 is group rank 2: named both ways.
+    for (const bool by_group_rank : {false, true}) {
+      const GatherAndStackOptions o = by_group_rank ? GatherAndStackOptions{.group = g, .group_dst = 2}
+                                                    : GatherAndStackOptions{.dst = 3, .group = g};
+      if (rank == 3) {
+        TensorDict mine = stacked(2);
+        mine.gather_and_stack(o);
+        SHM_CHECK(at::equal(mine.get({"a", "b"})[0], at::full({2}, 1.0)) &&
+                      at::equal(mine.get({"a", "b"})[1], at::full({2}, 3.0)),
+                  mine.get({"a", "b"}));
+      } else {
+        tree(rank + 1).gather_and_stack(o);
+      }
     }
   });
 }

@@ -137,6 +137,24 @@ TEST_P(TransferLazyStack, RefusalsKeepThePairInStep) {
   });
 }
 
+// The stack keeps its leaf order between transfers; a member that gains a key (on both sides)
+// is seen by the next transfer.
+TEST_P(TransferLazyStack, AMemberThatGainsAKeyIsSeen) {
+  run_world(2, [&](int rank, Flags&) {
+    LazyStackedTensorDict s = rank == 0 ? hetero_stack(1) : hetero_stack(0);
+    for (int round = 0; round < 2; ++round) {
+      if (round == 1) TensorDict(s[2]).set("late", at::full({2}, rank == 0 ? 9.0 : 0.0));  // a handle: the member itself
+      if (rank == 0) {
+        SHM_CHECK(s.isend({.dst = 1}).last_tag == (round == 0 ? 6 : 7), "round " << round);
+      } else {
+        SHM_CHECK(s.recv({.src = 0}) == (round == 0 ? 6 : 7), "round " << round);
+        check_stack(s, 1, "round " + std::to_string(round));
+        if (round == 1) SHM_CHECK(at::equal(s[2].get("late"), at::full({2}, 9.0)), s[2].get("late"));
+      }
+    }
+  });
+}
+
 // A subgroup: group_dst / group_src are ranks inside it.
 TEST_P(TransferLazyStack, InASubgroup) {
   run_world(3, [&](int rank, Flags&) {
