@@ -8,6 +8,7 @@
 #include "collectives.h"
 #include "copy_channel.h"
 #include "loader_batch.h"
+#include "scenario_results.h"
 
 #include <tdshm/distributed.h>
 #include <tdshm/process_group.h>
@@ -505,19 +506,6 @@ int run_rank(const Layout& layout, int rank, Control& control, const Reporter& r
 
 // ---- the coordinator ----
 
-struct Measured {
-  std::string pattern, transport;
-  int repeat = 0;
-  int count = 0;
-  double seconds = 0;
-  double read_seconds = 0;  // loader: main's time reading and checking batches
-};
-
-struct LayoutResult {
-  std::vector<Measured> measured;
-  std::vector<std::string> failures;
-};
-
 std::string rank_name(const Layout& layout, int rank) {
   if (rank == 0) return layout.scenario == "loader" ? "main (rank 0)" : "learner (rank 0)";
   return std::string(layout.scenario == "loader" ? "worker " : "actor ") + std::to_string(rank);
@@ -568,43 +556,6 @@ LayoutResult run_layout(Layout layout, std::chrono::seconds deadline_after) {
   return result;
 }
 
-// ---- statistics and tables ----
-
-struct Stats {
-  int n = 0;
-  double median = 0, min = 0, max = 0;
-  double median_seconds = 0;
-  // Loader: the share of main's loop spent reading batches, and the rate main would reach if
-  // it did nothing else (batches / reading seconds): no transport passes it (medians).
-  double read_share = 0, read_bound = 0;
-};
-
-// Rates (items per second) of the measurements of (pattern, transport).
-Stats stats_of(const LayoutResult& r, const std::string& pattern, const std::string& transport, int items_per_count) {
-  std::vector<double> rates, seconds, shares, bounds;
-  for (const auto& m : r.measured) {
-    if (m.pattern != pattern || m.transport != transport || m.seconds <= 0) continue;
-    rates.push_back(static_cast<double>(m.count) * items_per_count / m.seconds);
-    seconds.push_back(m.seconds);
-    if (m.read_seconds > 0) {
-      shares.push_back(m.read_seconds / m.seconds);
-      bounds.push_back(static_cast<double>(m.count) * items_per_count / m.read_seconds);
-    }
-  }
-  Stats s;
-  s.n = static_cast<int>(rates.size());
-  if (s.n == 0) return s;
-  s.median = median_of(rates);
-  s.min = *std::min_element(rates.begin(), rates.end());
-  s.max = *std::max_element(rates.begin(), rates.end());
-  s.median_seconds = median_of(seconds);
-  if (!shares.empty()) {
-    s.read_share = median_of(shares);
-    s.read_bound = median_of(bounds);
-  }
-  return s;
-}
-
 void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
   if (scenario == "loader") {
     std::printf("\nscenario loader: N worker processes -> 1 main process, over shm and gloo in the same processes\n"
@@ -639,47 +590,6 @@ void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
                 "  steps/s = steps / seconds of the learner's loop; GB/s counts both directions;\n"
                 "  median of %d measurement(s), min-max beside it; shm/gloo and shm/ref = ratios of the medians\n",
                 o.actors, kTrajectoryBytes, o.steps, o.repeat);
-  }
-  std::fflush(stdout);
-}
-
-// The ratios the loans are judged by (docs/loans.md), from this layout's medians.
-void print_loan_goals(const LayoutResult& r, const std::string& scenario, int items) {
-  auto median = [&](const char* pattern, const char* transport) { return stats_of(r, pattern, transport, items).median; };
-  auto line = [](const char* what, double num, double den, const char* goal, double limit) {
-    if (num <= 0 || den <= 0) return;
-    std::printf("  goal: %-44s %6.2f  %s %.1f  %s\n", what, num / den, goal, limit, num / den >= limit ? "PASS" : "MISS");
-  };
-  if (scenario == "loader") {
-    line("shm loan-view / shm irecv-ahead", median("loan-view", "shm"), median("irecv-ahead", "shm"), ">=", 2.0);
-    line("shm loan-view / inplace (hand-written)", median("loan-view", "shm"), median("loan-view", "inplace"), ">=", 1.2);
-    line("shm loan-view-c / shm irecv-ahead", median("loan-view-c", "shm"), median("irecv-ahead", "shm"), ">=", 2.0);
-    line("shm loan-view-c / inplace (hand-written)", median("loan-view-c", "shm"), median("loan-view", "inplace"), ">=",
-         1.2);
-    line("shm loan-copy / shm irecv-ahead", median("loan-copy", "shm"), median("irecv-ahead", "shm"), ">=", 1.3);
-    // What no transport passes: main reading every byte and nothing else (measured in the
-    // in-place reference, whose main does nothing else but wait on one flag).
-    const Stats inplace = stats_of(r, "loan-view", "inplace", items);
-    const double copying = median("irecv-ahead", "shm");
-    if (inplace.read_bound > 0 && inplace.median > 0 && copying > 0) {
-      std::printf("  ceiling: inplace's main reads for %.0f %% of its loop; reading alone, main would take %.1f batches/s\n"
-                  "           = %.2fx inplace, %.2fx shm irecv-ahead: no transport passes these ratios\n",
-                  100 * inplace.read_share, inplace.read_bound, inplace.read_bound / inplace.median,
-                  inplace.read_bound / copying);
-    }
-  } else {
-    line("shm loan-view / shm weights-trajectory", median("loan-view", "shm"), median("weights-trajectory", "shm"), ">=",
-         2.0);
-  }
-}
-
-void print_columns(const std::string& scenario) {
-  if (scenario == "loader") {
-    std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s %11s %10s\n", "workers", "pattern", "transport", "batches/s",
-                "  min - max", "GB/s", "shm/gloo", "shm/ref", "main reads");
-  } else {
-    std::printf("\n%7s  %-19s %-9s %11s  %-23s %8s %9s %11s\n", "actors", "pattern", "transport", "steps/s",
-                "  min - max", "GB/s", "shm/gloo", "shm/ref");
   }
   std::fflush(stdout);
 }

@@ -1,0 +1,77 @@
+// The scenarios' statistics and the tables' fixed parts (scenario_results.h).
+
+#include "scenario_results.h"
+
+#include "bench_ranks.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace tdshm::bench {
+
+Stats stats_of(const LayoutResult& r, const std::string& pattern, const std::string& transport, int items_per_count) {
+  std::vector<double> rates, seconds, shares, bounds;
+  for (const auto& m : r.measured) {
+    if (m.pattern != pattern || m.transport != transport || m.seconds <= 0) continue;
+    rates.push_back(static_cast<double>(m.count) * items_per_count / m.seconds);
+    seconds.push_back(m.seconds);
+    if (m.read_seconds > 0) {
+      shares.push_back(m.read_seconds / m.seconds);
+      bounds.push_back(static_cast<double>(m.count) * items_per_count / m.read_seconds);
+    }
+  }
+  Stats s;
+  s.n = static_cast<int>(rates.size());
+  if (s.n == 0) return s;
+  s.median = median_of(rates);
+  s.min = *std::min_element(rates.begin(), rates.end());
+  s.max = *std::max_element(rates.begin(), rates.end());
+  s.median_seconds = median_of(seconds);
+  if (!shares.empty()) {
+    s.read_share = median_of(shares);
+    s.read_bound = median_of(bounds);
+  }
+  return s;
+}
+
+void print_loan_goals(const LayoutResult& r, const std::string& scenario, int items) {
+  auto median = [&](const char* pattern, const char* transport) { return stats_of(r, pattern, transport, items).median; };
+  auto line = [](const char* what, double num, double den, const char* goal, double limit) {
+    if (num <= 0 || den <= 0) return;
+    std::printf("  goal: %-44s %6.2f  %s %.1f  %s\n", what, num / den, goal, limit, num / den >= limit ? "PASS" : "MISS");
+  };
+  if (scenario == "loader") {
+    line("shm loan-view / shm irecv-ahead", median("loan-view", "shm"), median("irecv-ahead", "shm"), ">=", 2.0);
+    line("shm loan-view / inplace (hand-written)", median("loan-view", "shm"), median("loan-view", "inplace"), ">=", 1.2);
+    line("shm loan-view-c / shm irecv-ahead", median("loan-view-c", "shm"), median("irecv-ahead", "shm"), ">=", 2.0);
+    line("shm loan-view-c / inplace (hand-written)", median("loan-view-c", "shm"), median("loan-view", "inplace"), ">=",
+         1.2);
+    line("shm loan-copy / shm irecv-ahead", median("loan-copy", "shm"), median("irecv-ahead", "shm"), ">=", 1.3);
+    // What main reading every byte and nothing else would take (measured in the in-place
+    // reference, whose main does nothing else but wait on one flag).
+    const Stats inplace = stats_of(r, "loan-view", "inplace", items);
+    const double copying = median("irecv-ahead", "shm");
+    if (inplace.read_bound > 0 && inplace.median > 0 && copying > 0) {
+      std::printf("  ceiling: inplace's main reads for %.0f %% of its loop; reading alone, main would take %.1f batches/s\n"
+                  "           = %.2fx inplace, %.2fx shm irecv-ahead (what reading alone allows this minute)\n",
+                  100 * inplace.read_share, inplace.read_bound, inplace.read_bound / inplace.median,
+                  inplace.read_bound / copying);
+    }
+  } else {
+    line("shm loan-view / shm weights-trajectory", median("loan-view", "shm"), median("weights-trajectory", "shm"), ">=",
+         2.0);
+  }
+}
+
+void print_columns(const std::string& scenario) {
+  if (scenario == "loader") {
+    std::printf("\n%7s  %-13s %-9s %11s  %-23s %8s %9s %11s %10s\n", "workers", "pattern", "transport", "batches/s",
+                "  min - max", "GB/s", "shm/gloo", "shm/ref", "main reads");
+  } else {
+    std::printf("\n%7s  %-19s %-9s %11s  %-23s %8s %9s %11s\n", "actors", "pattern", "transport", "steps/s",
+                "  min - max", "GB/s", "shm/gloo", "shm/ref");
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace tdshm::bench
