@@ -230,14 +230,16 @@ bool ShmEngine::is_loan(const at::Tensor& t) const {
   return loans_->find(t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size()).has_value();
 }
 
+bool ShmEngine::rank_offers(int peer, uint32_t feature) const noexcept {
+  return peer >= 0 && peer < size_ && (segment_->rank_features(static_cast<uint32_t>(peer)) & feature) != 0;
+}
+
 bool ShmEngine::runs_tdshm_transfers(int peer) const noexcept {
-  return peer >= 0 && peer < size_ &&
-         (segment_->rank_features(static_cast<uint32_t>(peer)) & shm::kRankFeatureTdshmTransfers) != 0;
+  return rank_offers(peer, shm::kRankFeatureTdshmTransfers);
 }
 
 bool ShmEngine::memmap_by_reference_with(int peer) const noexcept {
-  return options_.memmap_by_reference && peer >= 0 && peer < size_ &&
-         (segment_->rank_features(static_cast<uint32_t>(peer)) & shm::kRankFeatureMemmapByReference) != 0;
+  return options_.memmap_by_reference && rank_offers(peer, shm::kRankFeatureMemmapByReference);
 }
 
 void ShmEngine::poll() {
