@@ -45,6 +45,9 @@ struct SortedLeaves {
   /// tensor of an unchanged tree without hashing a key.
   std::vector<uint32_t> positions;
   std::vector<uint32_t> path_begin;  // keys.size() + 1 offsets into positions
+  /// The sorted index of the j-th leaf in insertion order (depth first), the order in which
+  /// map_leaves visits them (with_leaves).
+  std::vector<uint32_t> insertion_order;
   /// The per-leaf transfers' tags and checks for these keys, for the init_tag and pseudo_rand
   /// last used (per_leaf.cpp): kept with the keys, so they are computed once per tree too.
   mutable std::atomic<std::shared_ptr<const PerLeafWire>> wire;

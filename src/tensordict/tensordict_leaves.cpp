@@ -3,7 +3,6 @@
 #include "tensordict/tensordict_internal.h"
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <sstream>
@@ -202,6 +201,17 @@ std::shared_ptr<const detail::SortedLeaves> detail::sorted_leaves(const TensorDi
   collect_sorted_leaves(*td.impl(), nullptr, path, *fresh);
   fresh->key_hashes.reserve(fresh->keys.size());
   for (const Key& k : fresh->keys) fresh->key_hashes.push_back(key_path_hash(k));
+  // Insertion order (depth first) is the lexicographic order of the leaves' position paths.
+  fresh->insertion_order.resize(fresh->keys.size());
+  for (size_t i = 0; i < fresh->keys.size(); ++i) fresh->insertion_order[i] = static_cast<uint32_t>(i);
+  auto path_of = [&](uint32_t i) {
+    return c10::ArrayRef<uint32_t>(fresh->positions.data() + fresh->path_begin[i],
+                                   fresh->path_begin[i + 1] - fresh->path_begin[i]);
+  };
+  std::sort(fresh->insertion_order.begin(), fresh->insertion_order.end(), [&](uint32_t a, uint32_t b) {
+    const auto pa = path_of(a), pb = path_of(b);
+    return std::lexicographical_compare(pa.begin(), pa.end(), pb.begin(), pb.end());
+  });
   slot.store(fresh, std::memory_order_release);
   return fresh;
 }
@@ -214,22 +224,10 @@ at::Tensor detail::leaf_tensor(const TensorDict& td, const SortedLeaves& leaves,
 }
 
 TensorDict detail::with_leaves(const TensorDict& td, const SortedLeaves& leaves, c10::ArrayRef<at::Tensor> tensors) {
-  const size_t n = leaves.keys.size();
-  TORCH_INTERNAL_ASSERT(tensors.size() == n);
-  // map_leaves visits leaves depth-first in insertion order, which is the lexicographic order
-  // of their position paths; `visit[j]` is the sorted index of the j-th leaf visited.
-  c10::SmallVector<uint32_t, 16> visit(n);
-  for (size_t i = 0; i < n; ++i) visit[i] = static_cast<uint32_t>(i);
-  auto path = [&](uint32_t i) {
-    return c10::ArrayRef<uint32_t>(leaves.positions.data() + leaves.path_begin[i],
-                                   leaves.path_begin[i + 1] - leaves.path_begin[i]);
-  };
-  std::sort(visit.begin(), visit.end(), [&](uint32_t a, uint32_t b) {
-    const auto pa = path(a), pb = path(b);
-    return std::lexicographical_compare(pa.begin(), pa.end(), pb.begin(), pb.end());
-  });
-  size_t j = 0;
-  return map_leaves(*td.impl(), nullptr, [&](const Key&, const at::Tensor&) { return tensors[visit[j++]]; }, true);
+  TORCH_INTERNAL_ASSERT(tensors.size() == leaves.keys.size() && leaves.insertion_order.size() == tensors.size());
+  size_t j = 0;  // map_leaves visits the leaves in insertion order
+  return map_leaves(
+      *td.impl(), nullptr, [&](const Key&, const at::Tensor&) { return tensors[leaves.insertion_order[j++]]; }, true);
 }
 
 namespace {
