@@ -82,6 +82,9 @@ namespace detail {
 class ShmEngine;
 class RecvWorkPool;
 }
+namespace shm {
+class CollectiveQueue;
+}
 
 /// Options of a ProcessGroupShm. All ranks of a group must use the same slot_bytes,
 /// slots_per_rank, ring_entries and window_bytes (they fix the segment layout; a mismatch is a
@@ -287,11 +290,14 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   const ShmOptions& options() const noexcept;
 
  private:
-  c10::intrusive_ptr<c10d::Work> run_collective(c10d::OpType type, std::chrono::milliseconds timeout,
-                                                const std::function<void(std::chrono::steady_clock::time_point)>& body,
+  // Issues `body(deadline)` as the group's next collective (process_group_shm_collectives.cpp).
+  template <class Body>
+  c10::intrusive_ptr<c10d::Work> run_collective(c10d::OpType type, std::chrono::milliseconds timeout, Body&& body,
                                                 std::vector<at::Tensor> outputs);
 
   std::shared_ptr<detail::ShmEngine> engine_;
+  // The collectives issued and not yet run, in order (shm/collective_queue.h).
+  std::shared_ptr<shm::CollectiveQueue> collectives_;
   // What every send that completed as it was posted returns (its bytes are in the segment): one
   // completed Work, shared, rather than one allocated and destroyed per message.
   c10::intrusive_ptr<c10d::Work> sent_;

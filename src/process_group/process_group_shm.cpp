@@ -5,6 +5,7 @@
 #include "common/recycle.h"
 #include "process_group/batch_work.h"
 #include "process_group/tensor_checks.h"
+#include "shm/collective_queue.h"
 #include "shm/engine.h"
 
 #include <ATen/core/ivalue.h>
@@ -315,11 +316,16 @@ ProcessGroupShm::ProcessGroupShm(const std::string& name, int rank, int size, Sh
   engine_ = std::make_shared<ShmEngine>(name, rank, size, options);
   sent_ = make_work(engine_, OpList{}, c10d::OpType::SEND);
   recv_works_ = std::make_unique<detail::RecvWorkPool>();
+  collectives_ = std::make_shared<shm::CollectiveQueue>(name, engine_->steps().mutex());
   init();
 }
 
 ProcessGroupShm::~ProcessGroupShm() {
+  // The engine first: a collective that runs fails at once; those not started fail in close().
   if (engine_) engine_->shutdown();
+  if (collectives_) {
+    collectives_->close(std::make_exception_ptr(Error("the process group was destroyed before this collective ran")));
+  }
 }
 
 const std::string& ProcessGroupShm::segment_name() const noexcept { return engine_->name(); }

@@ -1,11 +1,13 @@
-// ProcessGroupShm's collectives: c10d's arguments checked and turned into byte buffers, then
-// run over the segment's collective windows (shm/collective.h) in the calling thread. The Work
-// returned is complete; an error of the collective itself is raised by its wait(), as c10d does.
+// ProcessGroupShm's collectives: c10d's arguments checked at the call, then issued to the group's
+// queue (shm/collective_queue.h) as a function that turns them into byte buffers and runs over the
+// segment's collective windows (shm/collective.h). The Work returns at once; the collective runs
+// in the thread that waits for it, or on the queue's helper thread; its error is raised by wait().
 
 #include <tdshm/process_group.h>
 
 #include "process_group/tensor_checks.h"
 #include "shm/collective.h"
+#include "shm/collective_queue.h"
 #include "shm/engine.h"
 
 #include <ATen/core/ivalue.h>
@@ -14,6 +16,7 @@
 
 #include <functional>
 #include <mutex>
+#include <optional>
 
 namespace tdshm {
 
@@ -21,26 +24,63 @@ using detail::ReduceKind;
 
 namespace {
 
-/// A collective that already ran: wait() rethrows its error, result() returns its outputs.
-class DoneWork : public c10d::Work {
+/// A collective issued to the group's queue (shm/collective_queue.h): wait() runs it (and those
+/// issued before it) in the caller's thread unless the helper thread has started them, then
+/// raises its error; isCompleted() and getFuture() ask the helper thread to start it now.
+class QueuedWork final : public c10d::Work {
  public:
-  DoneWork(int rank, c10d::OpType type, std::exception_ptr error, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type), outputs_(std::move(outputs)) {
-    finish(std::move(error));
+  QueuedWork(int rank, c10d::OpType type, std::shared_ptr<shm::CollectiveQueue> queue,
+             std::shared_ptr<shm::QueuedCollective> collective, std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type), queue_(std::move(queue)), collective_(std::move(collective)),
+        outputs_(std::move(outputs)) {}
+
+  bool isCompleted() override {
+    if (collective_->done()) return true;
+    queue_->urge();
+    return collective_->done();
   }
+  bool isSuccess() const override { return collective_->done() && !collective_->error(); }
+  std::exception_ptr exception() const override { return collective_->done() ? collective_->error() : nullptr; }
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-    if (exception_) {
-      future->setError(exception_);
-    } else {
-      future->markCompleted(c10::IValue(outputs_));
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::optional<shm::CollectiveQueue::Clock::time_point> until;
+    if (timeout != kNoTimeout) until = shm::CollectiveQueue::Clock::now() + timeout;
+    if (!queue_->wait(*collective_, until)) {
+      throw TimeoutError("ProcessGroupShm: the collective did not complete within the wait's timeout of " +
+                         std::to_string(timeout.count()) + " ms (it goes on)");
     }
-    return future;
+    if (collective_->error()) std::rethrow_exception(collective_->error());
+    return true;
+  }
+
+  // A collective no thread started is withdrawn; one that runs or ran is left as it is.
+  void abort() override {
+    queue_->cancel(collective_, std::make_exception_ptr(TransportError("the collective was aborted before it ran")));
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::lock_guard lk(future_mu_);
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+      queue_->on_done(collective_, [future = future_, c = collective_, outputs = outputs_] {
+        if (c->error()) {
+          future->setError(c->error());
+        } else {
+          future->markCompleted(c10::IValue(outputs));
+        }
+      });
+      queue_->urge();  // a future's user may never call wait()
+    }
+    return future_;
   }
 
  private:
+  std::shared_ptr<shm::CollectiveQueue> queue_;
+  std::shared_ptr<shm::QueuedCollective> collective_;
   std::vector<at::Tensor> outputs_;
+  std::mutex future_mu_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
 // Collectives also refuse a tensor whose elements overlap: most of them write their tensors in place.
@@ -111,22 +151,15 @@ struct Dense {
 
 }  // namespace
 
-// Runs `body` as one collective of the group: under the collective lock, against the deadline
-// of `timeout` (the group's when unset); returns a Work that is complete.
+// Issues `body` as the group's next collective (it runs in issue order, under the steps' mutex,
+// against the deadline of `timeout` from when it starts: the group's when unset) and returns its
+// Work at once.
+template <class Body>
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::run_collective(c10d::OpType type, std::chrono::milliseconds timeout,
-                                                               const std::function<void(detail::Deadline)>& body,
-                                                               std::vector<at::Tensor> outputs) {
+                                                               Body&& body, std::vector<at::Tensor> outputs) {
   const auto limit = timeout == c10d::kUnsetTimeout ? engine_->options().timeout : timeout;
-  std::exception_ptr error;
-  {
-    std::lock_guard lk(engine_->steps().mutex());
-    try {
-      body(std::chrono::steady_clock::now() + limit);
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
-  return c10::make_intrusive<DoneWork>(getRank(), type, std::move(error), std::move(outputs));
+  auto collective = collectives_->submit(std::forward<Body>(body), limit);
+  return c10::make_intrusive<QueuedWork>(getRank(), type, collectives_, std::move(collective), std::move(outputs));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor>& tensors,
@@ -137,7 +170,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
   const int root = static_cast<int>(opts.rootRank);
   return run_collective(
       c10d::OpType::BROADCAST, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, t, root](detail::Deadline d) {
         const Dense x(t, getRank() == root);
         detail::shm_broadcast(*engine_, bytes_of(x.dense()), nbytes(t), root, d);
         x.back();
@@ -147,7 +180,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& opts) {
   return run_collective(
-      c10d::OpType::BARRIER, opts.timeout, [&](detail::Deadline d) { detail::shm_barrier(*engine_, d); }, {});
+      c10d::OpType::BARRIER, opts.timeout, [this](detail::Deadline d) { detail::shm_barrier(*engine_, d); }, {});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(std::vector<at::Tensor>& tensors,
@@ -156,7 +189,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(std::vector<at::Tensor
   const ReduceKind op = reduce_kind(opts.reduceOp, t.scalar_type(), "allreduce");
   return run_collective(
       c10d::OpType::ALLREDUCE, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, t, op](detail::Deadline d) {
         const Dense x(t);
         detail::shm_reduce(*engine_, bytes_of(x.dense()), static_cast<uint64_t>(t.numel()), t.scalar_type(), op, -1, d);
         x.back();
@@ -177,7 +210,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
   const ReduceKind op = reduce_kind(opts.reduceOp, dtype, "allreduce_coalesced");
   return run_collective(
       c10d::OpType::ALLREDUCE_COALESCED, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, tensors, dtype, op](detail::Deadline d) {
         int64_t total = 0;
         for (const auto& t : tensors) total += t.numel();
         at::Tensor flat = at::empty({total}, tensors[0].options().memory_format(c10::nullopt));
@@ -205,7 +238,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& 
   const int root = static_cast<int>(opts.rootRank);
   return run_collective(
       c10d::OpType::REDUCE, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, t, op, root](detail::Deadline d) {
         const Dense x(t);
         detail::shm_reduce(*engine_, bytes_of(x.dense()), static_cast<uint64_t>(t.numel()), t.scalar_type(), op, root, d);
         if (getRank() == root) x.back();
@@ -222,11 +255,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(std::vector<std::vecto
   for (const auto& o : outputs[0]) check_like(o, in, "allgather", "every output");
   return run_collective(
       c10d::OpType::ALLGATHER, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, in, outputs = outputs[0]](detail::Deadline d) {
         const Dense x(in);
         std::vector<Dense> outs;
         std::vector<uint8_t*> ptrs;
-        for (const auto& o : outputs[0]) {
+        for (const auto& o : outputs) {
           outs.emplace_back(o, false);
           ptrs.push_back(bytes_of(outs.back().dense()));
         }
@@ -245,7 +278,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(at::Tensor& outp
               ") times its elements");
   return run_collective(
       c10d::OpType::_ALLGATHER_BASE, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, input, output](detail::Deadline d) {
         const Dense x(input);
         const Dense out(output, false);
         std::vector<uint8_t*> ptrs;
@@ -270,7 +303,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(std::vector<std::vector<a
   }
   return run_collective(
       c10d::OpType::GATHER, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, in, root, outputs](detail::Deadline d) {
         const Dense x(in);
         std::vector<Dense> outs;
         std::vector<uint8_t*> ptrs;
@@ -301,7 +334,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>&
   }
   return run_collective(
       c10d::OpType::SCATTER, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, out, root, inputs](detail::Deadline d) {
         std::vector<at::Tensor> dense;
         std::vector<const uint8_t*> ptrs;
         if (getRank() == root) {
@@ -327,10 +360,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::T
   const ReduceKind op = reduce_kind(opts.reduceOp, out.scalar_type(), "reduce_scatter");
   return run_collective(
       c10d::OpType::REDUCE_SCATTER, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, out, inputs = inputs[0], op](detail::Deadline d) {
         std::vector<at::Tensor> dense;
         std::vector<const uint8_t*> ptrs;
-        for (const auto& i : inputs[0]) {
+        for (const auto& i : inputs) {
           dense.push_back(i.contiguous());
           ptrs.push_back(bytes_of(dense.back()));
         }
@@ -354,7 +387,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(at::Tensor&
   const ReduceKind op = reduce_kind(opts.reduceOp, output.scalar_type(), "_reduce_scatter_base");
   return run_collective(
       c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, input, output, op](detail::Deadline d) {
         const Dense x(input);
         const Dense o(output, false);
         std::vector<const uint8_t*> ptrs;
@@ -402,7 +435,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(at::Tensor& output
   const std::vector<uint64_t> recv = bytes_per_peer(output, outputSplitSizes, "output");
   return run_collective(
       c10d::OpType::ALLTOALL_BASE, opts.timeout,
-      [&](detail::Deadline d) {
+      [this, input, output, send, recv](detail::Deadline d) {
         const Dense x(input);
         const Dense o(output, false);
         detail::shm_alltoall(*engine_, bytes_of(x.dense()), send, bytes_of(o.dense()), recv, d);

@@ -2,6 +2,7 @@
 // thread that completes futures (see engine.h).
 
 #include "shm/engine_internal.h"
+#include "shm/collective_queue.h"
 
 #include "common/log.h"
 
@@ -35,6 +36,9 @@ Clock::time_point ShmEngine::sleep_limit(Clock::time_point now, Clock::time_poin
 }
 
 void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline, bool stop_on_error) {
+  // A collective this thread issued and left to run may be what a peer waits for before it
+  // sends what this wait needs (collective_queue.h).
+  shm::urge_queued_collectives();
   struct Hooks {
     ShmEngine& e;
     std::span<const std::shared_ptr<ShmOp>> ops;

@@ -11,6 +11,9 @@
 //                                              nested keys, odd sizes, a non-contiguous leaf;
 //                                              worlds of 2 and 3 (and 4 on gloo over file://)
 //   DistCollectives/AsyncHandles               async_op / return_premature: what is returned
+//   DistCollectives/AsyncAllReduceInterleavedWithPointToPoint
+//                                              an async all_reduce, then sends and receives
+//                                              the peer needs or sends around its all_reduce
 //   DistCollectives/AllGatherOfDifferentTrees  keys, shapes, dtypes, batch sizes, non-tensors
 //   DistCollectives/Scatter                    the source's list, one per rank
 //   DistCollectives/Subgroup                   all four over new_group({2, 0}) of a world of 3
@@ -220,6 +223,32 @@ TEST_P(DistCollectives, AsyncHandles) {
       SHM_CHECK(!q.has_works && q.works.empty(), "reduce(async_op " << async_op << ") returned works");
       if (rank == 1) check_leaves(c, reference(ranks, c10d::ReduceOp::SUM), "reduce(async_op)");
     }
+  });
+}
+
+// The program that deadlocked while collectives ran in their caller's thread: rank 0 starts an
+// all_reduce and sends rank 1 the tree rank 1 receives before its all_reduce; rank 1 then sends
+// back, after its all_reduce, what rank 0 waits for before it waits on the all_reduce.
+TEST_P(DistCollectives, AsyncAllReduceInterleavedWithPointToPoint) {
+  run_world(2, [](int rank) {
+    const std::vector<int> ranks = all_ranks(2);
+    TensorDict a = reduce_tree(rank);
+    TensorDict msg = reduce_tree(7);
+    if (rank == 0) {
+      const Transfer t = a.all_reduce({.async_op = true});
+      msg.send({.dst = 1});
+      TensorDict back = reduce_tree(0);
+      back.recv({.src = 1});
+      check_leaves(back, reduce_tree(9), "the tree sent back after the all_reduce");
+      t.wait();
+    } else {
+      TensorDict got = reduce_tree(1);
+      got.recv({.src = 0});
+      check_leaves(got, msg, "the tree sent after the all_reduce was started");
+      a.all_reduce({});
+      reduce_tree(9).send({.dst = 0});
+    }
+    check_leaves(a, reference(ranks, c10d::ReduceOp::SUM), "all_reduce(async_op) around point-to-point");
   });
 }
 

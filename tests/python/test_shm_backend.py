@@ -97,6 +97,28 @@ def _worker(scenario, rank, world, init_method, outdir):
                     expect_equal(f"irecv {k}", t, r)
         dist.barrier()
 
+    elif scenario == "async_collectives":
+        # Programs that work over gloo because its collectives run on its own threads: rank 0
+        # starts an all_reduce, sends what rank 1 receives before its all_reduce, then receives
+        # what rank 1 sends only after it; a future completes with nobody calling wait().
+        t = torch.full((1000,), float(rank + 1))
+        m = torch.arange(50000, dtype=torch.int32)
+        if rank == 0:
+            w = dist.all_reduce(t, async_op=True)
+            dist.send(m, dst=1)
+            back = torch.zeros(3, dtype=torch.int64)
+            dist.recv(back, src=1)
+            expect_equal("the message sent after the all_reduce", back, torch.tensor([7, 8, 9]))
+            wait(w)
+        else:
+            got = torch.zeros_like(m)
+            dist.recv(got, src=0)
+            expect_equal("the message sent before the all_reduce", got, m)
+            dist.all_reduce(t)
+            dist.send(torch.tensor([7, 8, 9]), dst=0)
+        expect_equal("all_reduce around point-to-point", t, torch.full((1000,), 3.0))
+        f = dist.all_reduce(t, async_op=True).get_future()
+        expect_equal("a future's value", f.wait()[0], torch.full((1000,), 6.0))
     elif scenario == "collectives":
         for root in range(world):
             for dtype in (torch.float32, torch.int64, torch.uint8):
@@ -323,6 +345,9 @@ class ShmBackendTest(unittest.TestCase):
 
     def test_collectives(self):
         self.run_world("collectives", 3, "file")
+
+    def test_async_collectives(self):
+        self.run_world("async_collectives", 2, "file")
 
     def test_groups_file(self):
         segments = self.run_world("groups", 3, "file")

@@ -1166,7 +1166,6 @@ TEST_F(ShmCollectiveThreads, RanksInDifferentCollectivesGetTransportError) {
       pg.barrier()->wait();
       const auto start = Clock::now();
       auto work = mc.call(pg, r);
-      SHM_CHECK(work->isCompleted(), mc.what << ": the work is not complete");
       SHM_CHECK_THROWS(TransportError, [&] { work->wait(); });
       SHM_CHECK(Clock::now() - start < 3s, mc.what << ": the mismatch took "
                                                    << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()

@@ -1,0 +1,271 @@
+// CollectiveQueue: a group's collectives in issue order, run by their waiter or by a helper
+// thread (collective_queue.h).
+
+#include "shm/collective_queue.h"
+
+#include "common/log.h"
+
+#include <tdshm/errors.h>
+
+#include <algorithm>
+
+namespace tdshm::shm {
+
+namespace {
+
+// Every queue of the process, for urge_queued_collectives; and how many collectives nobody
+// started, in all of them (the one load a wait pays when nothing is queued).
+struct Registry {
+  std::mutex mu;
+  std::vector<CollectiveQueue*> queues;
+};
+Registry& registry() {
+  static Registry* r = new Registry;  // never destroyed: queues may outlive static destruction
+  return *r;
+}
+std::atomic<size_t> g_queued{0};
+
+}  // namespace
+
+void urge_queued_collectives() noexcept {
+  if (g_queued.load(std::memory_order_relaxed) == 0) return;
+  Registry& r = registry();
+  std::lock_guard lk(r.mu);
+  for (CollectiveQueue* q : r.queues) q->urge();
+}
+
+CollectiveQueue::CollectiveQueue(std::string name, std::mutex& run_mutex)
+    : name_(std::move(name)), run_mutex_(run_mutex) {
+  Registry& r = registry();
+  std::lock_guard lk(r.mu);
+  r.queues.push_back(this);
+}
+
+CollectiveQueue::~CollectiveQueue() {
+  {
+    Registry& r = registry();
+    std::lock_guard lk(r.mu);
+    r.queues.erase(std::remove(r.queues.begin(), r.queues.end(), this), r.queues.end());
+  }
+  close(std::make_exception_ptr(Error("the process group was destroyed before this collective ran")));
+}
+
+void CollectiveQueue::push(const std::shared_ptr<QueuedCollective>& c) {
+  bool wake = false;
+  {
+    std::lock_guard lk(mu_);
+    if (closed_) std::rethrow_exception(closed_);
+    c->issued_ = Clock::now();
+    last_submit_ = c->issued_;
+    queued_.push_back(c);
+    g_queued.fetch_add(1, std::memory_order_relaxed);
+    if (!helper_.joinable()) start_helper();
+    wake = helper_idle_;
+  }
+  // Only an idle helper is woken: one checking every kGrace finds the collective itself, so a
+  // stream of blocking collectives costs no system call here.
+  if (wake) helper_cv_.notify_one();
+}
+
+// Starts the head (lk held, nothing running) and returns with lk released.
+void CollectiveQueue::run_one(std::unique_lock<std::mutex>& lk) {
+  std::shared_ptr<QueuedCollective> c = std::move(queued_.front());
+  queued_.pop_front();
+  g_queued.fetch_sub(1, std::memory_order_relaxed);
+  running_.store(true, std::memory_order_relaxed);  // read under mu_, or seq_cst after a waiter counted itself
+  c->state_.store(QueuedCollective::kRunning, std::memory_order_relaxed);
+  lk.unlock();
+  std::exception_ptr error;
+  try {
+    std::lock_guard run(run_mutex_);
+    c->run(Clock::now() + c->limit_);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  c->drop_body();  // what it holds (tensors) is released by whoever ran it
+  settle(*c, std::move(error), true);
+}
+
+// Makes `c` done (and, when it ran, the queue free to run the next); wakes whoever waits for
+// that and calls c's callbacks. Without mu_: the blocking path takes no lock here.
+void CollectiveQueue::settle(QueuedCollective& c, std::exception_ptr error, bool ran) {
+  c.error_ = std::move(error);
+  c.state_.store(QueuedCollective::kDone, std::memory_order_seq_cst);
+  if (ran) running_.store(false, std::memory_order_seq_cst);
+  const bool helper = ran && helper_waits_running_.load(std::memory_order_seq_cst);
+  if (helper || waiters_.load(std::memory_order_seq_cst) > 0) {
+    // A waiter counted itself, then checks under mu_ and sleeps: taking mu_ here orders this
+    // wake-up after its check.
+    { std::lock_guard lk(mu_); }
+    done_cv_.notify_all();
+    if (helper) helper_cv_.notify_one();
+  }
+  if (c.has_callbacks_.load(std::memory_order_seq_cst)) call_back(c);
+}
+
+void CollectiveQueue::call_back(QueuedCollective& c) {
+  std::vector<std::function<void()>> callbacks;
+  {
+    std::lock_guard lk(mu_);
+    callbacks.swap(c.on_done_);
+  }
+  for (auto& fn : callbacks) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      detail::log().error("group '{}': a collective's completion callback threw: {}", name_, e.what());
+    } catch (...) {
+      detail::log().error("group '{}': a collective's completion callback threw", name_);
+    }
+  }
+}
+
+bool CollectiveQueue::wait(const QueuedCollective& c, std::optional<Clock::time_point> until) {
+  if (c.done()) return true;
+  std::unique_lock lk(mu_);
+  for (;;) {
+    if (c.done()) return true;
+    // c or one issued before it: run it here, unless its deadline could fall after `until` (a
+    // run cannot stop early: the helper thread runs it then, and this thread only waits).
+    if (!running_.load(std::memory_order_relaxed) && !queued_.empty()) {
+      if (!until || Clock::now() + queued_.front()->limit_ <= *until) {
+        run_one(lk);
+        if (c.done()) return true;
+        lk.lock();
+        continue;
+      }
+      urged_ = true;
+      if (!helper_busy_) helper_cv_.notify_one();
+    }
+    waiters_.fetch_add(1, std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // before the checks below (settle's Dekker pair)
+    // Without `until`: until c is done or the queue is free to run the next one here.
+    auto ready = [&] { return c.done() || (!until && !running_.load(std::memory_order_seq_cst)); };
+    if (until) {
+      done_cv_.wait_until(lk, *until, ready);
+    } else {
+      done_cv_.wait(lk, ready);
+    }
+    waiters_.fetch_sub(1, std::memory_order_relaxed);
+    if (until && !c.done() && Clock::now() >= *until) return false;
+  }
+}
+
+bool CollectiveQueue::cancel(const std::shared_ptr<QueuedCollective>& c, std::exception_ptr error) {
+  {
+    std::lock_guard lk(mu_);
+    auto it = std::find(queued_.begin(), queued_.end(), c);
+    if (it == queued_.end()) return false;
+    queued_.erase(it);
+    g_queued.fetch_sub(1, std::memory_order_relaxed);
+  }
+  c->drop_body();
+  settle(*c, std::move(error), false);
+  return true;
+}
+
+void CollectiveQueue::on_done(const std::shared_ptr<QueuedCollective>& c, std::function<void()> fn) {
+  {
+    std::lock_guard lk(mu_);
+    if (!c->done()) {
+      c->on_done_.push_back(std::move(fn));
+      c->has_callbacks_.store(true, std::memory_order_seq_cst);
+      if (!c->done()) return;  // settle() sees has_callbacks_ and calls it
+    } else {
+      fn = nullptr;
+    }
+  }
+  // Done meanwhile: call_back takes the callbacks under mu_, so each runs once whoever calls it.
+  if (fn) {
+    fn();
+  } else {
+    call_back(*c);
+  }
+}
+
+void CollectiveQueue::urge() noexcept {
+  if (g_queued.load(std::memory_order_relaxed) == 0) return;
+  bool wake = false;
+  {
+    std::lock_guard lk(mu_);
+    // While a collective runs the next cannot start; whoever runs it (a waiter, which then runs
+    // the next one too, or the helper thread) starts it, and a thread that then blocks urges anew.
+    if (queued_.empty() || closed_ || running_.load(std::memory_order_relaxed)) return;
+    urged_ = true;
+    wake = !helper_busy_;
+  }
+  if (wake) helper_cv_.notify_one();
+}
+
+void CollectiveQueue::close(std::exception_ptr error) noexcept {
+  std::unique_lock lk(mu_);
+  if (!closed_) {
+    closed_ = std::move(error);
+    std::deque<std::shared_ptr<QueuedCollective>> failed;
+    failed.swap(queued_);
+    g_queued.fetch_sub(failed.size(), std::memory_order_relaxed);
+    lk.unlock();
+    helper_cv_.notify_all();
+    for (const auto& c : failed) {
+      c->drop_body();
+      settle(*c, closed_, false);
+    }
+    lk.lock();
+  }
+  // The collective that runs ends by itself (its group is shut down first, so promptly).
+  waiters_.fetch_add(1, std::memory_order_seq_cst);
+  done_cv_.wait(lk, [&] { return !running_.load(std::memory_order_seq_cst); });
+  waiters_.fetch_sub(1, std::memory_order_relaxed);
+  if (!helper_.joinable()) return;
+  if (helper_.get_id() == std::this_thread::get_id()) {
+    helper_.detach();  // the last reference was dropped on the helper thread: it ends on its own
+    return;
+  }
+  std::thread helper = std::move(helper_);
+  lk.unlock();
+  helper.join();
+}
+
+void CollectiveQueue::start_helper() {
+  helper_ = std::thread([self = weak_from_this()] {
+    for (;;) {
+      std::shared_ptr<CollectiveQueue> q = self.lock();
+      if (!q || !q->helper_round()) return;
+    }
+  });
+}
+
+// One round of the helper thread: start what is due, else sleep until something may be. False
+// once the queue is closed.
+bool CollectiveQueue::helper_round() {
+  std::unique_lock lk(mu_);
+  if (closed_) return false;
+  const auto now = Clock::now();
+  if (queued_.empty()) {
+    urged_ = false;
+    if (now - last_submit_ < kIdleAfter) {
+      helper_cv_.wait_until(lk, now + kGrace);
+    } else {
+      helper_idle_ = true;
+      helper_cv_.wait(lk);
+      helper_idle_ = false;
+    }
+    return true;
+  }
+  const bool due = urged_ || now >= queued_.front()->issued_ + kGrace;
+  if (!due) {
+    helper_cv_.wait_until(lk, queued_.front()->issued_ + kGrace);
+  } else if (!running_.load(std::memory_order_relaxed)) {
+    helper_busy_ = true;
+    run_one(lk);
+    lk.lock();
+    helper_busy_ = false;
+  } else {  // due, but another thread's collective runs: start it once that one ends
+    helper_waits_running_.store(true, std::memory_order_seq_cst);
+    helper_cv_.wait(lk, [&] { return closed_ || !running_.load(std::memory_order_seq_cst); });
+    helper_waits_running_.store(false, std::memory_order_relaxed);
+  }
+  return true;
+}
+
+}  // namespace tdshm::shm

@@ -1,0 +1,151 @@
+#pragma once
+// The order and the thread in which one group's collectives run. A collective is issued
+// (submit) and returns at once; it runs later, in issue order, one at a time, on one of two
+// threads:
+//  * the thread that waits for it (wait): it runs every collective issued before it that no
+//    thread has started, then its own. A blocking collective (issue, then wait at once) thus
+//    runs in its caller's thread, as if it had never been queued: no hand-off, no system call;
+//  * the queue's helper thread, for a collective nobody waits for: it starts what was issued
+//    more than kGrace ago, or at once when urged (urge). Every thread of this process that is
+//    about to block in a tdshm wait urges every queue (urge_queued_collectives), so a rank that
+//    issued a collective asynchronously and then waits for a message a peer sends only after
+//    that collective never deadlocks; kGrace covers a caller busy outside tdshm.
+// The helper thread starts with the first collective, checks the queue every kGrace while
+// collectives are issued, and sleeps without a timeout once none was issued for kIdleAfter
+// (the next submit wakes it). Torch-free: a collective is a function of its deadline.
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+namespace tdshm::shm {
+
+class CollectiveQueue;
+
+/// One collective issued to a CollectiveQueue (made by CollectiveQueue::submit).
+class QueuedCollective {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit QueuedCollective(std::chrono::milliseconds limit) noexcept : limit_(limit) {}
+  virtual ~QueuedCollective() = default;
+  QueuedCollective(const QueuedCollective&) = delete;
+  QueuedCollective& operator=(const QueuedCollective&) = delete;
+  /// Whether it ran (or was failed without running); error() is then final.
+  bool done() const noexcept { return state_.load(std::memory_order_acquire) == kDone; }
+  /// What it failed with (null: it succeeded). Only once done().
+  const std::exception_ptr& error() const noexcept { return error_; }
+
+ private:
+  friend class CollectiveQueue;
+  enum State : int { kQueued, kRunning, kDone };
+
+  virtual void run(Clock::time_point deadline) = 0;
+  virtual void drop_body() noexcept = 0;  // releases what the body holds (tensors)
+
+  std::chrono::milliseconds limit_;  // its deadline is this long after it starts
+  Clock::time_point issued_{};
+  std::atomic<int> state_{kQueued};
+  std::exception_ptr error_;
+  std::atomic<bool> has_callbacks_{false};
+  std::vector<std::function<void()>> on_done_;  // under the queue's mutex
+};
+
+class CollectiveQueue : public std::enable_shared_from_this<CollectiveQueue> {
+ public:
+  using Clock = QueuedCollective::Clock;
+  /// How long a collective waits for its caller before the helper thread starts it (also how
+  /// often the helper looks while collectives are issued: 1 ms cost blocking collectives of
+  /// oversubscribed ranks a third of their speed, docs/transport.md).
+  static constexpr std::chrono::microseconds kGrace{10000};
+  /// How long after the last submit the helper thread stops checking every kGrace.
+  static constexpr std::chrono::milliseconds kIdleAfter{100};
+
+  /// `name` names the group in log lines; `run_mutex` (the collective steps' mutex) is held while
+  /// a collective runs. Owned by a shared_ptr (the helper thread holds it while it works), and
+  /// close()d by its owner before it lets go.
+  CollectiveQueue(std::string name, std::mutex& run_mutex);
+  /// close()s with a generic error.
+  ~CollectiveQueue();
+  CollectiveQueue(const CollectiveQueue&) = delete;
+  CollectiveQueue& operator=(const CollectiveQueue&) = delete;
+
+  /// Issues the collective `body(deadline)` (its deadline `limit` after it starts); throws the
+  /// close() error once the queue is closed. The body lives inside the returned object: one
+  /// allocation per collective.
+  template <class Body>
+  std::shared_ptr<QueuedCollective> submit(Body&& body, std::chrono::milliseconds limit) {
+    auto c = std::make_shared<Collective<std::decay_t<Body>>>(std::forward<Body>(body), limit);
+    push(c);
+    return c;
+  }
+  /// Until `c` is done (true): runs in this thread what was issued up to and including `c` that
+  /// nobody started, and waits for what another thread runs. A collective whose deadline could
+  /// fall after `until` is left to the helper thread (urged); once `until` passed, returns false
+  /// (`c` goes on). Does not rethrow c's error.
+  bool wait(const QueuedCollective& c, std::optional<Clock::time_point> until = std::nullopt);
+  /// Withdraws `c` if no thread started it: it fails with `error` (true). False when it runs or ran.
+  bool cancel(const std::shared_ptr<QueuedCollective>& c, std::exception_ptr error);
+  /// Calls `fn` once `c` is done: at once if it is, else from the thread that finishes it.
+  void on_done(const std::shared_ptr<QueuedCollective>& c, std::function<void()> fn);
+  /// Asks the helper thread to start what is queued now (a thread is about to wait on a result
+  /// that may need it). One relaxed load when nothing is queued.
+  void urge() noexcept;
+  /// Fails every collective not started with `error`, waits for the one running, ends the helper
+  /// thread; later submits throw `error`. Idempotent.
+  void close(std::exception_ptr error) noexcept;
+
+ private:
+  template <class Body>
+  class Collective final : public QueuedCollective {
+   public:
+    Collective(Body body, std::chrono::milliseconds limit) : QueuedCollective(limit), body_(std::move(body)) {}
+
+   private:
+    void run(Clock::time_point deadline) override { (*body_)(deadline); }
+    void drop_body() noexcept override { body_.reset(); }
+    std::optional<Body> body_;
+  };
+
+  void push(const std::shared_ptr<QueuedCollective>& c);
+  void run_one(std::unique_lock<std::mutex>& lk);  // requires mu_, a head, none running; returns unlocked
+  void settle(QueuedCollective& c, std::exception_ptr error, bool ran);  // without mu_
+  void call_back(QueuedCollective& c);  // without mu_: takes c's callbacks and calls them
+  bool helper_round();
+  void start_helper();  // requires mu_
+
+  const std::string name_;
+  std::mutex& run_mutex_;
+  std::mutex mu_;  // never held while a collective runs
+  std::condition_variable done_cv_;    // a collective finished (waiters_ > 0)
+  std::condition_variable helper_cv_;  // something for the helper thread
+  std::deque<std::shared_ptr<QueuedCollective>> queued_;
+  // A collective runs. Set under mu_; cleared without it by whoever ran it, who then looks at
+  // waiters_ and helper_waits_running_ (seq_cst on both sides: a thread that counts itself as a
+  // waiter and then sees running_ set is woken), so that a blocking collective takes mu_ once.
+  std::atomic<bool> running_{false};
+  std::atomic<int> waiters_{0};                     // threads on done_cv_
+  std::atomic<bool> helper_waits_running_{false};  // the helper waits for running_ to clear
+  bool urged_ = false;
+  bool helper_idle_ = false;  // it sleeps without a timeout: a submit must wake it
+  bool helper_busy_ = false;  // it runs a collective: urge() need not wake it
+  std::exception_ptr closed_;
+  Clock::time_point last_submit_{};
+  std::thread helper_;
+};
+
+/// urge()s every queue of this process that holds a collective nobody started: a thread calls it
+/// before it blocks in a tdshm wait. One relaxed load when nothing is queued anywhere.
+void urge_queued_collectives() noexcept;
+
+}  // namespace tdshm::shm
