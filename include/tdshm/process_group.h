@@ -27,7 +27,8 @@
 /// into its tensor; when its tensor maps the same bytes (same file and offset, a shared mapping)
 /// nothing is copied at all. An anonymous memmap, or a strided view of one, is sent by value.
 ///
-/// Progress: there is no background thread on the data path. A transfer moves when a thread of
+/// Progress: there is no background thread on the point-to-point data path (collectives: see
+/// "Collectives" below). A transfer moves when a thread of
 /// this process is inside a tdshm call: send/recv post what fits at once, and Work::wait,
 /// Work::isCompleted and every later call move everything that is pending, in both directions.
 /// A small send (up to ShmOptions::slot_bytes) is complete when send() returns. A larger one
@@ -237,8 +238,11 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   bool runs_tdshm_transfers(int peer) const noexcept;
 
   // ---- Collectives (docs/transport.md, "Collectives over the windows"; protocol in src/shm/collective.h) ----
-  // They run over the segment's collective windows in the calling thread: the returned Work is
-  // complete, and its wait() raises what went wrong (PeerLostError when a rank is gone,
+  // They run over the segment's collective windows, one at a time in issue order: the call checks
+  // its arguments and returns at once; Work::wait() runs the collective (and those issued before
+  // it) in the waiting thread, and one nobody waits for runs on the group's helper thread
+  // (docs/transport.md, "Which thread runs a collective"). wait() raises what went wrong
+  // (PeerLostError when a rank is gone,
   // TimeoutError past opts.timeout or ShmOptions::timeout, TransportError when the ranks called
   // different collectives or with other sizes). Bad arguments throw at the call (c10::Error, or
   // TypeError for a reduce op the dtype does not have). Every rank gets bit-identical results.
