@@ -7,6 +7,8 @@
 /// Handle semantics, like at::Tensor: copying a TensorDict copies a handle to the same
 /// dictionary; `get_tensordict()` returns a handle to the nested dictionary itself, so writes
 /// through it are seen by the parent (as in Python). `clone()` makes an independent deep copy.
+/// A value may also be a LazyStackedTensorDict (lazy_stack.h), held with its members shared;
+/// whole-tree walks (leaves, clone, apply, comparisons, transfers) go through its members.
 ///
 /// Thread safety: a TensorDict may be read from several threads at once; any call that
 /// modifies it (set, erase, lock_, update, ...) needs exclusive access, as for a std::map.
@@ -68,6 +70,7 @@ class Key {
 
 class TensorDict;
 class Value;
+class LazyStackedTensorDict;  // lazy_stack.h
 // The transfer API's options and results (include <tdshm/distributed.h> to call it).
 struct SendOptions;
 struct RecvOptions;
@@ -127,6 +130,9 @@ class TensorDict {
   TensorDict get_tensordict(const Key& key) const;
   /// The non-tensor value at `key`. Throws KeyError / TypeError.
   NonTensorData get_non_tensor(const Key& key) const;
+  /// The lazy stack at `key` (a handle sharing its members; include lazy_stack.h to use it).
+  /// Throws KeyError / TypeError.
+  LazyStackedTensorDict get_lazy_stack(const Key& key) const;
 
   /// Sets `key` to `value`, creating intermediate tensordicts (with this batch size and device)
   /// for a nested key. A tensor's leading dimensions must equal the batch size, a tensordict's
@@ -350,14 +356,17 @@ TensorDict operator!=(const TensorDict& td, const at::Scalar& v);
 TensorDict operator==(const TensorDict& a, const TensorDict& b);
 TensorDict operator!=(const TensorDict& a, const TensorDict& b);
 
-/// What a key holds: a tensor, a nested tensordict, or a non-tensor value (string, integer,
-/// floating point, bool). Converts implicitly from each, so items read like Python's dicts.
+/// What a key holds: a tensor, a nested tensordict, a non-tensor value (string, integer,
+/// floating point, bool), or a lazy stack of tensordicts (lazy_stack.h). Converts implicitly
+/// from each, so items read like Python's dicts.
 class Value {
  public:
   Value(at::Tensor t) : v_(std::move(t)) {}                  // NOLINT
   Value(const MemoryMappedTensor& m) : v_(m.tensor()) {}      // NOLINT
   Value(TensorDict td) : v_(std::move(td)) {}                // NOLINT
   Value(NonTensorData d) : v_(std::move(d)) {}               // NOLINT
+  /// Holds the stack (its members are shared, not copied). Defined in lazy_stack.cpp.
+  Value(const LazyStackedTensorDict& s);                       // NOLINT
   Value(std::string s) : v_(NonTensorData(std::move(s))) {}  // NOLINT
   Value(const char* s) : v_(NonTensorData(std::string(s))) {}  // NOLINT
   Value(bool b) : v_(NonTensorData(b)) {}                    // NOLINT
@@ -370,15 +379,17 @@ class Value {
   bool is_tensor() const noexcept { return v_.index() == 0; }
   bool is_tensordict() const noexcept { return v_.index() == 1; }
   bool is_non_tensor() const noexcept { return v_.index() == 2; }
+  bool is_lazy_stack() const noexcept { return v_.index() == 3; }
   /// Throws TypeError when the value is of another kind.
   const at::Tensor& tensor() const;
   const TensorDict& tensordict() const;
   const NonTensorData& non_tensor() const;
-  /// "tensor", "tensordict" or "non-tensor value", for messages.
+  const LazyStackedTensorDict& lazy_stack() const;
+  /// "tensor", "tensordict", "non-tensor value" or "lazy stack", for messages.
   const char* kind_name() const noexcept;
 
  private:
-  std::variant<at::Tensor, TensorDict, NonTensorData> v_;
+  std::variant<at::Tensor, TensorDict, NonTensorData, std::shared_ptr<const LazyStackedTensorDict>> v_;
 };
 
 }  // namespace tdshm

@@ -26,6 +26,7 @@
 // anything is allocated. A refused metadata dict leaves the group out of step (the sizes of the
 // storage messages are unknown); the error says so through its type (SchemaError) and message.
 
+#include <tdshm/lazy_stack.h>
 #include "distributed/remote_metadata.h"
 #include "distributed/transfer_common.h"
 #include "tensordict/impl.h"
@@ -71,24 +72,25 @@ int64_t checked_length(int64_t n, int64_t max, const char* method, const std::st
 // ---------------------------------------------------------------------------------------------
 // Per-leaf collectives (reduce, all_reduce)
 
-/// The tensor leaves of `node` in insertion order, depth first (tensordict's _fast_apply order).
+/// The tensor leaves of `node` in insertion order, depth first (tensordict's _fast_apply order;
+/// a lazy stack's members one after the other).
 void insertion_leaves(const TensorDictImpl& node, std::vector<at::Tensor>& out) {
   for (const auto& [k, v] : node.entries) {
     if (v.is_tensor()) {
       out.push_back(v.tensor());
     } else if (v.is_tensordict()) {
       insertion_leaves(*v.tensordict().impl(), out);
+    } else if (v.is_lazy_stack()) {
+      for (const TensorDict& m : v.lazy_stack().tensordicts()) insertion_leaves(*m.impl(), out);
     }
   }
 }
 
 /// The key of the i-th tensor leaf in insertion order (for messages only: built on error).
 Key insertion_leaf_key(const TensorDict& td, size_t i) {
-  size_t n = 0;
-  for (const auto& [key, value] : td.items(/*include_nested=*/true, /*leaves_only=*/true)) {
-    if (value.is_tensor() && n++ == i) return key;
-  }
-  throw std::logic_error("insertion_leaf_key: no leaf " + std::to_string(i));
+  const auto leaves = sorted_leaves(td);
+  if (i >= leaves->insertion_order.size()) throw std::logic_error("insertion_leaf_key: no leaf " + std::to_string(i));
+  return leaves->keys[leaves->insertion_order[i]];
 }
 
 /// Posts post({leaf}) for every leaf (a non-contiguous leaf through a contiguous copy, written

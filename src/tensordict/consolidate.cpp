@@ -70,6 +70,9 @@ void plan_node(const TensorDictImpl& node, SchemaNode& out, uint64_t& offset, st
       auto child = std::make_shared<SchemaNode>();
       plan_node(*v.tensordict().impl(), *child, offset, copies);
       e.value = std::move(child);
+    } else if (v.is_lazy_stack()) {
+      throw TypeError("consolidate: key '" + k + "' holds a lazy stack, which tdshm does not consolidate (tensordict "
+                      "does; docs/semantics.md, \"Lazy stacks\"): per-leaf transfers carry it");
     } else {
       e.value = v.non_tensor();
     }

@@ -49,6 +49,14 @@ void shared_keys(const std::vector<TensorDict>& members, const Key* prefix, bool
 
 }  // namespace
 
+Value::Value(const LazyStackedTensorDict& s) : v_(std::make_shared<const LazyStackedTensorDict>(s)) {}
+
+LazyStackedTensorDict TensorDict::get_lazy_stack(const Key& key) const {
+  const Value v = get_value(key);
+  if (!v.is_lazy_stack()) throw TypeError("key " + key.str() + " holds a " + v.kind_name() + ", not a lazy stack");
+  return v.lazy_stack();
+}
+
 detail::LazyLeavesCache& detail::lazy_leaves_cache(const LazyStackedTensorDict& stack) noexcept {
   return *stack.leaves_cache_;
 }

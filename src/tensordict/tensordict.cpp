@@ -2,6 +2,7 @@
 // Consolidation lives in consolidate.cpp; key listings, leaf-wise operations, comparisons and
 // repr in tensordict_leaves.cpp.
 
+#include <tdshm/lazy_stack.h>
 #include "tensordict/tensordict_internal.h"
 
 #include <ATen/core/Tensor.h>
@@ -63,6 +64,12 @@ void check_value(const Key& key, const Value& value, const std::vector<int64_t>&
       throw ShapeError("batch size mismatch for key " + key.str() + ": the nested tensordict has batch size " +
                        shape_str(td.batch_size()) + " which does not start with the batch size " +
                        shape_str(batch_size));
+    }
+  } else if (value.is_lazy_stack()) {
+    const std::vector<int64_t> stacked = value.lazy_stack().batch_size();
+    if (!has_prefix(stacked, batch_size)) {
+      throw ShapeError("batch size mismatch for key " + key.str() + ": the lazy stack has batch size " +
+                       shape_str(stacked) + " which does not start with the batch size " + shape_str(batch_size));
     }
   }
 }
@@ -140,6 +147,22 @@ bool reaches(const TensorDictImpl& from, const TensorDictImpl* target) {
   if (&from == target) return true;
   for (const auto& [k, v] : from.entries) {
     if (v.is_tensordict() && reaches(*v.tensordict().impl(), target)) return true;
+    if (v.is_lazy_stack()) {
+      for (const TensorDict& m : v.lazy_stack().tensordicts()) {
+        if (reaches(*m.impl(), target)) return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Whether setting `value` into `node` would put `node` inside itself.
+bool would_nest_itself(const TensorDictImpl& node, const Value& value) {
+  if (value.is_tensordict()) return reaches(*value.tensordict().impl(), &node);
+  if (value.is_lazy_stack()) {
+    for (const TensorDict& m : value.lazy_stack().tensordicts()) {
+      if (reaches(*m.impl(), &node)) return true;
+    }
   }
   return false;
 }
@@ -147,7 +170,7 @@ bool reaches(const TensorDictImpl& from, const TensorDictImpl* target) {
 // The checks of set() for the last part of `key`, landing in `node` (which exists) where
 // `existing` is the current value (or nullptr). Nothing is modified.
 void check_set_here(const TensorDictImpl& node, const Key& key, const Value* existing, const Value& value) {
-  if (value.is_tensordict() && reaches(*value.tensordict().impl(), &node)) {
+  if (would_nest_itself(node, value)) {
     throw KeyError("key " + key.str() + ": a tensordict cannot be set inside itself");
   }
   if (node.locked) {
@@ -184,6 +207,9 @@ void lock_impl(TensorDictImpl& node, const std::shared_ptr<const TensorDictImpl>
   node.locked_by = owner;
   for (auto& [k, v] : node.entries) {
     if (v.is_tensordict()) lock_impl(*v.tensordict().impl(), owner);
+    if (v.is_lazy_stack()) {
+      for (const TensorDict& m : v.lazy_stack().tensordicts()) lock_impl(*m.impl(), owner);
+    }
   }
 }
 
@@ -195,6 +221,9 @@ void unlock_impl(TensorDictImpl& node, const TensorDictImpl* owner) {
   node.consolidation.reset();
   for (auto& [k, v] : node.entries) {
     if (v.is_tensordict()) unlock_impl(*v.tensordict().impl(), owner);
+    if (v.is_lazy_stack()) {
+      for (const TensorDict& m : v.lazy_stack().tensordicts()) unlock_impl(*m.impl(), owner);
+    }
   }
 }
 
@@ -267,11 +296,16 @@ const NonTensorData& Value::non_tensor() const {
   if (!is_non_tensor()) throw TypeError(std::string("expected a non-tensor value, found a ") + kind_name());
   return std::get<2>(v_);
 }
+const LazyStackedTensorDict& Value::lazy_stack() const {
+  if (!is_lazy_stack()) throw TypeError(std::string("expected a lazy stack, found a ") + kind_name());
+  return *std::get<3>(v_);
+}
 const char* Value::kind_name() const noexcept {
   switch (v_.index()) {
     case 0: return "tensor";
     case 1: return "tensordict";
-    default: return "non-tensor value";
+    case 2: return "non-tensor value";
+    default: return "lazy stack";
   }
 }
 
@@ -357,7 +391,7 @@ TensorDict& TensorDict::set(const Key& key, const Value& value) {
   }
   if (depth + 1 < parts.size()) {
     // The intermediates are new: a tensordict that reaches `node` would make a cycle.
-    if (value.is_tensordict() && reaches(*value.tensordict().impl(), node)) {
+    if (would_nest_itself(*node, value)) {
       throw KeyError("key " + key.str() + ": a tensordict cannot be set inside itself");
     }
     if (node->locked) {

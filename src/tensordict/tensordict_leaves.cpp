@@ -1,6 +1,11 @@
 // TensorDict's whole-tree walks: key listings, sorted leaves, leaf-wise results, comparisons, repr.
+// A lazy stack held at a key is walked member after member, member i under the key part "i"
+// (how tensordict names them when it walks a lazy stack's members: _fast_apply on
+// _NESTED_TENSORS_AS_LISTS), so its leaves come in its members' order, as its transfers send them.
 
 #include "tensordict/tensordict_internal.h"
+
+#include <tdshm/lazy_stack.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -19,13 +24,24 @@ using detail::new_impl;
 using detail::prepare_value;
 using detail::shape_str;
 
+// A lazy stack is a collection, not a leaf. With include_nested its own keys follow it (the keys
+// every member has, as tensordict lists them) when `lazy_keys`: keys() lists them, items() does
+// not (their values would be stacked copies).
 void collect_keys(const TensorDictImpl& node, const Key* prefix, bool include_nested, bool leaves_only,
-                  std::vector<TensorDict::Item>& out) {
+                  bool lazy_keys, std::vector<TensorDict::Item>& out) {
   for (const auto& [k, v] : node.entries) {
     Key key = prefix ? *prefix / k : Key(k);
-    if (!(leaves_only && v.is_tensordict())) out.emplace_back(key, v);
+    const bool collection = v.is_tensordict() || v.is_lazy_stack();
+    if (!(leaves_only && collection)) out.emplace_back(key, v);
     if (include_nested && v.is_tensordict()) {
-      collect_keys(*v.tensordict().impl(), &key, include_nested, leaves_only, out);
+      collect_keys(*v.tensordict().impl(), &key, include_nested, leaves_only, lazy_keys, out);
+    }
+    if (include_nested && lazy_keys && v.is_lazy_stack()) {
+      for (const Key& inner : v.lazy_stack().keys(true, leaves_only)) {
+        std::vector<std::string> parts = key.parts();
+        parts.insert(parts.end(), inner.parts().begin(), inner.parts().end());
+        out.emplace_back(Key(std::move(parts)), v);  // keys() reads the key only
+      }
     }
   }
 }
@@ -53,6 +69,14 @@ void collect_sorted_leaves(const TensorDictImpl& node, const Key* prefix, std::v
       out.path_begin.push_back(static_cast<uint32_t>(out.positions.size()));
     } else if (v.is_tensordict()) {
       collect_sorted_leaves(*v.tensordict().impl(), &key, path, out);
+    } else if (v.is_lazy_stack()) {  // member after member; the member's index is its position
+      const auto& members = v.lazy_stack().tensordicts();
+      for (size_t m = 0; m < members.size(); ++m) {
+        const Key member_key = key / std::to_string(m);
+        path.push_back(static_cast<uint32_t>(m));
+        collect_sorted_leaves(*members[m].impl(), &member_key, path, out);
+        path.pop_back();
+      }
     }
     path.pop_back();
   }
@@ -72,6 +96,15 @@ TensorDict map_leaves(const TensorDictImpl& node, const Key* prefix,
       out->append_fresh(k, prepare_value(key, Value(std::move(r)), out->batch_size, std::nullopt));
     } else if (v.is_tensordict()) {
       out->append_fresh(k, Value(map_leaves(*v.tensordict().impl(), &key, fn, keep_non_tensor)));
+    } else if (v.is_lazy_stack()) {
+      const LazyStackedTensorDict& stack = v.lazy_stack();
+      std::vector<TensorDict> members;
+      members.reserve(stack.size());
+      for (size_t m = 0; m < stack.size(); ++m) {
+        const Key member_key = key / std::to_string(m);
+        members.push_back(map_leaves(*stack.tensordicts()[m].impl(), &member_key, fn, keep_non_tensor));
+      }
+      out->append_fresh(k, Value(LazyStackedTensorDict(std::move(members), stack.stack_dim())));
     } else if (keep_non_tensor) {
       out->append_fresh(k, v);
     }
@@ -87,6 +120,11 @@ bool reduce_leaves(const TensorDictImpl& node, bool want_all) {
     } else if (v.is_tensordict()) {
       bool r = reduce_leaves(*v.tensordict().impl(), want_all);
       if (r != want_all) return r;
+    } else if (v.is_lazy_stack()) {
+      for (const TensorDict& m : v.lazy_stack().tensordicts()) {
+        bool r = reduce_leaves(*m.impl(), want_all);
+        if (r != want_all) return r;
+      }
     }
   }
   return want_all;
@@ -100,7 +138,8 @@ TensorDict zip_leaves(const TensorDictImpl& a, const TensorDictImpl& b, const Ke
     Key key = prefix ? *prefix / k : Key(k);
     const Value* w = b.find(k);
     if (w == nullptr) throw KeyError("key " + key.str() + " is missing from the other tensordict");
-    if (v.is_tensor() != w->is_tensor() || v.is_tensordict() != w->is_tensordict()) {
+    if (v.is_tensor() != w->is_tensor() || v.is_tensordict() != w->is_tensordict() ||
+        v.is_lazy_stack() != w->is_lazy_stack()) {
       throw TypeError("key " + key.str() + " holds a " + v.kind_name() + " here but a " + w->kind_name() +
                       " in the other tensordict");
     }
@@ -108,6 +147,19 @@ TensorDict zip_leaves(const TensorDictImpl& a, const TensorDictImpl& b, const Ke
       out->append_fresh(k, Value(fn(v.tensor(), w->tensor())));
     } else if (v.is_tensordict()) {
       out->append_fresh(k, Value(zip_leaves(*v.tensordict().impl(), *w->tensordict().impl(), &key, fn)));
+    } else if (v.is_lazy_stack()) {
+      const LazyStackedTensorDict &x = v.lazy_stack(), &y = w->lazy_stack();
+      if (x.size() != y.size() || x.stack_dim() != y.stack_dim()) {
+        throw ShapeError("key " + key.str() + " holds a lazy stack of " + std::to_string(x.size()) + " members (stack_dim " +
+                         std::to_string(x.stack_dim()) + ") here but of " + std::to_string(y.size()) + " (stack_dim " +
+                         std::to_string(y.stack_dim()) + ") in the other tensordict");
+      }
+      std::vector<TensorDict> members;
+      for (size_t m = 0; m < x.size(); ++m) {
+        const Key member_key = key / std::to_string(m);
+        members.push_back(zip_leaves(*x.tensordicts()[m].impl(), *y.tensordicts()[m].impl(), &member_key, fn));
+      }
+      out->append_fresh(k, Value(LazyStackedTensorDict(std::move(members), x.stack_dim())));
     }
   }
   for (const auto& [k, w] : b.entries) {
@@ -122,13 +174,22 @@ bool same_structure_impl(const TensorDictImpl& a, const TensorDictImpl& b) {
   if (a.batch_size != b.batch_size || a.entries.size() != b.entries.size()) return false;
   for (const auto& [k, v] : a.entries) {
     const Value* w = b.find(k);
-    if (w == nullptr || v.is_tensor() != w->is_tensor() || v.is_tensordict() != w->is_tensordict()) return false;
+    if (w == nullptr || v.is_tensor() != w->is_tensor() || v.is_tensordict() != w->is_tensordict() ||
+        v.is_lazy_stack() != w->is_lazy_stack()) {
+      return false;
+    }
     if (v.is_tensor()) {
       if (v.tensor().scalar_type() != w->tensor().scalar_type() || v.tensor().sizes() != w->tensor().sizes()) {
         return false;
       }
     } else if (v.is_tensordict()) {
       if (!same_structure_impl(*v.tensordict().impl(), *w->tensordict().impl())) return false;
+    } else if (v.is_lazy_stack()) {
+      const LazyStackedTensorDict &x = v.lazy_stack(), &y = w->lazy_stack();
+      if (x.size() != y.size() || x.stack_dim() != y.stack_dim()) return false;
+      for (size_t m = 0; m < x.size(); ++m) {
+        if (!same_structure_impl(*x.tensordicts()[m].impl(), *y.tensordicts()[m].impl())) return false;
+      }
     }
   }
   return true;
@@ -147,6 +208,15 @@ void describe(const TensorDictImpl& node, int indent, std::ostringstream& os) {
       const auto& c = *v.tensordict().impl();
       os << (c.class_name.empty() ? "TensorDict" : c.class_name) << "(batch_size=" << shape_str(c.batch_size) << ")\n";
       describe(c, indent + 2, os);
+    } else if (v.is_lazy_stack()) {
+      const LazyStackedTensorDict& stack = v.lazy_stack();
+      os << "LazyStackedTensorDict(batch_size=" << shape_str(stack.batch_size()) << ", stack_dim=" << stack.stack_dim()
+         << ")\n";
+      for (size_t m = 0; m < stack.size(); ++m) {
+        const auto& c = *stack.tensordicts()[m].impl();
+        os << pad << "  " << m << ": TensorDict(batch_size=" << shape_str(c.batch_size) << ")\n";
+        describe(c, indent + 4, os);
+      }
     } else {
       std::visit([&](const auto& x) {
         using T = std::decay_t<decltype(x)>;
@@ -169,14 +239,17 @@ void describe(const TensorDictImpl& node, int indent, std::ostringstream& os) {
 // TensorDict: keys
 
 std::vector<Key> TensorDict::keys(bool include_nested, bool leaves_only) const {
+  std::vector<Item> items;
+  collect_keys(*impl_, nullptr, include_nested, leaves_only, true, items);
   std::vector<Key> out;
-  for (auto& [k, v] : items(include_nested, leaves_only)) out.push_back(k);
+  out.reserve(items.size());
+  for (auto& [k, v] : items) out.push_back(k);
   return out;
 }
 
 std::vector<TensorDict::Item> TensorDict::items(bool include_nested, bool leaves_only) const {
   std::vector<Item> out;
-  collect_keys(*impl_, nullptr, include_nested, leaves_only, out);
+  collect_keys(*impl_, nullptr, include_nested, leaves_only, false, out);
   return out;
 }
 
@@ -219,7 +292,14 @@ std::shared_ptr<const detail::SortedLeaves> detail::sorted_leaves(const TensorDi
 at::Tensor detail::leaf_tensor(const TensorDict& td, const SortedLeaves& leaves, size_t i) {
   const TensorDictImpl* node = td.impl().get();
   const uint32_t end = leaves.path_begin[i + 1];
-  for (uint32_t p = leaves.path_begin[i]; p + 1 < end; ++p) node = node->entries[leaves.positions[p]].second.tensordict().impl().get();
+  for (uint32_t p = leaves.path_begin[i]; p + 1 < end; ++p) {
+    const Value& v = node->entries[leaves.positions[p]].second;
+    if (v.is_lazy_stack()) {  // the next position is the member's index
+      node = v.lazy_stack().tensordicts()[leaves.positions[++p]].impl().get();
+    } else {
+      node = v.tensordict().impl().get();
+    }
+  }
   return node->entries[leaves.positions[end - 1]].second.tensor();
 }
 
@@ -240,6 +320,16 @@ std::shared_ptr<TensorDictImpl> select_first_node(const TensorDictImpl& node, in
       out->append_fresh(k, Value(v.tensor().select(0, i)));
     } else if (v.is_tensordict()) {
       out->append_fresh(k, Value(TensorDict(select_first_node(*v.tensordict().impl(), i))));
+    } else if (v.is_lazy_stack()) {
+      // Along the stack dimension: member i itself; along another: each member's entry i.
+      const LazyStackedTensorDict& stack = v.lazy_stack();
+      if (stack.stack_dim() == 0) {
+        out->append_fresh(k, Value(stack.tensordicts()[static_cast<size_t>(i)]));
+      } else {
+        std::vector<TensorDict> members;
+        for (const TensorDict& m : stack.tensordicts()) members.push_back(TensorDict(select_first_node(*m.impl(), i)));
+        out->append_fresh(k, Value(LazyStackedTensorDict(std::move(members), stack.stack_dim() - 1)));
+      }
     } else {
       out->append_fresh(k, v);
     }
@@ -280,6 +370,8 @@ TensorDict TensorDict::expand(std::vector<int64_t> new_batch_size) const {
       std::vector<int64_t> shape = new_batch_size;
       shape.insert(shape.end(), t.sizes().begin() + static_cast<std::ptrdiff_t>(old.size()), t.sizes().end());
       out->append_fresh(k, Value(t.expand(shape)));
+    } else if (v.is_lazy_stack()) {
+      throw TypeError("expand: key '" + k + "' holds a lazy stack, which tdshm does not expand");
     } else if (v.is_tensordict()) {
       const TensorDict& c = v.tensordict();
       std::vector<int64_t> shape = new_batch_size;
@@ -299,12 +391,12 @@ TensorDict TensorDict::apply(const std::function<at::Tensor(const at::Tensor&)>&
 TensorDict& TensorDict::apply_(const std::function<at::Tensor(const at::Tensor&)>& fn) {
   // Every result is computed and checked before the first write, so a failure writes nothing.
   std::vector<std::pair<at::Tensor, at::Tensor>> plan;
-  for (auto& [k, v] : items(true, true)) {
-    if (v.is_tensor()) {
-      at::Tensor result = fn(v.tensor());
-      check_leaf_write(k, v.tensor(), result);
-      plan.emplace_back(v.tensor(), std::move(result));
-    }
+  const auto leaves = detail::sorted_leaves(*this);
+  for (size_t i = 0; i < leaves->keys.size(); ++i) {
+    const at::Tensor leaf = detail::leaf_tensor(*this, *leaves, i);
+    at::Tensor result = fn(leaf);
+    check_leaf_write(leaves->keys[i], leaf, result);
+    plan.emplace_back(leaf, std::move(result));
   }
   for (auto& [leaf, result] : plan) leaf.copy_(result);
   return *this;
@@ -316,6 +408,9 @@ TensorDict TensorDict::to(c10::Device device) const {
     n.device = device;
     for (auto& [k, v] : n.entries) {
       if (v.is_tensordict()) set_device(*v.tensordict().impl());
+      if (v.is_lazy_stack()) {
+        for (const TensorDict& m : v.lazy_stack().tensordicts()) set_device(*m.impl());
+      }
     }
   };
   set_device(*out.impl_);

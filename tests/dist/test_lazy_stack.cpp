@@ -2,7 +2,8 @@
 // backends: per-leaf send / isend / recv / irecv with tensordict's options, heterogeneous
 // members, the tags running on from member to member (as tensordict's _lazy.py sends them: each
 // member's messages are those of a TensorDict transfer starting where the previous one ended),
-// a subgroup, and the refusals (consolidated, a receiver of another structure).
+// a subgroup, and the refusals (consolidated, a receiver of another structure); and every case
+// of tensordict's distributed tests with a lazy stack, as the root or nested in a TensorDict.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -10,8 +11,11 @@
 #include <tdshm/distributed.h>
 #include <tdshm/errors.h>
 #include <tdshm/lazy_stack.h>
+#include <tdshm/memmap.h>
 #include <tdshm/tensordict.h>
 
+#include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -165,6 +169,118 @@ TEST_P(TransferLazyStack, InASubgroup) {
       s.recv({.group = g, .group_src = 1});
       check_stack(s, 5, "recv in a subgroup");
     }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cases of tensordict's test/distributed/test_distributed.py (v0.14) with a lazy stack:
+// TestSendLazyStackRoot / Nest, TestiSendLazyStackRoot / Nest (pseudo_rand, group None or
+// [0, 1]) and TestiRecvLazyStackRoot / Nest (pseudo_rand, return_premature), with their trees:
+// rank 1 sends ones, rank 0 receives into zeros and every leaf must be 1.
+
+enum class Shape { kRoot, kNest };
+
+at::Tensor filled(bool ones, std::vector<int64_t> shape) { return ones ? at::ones(shape) : at::zeros(shape); }
+
+/// TestSend's / TestiSend's members: td1 as TestSend.make_td, td2 its clone with "c" [2, 3, 2]
+/// and a new "g" [2, 1, 5].
+LazyStackedTensorDict send_case_stack(bool ones) {
+  TensorDict td1({{{"a", "b"}, filled(ones, {2})},
+                  {"c", filled(ones, {2, 3})},
+                  {{"d", "e", "f"}, MemoryMappedTensor::from_tensor(filled(ones, {2, 2}))}},
+                 {2});
+  td1.set("_", filled(ones, {2, 1, 5}));
+  TensorDict td2 = td1.clone();
+  td2.set("c", filled(ones, {2, 3, 2}));
+  td2.set("g", filled(ones, {2, 1, 5}));
+  return LazyStackedTensorDict({td1, td2}, 0);
+}
+
+/// TestiRecv's members: td2 is td1's clone with "c" [2, 3, 10] and "g" a copy of td1's "c".
+LazyStackedTensorDict irecv_case_stack(bool ones) {
+  TensorDict td1({{{"a", "b"}, filled(ones, {2})},
+                  {"c", filled(ones, {2, 3})},
+                  {"_", filled(ones, {2, 1, 5})},
+                  {{"d", "e", "f"}, MemoryMappedTensor::from_tensor(filled(ones, {2, 2}))}},
+                 {2});
+  TensorDict td2 = td1.clone();
+  td2.set("c", td2.get("c").unsqueeze(-1).expand({2, 3, 10}).contiguous());
+  td2.set("g", td1.get("c").clone());
+  return LazyStackedTensorDict({td1, td2}, 0);
+}
+
+/// The lazy stack as the root, or nested: TensorDict({key: stack}, [2, 2]).
+struct CaseTree {
+  std::optional<LazyStackedTensorDict> root;
+  std::optional<TensorDict> nest;
+
+  CaseTree(LazyStackedTensorDict stack, Shape shape, const char* key) {
+    if (shape == Shape::kRoot) {
+      root = std::move(stack);
+    } else {
+      nest = TensorDict({{key, Value(stack)}}, {2, 2});
+    }
+  }
+  Transfer isend(const SendOptions& o) const { return root ? root->isend(o) : nest->isend(o); }
+  void send(const SendOptions& o) const { root ? root->send(o) : nest->send(o); }
+  Transfer irecv(const RecvOptions& o) { return root ? root->irecv(o) : nest->irecv(o); }
+  int64_t recv(const RecvOptions& o) { return root ? root->recv(o) : nest->recv(o); }
+  /// tensordict's `(td == 1).all()`.
+  bool all_ones() const {
+    if (nest) return (*nest == 1).all();
+    return std::all_of(root->tensordicts().begin(), root->tensordicts().end(),
+                       [](const TensorDict& m) { return (m == 1).all(); });
+  }
+};
+
+TEST_P(TransferLazyStack, TensordictsDistributedTestCases) {
+  run_world(2, [&](int rank, Flags&) {
+    int case_no = 0;
+    for (const Shape shape : {Shape::kRoot, Shape::kNest}) {
+      const std::string shape_name = shape == Shape::kRoot ? "Root" : "Nest";
+      for (const bool pseudo_rand : {true, false}) {
+        // TestSendLazyStack* and TestiSendLazyStack*: group None, then [0, 1].
+        for (const bool with_group : {false, true}) {
+          const Group g = with_group ? new_group({0, 1}) : Group{};
+          for (const bool isend : {false, true}) {
+            const std::string what = std::string(isend ? "TestiSendLazyStack" : "TestSendLazyStack") + shape_name +
+                                     " pseudo_rand=" + (pseudo_rand ? "True" : "False") + " group=" +
+                                     (with_group ? "[0, 1]" : "None");
+            ++case_no;
+            if (rank == 1) {
+              const CaseTree td(send_case_stack(true), shape, "ls");
+              if (isend) {
+                td.isend({.dst = 0, .group = g, .pseudo_rand = pseudo_rand}).wait();
+              } else {
+                td.send({.dst = 0, .group = g, .pseudo_rand = pseudo_rand});
+              }
+            } else {
+              CaseTree td(send_case_stack(false), shape, "ls");
+              td.recv({.src = 1, .group = g, .pseudo_rand = pseudo_rand});
+              SHM_CHECK(td.all_ones(), what << ": a leaf is not 1");
+            }
+          }
+        }
+        // TestiRecvLazyStack*: return_premature true and false.
+        for (const bool return_premature : {true, false}) {
+          const std::string what = "TestiRecvLazyStack" + shape_name + " pseudo_rand=" + (pseudo_rand ? "True" : "False") +
+                                   " return_premature=" + (return_premature ? "True" : "False");
+          ++case_no;
+          if (rank == 1) {
+            CaseTree(irecv_case_stack(true), shape, "td").send({.dst = 0, .pseudo_rand = pseudo_rand});
+          } else {
+            CaseTree td(irecv_case_stack(false), shape, "td");
+            const Transfer t = td.irecv({.src = 1, .pseudo_rand = pseudo_rand, .return_premature = return_premature});
+            if (return_premature) {
+              SHM_CHECK(t.has_works && t.works.size() == 9, what << ": " << t.works.size() << " works, 9 leaves");
+              t.wait();
+            }
+            SHM_CHECK(td.all_ones(), what << ": a leaf is not 1");
+          }
+        }
+      }
+    }
+    SHM_CHECK(case_no == 24, case_no << " cases");
   });
 }
 

@@ -463,7 +463,17 @@ struct PerLeaf {
   bool loan = false;  // the C++ sender's tree is a loan (tdshm::loan): by reference over shm
   /// Not empty: a LazyStackedTensorDict of these trees (member m at salt + m) instead of `tree`.
   std::vector<std::string> lazy{};
+  /// With `lazy`: the stack nested under "ls" of a TensorDict({"a0": float [3], "ls", "zz": int64
+  /// [2]}, []) (tensordict's TestSendLazyStackNest shape); td_peer.py --lazy-nest builds the same.
+  bool nest = false;
 };
+
+/// The two leaves beside a nested stack (PerLeaf::nest), as td_peer.py makes them.
+TensorDict nest_lazy(const LazyStackedTensorDict& stack, int64_t salt, bool blank) {
+  const at::Tensor a0 = blank ? at::full({3}, -1.0) : at::arange(3, at::kFloat) + static_cast<double>(salt);
+  const at::Tensor zz = blank ? at::full({2}, -1, at::kLong) : at::arange(2, at::kLong) * (salt + 1);
+  return TensorDict({{"a0", a0}, {"ls", Value(stack)}, {"zz", zz}}, {});
+}
 
 LazyStackedTensorDict lazy_stack_of(const std::vector<std::string>& trees, int64_t salt, bool blank) {
   std::vector<TensorDict> members;
@@ -513,6 +523,7 @@ void send_as(const Tree& td, const PerLeaf& p, SendOptions o) {
 
 std::function<void(const Group&)> cpp_send(int dst, PerLeaf p) {
   return [dst, p](const Group& g) {
+    if (!p.lazy.empty() && p.nest) return send_as(nest_lazy(lazy_stack_of(p.lazy, p.salt, false), p.salt, false), p, to(dst, g));
     if (!p.lazy.empty()) return send_as(lazy_stack_of(p.lazy, p.salt, false), p, to(dst, g));
     send_as(maybe_loaned(build_tree(p.tree, p.salt), g, p.loan), p, to(dst, g));
   };
@@ -542,7 +553,15 @@ std::function<void(const Group&)> cpp_recv(int src, PerLeaf p) {
   return [src, p](const Group& g) {
     if (!p.lazy.empty()) {
       LazyStackedTensorDict s = lazy_stack_of(p.lazy, 0, /*blank=*/true);
-      recv_as(s, p, from(src, g));
+      if (p.nest) {
+        TensorDict td = nest_lazy(s, 0, /*blank=*/true);
+        recv_as(td, p, from(src, g));
+        const TensorDict want = nest_lazy(s, p.salt, false);
+        SHM_CHECK(at::equal(td.get("a0"), want.get("a0")) && at::equal(td.get("zz"), want.get("zz")),
+                  "the leaves beside the nested lazy stack: " << td.get("a0") << ", " << td.get("zz"));
+      } else {
+        recv_as(s, p, from(src, g));
+      }
       for (size_t m = 0; m < s.size(); ++m) {
         check_tree(s.tensordicts()[m], p.lazy[m], p.salt + static_cast<int64_t>(m),
                    "lazy stack member " + std::to_string(m) + " from the Python rank");
@@ -564,6 +583,7 @@ std::vector<std::string> py_perleaf(const std::string& role, int peer, PerLeaf p
     std::string members;
     for (const std::string& t : p.lazy) members += (members.empty() ? "" : ",") + t;
     a.insert(a.end(), {"--lazy-members", members});
+    if (p.nest) a.push_back("--lazy-nest");
   }
   return a;
 }
@@ -1076,6 +1096,13 @@ TEST_F(InteropGloo, LazyStackCppToPy) {
 TEST_F(InteropGloo, LazyStackPyToCpp) {
   perleaf_py_to_cpp({.salt = 5, .api = Api::kSync, .pseudo = true, .lazy = kLazyMembers}, Api::kEarly);
 }
+// The stack nested in a TensorDict, between two leaves (tensordict's TestSendLazyStackNest).
+TEST_F(InteropGloo, NestedLazyStackCppToPy) {
+  perleaf_cpp_to_py({.salt = 8, .api = Api::kSync, .pseudo = true, .lazy = kLazyMembers, .nest = true}, Api::kEarly);
+}
+TEST_F(InteropGloo, NestedLazyStackPyToCpp) {
+  perleaf_py_to_cpp({.salt = 9, .api = Api::kEarly, .lazy = kLazyMembers, .nest = true}, Api::kSync);
+}
 TEST_F(InteropGloo, InitTagCppToPy) { perleaf_cpp_to_py({.tree = "seed", .api = Api::kEarly, .init_tag = 17}, Api::kSync); }
 TEST_F(InteropGloo, InitTagPyToCpp) { perleaf_py_to_cpp({.tree = "seed", .api = Api::kSync, .init_tag = 17}, Api::kAsync); }
 TEST_F(InteropGloo, PseudoRandCppToPy) {
@@ -1214,6 +1241,12 @@ TEST_F(InteropShm, LazyStackCppToPy) {
 }
 TEST_F(InteropShm, LazyStackPyToCpp) {
   perleaf_py_to_cpp({.salt = 7, .api = Api::kEarly, .init_tag = 9, .lazy = kLazyMembers}, Api::kAsync);
+}
+TEST_F(InteropShm, NestedLazyStackCppToPy) {
+  perleaf_cpp_to_py({.salt = 10, .api = Api::kEarly, .lazy = kLazyMembers, .nest = true}, Api::kAsync);
+}
+TEST_F(InteropShm, NestedLazyStackPyToCpp) {
+  perleaf_py_to_cpp({.salt = 11, .api = Api::kAsync, .pseudo = true, .lazy = kLazyMembers, .nest = true}, Api::kEarly);
 }
 TEST_F(InteropShm, PseudoRandPyToCpp) { perleaf_py_to_cpp({.api = Api::kSync, .init_tag = 1, .pseudo = true}, Api::kAsync); }
 TEST_F(InteropShm, GroupDstCppToPy) { group_dst(true); }

@@ -128,7 +128,7 @@ class TD:
             node = node.items[part]
             if not isinstance(node, TD):
                 raise KeyError(f"{key}: {part} is not a tensordict")
-        if isinstance(value, (torch.Tensor, TD)):
+        if isinstance(value, (torch.Tensor, TD, LazyStack)):
             node.items[key[-1]] = value
         else:
             node.items[key[-1]] = NonTensor(value, node.batch_size, node.device)
@@ -1092,18 +1092,35 @@ def run_scenario(args, result):
     if args.scenario == "perleaf":
         # The transferred object: tree `args.tree`, or with --lazy-members a LazyStack of those
         # trees (member m at salt + m).
+        # With --lazy-nest the stack is nested: TD([]) {"a0": float [3], "ls": stack, "zz": int64
+        # [2]} (tensordict's TestSendLazyStackNest shape: the stack's leaves at its sorted key).
         members = args.lazy_members.split(",") if args.lazy_members else None
+
+        def beside(salt, blank):
+            a0 = torch.full((3,), BLANK, dtype=torch.float32) if blank else torch.arange(3, dtype=torch.float32) + salt
+            zz = torch.full((2,), BLANK, dtype=torch.int64) if blank else torch.arange(2, dtype=torch.int64) * (salt + 1)
+            return a0, zz
 
         def make(blank, salt):
             if members is None:
                 return build_tree(args.tree, salt, blank=blank)
-            return LazyStack([_tree_of(build_tree(t, salt + m, blank=blank)) for m, t in enumerate(members)])
+            stack = LazyStack([_tree_of(build_tree(t, salt + m, blank=blank)) for m, t in enumerate(members)])
+            if not args.lazy_nest:
+                return stack
+            a0, zz = beside(salt, blank)
+            return TD([]).set("a0", a0).set("ls", stack).set("zz", zz)
 
         def check(got):
             if members is None:
                 return check_tree(got, args.tree, args.salt, "per-leaf")
-            return [e for m, t in enumerate(members)
-                    for e in check_tree(got.tensordicts[m], t, args.salt + m, f"per-leaf, lazy stack member {m}")]
+            errors = []
+            if args.lazy_nest:
+                a0, zz = beside(args.salt, False)
+                if not torch.equal(got.items["a0"], a0) or not torch.equal(got.items["zz"], zz):
+                    errors.append(f"per-leaf, nested lazy stack: the leaves beside it are {got.items['a0']}, {got.items['zz']}")
+                got = got.items["ls"]
+            return errors + [e for m, t in enumerate(members)
+                             for e in check_tree(got.tensordicts[m], t, args.salt + m, f"per-leaf, lazy stack member {m}")]
 
         if args.role == "send":
             td = make(False, args.salt)
@@ -1131,6 +1148,7 @@ def run_scenario(args, result):
                 _wait_all(works)
             _check(check(td))
         n = sum(sum(1 for _ in _tree_of(build_tree(t)).leaves_sorted()) for t in (members or [args.tree]))
+        n += 2 if args.lazy_nest else 0
         tag = args.init_tag - 1
         for _ in range(n):
             tag = _next_tag(tag, args.pseudo_rand)
@@ -1314,6 +1332,7 @@ def main(argv=None):
     p.add_argument("--salt", type=int, default=0)
     p.add_argument("--then-tree", choices=sorted(TREES), help="send: then send this tree too (values at salt + 1)")
     p.add_argument("--lazy-members", help="perleaf: a LazyStack of these comma-separated trees (member m at salt + m)")
+    p.add_argument("--lazy-nest", action="store_true", help="perleaf: the LazyStack nested under 'ls' of a TD with two leaves")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--init-tag", type=int, default=0)
     p.add_argument("--pseudo-rand", action="store_true")

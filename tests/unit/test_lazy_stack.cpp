@@ -1,8 +1,10 @@
 // LazyStackedTensorDict's model (include/tdshm/lazy_stack.h), as tensordict's class of that name
 // defines it: batch size with the stack dimension, members held not copied, indexing, keys
-// shared by every member (sorted), member-wise equality, the dense form, and the errors.
+// shared by every member (sorted), member-wise equality, the dense form, and the errors; and a
+// lazy stack nested inside a TensorDict (a Value of its own kind).
 //
 //   LazyStack.*
+//   NestedLazyStack.*
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -80,6 +82,95 @@ TEST(LazyStack, DenseFormStacksEachLeaf) {
   EXPECT_THROW(LazyStackedTensorDict({member(0), other}).to_tensordict(), KeyError);
   const TensorDict wide({{"b", at::zeros({2, 4})}, {{"n", "x"}, at::zeros({2})}, {{"n", "y"}, at::zeros({2})}}, {2});
   EXPECT_THROW(LazyStackedTensorDict({member(0), wide}).to_tensordict(), ShapeError);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A lazy stack held at a key of a TensorDict
+
+/// {"a": [2, 2, 4], "ls": stack of member(0), member(1) (batch [2, 2] along stack_dim 0), "z"}.
+TensorDict nest(LazyStackedTensorDict s) {
+  return TensorDict({{"z", at::zeros({2, 2})}, {"ls", Value(s)}, {"a", at::ones({2, 2, 4})}}, {2, 2});
+}
+
+TEST(NestedLazyStack, SetGetAndKind) {
+  const LazyStackedTensorDict s({member(0), member(1)});
+  const TensorDict td = nest(s);
+  const Value v = td.get_value("ls");
+  EXPECT_TRUE(v.is_lazy_stack());
+  EXPECT_FALSE(v.is_tensordict() || v.is_tensor() || v.is_non_tensor());
+  EXPECT_STREQ(v.kind_name(), "lazy stack");
+  const LazyStackedTensorDict back = td.get_lazy_stack("ls");
+  EXPECT_TRUE(back.tensordicts()[1].is_same(s.tensordicts()[1])) << "the members are held, not copied";
+  EXPECT_THROW(td.get("ls"), TypeError);
+  EXPECT_THROW(td.get_tensordict("ls"), TypeError);
+  EXPECT_THROW(td.get_lazy_stack("a"), TypeError);
+  EXPECT_THROW(td.get({"ls", "b"}), KeyError) << "a key does not go through a lazy stack";
+  EXPECT_THROW(v.tensordict(), TypeError);
+  // The stack's batch must start with the tensordict's.
+  TensorDict small(std::vector<int64_t>{3});
+  EXPECT_THROW(small.set("ls", Value(s)), ShapeError);
+  // A stack holding the tensordict itself would make a cycle.
+  TensorDict self(std::vector<int64_t>{2});
+  EXPECT_THROW(self.set("loop", Value(LazyStackedTensorDict({self, self}))), KeyError);
+}
+
+TEST(NestedLazyStack, KeysAndLeavesInTransferOrder) {
+  TensorDict m1 = member(1);
+  m1.set("only1", at::zeros({2}));
+  const TensorDict td = nest(LazyStackedTensorDict({member(0), m1}));
+  EXPECT_EQ(strs(td.keys()), (std::vector<std::string>{"'z'", "'ls'", "'a'"}));
+  // include_nested: the stack's own keys (those every member has) follow it.
+  EXPECT_EQ(strs(td.keys(true)), (std::vector<std::string>{"'z'", "'ls'", "('ls', 'b')", "('ls', 'n')", "('ls', 'n', 'x')",
+                                                          "('ls', 'n', 'y')", "'a'"}));
+  EXPECT_EQ(strs(td.keys(true, true)),
+            (std::vector<std::string>{"'z'", "('ls', 'b')", "('ls', 'n', 'x')", "('ls', 'n', 'y')", "'a'"}));
+  // Transfer order: sorted keys, the stack member after member (member i under part "i").
+  EXPECT_EQ(strs(td.sorted_leaf_keys()),
+            (std::vector<std::string>{"'a'", "('ls', '0', 'b')", "('ls', '0', 'n', 'x')", "('ls', '0', 'n', 'y')",
+                                      "('ls', '1', 'b')", "('ls', '1', 'n', 'x')", "('ls', '1', 'n', 'y')",
+                                      "('ls', '1', 'only1')", "'z'"}));
+}
+
+TEST(NestedLazyStack, LeafWiseOperationsGoThroughTheMembers) {
+  const TensorDict td = nest(LazyStackedTensorDict({member(0), member(1)}));
+  const TensorDict c = td.clone();
+  const LazyStackedTensorDict cs = c.get_lazy_stack("ls");
+  EXPECT_FALSE(cs.tensordicts()[1].is_same(td.get_lazy_stack("ls").tensordicts()[1]));
+  EXPECT_TRUE(at::equal(cs[1].get("b"), at::full({2, 3}, 1.0)));
+  EXPECT_TRUE((c == td).all());
+  EXPECT_TRUE(c.same_structure(td));
+  cs[1].get("b").fill_(7);
+  EXPECT_FALSE((c == td).all()) << "a member's leaf differs";
+  EXPECT_FALSE(td.get_lazy_stack("ls")[1].get("b").eq(7).any().item<bool>()) << "clone copied the members' leaves";
+  TensorDict m1 = member(1);
+  m1.set("extra", at::zeros({2}));
+  EXPECT_FALSE(nest(LazyStackedTensorDict({member(0), m1})).same_structure(td)) << "a member has another key";
+  EXPECT_THROW(nest(LazyStackedTensorDict({member(0)})), ShapeError) << "batch [1, 2] under [2, 2]";
+  const TensorDict two({{"ls", Value(LazyStackedTensorDict({member(0), member(1)}))}}, {});
+  const TensorDict three({{"ls", Value(LazyStackedTensorDict({member(0), member(1), member(2)}))}}, {});
+  EXPECT_FALSE(two.same_structure(three));
+  EXPECT_THROW(two == three, ShapeError) << "member counts differ";
+  // apply_ writes into the members in place.
+  TensorDict w = nest(LazyStackedTensorDict({member(0), member(1)}));
+  w.apply_([](const at::Tensor& t) { return t + 1; });
+  EXPECT_TRUE(at::equal(w.get_lazy_stack("ls")[0].get({"n", "x"}), at::full({2}, 1.0)));
+  EXPECT_TRUE(at::equal(w.get("a"), at::full({2, 2, 4}, 2.0)));
+  // Locking the tensordict locks the members; unlocking unlocks them.
+  w.lock_();
+  EXPECT_THROW(TensorDict(w.get_lazy_stack("ls")[0]).set("new", at::zeros({2})), LockedError);
+  w.unlock_();
+  TensorDict(w.get_lazy_stack("ls")[0]).set("new", at::zeros({2}));
+  EXPECT_NE(w.repr().find("LazyStackedTensorDict(batch_size=[2, 2], stack_dim=0)"), std::string::npos) << w.repr();
+}
+
+TEST(NestedLazyStack, ConsolidateIsRefusedNamingTheKey) {
+  const TensorDict td = nest(LazyStackedTensorDict({member(0), member(1)}));
+  try {
+    (void)td.consolidate();
+    FAIL() << "consolidate of a tree with a lazy stack did not throw";
+  } catch (const TypeError& e) {
+    EXPECT_NE(std::string(e.what()).find("'ls' holds a lazy stack"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
