@@ -50,14 +50,14 @@ CollectiveQueue::~CollectiveQueue() {
   close(std::make_exception_ptr(Error("the process group was destroyed before this collective ran")));
 }
 
-void CollectiveQueue::push(const std::shared_ptr<QueuedCollective>& c) {
+void CollectiveQueue::push(QueuedCollective& c) {
   bool wake = false;
   {
     std::lock_guard lk(mu_);
     if (closed_) std::rethrow_exception(closed_);
-    c->issued_ = Clock::now();
-    last_submit_ = c->issued_;
-    queued_.push_back(c);
+    ++submits_;  // no clock read here: the helper thread stamps what it finds (seen_)
+    c.retain();
+    queued_.push_back(&c);
     g_queued.fetch_add(1, std::memory_order_relaxed);
     if (!helper_.joinable()) start_helper();
     wake = helper_idle_;
@@ -69,7 +69,7 @@ void CollectiveQueue::push(const std::shared_ptr<QueuedCollective>& c) {
 
 // Starts the head (lk held, nothing running) and returns with lk released.
 void CollectiveQueue::run_one(std::unique_lock<std::mutex>& lk) {
-  std::shared_ptr<QueuedCollective> c = std::move(queued_.front());
+  QueuedCollective* c = queued_.front();  // with the queue's reference, released below
   queued_.pop_front();
   g_queued.fetch_sub(1, std::memory_order_relaxed);
   running_.store(true, std::memory_order_relaxed);  // read under mu_, or seq_cst after a waiter counted itself
@@ -84,23 +84,26 @@ void CollectiveQueue::run_one(std::unique_lock<std::mutex>& lk) {
   }
   c->drop_body();  // what it holds (tensors) is released by whoever ran it
   settle(*c, std::move(error), true);
+  c->release();
 }
 
 // Makes `c` done (and, when it ran, the queue free to run the next); wakes whoever waits for
 // that and calls c's callbacks. Without mu_: the blocking path takes no lock here.
 void CollectiveQueue::settle(QueuedCollective& c, std::exception_ptr error, bool ran) {
   c.error_ = std::move(error);
-  c.state_.store(QueuedCollective::kDone, std::memory_order_seq_cst);
-  if (ran) running_.store(false, std::memory_order_seq_cst);
-  const bool helper = ran && helper_waits_running_.load(std::memory_order_seq_cst);
-  if (helper || waiters_.load(std::memory_order_seq_cst) > 0) {
+  c.state_.store(QueuedCollective::kDone, std::memory_order_release);
+  if (ran) running_.store(false, std::memory_order_relaxed);
+  // One fence orders both stores before the loads below (the waiters' side: count, fence, check).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const bool helper = ran && helper_waits_running_.load(std::memory_order_relaxed);
+  if (helper || waiters_.load(std::memory_order_relaxed) > 0) {
     // A waiter counted itself, then checks under mu_ and sleeps: taking mu_ here orders this
     // wake-up after its check.
     { std::lock_guard lk(mu_); }
     done_cv_.notify_all();
     if (helper) helper_cv_.notify_one();
   }
-  if (c.has_callbacks_.load(std::memory_order_seq_cst)) call_back(c);
+  if (c.has_callbacks_.load(std::memory_order_relaxed)) call_back(c);  // after the fence
 }
 
 void CollectiveQueue::call_back(QueuedCollective& c) {
@@ -151,26 +154,27 @@ bool CollectiveQueue::wait(const QueuedCollective& c, std::optional<Clock::time_
   }
 }
 
-bool CollectiveQueue::cancel(const std::shared_ptr<QueuedCollective>& c, std::exception_ptr error) {
+bool CollectiveQueue::cancel(QueuedCollective& c, std::exception_ptr error) {
   {
     std::lock_guard lk(mu_);
-    auto it = std::find(queued_.begin(), queued_.end(), c);
+    auto it = std::find(queued_.begin(), queued_.end(), &c);
     if (it == queued_.end()) return false;
     queued_.erase(it);
     g_queued.fetch_sub(1, std::memory_order_relaxed);
   }
-  c->drop_body();
-  settle(*c, std::move(error), false);
+  c.drop_body();
+  settle(c, std::move(error), false);
+  c.release();
   return true;
 }
 
-void CollectiveQueue::on_done(const std::shared_ptr<QueuedCollective>& c, std::function<void()> fn) {
+void CollectiveQueue::on_done(QueuedCollective& c, std::function<void()> fn) {
   {
     std::lock_guard lk(mu_);
-    if (!c->done()) {
-      c->on_done_.push_back(std::move(fn));
-      c->has_callbacks_.store(true, std::memory_order_seq_cst);
-      if (!c->done()) return;  // settle() sees has_callbacks_ and calls it
+    if (!c.done()) {
+      c.on_done_.push_back(std::move(fn));
+      c.has_callbacks_.store(true, std::memory_order_seq_cst);
+      if (!c.done()) return;  // settle() sees has_callbacks_ and calls it
     } else {
       fn = nullptr;
     }
@@ -179,7 +183,7 @@ void CollectiveQueue::on_done(const std::shared_ptr<QueuedCollective>& c, std::f
   if (fn) {
     fn();
   } else {
-    call_back(*c);
+    call_back(c);
   }
 }
 
@@ -201,14 +205,15 @@ void CollectiveQueue::close(std::exception_ptr error) noexcept {
   std::unique_lock lk(mu_);
   if (!closed_) {
     closed_ = std::move(error);
-    std::deque<std::shared_ptr<QueuedCollective>> failed;
+    std::deque<QueuedCollective*> failed;
     failed.swap(queued_);
     g_queued.fetch_sub(failed.size(), std::memory_order_relaxed);
     lk.unlock();
     helper_cv_.notify_all();
-    for (const auto& c : failed) {
+    for (QueuedCollective* c : failed) {
       c->drop_body();
       settle(*c, closed_, false);
+      c->release();
     }
     lk.lock();
   }
@@ -241,9 +246,16 @@ bool CollectiveQueue::helper_round() {
   std::unique_lock lk(mu_);
   if (closed_) return false;
   const auto now = Clock::now();
+  if (submits_ != submits_seen_) {  // collectives were issued since the last round
+    submits_seen_ = submits_;
+    last_activity_ = now;
+  }
+  for (QueuedCollective* c : queued_) {
+    if (c->seen_ == Clock::time_point{}) c->seen_ = now;  // due kGrace after the helper first sees it
+  }
   if (queued_.empty()) {
     urged_ = false;
-    if (now - last_submit_ < kIdleAfter) {
+    if (now - last_activity_ < kIdleAfter) {
       helper_cv_.wait_until(lk, now + kGrace);
     } else {
       helper_idle_ = true;
@@ -252,9 +264,9 @@ bool CollectiveQueue::helper_round() {
     }
     return true;
   }
-  const bool due = urged_ || now >= queued_.front()->issued_ + kGrace;
-  if (!due) {
-    helper_cv_.wait_until(lk, queued_.front()->issued_ + kGrace);
+  const auto due_at = queued_.front()->seen_ + kGrace;
+  if (!urged_ && now < due_at) {
+    helper_cv_.wait_until(lk, due_at);
   } else if (!running_.load(std::memory_order_relaxed)) {
     helper_busy_ = true;
     run_one(lk);

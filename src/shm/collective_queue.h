@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -25,20 +26,20 @@
 #include <optional>
 #include <string>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 namespace tdshm::shm {
 
 class CollectiveQueue;
 
-/// One collective issued to a CollectiveQueue (made by CollectiveQueue::submit).
+/// One collective issued to a CollectiveQueue. Its owner's object (a c10d Work) derives from it,
+/// holds the body and counts the references: the queue holds one while it is queued or running,
+/// so issuing a collective allocates nothing beyond that object.
 class QueuedCollective {
  public:
   using Clock = std::chrono::steady_clock;
 
   explicit QueuedCollective(std::chrono::milliseconds limit) noexcept : limit_(limit) {}
-  virtual ~QueuedCollective() = default;
   QueuedCollective(const QueuedCollective&) = delete;
   QueuedCollective& operator=(const QueuedCollective&) = delete;
   /// Whether it ran (or was failed without running); error() is then final.
@@ -46,15 +47,20 @@ class QueuedCollective {
   /// What it failed with (null: it succeeded). Only once done().
   const std::exception_ptr& error() const noexcept { return error_; }
 
+ protected:
+  virtual ~QueuedCollective() = default;
+
  private:
   friend class CollectiveQueue;
   enum State : int { kQueued, kRunning, kDone };
 
   virtual void run(Clock::time_point deadline) = 0;
   virtual void drop_body() noexcept = 0;  // releases what the body holds (tensors)
+  virtual void retain() noexcept = 0;     // the queue's reference
+  virtual void release() noexcept = 0;
 
   std::chrono::milliseconds limit_;  // its deadline is this long after it starts
-  Clock::time_point issued_{};
+  Clock::time_point seen_{};  // when the helper thread first saw it queued (under the queue's mutex)
   std::atomic<int> state_{kQueued};
   std::exception_ptr error_;
   std::atomic<bool> has_callbacks_{false};
@@ -64,8 +70,9 @@ class QueuedCollective {
 class CollectiveQueue : public std::enable_shared_from_this<CollectiveQueue> {
  public:
   using Clock = QueuedCollective::Clock;
-  /// How long a collective waits for its caller before the helper thread starts it (also how
-  /// often the helper looks while collectives are issued: 1 ms cost blocking collectives of
+  /// How long a collective the helper thread finds queued waits for its caller before the helper
+  /// starts it (so 10 to 20 ms after it was issued: no clock is read when one is issued); also
+  /// how often the helper looks while collectives are issued (1 ms cost blocking collectives of
   /// oversubscribed ranks a third of their speed, docs/transport.md).
   static constexpr std::chrono::microseconds kGrace{10000};
   /// How long after the last submit the helper thread stops checking every kGrace.
@@ -80,24 +87,18 @@ class CollectiveQueue : public std::enable_shared_from_this<CollectiveQueue> {
   CollectiveQueue(const CollectiveQueue&) = delete;
   CollectiveQueue& operator=(const CollectiveQueue&) = delete;
 
-  /// Issues the collective `body(deadline)` (its deadline `limit` after it starts); throws the
-  /// close() error once the queue is closed. The body lives inside the returned object: one
-  /// allocation per collective.
-  template <class Body>
-  std::shared_ptr<QueuedCollective> submit(Body&& body, std::chrono::milliseconds limit) {
-    auto c = std::make_shared<Collective<std::decay_t<Body>>>(std::forward<Body>(body), limit);
-    push(c);
-    return c;
-  }
+  /// Issues `c` (the queue holds a reference until it ran or failed); throws the close() error
+  /// once the queue is closed.
+  void push(QueuedCollective& c);
   /// Until `c` is done (true): runs in this thread what was issued up to and including `c` that
   /// nobody started, and waits for what another thread runs. A collective whose deadline could
   /// fall after `until` is left to the helper thread (urged); once `until` passed, returns false
   /// (`c` goes on). Does not rethrow c's error.
   bool wait(const QueuedCollective& c, std::optional<Clock::time_point> until = std::nullopt);
   /// Withdraws `c` if no thread started it: it fails with `error` (true). False when it runs or ran.
-  bool cancel(const std::shared_ptr<QueuedCollective>& c, std::exception_ptr error);
+  bool cancel(QueuedCollective& c, std::exception_ptr error);
   /// Calls `fn` once `c` is done: at once if it is, else from the thread that finishes it.
-  void on_done(const std::shared_ptr<QueuedCollective>& c, std::function<void()> fn);
+  void on_done(QueuedCollective& c, std::function<void()> fn);
   /// Asks the helper thread to start what is queued now (a thread is about to wait on a result
   /// that may need it). One relaxed load when nothing is queued.
   void urge() noexcept;
@@ -106,18 +107,6 @@ class CollectiveQueue : public std::enable_shared_from_this<CollectiveQueue> {
   void close(std::exception_ptr error) noexcept;
 
  private:
-  template <class Body>
-  class Collective final : public QueuedCollective {
-   public:
-    Collective(Body body, std::chrono::milliseconds limit) : QueuedCollective(limit), body_(std::move(body)) {}
-
-   private:
-    void run(Clock::time_point deadline) override { (*body_)(deadline); }
-    void drop_body() noexcept override { body_.reset(); }
-    std::optional<Body> body_;
-  };
-
-  void push(const std::shared_ptr<QueuedCollective>& c);
   void run_one(std::unique_lock<std::mutex>& lk);  // requires mu_, a head, none running; returns unlocked
   void settle(QueuedCollective& c, std::exception_ptr error, bool ran);  // without mu_
   void call_back(QueuedCollective& c);  // without mu_: takes c's callbacks and calls them
@@ -129,7 +118,7 @@ class CollectiveQueue : public std::enable_shared_from_this<CollectiveQueue> {
   std::mutex mu_;  // never held while a collective runs
   std::condition_variable done_cv_;    // a collective finished (waiters_ > 0)
   std::condition_variable helper_cv_;  // something for the helper thread
-  std::deque<std::shared_ptr<QueuedCollective>> queued_;
+  std::deque<QueuedCollective*> queued_;  // each holds a reference (retain)
   // A collective runs. Set under mu_; cleared without it by whoever ran it, who then looks at
   // waiters_ and helper_waits_running_ (seq_cst on both sides: a thread that counts itself as a
   // waiter and then sees running_ set is woken), so that a blocking collective takes mu_ once.
@@ -140,7 +129,9 @@ class CollectiveQueue : public std::enable_shared_from_this<CollectiveQueue> {
   bool helper_idle_ = false;  // it sleeps without a timeout: a submit must wake it
   bool helper_busy_ = false;  // it runs a collective: urge() need not wake it
   std::exception_ptr closed_;
-  Clock::time_point last_submit_{};
+  uint64_t submits_ = 0;              // collectives issued, ever
+  uint64_t submits_seen_ = 0;         // submits_ at the helper's last round
+  Clock::time_point last_activity_{};  // the helper's round that saw submits_ change
   std::thread helper_;
 };
 
