@@ -52,10 +52,21 @@ class LazyStackedTensorDict {
   /// same keys and leaf shapes (ShapeError / KeyError naming what differs).
   TensorDict to_tensordict() const;
 
+  /// tensordict's consolidate() of a lazy stack: a new stack whose members' leaves view one uint8
+  /// storage, member after member, each member's leaves in insertion order depth first (every
+  /// leaf padded to 8 bytes), as tensordict lays out a lazy stack (its members are the
+  /// sub-tensordicts "0", "1", ... of the metadata). The members are locked. Itself when it is
+  /// consolidated already. A member holding a lazy stack is a TypeError.
+  LazyStackedTensorDict consolidate() const;
+  bool is_consolidated() const noexcept { return consolidated_ != nullptr; }
+  /// The storage of a consolidated stack (Error otherwise).
+  at::Tensor consolidated_storage() const;
+
   // ---- Transfers (docs/semantics.md, "Lazy stacks") ----
-  // Per-leaf only, with the options of TensorDict's transfers: member after member, each in its
-  // sorted-key order, the tags running on. `consolidated` is refused (Error): tdshm does not
-  // consolidate lazy stacks (yet).
+  // With the options of TensorDict's transfers. Per leaf: member after member, each in its
+  // sorted-key order, the tags running on. Consolidated: the storage of consolidate() as one
+  // message (a sender consolidates first; a receiver must be consolidated already, Error
+  // otherwise), checked as a TensorDict's consolidated transfer is.
   Transfer isend(const SendOptions& options) const;
   void send(const SendOptions& options) const;
   /// Receives into the members' leaves (the receiver's stack has the sender's structure).
@@ -66,6 +77,9 @@ class LazyStackedTensorDict {
   friend detail::LazyLeavesCache& detail::lazy_leaves_cache(const LazyStackedTensorDict& stack) noexcept;
   std::vector<TensorDict> tensordicts_;
   int64_t stack_dim_ = 0;
+  /// A consolidated stack: the consolidated TensorDict {"0": member 0, "1": ...} (batch: the
+  /// members') whose storage and schema its transfers use; tensordicts_ are its sub-tensordicts.
+  std::shared_ptr<const TensorDict> consolidated_;
   /// The transfers' leaf order, tags and checks, kept while no member's keys changed (shared by
   /// copies, which share the members too).
   std::shared_ptr<detail::LazyLeavesCache> leaves_cache_;

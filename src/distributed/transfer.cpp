@@ -30,18 +30,19 @@ Transfer TensorDict::irecv(const RecvOptions& o) {
 
 namespace {
 
-void refuse_consolidated(bool consolidated, const char* method) {
-  if (consolidated) {
-    throw Error(std::string("LazyStackedTensorDict::") + method +
-                ": consolidated transfers of a lazy stack are not supported; send it per leaf, or send "
-                "to_tensordict().consolidate()");
+// A lazy stack's consolidated transfers are its consolidated shell's (lazy_stack.h).
+const TensorDict& consolidated_receiver(const std::shared_ptr<const TensorDict>& shell) {
+  if (!shell) {
+    throw Error("LazyStackedTensorDict: recv(consolidated=True) needs a consolidated receiver: call consolidate() "
+                "first (its members must have the sender's keys, dtypes and shapes)");
   }
+  return *shell;
 }
 
 }  // namespace
 
 Transfer LazyStackedTensorDict::isend(const SendOptions& o) const {
-  refuse_consolidated(o.consolidated, "isend");
+  if (o.consolidated) return consolidate().consolidated_->isend(o);
   const Peer p = resolve_peer("dst", "group_dst", o.dst, o.group_dst, o.group);
   return detail::isend_per_leaf(*this, p, o);
 }
@@ -53,13 +54,13 @@ void LazyStackedTensorDict::send(const SendOptions& o) const {
 }
 
 Transfer LazyStackedTensorDict::irecv(const RecvOptions& o) {
-  refuse_consolidated(o.consolidated, "irecv");
+  if (o.consolidated) return TensorDict(consolidated_receiver(consolidated_)).irecv(o);
   const Peer p = resolve_peer("src", "group_src", o.src, o.group_src, o.group);
   return detail::irecv_per_leaf(*this, p, o);
 }
 
 int64_t LazyStackedTensorDict::recv(const RecvOptions& o) {
-  refuse_consolidated(o.consolidated, "recv");
+  if (o.consolidated) return TensorDict(consolidated_receiver(consolidated_)).recv(o);
   RecvOptions waited = o;
   waited.return_premature = false;
   const Peer p = resolve_peer("src", "group_src", o.src, o.group_src, o.group);

@@ -2,7 +2,7 @@
 // backends: per-leaf send / isend / recv / irecv with tensordict's options, heterogeneous
 // members, the tags running on from member to member (as tensordict's _lazy.py sends them: each
 // member's messages are those of a TensorDict transfer starting where the previous one ended),
-// a subgroup, and the refusals (consolidated, a receiver of another structure); and every case
+// a subgroup, the refusals (a receiver of another structure), consolidated transfers; and every case
 // of tensordict's distributed tests with a lazy stack, as the root or nested in a TensorDict.
 
 #include <ATen/ATen.h>
@@ -118,18 +118,15 @@ TEST_P(TransferLazyStack, TagsRunOnFromMemberToMember) {
 }
 
 // A receiver whose stack has other members or keys: over shm the key checks refuse it
-// (TransportError naming the leaf, the pair still in step for the next transfer); consolidated
-// transfers of a stack are refused before anything is sent.
+// (TransportError naming the leaf, the pair still in step for the next transfer).
 TEST_P(TransferLazyStack, RefusalsKeepThePairInStep) {
   const bool shm = GetParam() == Method::kShm;
   run_world(2, [&](int rank, Flags&) {
     if (rank == 0) {
-      SHM_CHECK_THROWS(Error, [] { hetero_stack(1).send({.dst = 1, .consolidated = true}); }, "consolidated");
       if (shm) hetero_stack(1).send({.dst = 1});
       hetero_stack(2).send({.dst = 1});
     } else {
       LazyStackedTensorDict s = hetero_stack(0);
-      SHM_CHECK_THROWS(Error, [&] { s.recv({.src = 0, .consolidated = true}); }, "consolidated");
       if (shm) {
         // Members swapped: every leaf's key check names another member.
         LazyStackedTensorDict swapped({s[1], s[0], s[2]});
@@ -137,6 +134,34 @@ TEST_P(TransferLazyStack, RefusalsKeepThePairInStep) {
       }
       s.recv({.src = 0});
       check_stack(s, 2, "the transfer after the refusal");
+    }
+  });
+}
+
+// Consolidated transfers, as tensordict's: the sender consolidates (members "0", "1", ... of one
+// storage) and sends the storage as one message; the receiver must be consolidated (Error before
+// anything is received otherwise) with the sender's layout (SchemaError, the message drained, the
+// pair in step).
+TEST_P(TransferLazyStack, ConsolidatedTransfers) {
+  run_world(2, [&](int rank, Flags&) {
+    if (rank == 0) {
+      hetero_stack(1).send({.dst = 1, .consolidated = true});
+      const LazyStackedTensorDict c = hetero_stack(2).consolidate();
+      SHM_CHECK(c.is_consolidated() && c.consolidate().consolidated_storage().is_same(c.consolidated_storage()));
+      c.send({.dst = 1, .consolidated = true});
+      hetero_stack(3).isend({.dst = 1, .consolidated = true}).wait();
+    } else {
+      LazyStackedTensorDict plain = hetero_stack(0);
+      SHM_CHECK_THROWS(Error, [&] { plain.recv({.src = 0, .consolidated = true}); }, "consolidated receiver");
+      LazyStackedTensorDict c = hetero_stack(0).consolidate();
+      SHM_CHECK(c.recv({.src = 0, .consolidated = true}) == 0, "consolidated transfers use tag 0");
+      check_stack(c, 1, "consolidated recv");
+      // Another layout (members swapped): refused before a byte is written, the pair in step.
+      LazyStackedTensorDict swapped = LazyStackedTensorDict({hetero_stack(0)[1], hetero_stack(0)[0], hetero_stack(0)[2]}).consolidate();
+      SHM_CHECK_THROWS(SchemaError, [&] { swapped.recv({.src = 0, .consolidated = true}); }, "schema");
+      const Transfer t = c.irecv({.src = 0, .return_premature = true, .consolidated = true});
+      t.wait();
+      check_stack(c, 3, "consolidated irecv after the refusal");
     }
   });
 }

@@ -614,6 +614,45 @@ std::function<void(const Group&)> cpp_consolidated_recv(int src, const std::stri
   };
 }
 
+/// A consolidated lazy stack of kLazyMembers-like `trees` (member m at salt + m), two rounds into
+/// one storage (the second's values at salt + 1 + m, written in place); td_peer.py's consolidated
+/// scenario with --lazy-members on the other side.
+std::function<void(const Group&)> cpp_consolidated_lazy_send(int dst, std::vector<std::string> trees, int64_t salt) {
+  return [=](const Group& g) {
+    const LazyStackedTensorDict c = lazy_stack_of(trees, salt, false).consolidate();
+    SendOptions o = to(dst, g);
+    o.consolidated = true;
+    c.send(o);
+    for (size_t m = 0; m < c.size(); ++m) {
+      TensorDict(c.tensordicts()[m]).update_(tensors_of(trees[m], salt + 1 + static_cast<int64_t>(m)));
+    }
+    c.send(o);
+  };
+}
+
+std::function<void(const Group&)> cpp_consolidated_lazy_recv(int src, std::vector<std::string> trees, int64_t salt) {
+  return [=](const Group& g) {
+    LazyStackedTensorDict c = lazy_stack_of(trees, 0, /*blank=*/true).consolidate();
+    RecvOptions o = from(src, g);
+    o.consolidated = true;
+    for (int64_t r = 0; r < 2; ++r) {
+      c.recv(o);
+      for (size_t m = 0; m < c.size(); ++m) {
+        check_tree(c.tensordicts()[m], trees[m], salt + r + static_cast<int64_t>(m),
+                   "consolidated lazy stack, round " + std::to_string(r) + ", member " + std::to_string(m));
+      }
+    }
+  };
+}
+
+std::vector<std::string> py_consolidated_lazy(const std::string& role, int peer, const std::vector<std::string>& trees,
+                                              int64_t salt) {
+  std::string members;
+  for (const std::string& t : trees) members += (members.empty() ? "" : ",") + t;
+  return {"--scenario", "consolidated", "--role", role, "--peer", std::to_string(peer), "--tree", trees[0],
+          "--salt", std::to_string(salt), "--rounds", "2", "--lazy-members", members};
+}
+
 std::vector<std::string> py_consolidated(const std::string& role, int peer, const std::string& tree, int64_t salt) {
   return {"--scenario", "consolidated", "--role", role, "--peer", std::to_string(peer), "--tree", tree,
           "--salt", std::to_string(salt), "--rounds", "2"};
@@ -992,6 +1031,17 @@ struct Exchanges : InteropTest {
     }
     run(w);
   }
+  void consolidated_lazy(bool cpp_sends, const std::vector<std::string>& trees) {
+    World w{.backend = backend};
+    if (cpp_sends) {
+      w.cpp[1] = cpp_consolidated_lazy_send(0, trees, 3);
+      w.py[0] = py_consolidated_lazy("recv", 1, trees, 3);
+    } else {
+      w.py[1] = py_consolidated_lazy("send", 0, trees, 4);
+      w.cpp[0] = cpp_consolidated_lazy_recv(1, trees, 4);
+    }
+    run(w);
+  }
   void remote(bool cpp_sends, const std::string& tree) {
     World w{.backend = backend};
     if (cpp_sends) {
@@ -1118,6 +1168,8 @@ TEST_F(InteropGloo, GatherAndStackRefusedWithAPythonRank) { gather_and_stack_wit
 TEST_F(InteropGloo, ConsolidatedCppToPy) { consolidated(true, "mixed"); }
 TEST_F(InteropGloo, ConsolidatedPyToCpp) { consolidated(false, "mixed"); }
 TEST_F(InteropGloo, ConsolidatedOneDtypePyToCpp) { consolidated(false, "u8only"); }
+TEST_F(InteropGloo, ConsolidatedLazyStackCppToPy) { consolidated_lazy(true, kLazyMembers); }
+TEST_F(InteropGloo, ConsolidatedLazyStackPyToCpp) { consolidated_lazy(false, kLazyMembers); }
 // ---- init_remote / from_remote_init ----
 TEST_F(InteropGloo, RemoteCppToPy) { remote(true, "mixed"); }
 TEST_F(InteropGloo, RemotePyToCpp) { remote(false, "mixed"); }
@@ -1253,6 +1305,8 @@ TEST_F(InteropShm, GroupDstCppToPy) { group_dst(true); }
 TEST_F(InteropShm, GatherAndStackRefusedWithAPythonRank) { gather_and_stack_with_python(); }
 TEST_F(InteropShm, ConsolidatedCppToPy) { consolidated(true, "mixed"); }
 TEST_F(InteropShm, ConsolidatedPyToCpp) { consolidated(false, "mixed"); }
+TEST_F(InteropShm, ConsolidatedLazyStackCppToPy) { consolidated_lazy(true, kLazyMembers); }
+TEST_F(InteropShm, ConsolidatedLazyStackPyToCpp) { consolidated_lazy(false, kLazyMembers); }
 TEST_F(InteropShm, RemoteCppToPy) { remote(true, "mixed"); }
 TEST_F(InteropShm, RemoteTensorClassPyToCpp) { remote(false, "record"); }
 TEST_F(InteropShm, BroadcastFromPy) { broadcast(true, "mixed", false); }

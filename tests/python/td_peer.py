@@ -191,6 +191,7 @@ class LazyStack:
     def __init__(self, tensordicts, stack_dim=0):
         self.tensordicts = list(tensordicts)
         self.stack_dim = stack_dim
+        self.consolidated = None  # {"storage": uint8 tensor, "metadata": dict}
 
 
 def int_generator(seed):
@@ -367,9 +368,22 @@ def _node_metadata(td):
 
 
 def consolidate(td):
-    """consolidate(metadata=True): a new, locked TD whose leaves view one uint8 storage."""
+    """consolidate(metadata=True): a new, locked TD whose leaves view one uint8 storage. A
+    LazyStack is laid out as _reduce_vals_and_metadata walks one (_fast_apply with
+    _NESTED_TENSORS_AS_LISTS): its members are the sub-tensordicts "0", "1", ... in order."""
     if td.consolidated is not None:
         return td
+    if isinstance(td, LazyStack):
+        shell = TD(td.tensordicts[0].batch_size if td.tensordicts else [])
+        for m, member in enumerate(td.tensordicts):
+            shell.items[str(m)] = member
+        shell_c = consolidate(shell)
+        out = LazyStack([shell_c.items[str(m)] for m in range(len(td.tensordicts))], td.stack_dim)
+        metadata = {"cls": "LazyStackedTensorDict", "non_tensors": {}, "leaves": {},
+                    "cls_metadata": {"stack_dim": td.stack_dim, "stack_dim_name": None, "is_locked": False}}
+        metadata.update({str(m): shell_c.consolidated["metadata"][str(m)] for m in range(len(td.tensordicts))})
+        out.consolidated = {"storage": shell_c.consolidated["storage"], "metadata": metadata}
+        return out
     need_padding = True  # consolidate passes dtype=None: every leaf is padded, whatever the dtypes
     metadata = _node_metadata(td)
     flat = []  # (path, tensor, n, pad)
@@ -1157,6 +1171,31 @@ def run_scenario(args, result):
             raise Mismatch(f"last tag {result['last_tag']}, expected {tag}")
         if "works" in result and result["works"] != n:
             raise Mismatch(f"{result['works']} works, expected {n}")
+        return
+
+    if args.scenario == "consolidated" and args.lazy_members:
+        # A LazyStack of these trees (member m at salt + m), consolidated: two rounds into the
+        # same storage, the second's values (salt + 1 + m) written in place.
+        members = args.lazy_members.split(",")
+
+        def stack(salt, blank):
+            return LazyStack([_tree_of(build_tree(t, salt + m, blank=blank)) for m, t in enumerate(members)])
+
+        if args.role == "send":
+            s_c = consolidate(stack(args.salt, False))
+            for r in range(args.rounds):
+                if r:
+                    for m, member in enumerate(s_c.tensordicts):
+                        for path, leaf in member.leaves_in_order():
+                            leaf.copy_(pattern(path, leaf.dtype, list(leaf.shape), args.salt + r + m))
+                send(s_c, consolidated=True, **peer)
+        else:
+            s_c = consolidate(stack(0, True))
+            for r in range(args.rounds):
+                recv(s_c, consolidated=True, **peer)
+                _check([e for m, t in enumerate(members)
+                        for e in check_tree(s_c.tensordicts[m], t, args.salt + r + m, f"consolidated round {r}, member {m}")])
+        result["total_bytes"] = s_c.consolidated["storage"].numel()
         return
 
     if args.scenario == "consolidated":

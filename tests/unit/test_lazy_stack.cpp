@@ -84,6 +84,32 @@ TEST(LazyStack, DenseFormStacksEachLeaf) {
   EXPECT_THROW(LazyStackedTensorDict({member(0), wide}).to_tensordict(), ShapeError);
 }
 
+// consolidate(): one storage, member after member, each member's leaves in insertion order
+// (tensordict's layout of a lazy stack: its members are the sub-tensordicts "0", "1", ...).
+TEST(LazyStack, ConsolidateLaysOutMemberAfterMember) {
+  TensorDict m1 = member(1);
+  m1.set("extra", at::full({2}, 5, at::kLong));
+  const LazyStackedTensorDict s({member(0), m1}, 1);
+  EXPECT_FALSE(s.is_consolidated());
+  EXPECT_THROW(s.consolidated_storage(), Error);
+  const LazyStackedTensorDict c = s.consolidate();
+  ASSERT_TRUE(c.is_consolidated());
+  EXPECT_EQ(c.stack_dim(), 1);
+  EXPECT_TRUE((c == s).all());
+  const at::Tensor storage = c.consolidated_storage();
+  // member 0: b (24 B), n.x (8), n.y (8); member 1: the same, then extra (16): 96 bytes.
+  EXPECT_EQ(storage.numel(), 96);
+  auto offset = [&](int64_t m, const Key& k) {
+    return static_cast<uint8_t*>(c[m].get(k).data_ptr()) - static_cast<uint8_t*>(storage.data_ptr());
+  };
+  EXPECT_EQ(offset(0, "b"), 0);
+  EXPECT_EQ(offset(0, Key({"n", "y"})), 32);
+  EXPECT_EQ(offset(1, "b"), 40);
+  EXPECT_EQ(offset(1, "extra"), 80);
+  EXPECT_THROW(TensorDict(c[0]).set("new", at::zeros({2})), LockedError) << "the members are locked";
+  EXPECT_TRUE(c.consolidate().consolidated_storage().is_same(storage)) << "consolidate() of a consolidated stack";
+}
+
 // ---------------------------------------------------------------------------------------------
 // A lazy stack held at a key of a TensorDict
 
