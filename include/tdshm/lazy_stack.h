@@ -72,6 +72,13 @@ class LazyStackedTensorDict {
   /// Receives into the members' leaves (the receiver's stack has the sender's structure).
   Transfer irecv(const RecvOptions& options);
   int64_t recv(const RecvOptions& options);
+  /// tensordict's init_remote / from_remote_init of a lazy stack (point to point): the metadata
+  /// names class LazyStackedTensorDict with its stack_dim, the members are its children "0",
+  /// "1", ..., then the consolidated storage (consolidate()'s layout). The received stack's
+  /// members are consolidated and locked. A TensorDict's metadata is refused here (and a lazy
+  /// stack's by TensorDict::from_remote_init): SchemaError. use_broadcast: Error.
+  void init_remote(const InitRemoteOptions& options) const;
+  static LazyStackedTensorDict from_remote_init(const FromRemoteInitOptions& options);
 
  private:
   friend detail::LazyLeavesCache& detail::lazy_leaves_cache(const LazyStackedTensorDict& stack) noexcept;

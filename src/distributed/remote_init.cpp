@@ -38,9 +38,57 @@ struct ObjectList {
   at::Tensor bytes;  // uint8: the pickle
 };
 
-ObjectList pickle_metadata(const TensorDict& consolidated, std::optional<std::string> storage_device) {
+// A lazy stack travels as its consolidated shell {"0": member 0, ...} (lazy_stack.h) whose root
+// tensordict's metadata names instead: {"cls": "LazyStackedTensorDict", "cls_metadata":
+// {"stack_dim", "stack_dim_name", "is_locked"}} (_lazy.py's _reduce_get_metadata), the members
+// being the children "0", "1", ...
+constexpr std::string_view kLazyStackCls = "LazyStackedTensorDict";
+
+void mark_lazy_root(pickle::PyValue& metadata, int64_t stack_dim) {
+  metadata.set("cls", pickle::PyValue::str(std::string(kLazyStackCls)));
+  pickle::PyValue cls_metadata = pickle::PyValue::dict();
+  cls_metadata.set("stack_dim", pickle::PyValue::integer(stack_dim));
+  cls_metadata.set("stack_dim_name", pickle::PyValue::none());
+  cls_metadata.set("is_locked", pickle::PyValue::boolean(false));
+  metadata.set("cls_metadata", std::move(cls_metadata));
+}
+
+bool is_lazy_root(const pickle::PyValue& metadata) {
+  const pickle::PyValue* cls = metadata.find("cls");
+  return cls != nullptr && cls->kind() == pickle::PyKind::kStr && std::get<std::string>(cls->v) == kLazyStackCls;
+}
+
+/// Turns a lazy stack's root back into the shell's (a TensorDict of the members' batch size, from
+/// member "0"'s cls_metadata) and returns its stack_dim. Throws SchemaError for a malformed one.
+int64_t unmark_lazy_root(pickle::PyValue& metadata) {
+  const pickle::PyValue* cls_metadata = metadata.find("cls_metadata");
+  if (cls_metadata == nullptr) throw SchemaError("from_remote_init: the lazy stack's metadata lacks \"cls_metadata\"");
+  const pickle::PyValue* dim = cls_metadata->find("stack_dim");
+  if (dim == nullptr) throw SchemaError("from_remote_init: the lazy stack's metadata lacks \"stack_dim\"");
+  const int64_t stack_dim = dim->as_int("stack_dim of the lazy stack");
+  pickle::PyValue shell_meta = pickle::PyValue::dict();
+  shell_meta.set("device", pickle::PyValue::none());
+  pickle::PyValue batch = pickle::PyValue::list({});
+  if (const pickle::PyValue* first = metadata.find("0")) {
+    if (const pickle::PyValue* m = first->find("cls_metadata")) {
+      if (const pickle::PyValue* b = m->find("batch_size")) batch = *b;
+    }
+  }
+  const size_t dims = batch.kind() == pickle::PyKind::kList ? batch.as_list("batch_size of member 0").items.size() : 0;
+  shell_meta.set("names", pickle::PyValue::list(std::vector<pickle::PyValue>(dims)));
+  shell_meta.set("batch_size", std::move(batch));
+  shell_meta.set("is_locked", pickle::PyValue::boolean(false));
+  metadata.set("cls", pickle::PyValue::str("TensorDict"));
+  metadata.set("cls_metadata", std::move(shell_meta));
+  return stack_dim;
+}
+
+ObjectList pickle_metadata(const TensorDict& consolidated, std::optional<std::string> storage_device,
+                           std::optional<int64_t> lazy_stack_dim = std::nullopt) {
   ObjectList o;
-  o.bytes = pickled_tensor(to_metadata(consolidated.schema(), std::move(storage_device)));
+  pickle::PyValue metadata = to_metadata(consolidated.schema(), std::move(storage_device));
+  if (lazy_stack_dim) mark_lazy_root(metadata, *lazy_stack_dim);
+  o.bytes = pickled_tensor(metadata);
   o.sizes = int64_tensor({o.bytes.numel()});
   return o;
 }
@@ -130,16 +178,14 @@ TensorDict rebuild_consolidated(const pickle::PyValue& metadata, const at::Tenso
 
 }  // namespace detail
 
-void TensorDict::init_remote(const InitRemoteOptions& o) const {
-  if (o.use_broadcast) {
-    const Group g = group_or_default(o.group);
-    broadcast_remote(this, g, g.rank(), o.device);
-    return;
-  }
+namespace detail {
+
+// init_remote point to point of `td` (a lazy stack's shell when lazy_stack_dim is set).
+void init_remote_p2p(const TensorDict& td, const InitRemoteOptions& o, std::optional<int64_t> lazy_stack_dim) {
   if (!o.dst) throw Error("init_remote: `dst` must be provided (or use_broadcast=True)");
   const Peer p = resolve_peer("dst", "group_dst", o.dst, std::nullopt, o.group);
-  const TensorDict c = consolidate();
-  ObjectList meta = pickle_metadata(c, std::nullopt);
+  const TensorDict c = td.consolidate();
+  ObjectList meta = pickle_metadata(c, std::nullopt, lazy_stack_dim);
   std::vector<WorkPtr> works{send_one(p.group, meta.sizes, p.rank, kRemoteInitTag),
                              send_one(p.group, meta.bytes, p.rank, kRemoteInitTag)};
   const at::Tensor storage = c.consolidated_storage();
@@ -148,7 +194,7 @@ void TensorDict::init_remote(const InitRemoteOptions& o) const {
     wait_all(works);
     return;
   }
-  const std::vector<MemmapReference> refs = memmap_references(*this, c.schema());
+  const std::vector<MemmapReference> refs = memmap_references(td, c.schema());
   const at::Tensor table = encode_references(refs);
   works.push_back(send_one(p.group, int64_tensor({table.numel()}), p.rank, kRemoteInitTag));
   works.push_back(send_one(p.group, table, p.rank, kRemoteInitTag));
@@ -159,20 +205,22 @@ void TensorDict::init_remote(const InitRemoteOptions& o) const {
   wait_all(works);
 }
 
-TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
+// from_remote_init point to point; with lazy_stack_dim, of a lazy stack (its shell is returned,
+// its stack_dim stored there), else of a tensordict (a lazy stack's metadata is refused).
+TensorDict from_remote_init_p2p(const FromRemoteInitOptions& o, int64_t* lazy_stack_dim) {
   if (!o.src) throw Error("from_remote_init: `src` must be provided");
-  if (o.use_broadcast) {
-    const Group g = group_or_default(o.group);
-    return broadcast_remote(nullptr, g, root_in_group(g, *o.src), o.device);
-  }
   const Peer p = resolve_peer("src", "group_src", o.src, std::nullopt, o.group);
   auto sizes = int64_tensor({0});
   recv_now(p.group, sizes, p.rank, kRemoteInitTag);
   const at::Tensor bytes = pickle_buffer(sizes);
   recv_now(p.group, bytes, p.rank, kRemoteInitTag);
   Received r;
+  bool lazy = false;  // the sender's is a lazy stack: received whole, then refused if unwanted
+  int64_t stack_dim = 0;
   try {
     r = read_metadata(bytes);
+    lazy = is_lazy_root(r.metadata);
+    if (lazy) stack_dim = unmark_lazy_root(r.metadata);
   } catch (...) {
     // The sender's storage is still on its way: take it (a transport that drops mismatched
     // messages drops it on a receive of no bytes) so that the pair stays in step, then report the
@@ -185,9 +233,22 @@ TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
     }
     throw;
   }
+  // Whether the sender's kind is the one asked for, told once the whole transfer is in (so that
+  // the pair stays in step either way).
+  auto checked = [&](TensorDict td) {
+    if (lazy != (lazy_stack_dim != nullptr)) {
+      throw SchemaError(lazy_stack_dim != nullptr
+                            ? "LazyStackedTensorDict::from_remote_init: the sender's init_remote sends a tensordict, not "
+                              "a lazy stack (use TensorDict::from_remote_init)"
+                            : "from_remote_init: the sender's init_remote sends a LazyStackedTensorDict (use "
+                              "LazyStackedTensorDict::from_remote_init)");
+    }
+    if (lazy_stack_dim != nullptr) *lazy_stack_dim = stack_dim;
+    return td;
+  };
   if (!p.group.transport().memmap_by_reference_with(p.rank)) {
     recv_now(p.group, r.storage, p.rank, kRemoteInitTag);
-    return rebuild_consolidated(r.metadata, r.storage, o.device);
+    return checked(rebuild_consolidated(r.metadata, r.storage, o.device));
   }
   // The memmap table, then the storage without the referenced leaves (remote_memmaps.h). A
   // refused table leaves the pair out of step; the error says so through its type (SchemaError).
@@ -207,7 +268,52 @@ TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
   }
   TensorDict td = rebuild_with_references(r.storage, schema, refs);
   if (o.device && *o.device != r.storage.device()) td = td.to(*o.device);
-  return td;
+  return checked(std::move(td));
+}
+
+}  // namespace detail
+
+void TensorDict::init_remote(const InitRemoteOptions& o) const {
+  if (o.use_broadcast) {
+    const Group g = group_or_default(o.group);
+    broadcast_remote(this, g, g.rank(), o.device);
+    return;
+  }
+  init_remote_p2p(*this, o, std::nullopt);
+}
+
+TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
+  if (o.use_broadcast) {
+    if (!o.src) throw Error("from_remote_init: `src` must be provided");
+    const Group g = group_or_default(o.group);
+    return broadcast_remote(nullptr, g, root_in_group(g, *o.src), o.device);
+  }
+  return from_remote_init_p2p(o, nullptr);
+}
+
+void LazyStackedTensorDict::init_remote(const InitRemoteOptions& o) const {
+  if (o.use_broadcast) throw Error("LazyStackedTensorDict::init_remote: use_broadcast is not supported for lazy stacks");
+  TensorDict shell(tensordicts_.empty() ? std::vector<int64_t>{} : tensordicts_[0].batch_size());
+  for (size_t m = 0; m < tensordicts_.size(); ++m) shell.set(std::to_string(m), tensordicts_[m]);
+  init_remote_p2p(shell, o, stack_dim_);
+}
+
+LazyStackedTensorDict LazyStackedTensorDict::from_remote_init(const FromRemoteInitOptions& o) {
+  if (o.use_broadcast) {
+    throw Error("LazyStackedTensorDict::from_remote_init: use_broadcast is not supported for lazy stacks");
+  }
+  int64_t stack_dim = 0;
+  const TensorDict shell = from_remote_init_p2p(o, &stack_dim);
+  std::vector<TensorDict> members;
+  for (size_t m = 0; m < shell.size(); ++m) {
+    const std::string key = std::to_string(m);
+    if (!shell.contains(key) || !shell.get_value(key).is_tensordict()) {
+      throw SchemaError("LazyStackedTensorDict::from_remote_init: the lazy stack's metadata has no member \"" + key +
+                        "\" (members are the children \"0\", \"1\", ...)");
+    }
+    members.push_back(shell.get_tensordict(key));
+  }
+  return LazyStackedTensorDict(std::move(members), stack_dim);
 }
 
 TensorDict TensorDict::broadcast(const BroadcastOptions& o) const {

@@ -45,7 +45,8 @@
 //     PyClassRef split at the last '.' (so a nested name must contain one), and from_metadata
 //     reads one back as module + "." + qualname. The receiving side must therefore load the
 //     pickle with metadata_pickle_limits() (class references read as names, never imported).
-//     Other "cls" strings (LazyStackedTensorDict, NonTensorStack, ...) are refused.
+//     Other "cls" strings (NonTensorStack, ...) are refused; a lazy stack's root ("LazyStackedTensorDict")
+//     is turned into its shell's by remote_init.cpp before from_metadata reads it.
 //   - Non-tensors. tdshm's str / int64 / double / bool map to Python str / int / float / bool
 //     in a (value, batch_size, device) tuple where batch_size and device are the node's (what a
 //     NonTensorData set into that node has). Other Python types (None, lists, ...) are refused.

@@ -166,6 +166,33 @@ TEST_P(TransferLazyStack, ConsolidatedTransfers) {
   });
 }
 
+// init_remote / from_remote_init of a stack (tensordict's metadata: class LazyStackedTensorDict,
+// stack_dim, members "0", "1", ...), a MemoryMappedTensor leaf in a member (by reference between
+// two C++ ranks over shm, by value over gloo); then a TensorDict's init_remote refused by
+// LazyStackedTensorDict::from_remote_init (SchemaError once it is all in: the pair stays in step).
+TEST_P(TransferLazyStack, InitRemote) {
+  run_world(2, [&](int rank, Flags&) {
+    if (rank == 0) {
+      LazyStackedTensorDict s = hetero_stack(1);
+      TensorDict(s[0]).set("mm", MemoryMappedTensor::from_tensor(at::full({2, 4}, 7.0)));
+      LazyStackedTensorDict(s.tensordicts(), 1).init_remote({.dst = 1});
+      SHM_CHECK_THROWS(Error, [&] { s.init_remote({.dst = 1, .use_broadcast = true}); }, "use_broadcast");
+      hetero_stack(2)[0].init_remote({.dst = 1});
+      hetero_stack(3).send({.dst = 1});
+    } else {
+      const LazyStackedTensorDict got = LazyStackedTensorDict::from_remote_init({.src = 0});
+      SHM_CHECK(got.size() == 3 && got.stack_dim() == 1, got.size() << " members, stack_dim " << got.stack_dim());
+      check_stack(got, 1, "from_remote_init of a lazy stack");
+      SHM_CHECK(at::equal(got[0].get("mm"), at::full({2, 4}, 7.0)), got[0].get("mm"));
+      SHM_CHECK_THROWS(SchemaError, [] { (void)LazyStackedTensorDict::from_remote_init({.src = 0}); },
+                       "sends a tensordict");
+      LazyStackedTensorDict next = hetero_stack(0);
+      next.recv({.src = 0});
+      check_stack(next, 3, "the transfer after the refused from_remote_init");
+    }
+  });
+}
+
 // The stack keeps its leaf order between transfers; a member that gains a key (on both sides)
 // is seen by the next transfer.
 TEST_P(TransferLazyStack, AMemberThatGainsAKeyIsSeen) {

@@ -653,6 +653,22 @@ std::vector<std::string> py_consolidated_lazy(const std::string& role, int peer,
           "--salt", std::to_string(salt), "--rounds", "2", "--lazy-members", members};
 }
 
+/// init_remote / from_remote_init of a lazy stack of `trees` (member m at salt + m).
+std::function<void(const Group&)> cpp_remote_lazy_send(int dst, std::vector<std::string> trees, int64_t salt) {
+  return [=](const Group&) { lazy_stack_of(trees, salt, false).init_remote({.dst = dst}); };
+}
+
+std::function<void(const Group&)> cpp_remote_lazy_recv(int src, std::vector<std::string> trees, int64_t salt) {
+  return [=](const Group&) {
+    const LazyStackedTensorDict got = LazyStackedTensorDict::from_remote_init({.src = src});
+    SHM_CHECK(got.size() == trees.size() && got.stack_dim() == 0, got.size() << " members, stack_dim " << got.stack_dim());
+    for (size_t m = 0; m < got.size(); ++m) {
+      check_tree(got.tensordicts()[m], trees[m], salt + static_cast<int64_t>(m),
+                 "from_remote_init of a lazy stack, member " + std::to_string(m));
+    }
+  };
+}
+
 std::vector<std::string> py_consolidated(const std::string& role, int peer, const std::string& tree, int64_t salt) {
   return {"--scenario", "consolidated", "--role", role, "--peer", std::to_string(peer), "--tree", tree,
           "--salt", std::to_string(salt), "--rounds", "2"};
@@ -1042,6 +1058,22 @@ struct Exchanges : InteropTest {
     }
     run(w);
   }
+  void remote_lazy(bool cpp_sends, const std::vector<std::string>& trees) {
+    World w{.backend = backend};
+    std::vector<std::string> py = {"--scenario", "remote", "--role", cpp_sends ? "recv" : "send", "--peer",
+                                   cpp_sends ? "1" : "0", "--tree", trees[0], "--salt", "5", "--lazy-members"};
+    std::string members;
+    for (const std::string& t : trees) members += (members.empty() ? "" : ",") + t;
+    py.push_back(members);
+    if (cpp_sends) {
+      w.cpp[1] = cpp_remote_lazy_send(0, trees, 5);
+      w.py[0] = py;
+    } else {
+      w.py[1] = py;
+      w.cpp[0] = cpp_remote_lazy_recv(1, trees, 5);
+    }
+    run(w);
+  }
   void remote(bool cpp_sends, const std::string& tree) {
     World w{.backend = backend};
     if (cpp_sends) {
@@ -1170,6 +1202,8 @@ TEST_F(InteropGloo, ConsolidatedPyToCpp) { consolidated(false, "mixed"); }
 TEST_F(InteropGloo, ConsolidatedOneDtypePyToCpp) { consolidated(false, "u8only"); }
 TEST_F(InteropGloo, ConsolidatedLazyStackCppToPy) { consolidated_lazy(true, kLazyMembers); }
 TEST_F(InteropGloo, ConsolidatedLazyStackPyToCpp) { consolidated_lazy(false, kLazyMembers); }
+TEST_F(InteropGloo, RemoteInitLazyStackCppToPy) { remote_lazy(true, kLazyMembers); }
+TEST_F(InteropGloo, RemoteInitLazyStackPyToCpp) { remote_lazy(false, kLazyMembers); }
 // ---- init_remote / from_remote_init ----
 TEST_F(InteropGloo, RemoteCppToPy) { remote(true, "mixed"); }
 TEST_F(InteropGloo, RemotePyToCpp) { remote(false, "mixed"); }
@@ -1307,6 +1341,8 @@ TEST_F(InteropShm, ConsolidatedCppToPy) { consolidated(true, "mixed"); }
 TEST_F(InteropShm, ConsolidatedPyToCpp) { consolidated(false, "mixed"); }
 TEST_F(InteropShm, ConsolidatedLazyStackCppToPy) { consolidated_lazy(true, kLazyMembers); }
 TEST_F(InteropShm, ConsolidatedLazyStackPyToCpp) { consolidated_lazy(false, kLazyMembers); }
+TEST_F(InteropShm, RemoteInitLazyStackCppToPy) { remote_lazy(true, kLazyMembers); }
+TEST_F(InteropShm, RemoteInitLazyStackPyToCpp) { remote_lazy(false, kLazyMembers); }
 TEST_F(InteropShm, RemoteCppToPy) { remote(true, "mixed"); }
 TEST_F(InteropShm, RemoteTensorClassPyToCpp) { remote(false, "record"); }
 TEST_F(InteropShm, BroadcastFromPy) { broadcast(true, "mixed", false); }

@@ -484,7 +484,16 @@ def from_consolidated(metadata, storage):
         out.is_locked = bool(is_locked)
         return out
 
-    result = from_metadata(metadata)
+    root = dict(metadata)
+    if root.get("cls") == "LazyStackedTensorDict":
+        # _reductions: LazyStackedTensorDict._from_dict_validated({"0": td0, ...}, stack_dim=...,
+        # stack_dim_name=...): the members are the children "0", "1", ... in order.
+        cls_metadata = dict(root["cls_metadata"])
+        children = {k: v for k, v in root.items() if k not in ("cls", "non_tensors", "leaves", "cls_metadata", "size")}
+        members = [from_metadata(children[str(m)]) for m in range(len(children))]
+        result = LazyStack(members, cls_metadata.get("stack_dim", 0))
+    else:
+        result = from_metadata(metadata)
     result.consolidated = {"storage": storage, "metadata": metadata}
     return result
 
@@ -1215,6 +1224,23 @@ def run_scenario(args, result):
                 recv(td_c, consolidated=True, **peer)
                 _check(check_tree(td_c, args.tree, args.salt + r, f"consolidated round {r}"))
         result["total_bytes"] = td_c.consolidated["storage"].numel()
+        return
+
+    if args.scenario == "remote" and args.lazy_members:
+        # init_remote of a LazyStack of these trees (member m at salt + m, stack_dim 0) and
+        # from_remote_init of one: the metadata's root names LazyStackedTensorDict.
+        members = args.lazy_members.split(",")
+        if args.role == "send":
+            init_remote(LazyStack([_tree_of(build_tree(t, args.salt + m)) for m, t in enumerate(members)]), dst=args.peer)
+        else:
+            seen = []
+            got = from_remote_init(src=args.peer, seen=seen)
+            if seen[0].get("cls") != "LazyStackedTensorDict" or seen[0]["cls_metadata"].get("stack_dim") != 0:
+                raise Mismatch(f"metadata root {seen[0].get('cls')!r}, {seen[0].get('cls_metadata')!r}")
+            if not isinstance(got, LazyStack) or len(got.tensordicts) != len(members):
+                raise Mismatch(f"rebuilt {type(got)} of {len(getattr(got, 'tensordicts', []))} members")
+            _check([e for m, t in enumerate(members)
+                    for e in check_tree(got.tensordicts[m], t, args.salt + m, f"from_remote_init, member {m}")])
         return
 
     if args.scenario == "remote":
