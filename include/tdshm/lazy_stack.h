@@ -82,6 +82,9 @@ class LazyStackedTensorDict {
 
  private:
   friend detail::LazyLeavesCache& detail::lazy_leaves_cache(const LazyStackedTensorDict& stack) noexcept;
+  /// The members as the children "0", "1", ... of one tensordict of their batch size: how
+  /// tensordict's consolidate and init_remote see a lazy stack (shared members, not copies).
+  TensorDict shell() const;
   std::vector<TensorDict> tensordicts_;
   int64_t stack_dim_ = 0;
   /// A consolidated stack: the consolidated TensorDict {"0": member 0, "1": ...} (batch: the

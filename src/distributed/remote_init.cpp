@@ -293,9 +293,7 @@ TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
 
 void LazyStackedTensorDict::init_remote(const InitRemoteOptions& o) const {
   if (o.use_broadcast) throw Error("LazyStackedTensorDict::init_remote: use_broadcast is not supported for lazy stacks");
-  TensorDict shell(tensordicts_.empty() ? std::vector<int64_t>{} : tensordicts_[0].batch_size());
-  for (size_t m = 0; m < tensordicts_.size(); ++m) shell.set(std::to_string(m), tensordicts_[m]);
-  init_remote_p2p(shell, o, stack_dim_);
+  init_remote_p2p(shell(), o, stack_dim_);
 }
 
 LazyStackedTensorDict LazyStackedTensorDict::from_remote_init(const FromRemoteInitOptions& o) {

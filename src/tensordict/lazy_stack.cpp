@@ -57,21 +57,17 @@ LazyStackedTensorDict TensorDict::get_lazy_stack(const Key& key) const {
   return v.lazy_stack();
 }
 
+TensorDict LazyStackedTensorDict::shell() const {
+  TensorDict out(tensordicts_.empty() ? std::vector<int64_t>{} : tensordicts_[0].batch_size());
+  for (size_t m = 0; m < tensordicts_.size(); ++m) out.set(std::to_string(m), tensordicts_[m]);
+  return out;
+}
+
 LazyStackedTensorDict LazyStackedTensorDict::consolidate() const {
   if (consolidated_) return *this;
-  // The members as the sub-tensordicts "0", "1", ... of one tensordict: TensorDict::consolidate
-  // lays them out member after member, as tensordict lays out a lazy stack.
-  TensorDict shell(tensordicts_.empty() ? std::vector<int64_t>{} : tensordicts_[0].batch_size());
-  for (size_t m = 0; m < tensordicts_.size(); ++m) {
-    for (const Key& k : tensordicts_[m].keys(true)) {
-      if (tensordicts_[m].get_value(k).is_lazy_stack()) {
-        throw TypeError("LazyStackedTensorDict::consolidate: member " + std::to_string(m) + " holds a lazy stack at key " +
-                        k.str() + ", which tdshm does not consolidate");
-      }
-    }
-    shell.set(std::to_string(m), tensordicts_[m]);
-  }
-  auto c = std::make_shared<const TensorDict>(shell.consolidate());
+  // TensorDict::consolidate lays the shell's children out member after member, as tensordict
+  // lays out a lazy stack (a member holding a lazy stack is its TypeError, naming the key).
+  auto c = std::make_shared<const TensorDict>(shell().consolidate());
   std::vector<TensorDict> members;
   members.reserve(tensordicts_.size());
   for (size_t m = 0; m < tensordicts_.size(); ++m) members.push_back(c->get_tensordict(std::to_string(m)));

@@ -475,6 +475,13 @@ TensorDict nest_lazy(const LazyStackedTensorDict& stack, int64_t salt, bool blan
   return TensorDict({{"a0", a0}, {"ls", Value(stack)}, {"zz", zz}}, {});
 }
 
+/// "a,b,c": td_peer.py's --lazy-members.
+std::string comma_joined(const std::vector<std::string>& parts) {
+  std::string out;
+  for (const std::string& p : parts) out += (out.empty() ? "" : ",") + p;
+  return out;
+}
+
 LazyStackedTensorDict lazy_stack_of(const std::vector<std::string>& trees, int64_t salt, bool blank) {
   std::vector<TensorDict> members;
   for (size_t m = 0; m < trees.size(); ++m) members.push_back(build_tree(trees[m], salt + static_cast<int64_t>(m), blank));
@@ -580,9 +587,7 @@ std::vector<std::string> py_perleaf(const std::string& role, int peer, PerLeaf p
                                 std::to_string(p.init_tag)};
   if (p.pseudo) a.push_back("--pseudo-rand");
   if (!p.lazy.empty()) {
-    std::string members;
-    for (const std::string& t : p.lazy) members += (members.empty() ? "" : ",") + t;
-    a.insert(a.end(), {"--lazy-members", members});
+    a.insert(a.end(), {"--lazy-members", comma_joined(p.lazy)});
     if (p.nest) a.push_back("--lazy-nest");
   }
   return a;
@@ -647,10 +652,8 @@ std::function<void(const Group&)> cpp_consolidated_lazy_recv(int src, std::vecto
 
 std::vector<std::string> py_consolidated_lazy(const std::string& role, int peer, const std::vector<std::string>& trees,
                                               int64_t salt) {
-  std::string members;
-  for (const std::string& t : trees) members += (members.empty() ? "" : ",") + t;
   return {"--scenario", "consolidated", "--role", role, "--peer", std::to_string(peer), "--tree", trees[0],
-          "--salt", std::to_string(salt), "--rounds", "2", "--lazy-members", members};
+          "--salt", std::to_string(salt), "--rounds", "2", "--lazy-members", comma_joined(trees)};
 }
 
 /// init_remote / from_remote_init of a lazy stack of `trees` (member m at salt + m).
@@ -1036,43 +1039,27 @@ struct Exchanges : InteropTest {
     }
     run(w);
   }
-  void consolidated(bool cpp_sends, const std::string& tree, bool loaned = false) {
+  /// Rank 1 sends to rank 0: the C++ sender `cpp` and the Python receiver `py`, or the Python
+  /// sender `py` and the C++ receiver `cpp`.
+  void one_way(bool cpp_sends, std::function<void(const Group&)> cpp, std::vector<std::string> py) {
     World w{.backend = backend};
-    if (cpp_sends) {
-      w.cpp[1] = cpp_consolidated_send(0, tree, 2, loaned);
-      w.py[0] = py_consolidated("recv", 1, tree, 2);
-    } else {
-      w.py[1] = py_consolidated("send", 0, tree, 2);
-      w.cpp[0] = cpp_consolidated_recv(1, tree, 2);
-    }
+    w.cpp[cpp_sends ? 1 : 0] = std::move(cpp);
+    w.py[cpp_sends ? 0 : 1] = std::move(py);
     run(w);
+  }
+  void consolidated(bool cpp_sends, const std::string& tree, bool loaned = false) {
+    if (cpp_sends) return one_way(true, cpp_consolidated_send(0, tree, 2, loaned), py_consolidated("recv", 1, tree, 2));
+    one_way(false, cpp_consolidated_recv(1, tree, 2), py_consolidated("send", 0, tree, 2));
   }
   void consolidated_lazy(bool cpp_sends, const std::vector<std::string>& trees) {
-    World w{.backend = backend};
-    if (cpp_sends) {
-      w.cpp[1] = cpp_consolidated_lazy_send(0, trees, 3);
-      w.py[0] = py_consolidated_lazy("recv", 1, trees, 3);
-    } else {
-      w.py[1] = py_consolidated_lazy("send", 0, trees, 4);
-      w.cpp[0] = cpp_consolidated_lazy_recv(1, trees, 4);
-    }
-    run(w);
+    if (cpp_sends) return one_way(true, cpp_consolidated_lazy_send(0, trees, 3), py_consolidated_lazy("recv", 1, trees, 3));
+    one_way(false, cpp_consolidated_lazy_recv(1, trees, 4), py_consolidated_lazy("send", 0, trees, 4));
   }
   void remote_lazy(bool cpp_sends, const std::vector<std::string>& trees) {
-    World w{.backend = backend};
-    std::vector<std::string> py = {"--scenario", "remote", "--role", cpp_sends ? "recv" : "send", "--peer",
-                                   cpp_sends ? "1" : "0", "--tree", trees[0], "--salt", "5", "--lazy-members"};
-    std::string members;
-    for (const std::string& t : trees) members += (members.empty() ? "" : ",") + t;
-    py.push_back(members);
-    if (cpp_sends) {
-      w.cpp[1] = cpp_remote_lazy_send(0, trees, 5);
-      w.py[0] = py;
-    } else {
-      w.py[1] = py;
-      w.cpp[0] = cpp_remote_lazy_recv(1, trees, 5);
-    }
-    run(w);
+    const std::vector<std::string> py = {"--scenario", "remote", "--role", cpp_sends ? "recv" : "send", "--peer",
+                                         cpp_sends ? "1" : "0", "--tree", trees[0], "--salt", "5", "--lazy-members",
+                                         comma_joined(trees)};
+    one_way(cpp_sends, cpp_sends ? cpp_remote_lazy_send(0, trees, 5) : cpp_remote_lazy_recv(1, trees, 5), py);
   }
   void remote(bool cpp_sends, const std::string& tree) {
     World w{.backend = backend};
