@@ -56,7 +56,7 @@ class LazyStackedTensorDict {
   /// storage, member after member, each member's leaves in insertion order depth first (every
   /// leaf padded to 8 bytes), as tensordict lays out a lazy stack (its members are the
   /// sub-tensordicts "0", "1", ... of the metadata). The members are locked. Itself when it is
-  /// consolidated already. A member holding a lazy stack is a TypeError.
+  /// consolidated already. A member may hold lazy stacks (laid out the same way, nested).
   LazyStackedTensorDict consolidate() const;
   bool is_consolidated() const noexcept { return consolidated_ != nullptr; }
   /// The storage of a consolidated stack (Error otherwise).
@@ -72,19 +72,29 @@ class LazyStackedTensorDict {
   /// Receives into the members' leaves (the receiver's stack has the sender's structure).
   Transfer irecv(const RecvOptions& options);
   int64_t recv(const RecvOptions& options);
-  /// tensordict's init_remote / from_remote_init of a lazy stack (point to point): the metadata
-  /// names class LazyStackedTensorDict with its stack_dim, the members are its children "0",
-  /// "1", ..., then the consolidated storage (consolidate()'s layout). The received stack's
-  /// members are consolidated and locked. A TensorDict's metadata is refused here (and a lazy
-  /// stack's by TensorDict::from_remote_init): SchemaError. use_broadcast: Error.
+  /// tensordict's init_remote / from_remote_init of a lazy stack: the metadata names class
+  /// LazyStackedTensorDict with its stack_dim, the members are its children "0", "1", ...,
+  /// then the consolidated storage (consolidate()'s layout); point to point, or with
+  /// use_broadcast as broadcast() from the sender. The received stack's members are
+  /// consolidated and locked. A TensorDict's metadata is refused here (and a lazy stack's by
+  /// TensorDict::from_remote_init): SchemaError, raised once the whole transfer is in.
   void init_remote(const InitRemoteOptions& options) const;
   static LazyStackedTensorDict from_remote_init(const FromRemoteInitOptions& options);
+  /// tensordict's broadcast of a lazy stack from `src` to every rank of the group: on the source
+  /// the consolidated stack, elsewhere the received one (this stack is not used there; any
+  /// stack, e.g. LazyStackedTensorDict({}), will do). A tensordict broadcast instead is a
+  /// SchemaError on the receivers (TensorDict::broadcast refuses a lazy stack the same way).
+  LazyStackedTensorDict broadcast(const BroadcastOptions& options) const;
 
  private:
   friend detail::LazyLeavesCache& detail::lazy_leaves_cache(const LazyStackedTensorDict& stack) noexcept;
   /// The members as the children "0", "1", ... of one tensordict of their batch size: how
   /// tensordict's consolidate and init_remote see a lazy stack (shared members, not copies).
   TensorDict shell() const;
+  /// The stack whose members are the children "0", "1", ... of a received `shell`
+  /// (SchemaError when one is missing or not a tensordict).
+  static LazyStackedTensorDict from_shell(const TensorDict& shell, int64_t stack_dim);
+  LazyStackedTensorDict broadcast_in_group(const Group& g, int root, const std::optional<c10::Device>& device) const;
   std::vector<TensorDict> tensordicts_;
   int64_t stack_dim_ = 0;
   /// A consolidated stack: the consolidated TensorDict {"0": member 0, "1": ...} (batch: the

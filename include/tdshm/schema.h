@@ -50,10 +50,15 @@ struct SchemaEntry {
   friend bool operator==(const SchemaEntry& a, const SchemaEntry& b);
 };
 
-/// One tensordict (or tensorclass) of the tree.
+/// One tensordict (or tensorclass, or lazy stack) of the tree.
 struct SchemaNode {
-  /// Registered tensorclass name, or empty for a plain TensorDict.
+  /// Registered tensorclass name, or empty for a plain TensorDict or a lazy stack.
   std::string class_name;
+  /// Set when the node is a LazyStackedTensorDict stacked along this dimension: its entries are
+  /// its members, the child nodes "0", "1", ... in order (tensordict's consolidated layout of a
+  /// lazy stack), which share a batch size; batch_size is the stack's (the members' with the
+  /// member count inserted at lazy_stack_dim; [0] for a stack of no members).
+  std::optional<int64_t> lazy_stack_dim;
   std::vector<int64_t> batch_size;
   std::optional<c10::Device> device;
   std::vector<SchemaEntry> entries;
@@ -70,8 +75,11 @@ struct Schema {
   friend bool operator==(const Schema& a, const Schema& b) { return a.total_bytes == b.total_bytes && a.root == b.root; }
 };
 
-/// The version written by encode_schema and the only one decode_schema accepts.
-inline constexpr uint16_t kSchemaVersion = 1;
+/// The newest version of the binary encoding: version 2 adds a node kind (tensordict or lazy
+/// stack). encode_schema writes version 1 for a schema without lazy stacks (what earlier builds
+/// read) and version 2 otherwise; decode_schema reads both.
+inline constexpr uint16_t kSchemaVersion = 2;
+inline constexpr uint16_t kSchemaOldestVersion = 1;
 
 /// Limits the decoder enforces, whatever the input claims.
 /// The root node is at depth 0 and a child is one deeper than its parent; a node deeper than
@@ -87,7 +95,9 @@ inline constexpr size_t kSchemaMaxKeyBytes = 4096; ///< bytes of one key or clas
 /// parsing (keys non-empty, unique in their node and at most kSchemaMaxKeyBytes; known dtypes
 /// and devices; non-negative dimensions; stop - start == numel * itemsize; start and stop + pad
 /// multiples of 8 with pad <= 7; leaves in depth-first insertion order without overlap, inside
-/// total_bytes; total_bytes a multiple of 8; no null child; nesting within kSchemaMaxDepth).
+/// total_bytes; total_bytes a multiple of 8; no null child; nesting within kSchemaMaxDepth; a
+/// lazy stack's entries exactly the members "0", "1", ... sharing a batch size, its stack_dim
+/// and batch size consistent with them, no class name).
 /// Thread safety: pure function.
 std::vector<uint8_t> encode_schema(const Schema& schema);
 
@@ -102,8 +112,9 @@ std::vector<uint8_t> encode_schema(const Schema& schema);
 Schema decode_schema(std::span<const uint8_t> bytes, std::optional<uint64_t> storage_bytes = std::nullopt);
 
 /// A stable 64-bit fingerprint of the storage layout and of what the storage is: the key tree,
-/// each tensor leaf's dtype, shape, offsets and pad, every batch size, total_bytes, and the
-/// tensorclass name of every node (empty for a plain TensorDict). Equal schemas give equal
+/// each tensor leaf's dtype, shape, offsets and pad, every batch size, total_bytes, the
+/// tensorclass name of every node (empty for a plain TensorDict) and whether a node is a lazy
+/// stack (and along which dimension). Equal schemas give equal
 /// fingerprints in every process and build; any change of key, dtype, shape, layout or class
 /// name changes it, so a consolidated tensorclass TcA is not received into a TcB of the same
 /// fields, nor into a plain TensorDict. Non-tensor entries (key and value) and devices are left

@@ -38,56 +38,34 @@ struct ObjectList {
   at::Tensor bytes;  // uint8: the pickle
 };
 
-// A lazy stack travels as its consolidated shell {"0": member 0, ...} (lazy_stack.h) whose root
-// tensordict's metadata names instead: {"cls": "LazyStackedTensorDict", "cls_metadata":
-// {"stack_dim", "stack_dim_name", "is_locked"}} (_lazy.py's _reduce_get_metadata), the members
-// being the children "0", "1", ...
-constexpr std::string_view kLazyStackCls = "LazyStackedTensorDict";
+// A lazy stack travels as its consolidated shell {"0": member 0, ...} (lazy_stack.h) whose
+// schema's root is marked a lazy stack (SchemaNode::lazy_stack_dim), so that tensordict's
+// metadata names it {"cls": "LazyStackedTensorDict", "cls_metadata": {"stack_dim", ...}}.
+// `LazyRoot` is that stack_dim, or nullopt for a tensordict.
+using LazyRoot = std::optional<int64_t>;
 
-void mark_lazy_root(pickle::PyValue& metadata, int64_t stack_dim) {
-  metadata.set("cls", pickle::PyValue::str(std::string(kLazyStackCls)));
-  pickle::PyValue cls_metadata = pickle::PyValue::dict();
-  cls_metadata.set("stack_dim", pickle::PyValue::integer(stack_dim));
-  cls_metadata.set("stack_dim_name", pickle::PyValue::none());
-  cls_metadata.set("is_locked", pickle::PyValue::boolean(false));
-  metadata.set("cls_metadata", std::move(cls_metadata));
+/// The shell's schema with its root marked a lazy stack along `stack_dim`.
+Schema lazy_root_schema(Schema s, int64_t stack_dim) {
+  s.root.lazy_stack_dim = stack_dim;
+  s.root.batch_size.insert(s.root.batch_size.begin() + stack_dim, static_cast<int64_t>(s.root.entries.size()));
+  return s;
 }
 
-bool is_lazy_root(const pickle::PyValue& metadata) {
-  const pickle::PyValue* cls = metadata.find("cls");
-  return cls != nullptr && cls->kind() == pickle::PyKind::kStr && std::get<std::string>(cls->v) == kLazyStackCls;
-}
-
-/// Turns a lazy stack's root back into the shell's (a TensorDict of the members' batch size, from
-/// member "0"'s cls_metadata) and returns its stack_dim. Throws SchemaError for a malformed one.
-int64_t unmark_lazy_root(pickle::PyValue& metadata) {
-  const pickle::PyValue* cls_metadata = metadata.find("cls_metadata");
-  if (cls_metadata == nullptr) throw SchemaError("from_remote_init: the lazy stack's metadata lacks \"cls_metadata\"");
-  const pickle::PyValue* dim = cls_metadata->find("stack_dim");
-  if (dim == nullptr) throw SchemaError("from_remote_init: the lazy stack's metadata lacks \"stack_dim\"");
-  const int64_t stack_dim = dim->as_int("stack_dim of the lazy stack");
-  pickle::PyValue shell_meta = pickle::PyValue::dict();
-  shell_meta.set("device", pickle::PyValue::none());
-  pickle::PyValue batch = pickle::PyValue::list({});
-  if (const pickle::PyValue* first = metadata.find("0")) {
-    if (const pickle::PyValue* m = first->find("cls_metadata")) {
-      if (const pickle::PyValue* b = m->find("batch_size")) batch = *b;
-    }
-  }
-  const size_t dims = batch.kind() == pickle::PyKind::kList ? batch.as_list("batch_size of member 0").items.size() : 0;
-  shell_meta.set("names", pickle::PyValue::list(std::vector<pickle::PyValue>(dims)));
-  shell_meta.set("batch_size", std::move(batch));
-  shell_meta.set("is_locked", pickle::PyValue::boolean(false));
-  metadata.set("cls", pickle::PyValue::str("TensorDict"));
-  metadata.set("cls_metadata", std::move(shell_meta));
-  return stack_dim;
+/// Whether the sender's tree is the kind asked for, told once the whole transfer is in (so that
+/// the ranks stay in step either way).
+void check_kind(const LazyRoot& got, bool want_lazy, const char* method) {
+  if (got.has_value() == want_lazy) return;
+  throw SchemaError(want_lazy ? std::string("LazyStackedTensorDict::") + method +
+                                    ": the sender's sends a tensordict, not a lazy stack (use TensorDict::" + method + ")"
+                              : std::string(method) + ": the sender's sends a LazyStackedTensorDict (use "
+                                                      "LazyStackedTensorDict::" + method + ")");
 }
 
 ObjectList pickle_metadata(const TensorDict& consolidated, std::optional<std::string> storage_device,
-                           std::optional<int64_t> lazy_stack_dim = std::nullopt) {
+                           const LazyRoot& lazy) {
   ObjectList o;
-  pickle::PyValue metadata = to_metadata(consolidated.schema(), std::move(storage_device));
-  if (lazy_stack_dim) mark_lazy_root(metadata, *lazy_stack_dim);
+  const pickle::PyValue metadata = lazy ? to_metadata(lazy_root_schema(consolidated.schema(), *lazy), std::move(storage_device))
+                                        : to_metadata(consolidated.schema(), std::move(storage_device));
   o.bytes = pickled_tensor(metadata);
   o.sizes = int64_tensor({o.bytes.numel()});
   return o;
@@ -117,12 +95,16 @@ Received read_metadata(const at::Tensor& bytes) {
   return r;
 }
 
-/// The whole exchange as broadcasts from `root` (a group rank); `td` is used on the root only.
-TensorDict broadcast_remote(const TensorDict* td, const Group& g, int root, const std::optional<c10::Device>& device) {
+/// The whole exchange as broadcasts from `root` (a group rank); `td` (a lazy stack's shell when
+/// `lazy` is set) is used on the root only. The other ranks' result is a lazy stack's shell when
+/// the root's is one (`received` says which).
+TensorDict broadcast_remote(const TensorDict* td, const LazyRoot& lazy, const Group& g, int root,
+                            const std::optional<c10::Device>& device, LazyRoot* received) {
   if (g.rank() == root) {
     const TensorDict c = td->consolidate();
     const at::Tensor storage = c.consolidated_storage();
-    ObjectList o = pickle_metadata(c, storage.device().str());
+    ObjectList o = pickle_metadata(c, storage.device().str(), lazy);
+    *received = lazy;
     broadcast_now(g, o.sizes, root);
     broadcast_now(g, o.bytes, root);
     broadcast_now(g, storage, root);
@@ -136,7 +118,16 @@ TensorDict broadcast_remote(const TensorDict* td, const Group& g, int root, cons
   // says so through its type (SchemaError) and message.
   const Received r = read_metadata(bytes);
   broadcast_now(g, r.storage, root);
-  return rebuild_consolidated(r.metadata, r.storage, device);
+  return rebuild_consolidated(r.metadata, r.storage, device, received);
+}
+
+/// TensorDict::broadcast and init_remote/from_remote_init(use_broadcast) of a tensordict.
+TensorDict broadcast_tensordict(const TensorDict* td, const Group& g, int root, const std::optional<c10::Device>& device,
+                                const char* method) {
+  LazyRoot received;
+  TensorDict out = broadcast_remote(td, std::nullopt, g, root, device, &received);
+  check_kind(received, false, method);
+  return out;
 }
 
 }  // namespace
@@ -145,6 +136,14 @@ TensorDict broadcast_remote(const TensorDict* td, const Group& g, int root, cons
 // Shared with collectives.cpp (remote_metadata.h)
 
 namespace detail {
+
+std::optional<int64_t> take_lazy_root(Schema& schema) {
+  if (!schema.root.lazy_stack_dim) return std::nullopt;
+  const int64_t dim = *schema.root.lazy_stack_dim;  // validated: within the stacked batch
+  schema.root.lazy_stack_dim.reset();
+  schema.root.batch_size.erase(schema.root.batch_size.begin() + dim);
+  return dim;
+}
 
 at::Tensor pickled_tensor(const pickle::PyValue& metadata) {
   const std::vector<uint8_t> pickled = pickle::dumps(metadata);
@@ -169,8 +168,9 @@ pickle::PyValue load_metadata(const at::Tensor& bytes, const char* method) {
 }
 
 TensorDict rebuild_consolidated(const pickle::PyValue& metadata, const at::Tensor& storage,
-                                const std::optional<c10::Device>& device) {
+                                const std::optional<c10::Device>& device, std::optional<int64_t>* lazy_root) {
   Schema schema = from_metadata(metadata, static_cast<uint64_t>(storage.numel()));
+  if (lazy_root != nullptr) *lazy_root = take_lazy_root(schema);
   at::Tensor s = storage;
   if (device && *device != s.device()) s = s.to(*device);
   return TensorDict::from_consolidated(s, std::move(schema));
@@ -178,14 +178,14 @@ TensorDict rebuild_consolidated(const pickle::PyValue& metadata, const at::Tenso
 
 }  // namespace detail
 
-namespace detail {
+namespace {
 
-// init_remote point to point of `td` (a lazy stack's shell when lazy_stack_dim is set).
-void init_remote_p2p(const TensorDict& td, const InitRemoteOptions& o, std::optional<int64_t> lazy_stack_dim) {
+// init_remote point to point of `td` (a lazy stack's shell when `lazy` is set).
+void init_remote_p2p(const TensorDict& td, const InitRemoteOptions& o, const LazyRoot& lazy) {
   if (!o.dst) throw Error("init_remote: `dst` must be provided (or use_broadcast=True)");
   const Peer p = resolve_peer("dst", "group_dst", o.dst, std::nullopt, o.group);
   const TensorDict c = td.consolidate();
-  ObjectList meta = pickle_metadata(c, std::nullopt, lazy_stack_dim);
+  ObjectList meta = pickle_metadata(c, std::nullopt, lazy);
   std::vector<WorkPtr> works{send_one(p.group, meta.sizes, p.rank, kRemoteInitTag),
                              send_one(p.group, meta.bytes, p.rank, kRemoteInitTag)};
   const at::Tensor storage = c.consolidated_storage();
@@ -205,9 +205,9 @@ void init_remote_p2p(const TensorDict& td, const InitRemoteOptions& o, std::opti
   wait_all(works);
 }
 
-// from_remote_init point to point; with lazy_stack_dim, of a lazy stack (its shell is returned,
-// its stack_dim stored there), else of a tensordict (a lazy stack's metadata is refused).
-TensorDict from_remote_init_p2p(const FromRemoteInitOptions& o, int64_t* lazy_stack_dim) {
+// from_remote_init point to point: the sender's tree, a lazy stack's shell when `received` is
+// set on return.
+TensorDict from_remote_init_p2p(const FromRemoteInitOptions& o, LazyRoot* received) {
   if (!o.src) throw Error("from_remote_init: `src` must be provided");
   const Peer p = resolve_peer("src", "group_src", o.src, std::nullopt, o.group);
   auto sizes = int64_tensor({0});
@@ -215,12 +215,8 @@ TensorDict from_remote_init_p2p(const FromRemoteInitOptions& o, int64_t* lazy_st
   const at::Tensor bytes = pickle_buffer(sizes);
   recv_now(p.group, bytes, p.rank, kRemoteInitTag);
   Received r;
-  bool lazy = false;  // the sender's is a lazy stack: received whole, then refused if unwanted
-  int64_t stack_dim = 0;
   try {
     r = read_metadata(bytes);
-    lazy = is_lazy_root(r.metadata);
-    if (lazy) stack_dim = unmark_lazy_root(r.metadata);
   } catch (...) {
     // The sender's storage is still on its way: take it (a transport that drops mismatched
     // messages drops it on a receive of no bytes) so that the pair stays in step, then report the
@@ -233,26 +229,14 @@ TensorDict from_remote_init_p2p(const FromRemoteInitOptions& o, int64_t* lazy_st
     }
     throw;
   }
-  // Whether the sender's kind is the one asked for, told once the whole transfer is in (so that
-  // the pair stays in step either way).
-  auto checked = [&](TensorDict td) {
-    if (lazy != (lazy_stack_dim != nullptr)) {
-      throw SchemaError(lazy_stack_dim != nullptr
-                            ? "LazyStackedTensorDict::from_remote_init: the sender's init_remote sends a tensordict, not "
-                              "a lazy stack (use TensorDict::from_remote_init)"
-                            : "from_remote_init: the sender's init_remote sends a LazyStackedTensorDict (use "
-                              "LazyStackedTensorDict::from_remote_init)");
-    }
-    if (lazy_stack_dim != nullptr) *lazy_stack_dim = stack_dim;
-    return td;
-  };
   if (!p.group.transport().memmap_by_reference_with(p.rank)) {
     recv_now(p.group, r.storage, p.rank, kRemoteInitTag);
-    return checked(rebuild_consolidated(r.metadata, r.storage, o.device));
+    return rebuild_consolidated(r.metadata, r.storage, o.device, received);
   }
   // The memmap table, then the storage without the referenced leaves (remote_memmaps.h). A
   // refused table leaves the pair out of step; the error says so through its type (SchemaError).
   Schema schema = from_metadata(r.metadata, static_cast<uint64_t>(r.storage.numel()));
+  *received = take_lazy_root(schema);
   auto table_size = int64_tensor({0});
   recv_now(p.group, table_size, p.rank, kRemoteInitTag);
   const int64_t n = table_size.data_ptr<int64_t>()[0];
@@ -268,15 +252,15 @@ TensorDict from_remote_init_p2p(const FromRemoteInitOptions& o, int64_t* lazy_st
   }
   TensorDict td = rebuild_with_references(r.storage, schema, refs);
   if (o.device && *o.device != r.storage.device()) td = td.to(*o.device);
-  return checked(std::move(td));
+  return td;
 }
 
-}  // namespace detail
+}  // namespace
 
 void TensorDict::init_remote(const InitRemoteOptions& o) const {
   if (o.use_broadcast) {
     const Group g = group_or_default(o.group);
-    broadcast_remote(this, g, g.rank(), o.device);
+    broadcast_tensordict(this, g, g.rank(), o.device, "init_remote");
     return;
   }
   init_remote_p2p(*this, o, std::nullopt);
@@ -286,27 +270,25 @@ TensorDict TensorDict::from_remote_init(const FromRemoteInitOptions& o) {
   if (o.use_broadcast) {
     if (!o.src) throw Error("from_remote_init: `src` must be provided");
     const Group g = group_or_default(o.group);
-    return broadcast_remote(nullptr, g, root_in_group(g, *o.src), o.device);
+    return broadcast_tensordict(nullptr, g, root_in_group(g, *o.src), o.device, "from_remote_init");
   }
-  return from_remote_init_p2p(o, nullptr);
+  LazyRoot received;
+  TensorDict td = from_remote_init_p2p(o, &received);
+  check_kind(received, false, "from_remote_init");
+  return td;
 }
 
-void LazyStackedTensorDict::init_remote(const InitRemoteOptions& o) const {
-  if (o.use_broadcast) throw Error("LazyStackedTensorDict::init_remote: use_broadcast is not supported for lazy stacks");
-  init_remote_p2p(shell(), o, stack_dim_);
+TensorDict TensorDict::broadcast(const BroadcastOptions& o) const {
+  const Group g = group_or_default(o.group);
+  return broadcast_tensordict(this, g, root_in_group(g, o.src), o.device, "broadcast");
 }
 
-LazyStackedTensorDict LazyStackedTensorDict::from_remote_init(const FromRemoteInitOptions& o) {
-  if (o.use_broadcast) {
-    throw Error("LazyStackedTensorDict::from_remote_init: use_broadcast is not supported for lazy stacks");
-  }
-  int64_t stack_dim = 0;
-  const TensorDict shell = from_remote_init_p2p(o, &stack_dim);
+LazyStackedTensorDict LazyStackedTensorDict::from_shell(const TensorDict& shell, int64_t stack_dim) {
   std::vector<TensorDict> members;
   for (size_t m = 0; m < shell.size(); ++m) {
     const std::string key = std::to_string(m);
     if (!shell.contains(key) || !shell.get_value(key).is_tensordict()) {
-      throw SchemaError("LazyStackedTensorDict::from_remote_init: the lazy stack's metadata has no member \"" + key +
+      throw SchemaError("LazyStackedTensorDict: the lazy stack's metadata has no member \"" + key +
                         "\" (members are the children \"0\", \"1\", ...)");
     }
     members.push_back(shell.get_tensordict(key));
@@ -314,9 +296,44 @@ LazyStackedTensorDict LazyStackedTensorDict::from_remote_init(const FromRemoteIn
   return LazyStackedTensorDict(std::move(members), stack_dim);
 }
 
-TensorDict TensorDict::broadcast(const BroadcastOptions& o) const {
+void LazyStackedTensorDict::init_remote(const InitRemoteOptions& o) const {
+  if (o.use_broadcast) {
+    const Group g = group_or_default(o.group);
+    broadcast_in_group(g, g.rank(), o.device);
+    return;
+  }
+  init_remote_p2p(shell(), o, stack_dim_);
+}
+
+LazyStackedTensorDict LazyStackedTensorDict::from_remote_init(const FromRemoteInitOptions& o) {
+  if (o.use_broadcast) {
+    if (!o.src) throw Error("LazyStackedTensorDict::from_remote_init: `src` must be provided");
+    const Group g = group_or_default(o.group);
+    return LazyStackedTensorDict({}).broadcast_in_group(g, root_in_group(g, *o.src), o.device);
+  }
+  LazyRoot received;
+  const TensorDict shell = from_remote_init_p2p(o, &received);
+  check_kind(received, true, "from_remote_init");
+  return from_shell(shell, *received);
+}
+
+LazyStackedTensorDict LazyStackedTensorDict::broadcast(const BroadcastOptions& o) const {
   const Group g = group_or_default(o.group);
-  return broadcast_remote(this, g, root_in_group(g, o.src), o.device);
+  return broadcast_in_group(g, root_in_group(g, o.src), o.device);
+}
+
+LazyStackedTensorDict LazyStackedTensorDict::broadcast_in_group(const Group& g, int root,
+                                                                const std::optional<c10::Device>& device) const {
+  LazyRoot received;
+  if (g.rank() == root) {
+    // tensordict returns the consolidated stack on the source; its shell is what travels.
+    LazyStackedTensorDict c = consolidate();
+    broadcast_remote(c.consolidated_.get(), stack_dim_, g, root, device, &received);
+    return c;
+  }
+  const TensorDict shell = broadcast_remote(nullptr, std::nullopt, g, root, device, &received);
+  check_kind(received, true, "broadcast");
+  return from_shell(shell, *received);
 }
 
 }  // namespace tdshm

@@ -3,6 +3,7 @@
 #include "distributed/remote_memmaps.h"
 
 #include <tdshm/errors.h>
+#include <tdshm/lazy_stack.h>
 #include <tdshm/memmap.h>
 
 #include <ATen/ops/empty.h>
@@ -81,18 +82,36 @@ class Reader {
   size_t at_ = 0;
 };
 
+// The references of `td`'s leaves, walking `node` (td's consolidated layout: the same tree, a
+// lazy stack's members being its children "0", "1", ...) beside it.
+void collect_references(const TensorDict& td, const SchemaNode& node, std::vector<MemmapReference>& refs) {
+  for (const SchemaEntry& e : node.entries) {
+    if (const auto* leaf = std::get_if<SchemaTensor>(&e.value)) {
+      if (leaf->stop == leaf->start) continue;  // no bytes: nothing to spare
+      const at::Tensor t = td.get(e.key);
+      if (!MemoryMappedTensor::is_mapped(t) || !t.is_contiguous()) continue;
+      const std::optional<MemmapInfo> info = MemoryMappedTensor::info(t);
+      if (!info || info->filename.empty() || info->filename.size() > kMaxPathBytes) continue;  // anonymous: by value
+      refs.push_back({leaf->start, leaf->stop, info->filename, info->offset, info->writable});
+    } else if (const auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value); child && *child) {
+      const Value v = td.get_value(e.key);
+      if (!(*child)->lazy_stack_dim) {
+        collect_references(v.tensordict(), **child, refs);
+        continue;
+      }
+      const std::vector<TensorDict>& members = v.lazy_stack().tensordicts();
+      for (size_t m = 0; m < members.size(); ++m) {
+        collect_references(members[m], *std::get<std::shared_ptr<SchemaNode>>((*child)->entries[m].value), refs);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 std::vector<MemmapReference> memmap_references(const TensorDict& td, const Schema& schema) {
   std::vector<MemmapReference> refs;
-  for (const Leaf& leaf : leaves_of(schema)) {
-    if (leaf.tensor->stop == leaf.tensor->start) continue;  // no bytes: nothing to spare
-    const at::Tensor t = td.get(leaf.key);
-    if (!MemoryMappedTensor::is_mapped(t) || !t.is_contiguous()) continue;
-    const std::optional<MemmapInfo> info = MemoryMappedTensor::info(t);
-    if (!info || info->filename.empty() || info->filename.size() > kMaxPathBytes) continue;  // anonymous: by value
-    refs.push_back({leaf.tensor->start, leaf.tensor->stop, info->filename, info->offset, info->writable});
-  }
+  collect_references(td, schema.root, refs);
   std::sort(refs.begin(), refs.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
   return refs;
 }
@@ -176,20 +195,26 @@ TensorDict rebuild_with_references(const at::Tensor& storage, const Schema& sche
   if (refs.empty()) return td;
   std::map<uint64_t, const MemmapReference*> by_start;
   for (const MemmapReference& r : refs) by_start.emplace(r.start, &r);
-  TensorDict out = td.apply([](const at::Tensor& t) { return t; });  // the same tree, not consolidated
-  for (const Leaf& leaf : leaves_of(schema)) {
-    const auto it = by_start.find(leaf.tensor->start);
-    if (it == by_start.end() || leaf.tensor->stop == leaf.tensor->start) continue;
+  std::map<uint64_t, Key> keys;  // for messages
+  for (const Leaf& leaf : leaves_of(schema)) keys.emplace(leaf.tensor->start, leaf.key);
+  // The same tree, not consolidated, each referenced leaf (found by where its bytes start in the
+  // storage; every leaf has bytes: decode_references) the sender's file instead.
+  const auto* base = static_cast<const uint8_t*>(storage.data_ptr());
+  TensorDict out = td.apply([&](const at::Tensor& t) -> at::Tensor {
+    if (t.numel() == 0) return t;
+    const auto start = static_cast<uint64_t>(static_cast<const uint8_t*>(t.data_ptr()) - base);
+    const auto it = by_start.find(start);
+    if (it == by_start.end()) return t;
     const MemmapReference& r = *it->second;
     try {
-      out.set(leaf.key, MemoryMappedTensor::from_filename(r.file, leaf.tensor->dtype, leaf.tensor->shape, r.offset,
-                                                          r.writable ? MemmapMode::kReadWrite : MemmapMode::kReadOnly)
-                            .tensor());
+      return MemoryMappedTensor::from_filename(r.file, t.scalar_type(), t.sizes().vec(), r.offset,
+                                               r.writable ? MemmapMode::kReadWrite : MemmapMode::kReadOnly)
+          .tensor();
     } catch (const MemmapError& e) {
-      throw MemmapError("from_remote_init: leaf " + leaf.key.str() + " is the sender's file, which this rank cannot map: " +
-                        e.what());
+      throw MemmapError("from_remote_init: leaf " + keys.at(start).str() +
+                        " is the sender's file, which this rank cannot map: " + e.what());
     }
-  }
+  });
   if (td.is_locked()) out.lock_();  // as from_consolidated returns it
   return out;
 }

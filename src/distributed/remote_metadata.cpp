@@ -62,6 +62,7 @@ constexpr std::array<std::string_view, 5> kNodeFields = {"cls", "non_tensors", "
 // The fields init_remote / broadcast add to the root.
 constexpr std::array<std::string_view, 3> kRootFields = {"_total_bytes", "_storage_device", "_tensorclass_type"};
 constexpr std::string_view kTensorDictCls = "TensorDict";
+constexpr std::string_view kLazyStackCls = "LazyStackedTensorDict";
 constexpr size_t kMaxDeviceChars = 64;
 
 template <size_t N>
@@ -160,14 +161,24 @@ PyValue node_to_metadata(const SchemaNode& node, std::vector<std::string>& path,
   PyValue out = PyValue::dict();
   // The root's class travels in "_tensorclass_type" (tensordict's tensorclass init_remote sends
   // the inner TensorDict); a nested tensorclass's as its type.
-  out.set("cls", root || node.class_name.empty() ? PyValue::str(std::string(kTensorDictCls))
-                                                 : class_ref_for(node.class_name, path));
+  if (node.lazy_stack_dim) {
+    out.set("cls", PyValue::str(std::string(kLazyStackCls)));
+  } else {
+    out.set("cls", root || node.class_name.empty() ? PyValue::str(std::string(kTensorDictCls))
+                                                   : class_ref_for(node.class_name, path));
+  }
   out.set("non_tensors", std::move(non_tensors));
   out.set("leaves", std::move(leaves));
   PyValue cls_metadata = PyValue::dict();
-  cls_metadata.set("device", device_value(node.device));
-  cls_metadata.set("names", PyValue::list(std::vector<PyValue>(node.batch_size.size(), PyValue::none())));
-  cls_metadata.set("batch_size", batch);
+  if (node.lazy_stack_dim) {
+    // _lazy.py's _reduce_get_metadata; the batch size follows from the members.
+    cls_metadata.set("stack_dim", PyValue::integer(*node.lazy_stack_dim));
+    cls_metadata.set("stack_dim_name", PyValue::none());
+  } else {
+    cls_metadata.set("device", device_value(node.device));
+    cls_metadata.set("names", PyValue::list(std::vector<PyValue>(node.batch_size.size(), PyValue::none())));
+    cls_metadata.set("batch_size", batch);
+  }
   cls_metadata.set("is_locked", PyValue::boolean(false));
   out.set("cls_metadata", std::move(cls_metadata));
   for (auto& [key, child] : children) out.as_dict("node").entries.push_back({PyValue::str(key), std::move(child)});
@@ -220,8 +231,13 @@ class Reader {
     }
 
     SchemaNode out;
-    out.class_name = class_name(*cls);
-    read_cls_metadata(*cls_metadata, out);
+    const bool lazy = cls->kind() == PyKind::kStr && std::get<std::string>(cls->v) == kLazyStackCls;
+    if (lazy) {
+      read_lazy_cls_metadata(*cls_metadata, out);
+    } else {
+      out.class_name = class_name(*cls);
+      read_cls_metadata(*cls_metadata, out);
+    }
 
     // Non-tensors first, in dict order (as tensordict's reader rebuilds them).
     for (const auto& e : non_tensors->as_dict("\"non_tensors\" of node " + quoted(path_)).entries) {
@@ -257,6 +273,7 @@ class Reader {
           (li < leaf_entries.size() && std::get<SchemaTensor>(leaf_entries[li].value).start <= child_entries[ci].second);
       out.entries.push_back(take_leaf ? std::move(leaf_entries[li++]) : std::move(child_entries[ci++].first));
     }
+    if (lazy) lazy_batch_size(out);
     return out;
   }
 
@@ -346,6 +363,47 @@ class Reader {
       }
     }
     if (is_locked != nullptr) is_locked->as_bool("is_locked of node " + quoted(path_));
+  }
+
+  // A LazyStackedTensorDict's cls_metadata (_lazy.py's _reduce_get_metadata).
+  void read_lazy_cls_metadata(const PyValue& v, SchemaNode& out) const {
+    const std::string where = "\"cls_metadata\" of lazy stack " + quoted(path_);
+    const PyValue* stack_dim = nullptr;
+    for (const auto& e : v.as_dict(where).entries) {
+      const std::string& key = e.key.as_str("a key of " + where);
+      if (key == "stack_dim") {
+        stack_dim = &e.value;
+      } else if (key == "stack_dim_name") {
+        if (!e.value.is_none()) e.value.as_str("stack_dim_name of lazy stack " + quoted(path_));
+      } else if (key == "is_locked") {
+        e.value.as_bool("is_locked of lazy stack " + quoted(path_));
+      } else {
+        fail(where, " has the unknown field '", key, "'");
+      }
+    }
+    if (stack_dim == nullptr) fail(where, " lacks \"stack_dim\"");
+    const int64_t dim = stack_dim->as_int("stack_dim of lazy stack " + quoted(path_));
+    if (dim < 0 || dim > static_cast<int64_t>(kSchemaMaxDims)) fail("lazy stack ", quoted(path_), " has stack_dim ", dim);
+    out.lazy_stack_dim = dim;
+  }
+
+  // A lazy stack's batch size: its members' with their count inserted at stack_dim (members
+  // and their batch sizes are checked by validate_schema).
+  void lazy_batch_size(SchemaNode& out) const {
+    for (const auto& e : out.entries) {
+      if (!std::holds_alternative<std::shared_ptr<SchemaNode>>(e.value)) {
+        fail("lazy stack ", quoted(path_), " holds the ", std::holds_alternative<SchemaTensor>(e.value) ? "leaf" : "non-tensor",
+             " '", e.key, "': a lazy stack holds only its members");
+      }
+    }
+    std::vector<int64_t> batch;
+    if (!out.entries.empty()) batch = std::get<std::shared_ptr<SchemaNode>>(out.entries[0].value)->batch_size;
+    const int64_t dim = *out.lazy_stack_dim;
+    if (dim > static_cast<int64_t>(batch.size())) {
+      fail("lazy stack ", quoted(path_), " has stack_dim ", dim, " but its members have ", batch.size(), " batch dimensions");
+    }
+    batch.insert(batch.begin() + dim, static_cast<int64_t>(out.entries.size()));
+    out.batch_size = std::move(batch);
   }
 
   NonTensorData non_tensor(const PyValue& v, const std::string& key) const {

@@ -45,8 +45,11 @@
 //     PyClassRef split at the last '.' (so a nested name must contain one), and from_metadata
 //     reads one back as module + "." + qualname. The receiving side must therefore load the
 //     pickle with metadata_pickle_limits() (class references read as names, never imported).
-//     Other "cls" strings (NonTensorStack, ...) are refused; a lazy stack's root ("LazyStackedTensorDict")
-//     is turned into its shell's by remote_init.cpp before from_metadata reads it.
+//     Other "cls" strings (NonTensorStack, ...) are refused.
+//   - Lazy stacks. A node whose "cls" is the string "LazyStackedTensorDict" (at the root or
+//     nested) is a SchemaNode with lazy_stack_dim: its "cls_metadata" is _lazy.py's
+//     {"stack_dim", "stack_dim_name", "is_locked"} (no batch size: it follows from the members),
+//     its "leaves" and "non_tensors" are empty, its members are the children "0", "1", ...
 //   - Non-tensors. tdshm's str / int64 / double / bool map to Python str / int / float / bool
 //     in a (value, batch_size, device) tuple where batch_size and device are the node's (what a
 //     NonTensorData set into that node has). Other Python types (None, lists, ...) are refused.
@@ -126,8 +129,16 @@ at::Tensor pickled_tensor(const pickle::PyValue& metadata);
 /// SchemaError (message starting with `method`) otherwise, or what pickle::loads throws.
 pickle::PyValue load_metadata(const at::Tensor& bytes, const char* method);
 /// The consolidated tensordict `metadata` describes over `storage` (from_metadata, then
-/// TensorDict::from_consolidated), moved to `device` when given. Throws SchemaError.
+/// TensorDict::from_consolidated), moved to `device` when given. Throws SchemaError. A lazy
+/// stack at the root is refused, unless `lazy_root` is given: then its shell {"0": member 0,
+/// ...} is returned and its stack_dim stored there (nullopt for a tensordict).
 TensorDict rebuild_consolidated(const pickle::PyValue& metadata, const at::Tensor& storage,
-                                const std::optional<c10::Device>& device);
+                                const std::optional<c10::Device>& device,
+                                std::optional<int64_t>* lazy_root = nullptr);
+
+/// Turns a schema whose root is a lazy stack into its shell's (a tensordict of the members'
+/// batch size holding them as "0", "1", ...) and returns the stack_dim; nullopt, with the schema
+/// unchanged, for a tensordict root.
+std::optional<int64_t> take_lazy_root(Schema& schema);
 
 }  // namespace tdshm::detail

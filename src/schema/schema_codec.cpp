@@ -1,12 +1,12 @@
 // The schema's binary encoding: encode_schema and decode_schema, the frame, the body and its CRC.
 //
-// Binary format, version 1 (kSchemaVersion). Every fixed-width integer is little-endian.
+// Binary format, versions 1 and 2 (kSchemaVersion). Every fixed-width integer is little-endian.
 //
 //   offset  size  field
 //   ------  ----  ------------------------------------------------------------------
 //        0     4  magic        "TDSC"
-//        4     2  version      u16, 1
-//        6     2  flags        u16, 0 (no flag is defined in version 1)
+//        4     2  version      u16, 1 or 2
+//        6     2  flags        u16, 0 (no flag is defined)
 //        8     8  total_bytes  u64, size of the flat storage the offsets refer to
 //       16     4  body_length  u32, B
 //       20     B  body         the root node (below)
@@ -19,7 +19,9 @@
 // Inside the body, `uleb` is unsigned LEB128 (1..10 bytes, minimal), `sleb` is zigzag LEB128
 // of an int64, and `str` is uleb(length) followed by that many bytes:
 //
-//   node      := class_name:str  device  batch_size  entry_count:uleb  entry*
+//   node      := class_name:str  [kind]  device  batch_size  entry_count:uleb  entry*
+//   kind      := 0x00                                    (a tensordict; version 2 only)
+//              | 0x01  stack_dim:uleb                    (a lazy stack; version 2 only)
 //   device    := 0x00                                    (no device)
 //              | 0x01  type:u8 (c10::DeviceType)  index:i8 (c10::DeviceIndex)
 //   batch_size:= count:uleb  dim:sleb * count
@@ -32,6 +34,8 @@
 //              | type 2 (double): 8 bytes, the IEEE-754 bits as u64 | type 3 (bool): u8 0 or 1
 //
 // Entries are in insertion order; leaves in depth-first order occupy increasing offsets.
+// Version 1 has no kind byte (every node is a tensordict); the encoder writes version 1 unless
+// the schema holds a lazy stack, so that what earlier builds could read they still can.
 //
 // The decoder trusts nothing. In this order it checks: the length of the frame, the magic,
 // the version (before anything else of the header, since another version may lay it out
@@ -120,11 +124,35 @@ static_assert(kCrc32cTable[128] == 0x82F63B78u, "CRC-32C table entry 128 is the 
 // Encoding
 // ------------------------------------------------------------------------------------------
 
-void encode_node(ByteWriter& w, const SchemaNode& n, size_t depth) {
+constexpr uint8_t kNodeTensorDict = 0;
+constexpr uint8_t kNodeLazyStack = 1;
+
+bool has_lazy_stack(const SchemaNode& n, size_t depth) {
+  if (depth > detail::kUncheckedMaxDepth) {
+    fail("cannot encode nesting deeper than ", detail::kUncheckedMaxDepth, " levels (is there a cycle?)");
+  }
+  if (n.lazy_stack_dim) return true;
+  for (const auto& e : n.entries) {
+    const auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value);
+    if (child != nullptr && *child && has_lazy_stack(**child, depth + 1)) return true;
+  }
+  return false;
+}
+
+void encode_node(ByteWriter& w, const SchemaNode& n, size_t depth, uint16_t version) {
   if (depth > detail::kUncheckedMaxDepth) {
     fail("cannot encode nesting deeper than ", detail::kUncheckedMaxDepth, " levels (is there a cycle?)");
   }
   w.str(n.class_name);
+  if (version >= 2) {
+    if (n.lazy_stack_dim) {
+      if (*n.lazy_stack_dim < 0) fail("cannot encode the negative stack_dim ", *n.lazy_stack_dim);
+      w.u8(kNodeLazyStack);
+      w.uleb(static_cast<uint64_t>(*n.lazy_stack_dim));
+    } else {
+      w.u8(kNodeTensorDict);
+    }
+  }
   if (n.device) {
     w.u8(1);
     w.u8(device_code(n.device->type()));
@@ -166,7 +194,7 @@ void encode_node(ByteWriter& w, const SchemaNode& n, size_t depth) {
       if (!child) fail("cannot encode child node '", entry.key, "': it is a null pointer");
       w.u8(static_cast<uint8_t>(WireEntryKind::kChild));
       w.str(entry.key);
-      encode_node(w, *child, depth + 1);
+      encode_node(w, *child, depth + 1, version);
     }
   }
 }
@@ -177,7 +205,7 @@ void encode_node(ByteWriter& w, const SchemaNode& n, size_t depth) {
 
 class Parser {
  public:
-  explicit Parser(ByteReader& r) : r_(r) {}
+  Parser(ByteReader& r, uint16_t version) : r_(r), version_(version) {}
 
   SchemaNode node(size_t depth) {
     if (depth > kSchemaMaxDepth) {
@@ -186,6 +214,18 @@ class Parser {
     }
     SchemaNode n;
     n.class_name = std::string(r_.str("class name", kSchemaMaxKeyBytes));
+    if (version_ >= 2) {
+      const size_t at = r_.position();
+      const uint8_t kind = r_.u8("node kind");
+      if (kind == kNodeLazyStack) {
+        const size_t dim_at = r_.position();
+        const uint64_t dim = r_.uleb("stack_dim");
+        if (dim > kSchemaMaxDims) fail("stack_dim ", dim, " at byte ", dim_at, " is more than kSchemaMaxDims = ", kSchemaMaxDims);
+        n.lazy_stack_dim = static_cast<int64_t>(dim);
+      } else if (kind != kNodeTensorDict) {
+        fail("node kind ", int{kind}, " at byte ", at, " is unknown: expected 0 (tensordict) or 1 (lazy stack)");
+      }
+    }
     n.device = device();
     n.batch_size = dims("batch size");
     const size_t count_at = r_.position();
@@ -294,6 +334,7 @@ class Parser {
   }
 
   ByteReader& r_;
+  uint16_t version_;
 };
 
 }  // namespace
@@ -307,13 +348,14 @@ uint32_t crc32c(std::span<const uint8_t> bytes) noexcept {
 }
 
 std::vector<uint8_t> encode_schema_unchecked(const Schema& schema) {
+  const uint16_t version = has_lazy_stack(schema.root, 0) ? kSchemaVersion : kSchemaOldestVersion;
   ByteWriter w;
   for (uint8_t b : kSchemaMagic) w.u8(b);
-  w.u16(kSchemaVersion);
+  w.u16(version);
   w.u16(0);  // flags
   w.u64(schema.total_bytes);
   w.u32(0);  // body length, patched below
-  encode_node(w, schema.root, 0);
+  encode_node(w, schema.root, 0, version);
   const size_t body = w.size() - kSchemaHeaderBytes;
   if (body > std::numeric_limits<uint32_t>::max()) {
     fail("encoded body is ", body, " bytes, more than the u32 body length can express");
@@ -344,12 +386,12 @@ Schema decode_schema(std::span<const uint8_t> bytes, std::optional<uint64_t> sto
   }
   ByteReader header(bytes, detail::kSchemaVersionOffset);
   const uint16_t version = header.u16("version");
-  if (version != kSchemaVersion) {
-    fail("found schema format version ", version, ", but this build supports only version ", kSchemaVersion,
-         ": encode and decode with the same tdshm version");
+  if (version < kSchemaOldestVersion || version > kSchemaVersion) {
+    fail("found schema format version ", version, ", but this build supports versions ", kSchemaOldestVersion, " to ",
+         kSchemaVersion, ": encode and decode with the same tdshm version");
   }
   const uint16_t flags = header.u16("flags");
-  if (flags != 0) fail("flags are ", flags, ", but version ", kSchemaVersion, " defines none (expected 0)");
+  if (flags != 0) fail("flags are ", flags, ", but version ", version, " defines none (expected 0)");
   const uint64_t total_bytes = header.u64("total_bytes");
   const uint32_t body_length = header.u32("body length");
   const size_t actual_body = bytes.size() - kFrame;
@@ -368,10 +410,14 @@ Schema decode_schema(std::span<const uint8_t> bytes, std::optional<uint64_t> sto
   ByteReader body(bytes.first(crc_at), detail::kSchemaHeaderBytes);
   Schema schema;
   schema.total_bytes = total_bytes;
-  schema.root = Parser(body).node(0);
+  schema.root = Parser(body, version).node(0);
   if (body.remaining() != 0) {
     fail("the root node ends at byte ", body.position(), " but the body runs to byte ", crc_at, " (",
          body.remaining(), " unparsed bytes)");
+  }
+  // Encodings are canonical (decode then encode gives the same bytes), as the LEB128 rule is.
+  if (version > kSchemaOldestVersion && !has_lazy_stack(schema.root, 0)) {
+    fail("a version ", version, " frame holds no lazy stack: such a schema is encoded in version ", kSchemaOldestVersion);
   }
   detail::validate_schema(schema, storage_bytes);
   return schema;

@@ -107,6 +107,7 @@ class Validator {
       }
     }
     check_keys(n);
+    if (n.lazy_stack_dim) lazy_stack(n);
     for (const auto& entry : n.entries) {
       path_.push_back(entry.key);
       if (const auto* tensor = std::get_if<SchemaTensor>(&entry.value)) {
@@ -121,6 +122,38 @@ class Validator {
 
  private:
   std::string where() const { return join_path(path_); }
+
+  // A lazy stack: its members "0", "1", ... in order, sharing a batch size, and the stack's
+  // batch size theirs with the member count inserted at stack_dim (tensordict's layout).
+  void lazy_stack(const SchemaNode& n) {
+    if (!n.class_name.empty()) fail("lazy stack '", where(), "' has the class name '", n.class_name, "' (expected none)");
+    const std::vector<int64_t>* member_batch = nullptr;
+    for (size_t i = 0; i < n.entries.size(); ++i) {
+      const SchemaEntry& e = n.entries[i];
+      const auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value);
+      if (e.key != std::to_string(i) || child == nullptr || !*child) {
+        fail("lazy stack '", where(), "' has the entry '", e.key, "' at position ", i,
+             ": its entries are its members, the child nodes '0', '1', ... in order");
+      }
+      if (member_batch == nullptr) {
+        member_batch = &(*child)->batch_size;
+      } else if ((*child)->batch_size != *member_batch) {
+        fail("lazy stack '", where(), "' has member ", i, " of batch size ", detail::shape_str((*child)->batch_size),
+             " and member 0 of ", detail::shape_str(*member_batch), " (members share a batch size)");
+      }
+    }
+    const int64_t dim = *n.lazy_stack_dim;
+    std::vector<int64_t> expected = member_batch != nullptr ? *member_batch : std::vector<int64_t>{};
+    if (dim < 0 || dim > static_cast<int64_t>(expected.size()) || (member_batch == nullptr && dim != 0)) {
+      fail("lazy stack '", where(), "' has stack_dim ", dim, ", outside the ", expected.size() + 1,
+           " dimensions of its stacked batch");
+    }
+    expected.insert(expected.begin() + dim, static_cast<int64_t>(n.entries.size()));
+    if (n.batch_size != expected) {
+      fail("lazy stack '", where(), "' has batch size ", detail::shape_str(n.batch_size), " but its ", n.entries.size(),
+           " members stacked along dimension ", dim, " make ", detail::shape_str(expected));
+    }
+  }
 
   void check_keys(const SchemaNode& n) {
     std::vector<std::string_view> keys;
@@ -212,6 +245,11 @@ void hash_node(LayoutHasher& h, const SchemaNode& n, size_t depth) {
   if (depth > kSchemaMaxDepth) fail("cannot fingerprint nesting deeper than kSchemaMaxDepth = ", kSchemaMaxDepth);
   // The tensorclass name: a consolidated TcA must not be received into a TcB of the same fields.
   h.str(n.class_name);
+  if (n.lazy_stack_dim) {
+    // No batch size has that many dimensions, so a lazy stack never hashes as a tensordict.
+    h.u64(std::numeric_limits<uint64_t>::max());
+    h.u64(static_cast<uint64_t>(*n.lazy_stack_dim));
+  }
   h.u64(n.batch_size.size());
   for (int64_t dim : n.batch_size) h.u64(static_cast<uint64_t>(dim));
   const auto layout_entries = std::count_if(n.entries.begin(), n.entries.end(), [](const SchemaEntry& e) {
@@ -249,8 +287,8 @@ bool operator==(const SchemaEntry& a, const SchemaEntry& b) {
 }
 
 bool operator==(const SchemaNode& a, const SchemaNode& b) {
-  return a.class_name == b.class_name && a.batch_size == b.batch_size && a.device == b.device &&
-         a.entries == b.entries;
+  return a.class_name == b.class_name && a.lazy_stack_dim == b.lazy_stack_dim && a.batch_size == b.batch_size &&
+         a.device == b.device && a.entries == b.entries;
 }
 
 namespace detail {

@@ -18,6 +18,8 @@
 #include "schema/schema_internal.h"
 #include "tensordict/impl.h"
 
+#include <tdshm/lazy_stack.h>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -71,8 +73,17 @@ void plan_node(const TensorDictImpl& node, SchemaNode& out, uint64_t& offset, st
       plan_node(*v.tensordict().impl(), *child, offset, copies);
       e.value = std::move(child);
     } else if (v.is_lazy_stack()) {
-      throw TypeError("consolidate: key '" + k + "' holds a lazy stack, which tdshm does not consolidate (tensordict "
-                      "does; docs/semantics.md, \"Lazy stacks\"): per-leaf transfers carry it");
+      // tensordict's layout: the members as the children "0", "1", ..., member after member.
+      const LazyStackedTensorDict& stack = v.lazy_stack();
+      auto child = std::make_shared<SchemaNode>();
+      child->lazy_stack_dim = stack.stack_dim();
+      child->batch_size = stack.batch_size();
+      for (size_t m = 0; m < stack.size(); ++m) {
+        auto member = std::make_shared<SchemaNode>();
+        plan_node(*stack.tensordicts()[m].impl(), *member, offset, copies);
+        child->entries.push_back(SchemaEntry{std::to_string(m), std::move(member)});
+      }
+      e.value = std::move(child);
     } else {
       e.value = v.non_tensor();
     }
@@ -120,6 +131,19 @@ void copy_leaves(const at::Tensor& storage, const std::vector<LeafCopy>& copies)
   }
 }
 
+std::shared_ptr<TensorDictImpl> build_node(const SchemaNode& node, const at::Tensor& storage, const Key* prefix);
+
+// The lazy stack of `node` (validated: its entries are its members "0", "1", ...).
+LazyStackedTensorDict build_lazy_stack(const SchemaNode& node, const at::Tensor& storage, const Key& key) {
+  std::vector<TensorDict> members;
+  members.reserve(node.entries.size());
+  for (const auto& e : node.entries) {
+    const Key member_key = key / e.key;
+    members.emplace_back(build_node(*std::get<std::shared_ptr<SchemaNode>>(e.value), storage, &member_key));
+  }
+  return LazyStackedTensorDict(std::move(members), *node.lazy_stack_dim);
+}
+
 // Builds the tree of `node` with leaves viewing `storage`.
 std::shared_ptr<TensorDictImpl> build_node(const SchemaNode& node, const at::Tensor& storage, const Key* prefix) {
   auto impl = std::make_shared<TensorDictImpl>();
@@ -138,7 +162,11 @@ std::shared_ptr<TensorDictImpl> build_node(const SchemaNode& node, const at::Ten
       impl->append_fresh(e.key, Value(view_into(storage, t->start, t->dtype, t->shape)));
     } else if (const auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value)) {
       if (!*child) throw SchemaError("schema node " + key.str() + " is null");
-      impl->append_fresh(e.key, Value(TensorDict(build_node(**child, storage, &key))));
+      if ((*child)->lazy_stack_dim) {
+        impl->append_fresh(e.key, Value(build_lazy_stack(**child, storage, key)));
+      } else {
+        impl->append_fresh(e.key, Value(TensorDict(build_node(**child, storage, &key))));
+      }
     } else {
       impl->append_fresh(e.key, Value(std::get<NonTensorData>(e.value)));
     }
@@ -216,6 +244,10 @@ TensorDict TensorDict::from_consolidated(const at::Tensor& storage, Schema schem
   }
   // The decoder's own rules (offsets, sizes, order, total within the storage); throws SchemaError.
   detail::validate_schema(schema, static_cast<uint64_t>(storage.numel()));
+  if (schema.root.lazy_stack_dim) {
+    throw SchemaError("the schema's root is a lazy stack, not a tensordict (a lazy stack's consolidated storage is "
+                      "received by LazyStackedTensorDict)");
+  }
   auto cons = std::make_shared<Consolidation>();
   cons->storage = storage.numel() == static_cast<int64_t>(schema.total_bytes)
                       ? storage

@@ -112,6 +112,8 @@ class DistTest : public ShmTest {
   /// then `adjust` when given), then finish(); expects every rank to end well.
   void run_default_world(Method m, int world, const std::function<void(int, Flags&)>& scenario,
                          const std::function<void(int, InitOptions&)>& adjust = {});
+  /// A file name in the test's temporary directory.
+  std::string file(const std::string& name) const { return dir_.path() + "/" + name; }
 
   TempDir dir_;
   int files_ = 0;

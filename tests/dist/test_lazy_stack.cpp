@@ -176,7 +176,6 @@ TEST_P(TransferLazyStack, InitRemote) {
       LazyStackedTensorDict s = hetero_stack(1);
       TensorDict(s[0]).set("mm", MemoryMappedTensor::from_tensor(at::full({2, 4}, 7.0)));
       LazyStackedTensorDict(s.tensordicts(), 1).init_remote({.dst = 1});
-      SHM_CHECK_THROWS(Error, [&] { s.init_remote({.dst = 1, .use_broadcast = true}); }, "use_broadcast");
       hetero_stack(2)[0].init_remote({.dst = 1});
       hetero_stack(3).send({.dst = 1});
     } else {
@@ -189,6 +188,75 @@ TEST_P(TransferLazyStack, InitRemote) {
       LazyStackedTensorDict next = hetero_stack(0);
       next.recv({.src = 0});
       check_stack(next, 3, "the transfer after the refused from_remote_init");
+    }
+  });
+}
+
+/// {"z": [2], "ls": hetero_stack(v) along stack_dim (batch [2, 3] or [3, 2])}, batch [2] or [].
+TensorDict nested_tree(double v, int64_t stack_dim = 1) {
+  return TensorDict({{"z", at::full({2}, v)}, {"ls", Value(LazyStackedTensorDict(hetero_stack(v).tensordicts(), stack_dim))}},
+                    stack_dim == 1 ? std::vector<int64_t>{2} : std::vector<int64_t>{});
+}
+
+void check_nested(const TensorDict& td, double v, const std::string& what) {
+  SHM_CHECK(at::equal(td.get("z"), at::full({2}, v)), what << ": z is " << td.get("z"));
+  const LazyStackedTensorDict ls = td.get_lazy_stack("ls");
+  SHM_CHECK(ls.stack_dim() == 1 && ls.size() == 3, what << ": stack_dim " << ls.stack_dim() << ", " << ls.size() << " members");
+  check_stack(ls, v, what);
+}
+
+// A lazy stack nested in a TensorDict, consolidated as tensordict lays it out (members "0", "1",
+// ... of a node whose metadata names LazyStackedTensorDict): consolidated send / recv (another
+// stack dimension is another layout: SchemaError, the pair in step) and init_remote. Then
+// tensordict's broadcast of a lazy stack and init_remote(use_broadcast) of one, and a
+// broadcast of the other kind refused on the receivers once it is all in (the group in step).
+TEST_P(TransferLazyStack, NestedConsolidatedInitRemoteAndBroadcast) {
+  const std::string memmap_file = file("nested_lazy.mm");
+  run_world(3, [&](int rank, Flags&) {
+    if (rank == 0) {
+      nested_tree(1).send({.dst = 1, .consolidated = true});
+      nested_tree(2).send({.dst = 1, .consolidated = true});
+      const TensorDict with_file = nested_tree(3);
+      TensorDict(with_file.get_lazy_stack("ls")[2]).set("mm", MemoryMappedTensor::from_tensor(at::full({2, 4}, 7.0), memmap_file));
+      with_file.init_remote({.dst = 1});
+    } else if (rank == 1) {
+      TensorDict c = nested_tree(0).consolidate();
+      SHM_CHECK(c.recv({.src = 0, .consolidated = true}) == 0, "consolidated transfers use tag 0");
+      check_nested(c, 1, "consolidated recv of a nested lazy stack");
+      TensorDict other_dim = nested_tree(0, 0).consolidate();
+      SHM_CHECK_THROWS(SchemaError, [&] { other_dim.recv({.src = 0, .consolidated = true}); }, "schema");
+      const TensorDict got = TensorDict::from_remote_init({.src = 0});
+      check_nested(got, 3, "from_remote_init of a tree holding a lazy stack");
+      const at::Tensor mm = got.get_lazy_stack("ls")[2].get("mm");
+      SHM_CHECK(at::equal(mm, at::full({2, 4}, 7.0)), mm);
+      // Between two C++ ranks over shm the file travels by reference, else its bytes.
+      const auto info = MemoryMappedTensor::info(mm);
+      SHM_CHECK((info && info->filename == memmap_file) == (GetParam() == Method::kShm), "mapped: " << bool(info));
+      SHM_CHECK(got.is_locked(), "from_remote_init gives a locked tree");
+    }
+    // broadcast of a stack from rank 0: the source gets it consolidated, the others receive it.
+    const LazyStackedTensorDict b = (rank == 0 ? LazyStackedTensorDict(hetero_stack(4).tensordicts(), 1)
+                                               : LazyStackedTensorDict({}))
+                                        .broadcast({.src = 0});
+    SHM_CHECK(b.stack_dim() == 1 && (rank != 0 || b.is_consolidated()), "rank " << rank);
+    check_stack(b, 4, "broadcast of a lazy stack");
+    // init_remote(use_broadcast) from rank 2.
+    if (rank == 2) {
+      hetero_stack(5).init_remote({.use_broadcast = true});
+    } else {
+      check_stack(LazyStackedTensorDict::from_remote_init({.src = 2, .use_broadcast = true}), 5,
+                  "from_remote_init(use_broadcast) of a lazy stack");
+    }
+    // The other kind: a tensordict where a stack is expected, and a stack where a tensordict is.
+    if (rank == 0) {
+      nested_tree(6).broadcast({.src = 0});
+      SHM_CHECK_THROWS(SchemaError, [] { (void)TensorDict().broadcast({.src = 1}); }, "sends a LazyStackedTensorDict");
+    } else if (rank == 1) {
+      SHM_CHECK_THROWS(SchemaError, [] { (void)LazyStackedTensorDict({}).broadcast({.src = 0}); }, "sends a tensordict");
+      hetero_stack(7).broadcast({.src = 1});
+    } else {
+      check_nested(TensorDict().broadcast({.src = 0}), 6, "broadcast of a tree holding a lazy stack");
+      check_stack(LazyStackedTensorDict({}).broadcast({.src = 1}), 7, "the broadcast after the refusals");
     }
   });
 }

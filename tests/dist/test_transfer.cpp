@@ -175,9 +175,6 @@ Caught check_exact_throws(const char* file, int line, Fn&& fn, const std::vector
 
 class TransferTest : public DistTest, public ::testing::WithParamInterface<Method> {
  protected:
-  /// A file name in the test's temporary directory.
-  std::string file(const std::string& name) const { return dir_.path() + "/" + name; }
-
   /// Runs scenario(rank, flags) in `world` forked ranks: each joins a default group of the
   /// test's method (deadline `timeout`), plays its part, then meets the others and destroys its
   /// groups (finish). A rank that fails fails the test, and its peers stop waiting for it.

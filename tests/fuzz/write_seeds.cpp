@@ -153,6 +153,26 @@ Schema nested() {
   return s;
 }
 
+// A lazy stack (version 2 of the encoding) of two members along dimension 1, beside a leaf.
+Schema lazy_stack() {
+  Layout l;
+  Schema s;
+  s.root.batch_size = {2};
+  s.root.entries.push_back(l.leaf("obs", ScalarType::Float, {2, 3}));
+  SchemaNode stack;
+  stack.lazy_stack_dim = 1;
+  stack.batch_size = {2, 2};
+  for (const char* m : {"0", "1"}) {
+    SchemaNode member;
+    member.batch_size = {2};
+    member.entries.push_back(l.leaf("x", ScalarType::Long, {2, 1 + (m[0] - '0')}));
+    stack.entries.push_back(child(m, std::move(member)));
+  }
+  s.root.entries.push_back(child("ls", std::move(stack)));
+  s.total_bytes = l.end();
+  return s;
+}
+
 // A chain of kSchemaMaxDepth child nodes (the deepest the decoder accepts) ending in a leaf.
 Schema deepest() {
   Layout l;
@@ -229,6 +249,7 @@ void write_schema_seeds(const fs::path& dir) {
   write(dir, "valid-nested", tdshm::encode_schema(nested()));
   write(dir, "valid-deepest", tdshm::encode_schema(deepest()));
   write(dir, "valid-large-numbers", tdshm::encode_schema(large_numbers()));
+  write(dir, "valid-lazy-stack", tdshm::encode_schema(lazy_stack()));
 
   write(dir, "bad-truncated", std::vector<uint8_t>(seed.begin(), seed.end() - 9));
   write(dir, "bad-header-only", std::vector<uint8_t>(seed.begin(), seed.begin() + 12));
@@ -236,7 +257,7 @@ void write_schema_seeds(const fs::path& dir) {
   magic[0] = 'X';
   write(dir, "bad-magic", magic);
   auto version = seed;
-  version[tdshm::detail::kSchemaVersionOffset] = 2;
+  version[tdshm::detail::kSchemaVersionOffset] = 3;
   write(dir, "bad-version", version);
   auto crc = seed;
   crc[tdshm::detail::kSchemaHeaderBytes + 3] ^= 0x01;

@@ -495,6 +495,22 @@ size_t leaf_count(const LazyStackedTensorDict& s) {
   return n;
 }
 
+/// The members of a lazy stack of `trees` at salt + m.
+void check_lazy(const LazyStackedTensorDict& s, const std::vector<std::string>& trees, int64_t salt, const std::string& what) {
+  SHM_CHECK(s.size() == trees.size(), what << ": " << s.size() << " members, expected " << trees.size());
+  for (size_t m = 0; m < s.size(); ++m) {
+    check_tree(s.tensordicts()[m], trees[m], salt + static_cast<int64_t>(m), what + ", member " + std::to_string(m));
+  }
+}
+
+/// nest_lazy of a lazy stack of `trees`: the leaves beside the stack, then its members.
+void check_nested_lazy(const TensorDict& td, const std::vector<std::string>& trees, int64_t salt, const std::string& what) {
+  const TensorDict want = nest_lazy(lazy_stack_of(trees, salt, false), salt, false);
+  SHM_CHECK(at::equal(td.get("a0"), want.get("a0")) && at::equal(td.get("zz"), want.get("zz")),
+            what << ": the leaves beside the nested lazy stack: " << td.get("a0") << ", " << td.get("zz"));
+  check_lazy(td.get_lazy_stack("ls"), trees, salt, what);
+}
+
 /// `td` itself, or a loan like it holding its values (the transport sends it by reference over
 /// shm; a Python peer still receives its bytes).
 TensorDict maybe_loaned(const TensorDict& td, const Group& g, bool loaned, bool consolidated = false) {
@@ -563,15 +579,10 @@ std::function<void(const Group&)> cpp_recv(int src, PerLeaf p) {
       if (p.nest) {
         TensorDict td = nest_lazy(s, 0, /*blank=*/true);
         recv_as(td, p, from(src, g));
-        const TensorDict want = nest_lazy(s, p.salt, false);
-        SHM_CHECK(at::equal(td.get("a0"), want.get("a0")) && at::equal(td.get("zz"), want.get("zz")),
-                  "the leaves beside the nested lazy stack: " << td.get("a0") << ", " << td.get("zz"));
+        check_nested_lazy(td, p.lazy, p.salt, "nested lazy stack from the Python rank");
       } else {
         recv_as(s, p, from(src, g));
-      }
-      for (size_t m = 0; m < s.size(); ++m) {
-        check_tree(s.tensordicts()[m], p.lazy[m], p.salt + static_cast<int64_t>(m),
-                   "lazy stack member " + std::to_string(m) + " from the Python rank");
+        check_lazy(s, p.lazy, p.salt, "lazy stack from the Python rank");
       }
       return;
     }
@@ -642,10 +653,7 @@ std::function<void(const Group&)> cpp_consolidated_lazy_recv(int src, std::vecto
     o.consolidated = true;
     for (int64_t r = 0; r < 2; ++r) {
       c.recv(o);
-      for (size_t m = 0; m < c.size(); ++m) {
-        check_tree(c.tensordicts()[m], trees[m], salt + r + static_cast<int64_t>(m),
-                   "consolidated lazy stack, round " + std::to_string(r) + ", member " + std::to_string(m));
-      }
+      check_lazy(c, trees, salt + r, "consolidated lazy stack, round " + std::to_string(r));
     }
   };
 }
@@ -664,12 +672,38 @@ std::function<void(const Group&)> cpp_remote_lazy_send(int dst, std::vector<std:
 std::function<void(const Group&)> cpp_remote_lazy_recv(int src, std::vector<std::string> trees, int64_t salt) {
   return [=](const Group&) {
     const LazyStackedTensorDict got = LazyStackedTensorDict::from_remote_init({.src = src});
-    SHM_CHECK(got.size() == trees.size() && got.stack_dim() == 0, got.size() << " members, stack_dim " << got.stack_dim());
-    for (size_t m = 0; m < got.size(); ++m) {
-      check_tree(got.tensordicts()[m], trees[m], salt + static_cast<int64_t>(m),
-                 "from_remote_init of a lazy stack, member " + std::to_string(m));
-    }
+    SHM_CHECK(got.stack_dim() == 0, "stack_dim " << got.stack_dim());
+    check_lazy(got, trees, salt, "from_remote_init of a lazy stack");
   };
+}
+
+/// A TensorDict holding a lazy stack of `trees` (nest_lazy, member m at salt + m), consolidated
+/// as tensordict lays it out: one consolidated send, or init_remote.
+std::function<void(const Group&)> cpp_nested_lazy_send(int dst, std::vector<std::string> trees, int64_t salt, bool remote) {
+  return [=](const Group& g) {
+    const TensorDict td = nest_lazy(lazy_stack_of(trees, salt, false), salt, false);
+    if (remote) return td.init_remote({.dst = dst});
+    SendOptions o = to(dst, g);
+    o.consolidated = true;
+    td.consolidate().send(o);
+  };
+}
+
+std::function<void(const Group&)> cpp_nested_lazy_recv(int src, std::vector<std::string> trees, int64_t salt, bool remote) {
+  return [=](const Group& g) {
+    if (remote) return check_nested_lazy(TensorDict::from_remote_init({.src = src}), trees, salt, "from_remote_init");
+    TensorDict c = nest_lazy(lazy_stack_of(trees, 0, true), 0, true).consolidate();
+    RecvOptions o = from(src, g);
+    o.consolidated = true;
+    c.recv(o);
+    check_nested_lazy(c, trees, salt, "consolidated recv");
+  };
+}
+
+std::vector<std::string> py_nested_lazy(const std::string& role, int peer, const std::vector<std::string>& trees,
+                                        int64_t salt, bool remote) {
+  return {"--scenario", remote ? "remote" : "consolidated", "--role", role, "--peer", std::to_string(peer), "--tree",
+          trees[0], "--salt", std::to_string(salt), "--rounds", "1", "--lazy-members", comma_joined(trees), "--lazy-nest"};
 }
 
 std::vector<std::string> py_consolidated(const std::string& role, int peer, const std::string& tree, int64_t salt) {
@@ -1061,6 +1095,11 @@ struct Exchanges : InteropTest {
                                          comma_joined(trees)};
     one_way(cpp_sends, cpp_sends ? cpp_remote_lazy_send(0, trees, 5) : cpp_remote_lazy_recv(1, trees, 5), py);
   }
+  /// A TensorDict holding a lazy stack, consolidated send (or init_remote) one way.
+  void nested_lazy(bool cpp_sends, bool remote, const std::vector<std::string>& trees) {
+    if (cpp_sends) return one_way(true, cpp_nested_lazy_send(0, trees, 6, remote), py_nested_lazy("recv", 1, trees, 6, remote));
+    one_way(false, cpp_nested_lazy_recv(1, trees, 7, remote), py_nested_lazy("send", 0, trees, 7, remote));
+  }
   void remote(bool cpp_sends, const std::string& tree) {
     World w{.backend = backend};
     if (cpp_sends) {
@@ -1122,6 +1161,30 @@ struct Exchanges : InteropTest {
       };
     }
     w.py[2] = kPyIdle;
+    run(w);
+  }
+  /// broadcast (or init_remote(use_broadcast)) of a lazy stack of `trees` from rank 1 in a
+  /// 3-rank world, C++ unless py_root; ranks alternate languages.
+  void broadcast_lazy(bool py_root, const std::vector<std::string>& trees, bool via_init_remote) {
+    World w{.backend = backend, .size = 3};
+    const int root = 1;
+    for (int r = 0; r < 3; ++r) {
+      if ((r == root) == py_root) {
+        w.py[r] = py_broadcast(r == root ? "root" : "member", root, trees[0], 5, via_init_remote);
+        w.py[r].insert(w.py[r].end(), {"--lazy-members", comma_joined(trees)});
+        continue;
+      }
+      w.cpp[r] = [=](const Group&) {
+        if (r == root) {
+          const LazyStackedTensorDict s = lazy_stack_of(trees, 5, false);
+          if (via_init_remote) return s.init_remote({.use_broadcast = true});
+          return check_lazy(s.broadcast({.src = root}), trees, 5, "broadcast at the root");
+        }
+        check_lazy(via_init_remote ? LazyStackedTensorDict::from_remote_init({.src = root, .use_broadcast = true})
+                                   : LazyStackedTensorDict({}).broadcast({.src = root}),
+                   trees, 5, "broadcast member");
+      };
+    }
     run(w);
   }
   /// A 3-rank world: the root at rank `root`, C++ unless py_root; ranks alternate languages.
@@ -1191,6 +1254,12 @@ TEST_F(InteropGloo, ConsolidatedLazyStackCppToPy) { consolidated_lazy(true, kLaz
 TEST_F(InteropGloo, ConsolidatedLazyStackPyToCpp) { consolidated_lazy(false, kLazyMembers); }
 TEST_F(InteropGloo, RemoteInitLazyStackCppToPy) { remote_lazy(true, kLazyMembers); }
 TEST_F(InteropGloo, RemoteInitLazyStackPyToCpp) { remote_lazy(false, kLazyMembers); }
+TEST_F(InteropGloo, ConsolidatedNestedLazyStackCppToPy) { nested_lazy(true, false, kLazyMembers); }
+TEST_F(InteropGloo, ConsolidatedNestedLazyStackPyToCpp) { nested_lazy(false, false, kLazyMembers); }
+TEST_F(InteropGloo, RemoteInitNestedLazyStackCppToPy) { nested_lazy(true, true, kLazyMembers); }
+TEST_F(InteropGloo, RemoteInitNestedLazyStackPyToCpp) { nested_lazy(false, true, kLazyMembers); }
+TEST_F(InteropGloo, BroadcastLazyStackFromPy) { broadcast_lazy(true, kLazyMembers, false); }
+TEST_F(InteropGloo, UseBroadcastLazyStackFromCpp) { broadcast_lazy(false, kLazyMembers, true); }
 // ---- init_remote / from_remote_init ----
 TEST_F(InteropGloo, RemoteCppToPy) { remote(true, "mixed"); }
 TEST_F(InteropGloo, RemotePyToCpp) { remote(false, "mixed"); }
@@ -1330,6 +1399,12 @@ TEST_F(InteropShm, ConsolidatedLazyStackCppToPy) { consolidated_lazy(true, kLazy
 TEST_F(InteropShm, ConsolidatedLazyStackPyToCpp) { consolidated_lazy(false, kLazyMembers); }
 TEST_F(InteropShm, RemoteInitLazyStackCppToPy) { remote_lazy(true, kLazyMembers); }
 TEST_F(InteropShm, RemoteInitLazyStackPyToCpp) { remote_lazy(false, kLazyMembers); }
+TEST_F(InteropShm, ConsolidatedNestedLazyStackCppToPy) { nested_lazy(true, false, kLazyMembers); }
+TEST_F(InteropShm, ConsolidatedNestedLazyStackPyToCpp) { nested_lazy(false, false, kLazyMembers); }
+TEST_F(InteropShm, RemoteInitNestedLazyStackCppToPy) { nested_lazy(true, true, kLazyMembers); }
+TEST_F(InteropShm, RemoteInitNestedLazyStackPyToCpp) { nested_lazy(false, true, kLazyMembers); }
+TEST_F(InteropShm, BroadcastLazyStackFromCpp) { broadcast_lazy(false, kLazyMembers, false); }
+TEST_F(InteropShm, UseBroadcastLazyStackFromPy) { broadcast_lazy(true, kLazyMembers, true); }
 TEST_F(InteropShm, RemoteCppToPy) { remote(true, "mixed"); }
 TEST_F(InteropShm, RemoteTensorClassPyToCpp) { remote(false, "record"); }
 TEST_F(InteropShm, BroadcastFromPy) { broadcast(true, "mixed", false); }

@@ -367,10 +367,16 @@ def _node_metadata(td):
     }
 
 
+def _lazy_metadata(stack):
+    """_reduce_vals_and_metadata's node of a LazyStackedTensorDict (_lazy.py's _reduce_get_metadata)."""
+    return {"cls": "LazyStackedTensorDict", "non_tensors": {}, "leaves": {},
+            "cls_metadata": {"stack_dim": stack.stack_dim, "stack_dim_name": None, "is_locked": False}}
+
+
 def consolidate(td):
     """consolidate(metadata=True): a new, locked TD whose leaves view one uint8 storage. A
-    LazyStack is laid out as _reduce_vals_and_metadata walks one (_fast_apply with
-    _NESTED_TENSORS_AS_LISTS): its members are the sub-tensordicts "0", "1", ... in order."""
+    LazyStack (the root or nested) is laid out as _reduce_vals_and_metadata walks one (_fast_apply
+    with _NESTED_TENSORS_AS_LISTS): its members are the sub-tensordicts "0", "1", ... in order."""
     if td.consolidated is not None:
         return td
     if isinstance(td, LazyStack):
@@ -379,8 +385,7 @@ def consolidate(td):
             shell.items[str(m)] = member
         shell_c = consolidate(shell)
         out = LazyStack([shell_c.items[str(m)] for m in range(len(td.tensordicts))], td.stack_dim)
-        metadata = {"cls": "LazyStackedTensorDict", "non_tensors": {}, "leaves": {},
-                    "cls_metadata": {"stack_dim": td.stack_dim, "stack_dim_name": None, "is_locked": False}}
+        metadata = _lazy_metadata(td)
         metadata.update({str(m): shell_c.consolidated["metadata"][str(m)] for m in range(len(td.tensordicts))})
         out.consolidated = {"storage": shell_c.consolidated["storage"], "metadata": metadata}
         return out
@@ -401,6 +406,11 @@ def consolidate(td):
             elif isinstance(value, TD):
                 child_meta = node_meta[key] = _node_metadata(value)
                 assign(value, child_meta, prefix + (key,))
+            elif isinstance(value, LazyStack):
+                stack_meta = node_meta[key] = _lazy_metadata(value)
+                for m, member in enumerate(value.tensordicts):
+                    member_meta = stack_meta[str(m)] = _node_metadata(member)
+                    assign(member, member_meta, prefix + (key, str(m)))
             else:
                 n = value.element_size() * value.numel()
                 pad = 0
@@ -429,6 +439,9 @@ def consolidate(td):
         for key, value in node.items.items():
             if isinstance(value, TD):
                 out.items[key] = rebuild(value, prefix + (key,))
+            elif isinstance(value, LazyStack):
+                out.items[key] = LazyStack([rebuild(member, prefix + (key, str(m)))
+                                            for m, member in enumerate(value.tensordicts)], value.stack_dim)
             elif isinstance(value, NonTensor):
                 out.items[key] = value
             else:
@@ -461,6 +474,12 @@ def from_consolidated(metadata, storage):
         cls_metadata = dict(meta.pop("cls_metadata"))
         is_locked = cls_metadata.pop("is_locked", False)
         meta.pop("size", None)
+        if cls == "LazyStackedTensorDict":
+            # LazyStackedTensorDict._from_dict_validated({"0": td0, ...}, stack_dim=...,
+            # stack_dim_name=...): the members are the children "0", "1", ... in order.
+            if non_tensor or leaves:
+                raise ValueError("a LazyStackedTensorDict's metadata holds leaves of its own")
+            return LazyStack([from_metadata(meta[str(m)]) for m in range(len(meta))], cls_metadata.get("stack_dim", 0))
         if cls != "TensorDict":
             raise ValueError(f"metadata names class {cls!r}; CLS_MAP knows 'TensorDict' here")
         out = TD(cls_metadata.get("batch_size", []), cls_metadata.get("device"), None)
@@ -484,16 +503,7 @@ def from_consolidated(metadata, storage):
         out.is_locked = bool(is_locked)
         return out
 
-    root = dict(metadata)
-    if root.get("cls") == "LazyStackedTensorDict":
-        # _reductions: LazyStackedTensorDict._from_dict_validated({"0": td0, ...}, stack_dim=...,
-        # stack_dim_name=...): the members are the children "0", "1", ... in order.
-        cls_metadata = dict(root["cls_metadata"])
-        children = {k: v for k, v in root.items() if k not in ("cls", "non_tensors", "leaves", "cls_metadata", "size")}
-        members = [from_metadata(children[str(m)]) for m in range(len(children))]
-        result = LazyStack(members, cls_metadata.get("stack_dim", 0))
-    else:
-        result = from_metadata(metadata)
+    result = from_metadata(metadata)
     result.consolidated = {"storage": storage, "metadata": metadata}
     return result
 
@@ -1094,6 +1104,31 @@ def _check(errors):
         raise Mismatch("; ".join(errors))
 
 
+def _lazy_nest_leaves(salt, blank):
+    a0 = torch.full((3,), BLANK, dtype=torch.float32) if blank else torch.arange(3, dtype=torch.float32) + salt
+    zz = torch.full((2,), BLANK, dtype=torch.int64) if blank else torch.arange(2, dtype=torch.int64) * (salt + 1)
+    return a0, zz
+
+
+def _with_lazy_nest(stack, salt, blank):
+    """--lazy-nest: TD([]) {"a0": float [3], "ls": stack, "zz": int64 [2]} (tensordict's
+    TestSendLazyStackNest shape: the stack's leaves at its sorted key)."""
+    a0, zz = _lazy_nest_leaves(salt, blank)
+    return TD([]).set("a0", a0).set("ls", stack).set("zz", zz)
+
+
+def _check_lazy_nest(got, members, salt, what):
+    a0, zz = _lazy_nest_leaves(salt, False)
+    errors = []
+    if not torch.equal(got.items["a0"], a0) or not torch.equal(got.items["zz"], zz):
+        errors.append(f"{what}: the leaves beside it are {got.items['a0']}, {got.items['zz']}")
+    stack = got.items["ls"]
+    if not isinstance(stack, LazyStack) or len(stack.tensordicts) != len(members):
+        return errors + [f"{what}: 'ls' is {type(stack).__name__}"]
+    return errors + [e for m, t in enumerate(members)
+                     for e in check_tree(stack.tensordicts[m], t, salt + m, f"{what}, member {m}")]
+
+
 def _wait_all(works):
     for w in works:
         w.wait()
@@ -1119,31 +1154,19 @@ def run_scenario(args, result):
         # [2]} (tensordict's TestSendLazyStackNest shape: the stack's leaves at its sorted key).
         members = args.lazy_members.split(",") if args.lazy_members else None
 
-        def beside(salt, blank):
-            a0 = torch.full((3,), BLANK, dtype=torch.float32) if blank else torch.arange(3, dtype=torch.float32) + salt
-            zz = torch.full((2,), BLANK, dtype=torch.int64) if blank else torch.arange(2, dtype=torch.int64) * (salt + 1)
-            return a0, zz
-
         def make(blank, salt):
             if members is None:
                 return build_tree(args.tree, salt, blank=blank)
             stack = LazyStack([_tree_of(build_tree(t, salt + m, blank=blank)) for m, t in enumerate(members)])
-            if not args.lazy_nest:
-                return stack
-            a0, zz = beside(salt, blank)
-            return TD([]).set("a0", a0).set("ls", stack).set("zz", zz)
+            return _with_lazy_nest(stack, salt, blank) if args.lazy_nest else stack
 
         def check(got):
             if members is None:
                 return check_tree(got, args.tree, args.salt, "per-leaf")
-            errors = []
             if args.lazy_nest:
-                a0, zz = beside(args.salt, False)
-                if not torch.equal(got.items["a0"], a0) or not torch.equal(got.items["zz"], zz):
-                    errors.append(f"per-leaf, nested lazy stack: the leaves beside it are {got.items['a0']}, {got.items['zz']}")
-                got = got.items["ls"]
-            return errors + [e for m, t in enumerate(members)
-                             for e in check_tree(got.tensordicts[m], t, args.salt + m, f"per-leaf, lazy stack member {m}")]
+                return _check_lazy_nest(got, members, args.salt, "per-leaf, nested lazy stack")
+            return [e for m, t in enumerate(members)
+                    for e in check_tree(got.tensordicts[m], t, args.salt + m, f"per-leaf, lazy stack member {m}")]
 
         if args.role == "send":
             td = make(False, args.salt)
@@ -1180,6 +1203,24 @@ def run_scenario(args, result):
             raise Mismatch(f"last tag {result['last_tag']}, expected {tag}")
         if "works" in result and result["works"] != n:
             raise Mismatch(f"{result['works']} works, expected {n}")
+        return
+
+    if args.scenario == "consolidated" and args.lazy_members and args.lazy_nest:
+        # The LazyStack nested as in perleaf's --lazy-nest, consolidated whole (one round).
+        members = args.lazy_members.split(",")
+
+        def nested(salt, blank):
+            stack = LazyStack([_tree_of(build_tree(t, salt + m, blank=blank)) for m, t in enumerate(members)])
+            return _with_lazy_nest(stack, salt, blank)
+
+        if args.role == "send":
+            td_c = consolidate(nested(args.salt, False))
+            send(td_c, consolidated=True, **peer)
+        else:
+            td_c = consolidate(nested(0, True))
+            recv(td_c, consolidated=True, **peer)
+            _check(_check_lazy_nest(td_c, members, args.salt, "consolidated nested lazy stack"))
+        result["total_bytes"] = td_c.consolidated["storage"].numel()
         return
 
     if args.scenario == "consolidated" and args.lazy_members:
@@ -1226,6 +1267,22 @@ def run_scenario(args, result):
         result["total_bytes"] = td_c.consolidated["storage"].numel()
         return
 
+    if args.scenario == "remote" and args.lazy_members and args.lazy_nest:
+        # init_remote of the nested LazyStack (perleaf's --lazy-nest): the metadata's "ls" node
+        # names LazyStackedTensorDict.
+        members = args.lazy_members.split(",")
+        if args.role == "send":
+            stack = LazyStack([_tree_of(build_tree(t, args.salt + m)) for m, t in enumerate(members)])
+            init_remote(_with_lazy_nest(stack, args.salt, False), dst=args.peer)
+        else:
+            seen = []
+            got = from_remote_init(src=args.peer, seen=seen)
+            node = seen[0].get("ls", {})
+            if node.get("cls") != "LazyStackedTensorDict" or node.get("cls_metadata", {}).get("stack_dim") != 0:
+                raise Mismatch(f"metadata of 'ls': {node.get('cls')!r}, {node.get('cls_metadata')!r}")
+            _check(_check_lazy_nest(got, members, args.salt, "from_remote_init of a nested lazy stack"))
+        return
+
     if args.scenario == "remote" and args.lazy_members:
         # init_remote of a LazyStack of these trees (member m at salt + m, stack_dim 0) and
         # from_remote_init of one: the metadata's root names LazyStackedTensorDict.
@@ -1270,20 +1327,33 @@ def run_scenario(args, result):
         return
 
     if args.scenario == "broadcast":
-        tc = "td_peer_types.InteropRecord" if args.tree == "record" else None
+        # The tree, or with --lazy-members a LazyStack of these trees (member m at salt + m),
+        # whose metadata's root names LazyStackedTensorDict.
+        members = args.lazy_members.split(",") if args.lazy_members else None
+        tc = "td_peer_types.InteropRecord" if args.tree == "record" and members is None else None
         if args.role == "root":
-            tree = build_tree(args.tree, args.salt)
+            tree = (build_tree(args.tree, args.salt) if members is None else
+                    LazyStack([_tree_of(build_tree(t, args.salt + m)) for m, t in enumerate(members)]))
             if args.via == "init_remote":
                 init_remote(tree, use_broadcast=True, use_torch=args.torch_object_list)
             else:
                 out = broadcast(tree, src=args.src, use_torch=args.torch_object_list)
-                _check(check_tree(out, args.tree, args.salt, "broadcast at the root"))
+                if members is None:
+                    _check(check_tree(out, args.tree, args.salt, "broadcast at the root"))
         else:
             seen = []
             if args.via == "init_remote":
                 got = from_remote_init(src=args.src, use_broadcast=True, use_torch=args.torch_object_list, seen=seen)
             else:
                 got = broadcast(None, src=args.src, use_torch=args.torch_object_list, seen=seen)
+            if members is not None:
+                if seen[0].get("cls") != "LazyStackedTensorDict":
+                    raise Mismatch(f"metadata root {seen[0].get('cls')!r}")
+                if not isinstance(got, LazyStack) or len(got.tensordicts) != len(members):
+                    raise Mismatch(f"rebuilt {type(got).__name__} of {len(getattr(got, 'tensordicts', []))} members")
+                _check([e for m, t in enumerate(members)
+                        for e in check_tree(got.tensordicts[m], t, args.salt + m, f"broadcast lazy stack, member {m}")])
+                return
             extra = {"_storage_device": "cpu"}
             if tc:
                 extra["_tensorclass_type"] = tc
@@ -1396,8 +1466,10 @@ def main(argv=None):
     p.add_argument("--tree", default="seed", choices=sorted(TREES))
     p.add_argument("--salt", type=int, default=0)
     p.add_argument("--then-tree", choices=sorted(TREES), help="send: then send this tree too (values at salt + 1)")
-    p.add_argument("--lazy-members", help="perleaf: a LazyStack of these comma-separated trees (member m at salt + m)")
-    p.add_argument("--lazy-nest", action="store_true", help="perleaf: the LazyStack nested under 'ls' of a TD with two leaves")
+    p.add_argument("--lazy-members", help="perleaf, consolidated, remote, broadcast: a LazyStack of these "
+                   "comma-separated trees (member m at salt + m)")
+    p.add_argument("--lazy-nest", action="store_true", help="perleaf, consolidated, remote: the LazyStack nested "
+                   "under 'ls' of a TD with two leaves")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--init-tag", type=int, default=0)
     p.add_argument("--pseudo-rand", action="store_true")

@@ -9,11 +9,16 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "tdshm/errors.h"
 #include "tdshm/lazy_stack.h"
+#include "tdshm/schema.h"
 #include "tdshm/tensordict.h"
 
 namespace {
@@ -189,14 +194,59 @@ TEST(NestedLazyStack, LeafWiseOperationsGoThroughTheMembers) {
   EXPECT_NE(w.repr().find("LazyStackedTensorDict(batch_size=[2, 2], stack_dim=0)"), std::string::npos) << w.repr();
 }
 
-TEST(NestedLazyStack, ConsolidateIsRefusedNamingTheKey) {
-  const TensorDict td = nest(LazyStackedTensorDict({member(0), member(1)}));
-  try {
-    (void)td.consolidate();
-    FAIL() << "consolidate of a tree with a lazy stack did not throw";
-  } catch (const TypeError& e) {
-    EXPECT_NE(std::string(e.what()).find("'ls' holds a lazy stack"), std::string::npos) << e.what();
-  }
+TEST(NestedLazyStack, ConsolidateLaysTheStackOutAsTensordictDoes) {
+  TensorDict m1 = member(1);
+  m1.set("only1", at::full({2}, 9.0));
+  const TensorDict td = nest(LazyStackedTensorDict({member(0), m1}, 1));
+  const TensorDict c = td.consolidate();
+  ASSERT_TRUE(c.is_consolidated());
+  EXPECT_TRUE((c == td).all());
+  // Insertion order, depth first: z (16 B), then ls member after member (member 0: b 24, n.x 8,
+  // n.y 8; member 1: the same and only1 8), then a (64): 168 bytes.
+  const at::Tensor storage = c.consolidated_storage();
+  EXPECT_EQ(storage.numel(), 168);
+  const LazyStackedTensorDict ls = c.get_lazy_stack("ls");
+  EXPECT_EQ(ls.stack_dim(), 1);
+  EXPECT_EQ(ls.batch_size(), (std::vector<int64_t>{2, 2}));
+  auto offset = [&](const at::Tensor& t) {
+    return static_cast<uint8_t*>(t.data_ptr()) - static_cast<uint8_t*>(storage.data_ptr());
+  };
+  EXPECT_EQ(offset(c.get("z")), 0);
+  EXPECT_EQ(offset(ls[0].get("b")), 16);
+  EXPECT_EQ(offset(ls[1].get("b")), 56);
+  EXPECT_EQ(offset(ls[1].get("only1")), 96);
+  EXPECT_EQ(offset(c.get("a")), 104);
+  // The schema marks the node a lazy stack: members "0", "1", the stack's batch size.
+  const auto& node = std::get<std::shared_ptr<SchemaNode>>(c.schema().root.entries[1].value);
+  EXPECT_EQ(node->lazy_stack_dim, std::optional<int64_t>(1));
+  EXPECT_EQ(node->batch_size, (std::vector<int64_t>{2, 2}));
+  ASSERT_EQ(node->entries.size(), 2u);
+  EXPECT_EQ(node->entries[1].key, "1");
+  // The stack dimension is part of the layout's fingerprint (a receiver stacked otherwise is
+  // another schema), and a stack is not a tensordict of its members.
+  EXPECT_NE(c.schema_fingerprint(), nest(LazyStackedTensorDict({member(0), m1}, 0)).consolidate().schema_fingerprint());
+  Schema as_tensordict = c.schema();
+  const auto plain = std::make_shared<SchemaNode>(*node);
+  plain->lazy_stack_dim.reset();
+  plain->batch_size = {2};
+  as_tensordict.root.entries[1].value = plain;
+  EXPECT_NE(schema_fingerprint(as_tensordict), c.schema_fingerprint());
+  // Rebuilt from its storage and schema (as from a consolidated file), it is a stack again.
+  const TensorDict back = TensorDict::from_consolidated(storage, c.schema());
+  EXPECT_TRUE(back.get_value("ls").is_lazy_stack());
+  EXPECT_TRUE((back == td).all());
+  // A consolidated file carries it (its schema in version 2 of the encoding).
+  const std::string path = testing::TempDir() + "tdshm_lazy_" + std::to_string(::getpid()) + ".td";
+  (void)td.consolidate({.filename = path});
+  const TensorDict from_file = TensorDict::from_consolidated_file(path);
+  ::unlink(path.c_str());
+  EXPECT_EQ(from_file.get_lazy_stack("ls").stack_dim(), 1);
+  EXPECT_TRUE((from_file == td).all());
+  // A lazy stack of lazy stacks is laid out the same way, one level down.
+  const LazyStackedTensorDict outer({nest(LazyStackedTensorDict({member(0), m1}, 1))});
+  const LazyStackedTensorDict co = outer.consolidate();
+  EXPECT_EQ(co.consolidated_storage().numel(), 168);
+  EXPECT_TRUE((co == outer).all());
 }
 
 }  // namespace

@@ -610,6 +610,66 @@ TEST(RemoteMetadata, WritesTensordictsDict) {
   EXPECT_EQ(entries[entries.size() - 1].key, S("_tensorclass_type"));
 }
 
+// {"r": float32 (2,), "ls": a lazy stack along dimension 1 of members of batch [2]: {"x": int64
+// (2,)} and {"x": int64 (2, 2)}}, batch [2].
+Schema lazy_schema() {
+  SchemaNode m0;
+  m0.batch_size = {2};
+  m0.entries = {leaf("x", c10::ScalarType::Long, {2}, 8, 24, 0)};
+  SchemaNode m1;
+  m1.batch_size = {2};
+  m1.entries = {leaf("x", c10::ScalarType::Long, {2, 2}, 24, 56, 0)};
+  SchemaNode ls;
+  ls.lazy_stack_dim = 1;
+  ls.batch_size = {2, 2};
+  ls.entries = {child("0", m0), child("1", m1)};
+  Schema s;
+  s.root.batch_size = {2};
+  s.root.entries = {leaf("r", c10::ScalarType::Float, {2}, 0, 8, 0), child("ls", ls)};
+  s.total_bytes = 56;
+  return s;
+}
+
+// A lazy stack's node is _lazy.py's: cls "LazyStackedTensorDict", cls_metadata {stack_dim,
+// stack_dim_name, is_locked}, the members its children "0", "1"; read back the same.
+TEST(RemoteMetadata, LazyStackNodes) {
+  const PyValue meta = to_metadata(lazy_schema(), std::nullopt);
+  const PyValue* ls = meta.find("ls");
+  ASSERT_NE(ls, nullptr);
+  EXPECT_EQ(*ls->find("cls"), S("LazyStackedTensorDict"));
+  EXPECT_EQ(*ls->find("cls_metadata"), D({{S("stack_dim"), I(1)}, {S("stack_dim_name"), N()}, {S("is_locked"), B(false)}}));
+  EXPECT_EQ(*ls->find("leaves"), D({}));
+  EXPECT_EQ(*ls->find("1")->find("leaves")->find("x"), T({S("torch.int64"), L({I(2), I(2)}), I(24), I(56), I(0)}));
+  EXPECT_EQ(from_metadata(loads(dumps(meta), metadata_pickle_limits()), 56), lazy_schema());
+  // At the root too (init_remote of a lazy stack).
+  Schema root = lazy_schema();
+  root.root = *std::get<std::shared_ptr<SchemaNode>>(root.root.entries[1].value);
+  for (auto& e : root.root.entries) {
+    auto member = std::make_shared<SchemaNode>(*std::get<std::shared_ptr<SchemaNode>>(e.value));
+    for (auto& l : member->entries) std::get<SchemaTensor>(l.value).start -= 8, std::get<SchemaTensor>(l.value).stop -= 8;
+    e.value = member;
+  }
+  root.total_bytes = 48;
+  EXPECT_EQ(*to_metadata(root, std::nullopt).find("cls"), S("LazyStackedTensorDict"));
+  EXPECT_EQ(from_metadata(to_metadata(root, std::nullopt), 48), root);
+  // Refusals, naming the stack.
+  auto edited = [&](const char* field, PyValue v) {
+    PyValue m = to_metadata(lazy_schema(), std::nullopt);
+    const_cast<PyValue*>(m.find("ls"))->set(field, std::move(v));
+    return m;
+  };
+  EXPECT_SCHEMA_ERROR(from_metadata(edited("cls_metadata", D({{S("is_locked"), B(false)}})), 56),
+                      "\"cls_metadata\" of lazy stack 'ls' lacks \"stack_dim\"");
+  EXPECT_SCHEMA_ERROR(from_metadata(edited("cls_metadata", D({{S("stack_dim"), I(3)}})), 56),
+                      "lazy stack 'ls' has stack_dim 3 but its members have 1 batch dimensions");
+  EXPECT_SCHEMA_ERROR(from_metadata(edited("leaves", D({{S("y"), T({S("torch.uint8"), L({I(0)}), I(56), I(56), I(0)})}})), 56),
+                      "lazy stack 'ls' holds the leaf 'y'");
+  const PyValue empty_member = D({{S("cls"), S("TensorDict")}, {S("non_tensors"), D({})}, {S("leaves"), D({})},
+                                  {S("cls_metadata"), D({{S("batch_size"), L({I(2)})}})}});
+  EXPECT_SCHEMA_ERROR(from_metadata(edited("extra", empty_member), 56),
+                      "lazy stack 'ls' has the entry 'extra' at position 2: its entries are its members");
+}
+
 // What tensordict's consolidate(metadata=True) + init_remote would pickle for a tensordict
 // {"z": float32 (3,), "a": {"b": int64 (2,)}} with a non-tensor and a nested tensorclass
 // (a __main__ class, pickled as a global): leaves of the root come before its children in the
@@ -737,8 +797,10 @@ TEST(RemoteMetadata, Refusals) {
   EXPECT_SCHEMA_ERROR(from_metadata(leaf_x(T({S("torch.float32"), L({I(2)}), I(0), I(8)})), 8), "tuple of 4 items");
   EXPECT_SCHEMA_ERROR(from_metadata(leaf_x(L({S("torch.float32"), L({I(2)}), I(0), I(8), I(0)})), 8),
                       "expected leaf 'x' to be a tuple, got a list");
+  EXPECT_SCHEMA_ERROR(from_metadata(with("cls", nullptr, S("NonTensorStack")), 8),
+                      "node '<root>' has \"cls\" 'NonTensorStack': tdshm reads TensorDict and tensorclasses");
   EXPECT_SCHEMA_ERROR(from_metadata(with("cls", nullptr, S("LazyStackedTensorDict")), 8),
-                      "node '<root>' has \"cls\" 'LazyStackedTensorDict': tdshm reads TensorDict and tensorclasses");
+                      "\"cls_metadata\" of lazy stack '<root>' has the unknown field 'device'");
   EXPECT_SCHEMA_ERROR(from_metadata(with("non_tensors", "n", T({N(), L({}), N()})), 8),
                       "non-tensor 'n' holds a NoneType (None); tdshm's non-tensor values are str, int, float and bool");
   EXPECT_SCHEMA_ERROR(from_metadata(with("non_tensors", "n", T({L({}), L({}), N()})), 8), "holds a list");

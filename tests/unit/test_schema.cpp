@@ -147,12 +147,12 @@ Bytes cat(std::initializer_list<Bytes> parts) {
 
 Bytes str_bytes(std::string_view s) { return cat({leb(s.size()), Bytes(s.begin(), s.end())}); }
 
-// A well-formed frame (magic, version, flags 0, total_bytes, body length, checksum) around a
-// hand-written body, so a test can aim at one body field.
+// A well-formed frame (magic, version 1, flags 0, total_bytes, body length, checksum) around a
+// hand-written body of version 1 (no node kind byte), so a test can aim at one body field.
 Bytes frame(const Bytes& body, uint64_t total_bytes = 0) {
   Bytes b(kHeader, 0);
   for (size_t i = 0; i < 4; ++i) b[i] = tdshm::detail::kSchemaMagic[i];
-  put_le(b, tdshm::detail::kSchemaVersionOffset, tdshm::kSchemaVersion, 2);
+  put_le(b, tdshm::detail::kSchemaVersionOffset, tdshm::kSchemaOldestVersion, 2);
   put_le(b, tdshm::detail::kSchemaTotalBytesOffset, total_bytes, 8);
   put_le(b, tdshm::detail::kSchemaBodyLengthOffset, body.size(), 4);
   b.insert(b.end(), body.begin(), body.end());
@@ -397,6 +397,104 @@ TEST(SchemaRoundTrip, NestingOfExactlyMaxDepthSucceedsAndOneMoreFails) {
   EXPECT_THROW((void)schema_fingerprint(too_deep), SchemaError);
 }
 
+// ---- lazy stacks (version 2) ---------------------------------------------------------------
+
+// {"ls": a lazy stack along `stack_dim` of two members of batch [3]: {"x": float32 (3,)} and
+// {"y": int64 (3,)}}: ls.0.x at [0,12) pad 4, ls.1.y at [16,40), total 40.
+Schema lazy40(int64_t stack_dim = 0) {
+  SchemaNode m0;
+  m0.batch_size = {3};
+  m0.entries.push_back(tensor_entry("x", leaf(ScalarType::Float, {3}, 0, 12, 4)));
+  SchemaNode m1;
+  m1.batch_size = {3};
+  m1.entries.push_back(tensor_entry("y", leaf(ScalarType::Long, {3}, 16, 40, 0)));
+  SchemaNode ls;
+  ls.lazy_stack_dim = stack_dim;
+  ls.batch_size = stack_dim == 0 ? std::vector<int64_t>{2, 3} : std::vector<int64_t>{3, 2};
+  ls.entries.push_back(child_entry("0", std::move(m0)));
+  ls.entries.push_back(child_entry("1", std::move(m1)));
+  Schema s;
+  s.total_bytes = 40;
+  s.root.entries.push_back(child_entry("ls", std::move(ls)));
+  return s;
+}
+
+SchemaNode& lazy_node(Schema& s) { return *std::get<std::shared_ptr<SchemaNode>>(s.root.entries[0].value); }
+
+// The encoding of lazy40(0) before its checksum, field by field: header "TDSC" | version 2 |
+// flags 0 | total_bytes 40 | body length 53; root: class "" | kind 0 | no device | batch [] |
+// 1 entry; child "ls": class "" | kind 1, stack_dim 0 | no device | batch [2, 3] | 2 entries;
+// child "0": class "" | kind 0 | no device | batch [3] | 1 entry, tensor "x" Float [3] 0..12
+// pad 4; child "1": the same with tensor "y" Long (4) [3] 16..40 pad 0.
+constexpr std::string_view kLazy40Hex =
+    "54445343" "0200" "0000" "2800000000000000" "35000000"
+    "00" "00" "00" "00" "01"
+    "02026c73" "00" "0100" "00" "020406" "02"
+    "020130" "00" "00" "00" "0106" "01" "000178" "06" "0106" "00" "0c" "04"
+    "020131" "00" "00" "00" "0106" "01" "000179" "04" "0106" "10" "28" "00";
+
+TEST(SchemaLazyStack, EncodesInVersion2PinnedAndRoundTrips) {
+  const Bytes b = encode_schema(lazy40());
+  ASSERT_EQ(b.size(), kFrame + 53);
+  EXPECT_EQ(to_hex(Bytes(b.begin(), b.end() - 4)), std::string(kLazy40Hex))
+      << "the wire format changed: bump kSchemaVersion and update this encoding";
+  EXPECT_EQ(decode_schema(b, 40), lazy40());
+  EXPECT_EQ(decode_schema(encode_schema(lazy40(1))), lazy40(1));
+  // A schema without a lazy stack stays in version 1, which earlier builds read.
+  EXPECT_EQ(encode_schema(example32())[tdshm::detail::kSchemaVersionOffset], 1);
+}
+
+TEST(SchemaLazyStack, FingerprintSeesTheStackAndItsDimension) {
+  Schema plain = lazy40();
+  lazy_node(plain).lazy_stack_dim.reset();
+  EXPECT_NE(schema_fingerprint(plain), schema_fingerprint(lazy40()));
+  EXPECT_NE(schema_fingerprint(lazy40(0)), schema_fingerprint(lazy40(1)));
+  EXPECT_EQ(schema_fingerprint(lazy40(1)), schema_fingerprint(lazy40(1)));
+  EXPECT_NE(plain, lazy40());
+}
+
+TEST(SchemaLazyStack, InconsistentStacksAreRefused) {
+  auto changed = [](auto&& edit) {
+    Schema s = lazy40();
+    edit(lazy_node(s));
+    return encode_error(s);
+  };
+  EXPECT_NE(changed([](SchemaNode& n) { n.entries[1].key = "one"; }).find("its entries are its members"), std::string::npos);
+  EXPECT_NE(changed([](SchemaNode& n) { std::swap(n.entries[0], n.entries[1]); }).find("at position 0"), std::string::npos);
+  EXPECT_NE(changed([](SchemaNode& n) {
+              n.entries.push_back(tensor_entry("2", leaf(ScalarType::Float, {0}, 40, 40, 0)));
+            }).find("its entries are its members"),
+            std::string::npos);
+  EXPECT_NE(changed([](SchemaNode& n) {
+              std::get<std::shared_ptr<SchemaNode>>(n.entries[1].value)->batch_size = {4};
+            }).find("members share a batch size"),
+            std::string::npos);
+  EXPECT_NE(changed([](SchemaNode& n) { n.batch_size = {3, 2}; }).find("make [2, 3]"), std::string::npos);
+  EXPECT_NE(changed([](SchemaNode& n) { n.lazy_stack_dim = 2; }).find("outside the 2 dimensions"), std::string::npos);
+  EXPECT_NE(changed([](SchemaNode& n) { n.class_name = "my.Class"; }).find("class name"), std::string::npos);
+  // An empty stack: batch [0] along dimension 0, nothing else.
+  Schema empty;
+  SchemaNode none;
+  none.lazy_stack_dim = 0;
+  none.batch_size = {0};
+  empty.root.entries.push_back(child_entry("ls", none));
+  EXPECT_EQ(decode_schema(encode_schema(empty)), empty);
+  lazy_node(empty).lazy_stack_dim = 1;
+  EXPECT_NE(encode_error(empty).find("outside"), std::string::npos);
+}
+
+TEST(SchemaLazyStack, DecoderRefusesUnknownKindsAndNonCanonicalFrames) {
+  Bytes b = encode_schema(lazy40());
+  // The root's kind byte follows its empty class name.
+  EXPECT_NE(decode_error(patched(b, kHeader + 1, {0x02})).find("node kind 2 at byte 21"), std::string::npos);
+  // The stack's kind patched to a tensordict: version 2 without a lazy stack is not canonical.
+  Bytes v2_plain = patched(b, kHeader + 10, {0x00, 0x00});
+  v2_plain.erase(v2_plain.begin() + static_cast<std::ptrdiff_t>(kHeader + 11));
+  put_le(v2_plain, tdshm::detail::kSchemaBodyLengthOffset, v2_plain.size() - kFrame, 4);
+  fix_checksum(v2_plain);
+  EXPECT_NE(decode_error(v2_plain).find("holds no lazy stack"), std::string::npos);
+}
+
 // ---- golden encoding -----------------------------------------------------------------------
 
 // The encoding of example32(), written out field by field (see schema_codec.cpp):
@@ -433,7 +531,8 @@ TEST(SchemaGolden, ThirtyTwoByteExampleFingerprintIsPinned) {
 }
 
 TEST(SchemaGolden, FrameLayoutConstants) {
-  EXPECT_EQ(tdshm::kSchemaVersion, 1);
+  EXPECT_EQ(tdshm::kSchemaOldestVersion, 1);
+  EXPECT_EQ(tdshm::kSchemaVersion, 2);
   EXPECT_EQ(kHeader, 20u);
   EXPECT_EQ(kFrame, 24u);
   const Bytes b = encode_schema(example32());
@@ -587,10 +686,10 @@ TEST(SchemaDecode, WrongMagicThrows) {
 }
 
 TEST(SchemaDecode, FutureVersionThrowsNamingBothVersions) {
-  const Bytes b = patched(encode_schema(example32()), tdshm::detail::kSchemaVersionOffset, {0x02, 0x00});
+  const Bytes b = patched(encode_schema(example32()), tdshm::detail::kSchemaVersionOffset, {0x03, 0x00});
   const std::string msg = decode_error(b);
-  EXPECT_NE(msg.find("found schema format version 2"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("supports only version 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("found schema format version 3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("supports versions 1 to 2"), std::string::npos) << msg;
   EXPECT_NE(decode_error(patched(encode_schema(example32()), tdshm::detail::kSchemaVersionOffset, {0x00, 0x00}))
                 .find("version 0"),
             std::string::npos);
