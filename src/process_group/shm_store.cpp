@@ -7,6 +7,8 @@
 // The name is random (128 bits from std::random_device), so two groups of one run, and two runs
 // over one store, never meet on one segment by accident.
 
+#include "common/random_name.h"
+
 #include <tdshm/errors.h>
 #include <tdshm/process_group.h>
 
@@ -14,9 +16,7 @@
 
 #include <unistd.h>
 
-#include <array>
 #include <exception>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,20 +28,7 @@ namespace {
 constexpr const char* kSegmentKey = "tdshm_shm_segment";
 
 /// "pg-<pid>-<32 hex digits>": only characters validate_segment_name accepts.
-std::string random_segment_name() {
-  std::random_device device;
-  static constexpr std::array<char, 16> kHex = {'0', '1', '2', '3', '4', '5', '6', '7',
-                                                '8', '9', 'a', 'b', 'c', 'd', 'e', 'f'};
-  std::string name = "pg-" + std::to_string(::getpid()) + "-";
-  for (int i = 0; i < 4; ++i) {
-    uint32_t word = device();
-    for (int j = 0; j < 8; ++j) {
-      name.push_back(kHex[word & 0xF]);
-      word >>= 4;
-    }
-  }
-  return name;
-}
+std::string random_segment_name() { return "pg-" + std::to_string(::getpid()) + "-" + detail::random_hex128(); }
 
 }  // namespace
 
