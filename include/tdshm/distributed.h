@@ -93,18 +93,11 @@ class Group {
   /// group was formed, to use its checked gloo protocol (see docs/wire.md): a
   /// per-leaf layout descriptor and a consolidated header that let the receiver name the key
   /// that differs. False for every Python (tensordict) peer and over shm (where the checks ride
-  /// inside the transport's own message metadata): then the wire is exactly tensordict's.
-  bool checked_wire_with(int peer) const noexcept {
-    if (!shared_) return false;
-    const std::vector<bool>& checked = shared_->checked;  // empty: never set
-    return peer >= 0 && static_cast<size_t>(peer) < checked.size() && checked[static_cast<size_t>(peer)] &&
-           checked[static_cast<size_t>(rank())];
-  }
-  /// Whether every member agreed to the checked protocol (collective exchanges: broadcast).
-  bool checked_wire_all() const noexcept {
-    return shared_ && !shared_->checked.empty() &&
-           std::all_of(shared_->checked.begin(), shared_->checked.end(), [](bool b) { return b; });
-  }
+  /// inside the transport's own message metadata): then the wire is exactly tensordict's. In a
+  /// "shm" world across hosts: with the tdshm ranks of other hosts.
+  bool checked_wire_with(int peer) const noexcept;
+  /// Whether it holds with every member (collective exchanges: broadcast).
+  bool checked_wire_all() const noexcept;
   /// Internal (set by init_process_group / new_group): which group ranks advertised the checked
   /// protocol.
   void set_checked_wire(std::vector<bool> advertised);
@@ -144,7 +137,8 @@ struct InitOptions {
   /// gloo: advertise tdshm's checked protocol in the store when the group is formed, and use it
   /// with every peer that advertised it too (tdshm ranks with this option on). Python ranks never
   /// advertise, so they always get tensordict's exact wire. false: this rank speaks tensordict's
-  /// wire to everyone. No effect on shm (its checks travel inside the transport's entries).
+  /// wire to everyone. Over shared memory it is not used (its checks travel inside the
+  /// transport's entries); in a "shm" world across hosts it applies to the ranks of other hosts.
   bool checked_wire = true;
 };
 

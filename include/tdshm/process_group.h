@@ -319,4 +319,14 @@ class ProcessGroupShm : public c10d::ProcessGroup {
 c10::intrusive_ptr<ProcessGroupShm> make_shm_group_from_store(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                               int size, ShmOptions options);
 
+/// The "shm" backend over a store, wherever its ranks run (what init_process_group("shm") and the
+/// Python backend use): every rank first learns which ranks share memory with it (those that
+/// open its files in /dev/shm and share its PID namespace: one host, docs/hosts.md). When all do,
+/// this is make_shm_group_from_store. Otherwise each host's ranks form a ProcessGroupShm, the
+/// whole world a ProcessGroupGloo on the same store, and the returned group routes each pair
+/// over shared memory or the network and runs the collectives hierarchically. Throws as
+/// make_shm_group_from_store does, TimeoutError when a rank does not answer in options.timeout.
+c10::intrusive_ptr<c10d::ProcessGroup> make_group_from_store(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                             int size, ShmOptions options);
+
 }  // namespace tdshm

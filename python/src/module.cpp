@@ -123,7 +123,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_create_shm_group",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {
-        return tdshm::make_shm_group_from_store(store, rank, size, options_with(timeout));  // (loans: from the environment)
+        return tdshm::make_group_from_store(store, rank, size, options_with(timeout));  // (loans: from the environment)
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
       "The creator torch.distributed calls for backend \"shm\": (prefix store, group rank, group size, timeout).");

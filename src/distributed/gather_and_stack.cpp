@@ -24,10 +24,11 @@ namespace {
 // Tags of gather_and_stack's messages: apart from the per-leaf transfers' usual small tags.
 constexpr int kGatherTag = 1 << 24;
 
+// Per peer, whichever source knows: the checked wire it advertised (gloo, or a rank of another
+// host), or the transport (shared memory: the segment says so).
 bool every_member_runs_tdshm(const Group& g) {
-  if (g.checked_wire_all()) return true;  // gloo: every rank advertised tdshm's checked wire
   for (int r = 0; r < g.size(); ++r) {
-    if (!g.transport().peer_runs_tdshm(r)) return false;
+    if (!g.checked_wire_with(r) && !g.transport().peer_runs_tdshm(r)) return false;
   }
   return true;
 }

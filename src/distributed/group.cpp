@@ -26,15 +26,21 @@
 //    count is the same, and its call still returns at once).
 //  - gloo members then call setSequenceNumberForGroup (torch's _set_sequence_number_for_group:
 //    group rank 0 writes the sequence number that the others wait for).
-//  - tdshm's own key, which Python ranks never write: a gloo rank with InitOptions::checked_wire
-//    sets "tdshm_checked_wire/<group rank>" = "1" in the group's store before the barrier; after
-//    the barrier each member reads (store.check, no waiting) which group ranks set it.
-//  - shm over a store (make_shm_group_from_store, also what the Python backend uses): group rank
-//    0 writes a fresh random segment name in the group's store, the others read it.
+//  - tdshm's own key, which Python ranks never write: a rank with InitOptions::checked_wire sets
+//    "tdshm_checked_wire/<group rank>" = "1" in the group's store before the barrier; after the
+//    barrier each member reads (store.check, no waiting) which group ranks set it, and uses the
+//    checked protocol with those it reaches over the network (shared memory carries its checks).
+//  - shm over a store (make_group_from_store, also what the Python backend uses): the ranks find
+//    which of them share a host (process_group/locality.h); on one host group rank 0 writes a
+//    fresh random segment name in the group's store, the others read it; across hosts each
+//    host's ranks do so under their own prefix and the world forms a gloo group beside them.
 // "shm://NAME" keeps its own scheme without any store: subgroup k (0 for the first valid
 // new_group call, then 1, ...) meets on the segment "<NAME>.g<k>".
 
 #include <tdshm/distributed.h>
+
+#include "process_group/gloo_group.h"
+#include "process_group/transport.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -59,7 +65,10 @@ namespace {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
-using GlooDevice = std::shared_ptr<::gloo::transport::Device>;
+using detail::GlooDevice;
+using detail::make_gloo;
+using detail::make_gloo_device;
+using detail::tcp_store_host;
 
 constexpr std::string_view kAcceptedForms =
     "\"tcp://HOST:PORT\", \"file://PATH\" or \"env://\" for both backends, or \"shm://NAME\" for shm";
@@ -69,7 +78,7 @@ struct World {
   std::string backend;  // "shm" or "gloo"
   Group group;
   std::chrono::milliseconds timeout{};
-  bool checked_wire = false;  // InitOptions::checked_wire (gloo only), inherited by new_group
+  bool checked_wire = false;  // InitOptions::checked_wire, inherited by new_group
   // shm: the options of every group; with "shm://NAME" also the default group's segment name
   // (subgroups use "<NAME>.g<k>").
   std::string shm_name;
@@ -209,40 +218,6 @@ std::string parse_shm_method(const std::string& init_method) {
 // ---------------------------------------------------------------------------------------------
 // gloo
 
-bool is_loopback_host(const std::string& host) {
-  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
-}
-
-/// The transport device of a gloo group whose rendezvous is at `host` (nullopt: not known).
-///
-/// A rendezvous on a loopback address means every peer is on this host, so the loopback device
-/// always reaches them; gloo's default device would instead bind to whatever this machine's
-/// hostname resolves to, which may be an address that is firewalled, slow to resolve, or not
-/// configured at all. Otherwise we do what torch does: the interface named by GLOO_SOCKET_IFNAME
-/// when set (multi-homed hosts), else gloo's default device (the hostname's address, or loopback
-/// when it does not resolve).
-GlooDevice make_gloo_device(const std::optional<std::string>& host) {
-  if (host && is_loopback_host(*host)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-  }
-  return c10d::ProcessGroupGloo::createDefaultDevice();
-}
-
-/// The host of the TCPStore under `store` (through PrefixStores), if it is one.
-std::optional<std::string> tcp_store_host(StorePtr store) {
-  while (store) {
-    if (auto* prefix = dynamic_cast<c10d::PrefixStore*>(store.get())) {
-      store = prefix->getUnderlyingStore();
-    } else if (auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get())) {
-      return tcp->getHost();
-    } else {
-      break;
-    }
-  }
-  return std::nullopt;
-}
-
 bool mentions_timeout(const std::string& what) {
   std::string lower = what;
   std::transform(lower.begin(), lower.end(), lower.begin(),
@@ -265,13 +240,6 @@ auto translate_timeout(const std::string& what, std::chrono::milliseconds timeou
     throw TimeoutError(what + ": the peers did not all arrive within " + std::to_string(timeout.count()) +
                        " ms (" + message + ")");
   }
-}
-
-ProcessGroupPtr make_gloo(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
-                          const GlooDevice& device) {
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  options->devices.push_back(device);
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
 void check_rank(int rank, int size, const char* what) {
@@ -359,22 +327,25 @@ Group form_store_group(const World& world, const std::string& name, int count, s
   return translate_timeout(what, world.timeout, [&] {
     ProcessGroupPtr backend;
     const bool gloo = world.backend == "gloo";
+    if (world.checked_wire) group_store->set(checked_wire_key(group_rank), std::vector<uint8_t>{'1'});
     if (gloo) {
-      if (world.checked_wire) group_store->set(checked_wire_key(group_rank), std::vector<uint8_t>{'1'});
       backend = make_gloo(group_store, group_rank, size, world.timeout, world.device);
     } else {
-      backend = make_shm_group_from_store(group_store, group_rank, size, world.shm_options);
+      backend = make_group_from_store(group_store, group_rank, size, world.shm_options);
     }
     store_based_barrier(*world.default_store, count, world.group.defined() ? world.group.size() : size,
                         world.timeout, true, what);
     Group group(std::move(backend), std::move(global_ranks));
-    if (gloo) {
-      group.set_checked_wire(read_checked_wire(*group_store, size));
-      // torch's _set_sequence_number_for_group: a Python rank > 0 waits for rank 0's number.
-      group.backend().setSequenceNumberForGroup();
-    } else {
-      group.set_checked_wire(std::vector<bool>(static_cast<size_t>(size), false));
-    }
+    // Used with the peers that advertised it, where the transport does not carry checks itself
+    // (Group::checked_wire_with). A transport that carries them to every peer needs none: an
+    // all-false list answers that in one load, on every transfer.
+    std::vector<bool> checked = read_checked_wire(*group_store, size);
+    bool needed = false;
+    for (int r = 0; r < size; ++r) needed |= !group.transport().can(r).check_messages;
+    if (!needed) checked.assign(checked.size(), false);
+    group.set_checked_wire(std::move(checked));
+    // torch's _set_sequence_number_for_group: a Python rank > 0 waits for rank 0's number.
+    if (gloo) group.backend().setSequenceNumberForGroup();
     return group;
   });
 }
@@ -388,7 +359,7 @@ std::shared_ptr<World> make_world(const std::string& backend, const InitOptions&
   world->timeout = options.timeout;
   world->shm_options = options.shm;
   world->shm_options.timeout = options.timeout;
-  world->checked_wire = backend == "gloo" && options.checked_wire;
+  world->checked_wire = options.checked_wire;
   const bool shm_name = backend == "shm" && options.init_method.rfind("shm://", 0) == 0;
   if (backend == "shm" && (shm_name || options.init_method.find("://") == std::string::npos)) {
     world->shm_name = parse_shm_method(options.init_method);

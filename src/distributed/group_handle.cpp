@@ -44,6 +44,25 @@ void Group::set_checked_wire(std::vector<bool> advertised) {
   shared_ = std::move(shared);
 }
 
+bool Group::checked_wire_with(int peer) const noexcept {
+  if (!shared_ || !shared_->transport) return false;
+  const std::vector<bool>& checked = shared_->checked;  // empty: never set
+  if (peer < 0 || static_cast<size_t>(peer) >= checked.size() || !checked[static_cast<size_t>(peer)] ||
+      !checked[static_cast<size_t>(rank())]) {
+    return false;
+  }
+  // Where the transport carries tdshm's checks itself (shared memory), the wire stays tensordict's.
+  return !shared_->transport->can(peer).check_messages;
+}
+
+bool Group::checked_wire_all() const noexcept {
+  if (!shared_ || shared_->checked.empty()) return false;
+  for (int r = 0; r < static_cast<int>(shared_->checked.size()); ++r) {
+    if (!checked_wire_with(r)) return false;
+  }
+  return true;
+}
+
 c10d::ProcessGroup& Group::backend() const {
   if (!backend_) {
     throw Error("Group::backend(): this Group is not defined (no group, or a rank outside the group new_group made)");

@@ -81,7 +81,7 @@ TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) 
                   "first");
     }
     const at::Tensor mine = td.consolidated_storage();
-    if (!transport.can().loans) {
+    if (!transport.can(p.rank).loans) {
       TensorDict fresh = TensorDict::from_consolidated(at::empty_like(mine), td.schema());
       irecv_consolidated(fresh, p, waited);
       return fresh;
@@ -96,7 +96,7 @@ TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) 
     }
     return TensorDict::from_consolidated(storage, td.schema());
   }
-  if (!transport.can().loans) {
+  if (!transport.can(p.rank).loans) {
     TensorDict fresh = td.apply([](const at::Tensor& t) { return at::empty(t.sizes(), t.options()); });
     irecv_per_leaf(fresh, p, waited);
     return fresh;

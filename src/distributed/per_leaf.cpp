@@ -395,7 +395,7 @@ PostedLeaves post_leaf_receives(const Leaves& l, const Peer& p, const RecvOption
           l.wire->c10d_tags[i]));
     }
     posted.deferred = std::make_shared<Deferred>("leaves", std::move(drain));
-  } else if (transport.can().batch) {
+  } else if (transport.can(p.rank).batch) {
     // Every receive posted under one lock; the Work of leaf i is message i of the batch.
     posted.batch = transport.recv_batch(targets, p.rank, l.wire->c10d_tags, l.wire->checks);
   } else {
@@ -424,7 +424,7 @@ Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o) {
     if (long_desc) descriptor.push_back(send_one(p.group, int64_tensor(std::move(desc)), p.rank, tag));
   }
   const Transport& transport = p.group.transport();
-  if (transport.can().batch && descriptor.empty() && !o.return_early) {
+  if (transport.can(p.rank).batch && descriptor.empty() && !o.return_early) {
     // The blocking send on a transport that batches: every leaf written, then one wake-up of the
     // receiver and at most one Work (none when every leaf is already written).
     if (c10::intrusive_ptr<BatchWork> batch =
@@ -442,7 +442,7 @@ Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o) {
   std::vector<WorkPtr> sends;
   for (size_t i = 0; i < l.keys().size(); ++i) {
     // A transport that takes strided tensors packs them itself; others want contiguous bytes.
-    at::Tensor t = transport.can().strided || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
+    at::Tensor t = transport.can(p.rank).strided || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
     sends.push_back(send_one(p.group, t, p.rank, l.wire->c10d_tags[i], l.wire->checks[i]));
   }
   if (o.return_early) {
@@ -483,7 +483,7 @@ Transfer irecv_leaves(const Leaves& l, const Peer& p, const RecvOptions& o, int6
   // A transport that takes strided tensors stages them itself; others receive contiguous bytes,
   // copied into the leaf once they are in.
   std::vector<at::Tensor> staged;
-  if (!p.group.transport().can().strided && !refusal &&
+  if (!p.group.transport().can(p.rank).strided && !refusal &&
       std::any_of(l.tensors.begin(), l.tensors.end(), [](const at::Tensor& t) { return !t.is_contiguous(); })) {
     for (const auto& leaf : l.tensors) staged.push_back(leaf.is_contiguous() ? leaf : at::empty(leaf.sizes(), leaf.options()));
   }

@@ -221,7 +221,7 @@ TensorDict from_remote_init_p2p(const FromRemoteInitOptions& o, LazyRoot* receiv
     // The sender's storage is still on its way: take it (a transport that drops mismatched
     // messages drops it on a receive of no bytes) so that the pair stays in step, then report the
     // refusal.
-    if (p.group.transport().can().drop_mismatched) {
+    if (p.group.transport().can(p.rank).drop_mismatched) {
       try {
         recv_now(p.group, bytes_tensor(0), p.rank, kRemoteInitTag);
       } catch (...) {

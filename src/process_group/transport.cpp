@@ -1,8 +1,11 @@
-// The two transports of transport.h: ProcessGroupShm's (checks, batches, strided tensors, dropped
-// mismatches) and any other c10d backend's (plain send and recv). make_transport is the only
-// place that tells backends apart.
+// The transports of transport.h: ProcessGroupShm's (checks, batches, strided tensors, dropped
+// mismatches, loans), any other c10d backend's (plain send and recv), and a world across hosts'
+// (each peer by its route: one of the two). make_transport is the only place that tells backends
+// apart.
 
 #include "process_group/transport.h"
+
+#include "process_group/process_group_hosts.h"
 
 #include <tdshm/errors.h>
 
@@ -79,6 +82,58 @@ class ShmTransport final : public Transport {
   c10::intrusive_ptr<ProcessGroupShm> backend_;
 };
 
+/// A world across hosts: each peer by its route, tdshm's shared-memory transport to the ranks of
+/// this host (their ranks there), the network's to the others.
+class RoutedTransport final : public Transport {
+ public:
+  explicit RoutedTransport(c10::intrusive_ptr<ProcessGroupHosts> backend)
+      : Transport(Can{}),
+        backend_(std::move(backend)),
+        local_(backend_->local()),
+        network_(backend_->network()) {}
+
+  const Can& can(int peer) const noexcept override { return local(peer) ? local_.can(0) : network_.can(0); }
+  TransportWork send(at::Tensor t, int peer, int tag, MessageCheck check) const override {
+    return local(peer) ? local_.send(std::move(t), backend_->local_rank(peer), tag, check)
+                       : network_.send(std::move(t), peer, tag, check);
+  }
+  TransportWork recv(at::Tensor t, int peer, int tag, MessageCheck check) const override {
+    return local(peer) ? local_.recv(std::move(t), backend_->local_rank(peer), tag, check)
+                       : network_.recv(std::move(t), peer, tag, check);
+  }
+  c10::intrusive_ptr<BatchWork> send_batch(std::span<const at::Tensor> tensors, int peer, const std::vector<int>& tags,
+                                           const std::vector<MessageCheck>& checks) const override {
+    if (!local(peer)) no_batches();
+    return local_.send_batch(tensors, backend_->local_rank(peer), tags, checks);
+  }
+  c10::intrusive_ptr<BatchWork> recv_batch(std::span<const at::Tensor> tensors, int peer, const std::vector<int>& tags,
+                                           const std::vector<MessageCheck>& checks) const override {
+    if (!local(peer)) no_batches();
+    return local_.recv_batch(tensors, backend_->local_rank(peer), tags, checks);
+  }
+  // A loan lives in this host's segment: sent to a rank of another host it is an ordinary tensor.
+  at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype) const override { return local_.loan(sizes, dtype); }
+  TransportWork recv_view(int peer, int tag, MessageCheck check) const override {
+    if (!local(peer)) return Transport::recv_view(peer, tag, check);
+    return local_.recv_view(backend_->local_rank(peer), tag, check);
+  }
+  bool memmap_by_reference_with(int peer) const noexcept override {
+    return local(peer) && local_.memmap_by_reference_with(backend_->local_rank(peer));
+  }
+  bool peer_runs_tdshm(int peer) const noexcept override {
+    return local(peer) && local_.peer_runs_tdshm(backend_->local_rank(peer));
+  }
+
+ private:
+  bool local(int peer) const noexcept {
+    return peer >= 0 && peer < backend_->getSize() && backend_->is_local(peer);
+  }
+
+  c10::intrusive_ptr<ProcessGroupHosts> backend_;
+  ShmTransport local_;
+  C10dTransport network_;
+};
+
 }  // namespace
 
 c10::intrusive_ptr<BatchWork> Transport::send_batch(std::span<const at::Tensor>, int, const std::vector<int>&,
@@ -100,6 +155,9 @@ TransportWork Transport::recv_view(int, int, MessageCheck) const {
 std::shared_ptr<const Transport> make_transport(c10::intrusive_ptr<c10d::ProcessGroup> backend) {
   if (auto* shm = dynamic_cast<ProcessGroupShm*>(backend.get())) {
     return std::make_shared<ShmTransport>(c10::intrusive_ptr<ProcessGroupShm>::reclaim_copy(shm));
+  }
+  if (auto* hosts = dynamic_cast<ProcessGroupHosts*>(backend.get())) {
+    return std::make_shared<RoutedTransport>(c10::intrusive_ptr<ProcessGroupHosts>::reclaim_copy(hosts));
   }
   return std::make_shared<C10dTransport>(std::move(backend));
 }

@@ -1,8 +1,9 @@
 #pragma once
 // The seam between the transfer layer (src/distributed) and the backends that carry its
 // messages: what a transfer needs of a group's transport is asked of it here, never found out
-// from the backend's name. Two implementations (transport.cpp): tdshm's shared-memory
-// ProcessGroupShm, and any other c10d backend (gloo), which carries plain messages only. A Group
+// from the backend's name. Implementations (transport.cpp): tdshm's shared-memory
+// ProcessGroupShm; any other c10d backend (gloo), which carries plain messages only; and a world
+// across hosts, which answers for each peer as the route to it does (hence can(peer)). A Group
 // makes its transport once, when it is built (make_transport).
 
 #include <tdshm/process_group.h>
@@ -41,13 +42,15 @@ class Transport {
   };
 
   virtual ~Transport() = default;
-  const Can& can() const noexcept { return can_; }
+  /// What it can do with `peer` (a group rank): one answer for every peer, except in a group
+  /// whose peers are reached by different routes (a world across hosts).
+  virtual const Can& can(int /*peer*/) const noexcept { return can_; }
 
-  /// One message; `check` is carried when can().check_messages, else ignored.
+  /// One message; `check` is carried when can(peer).check_messages, else ignored.
   virtual TransportWork send(at::Tensor t, int peer, int tag, MessageCheck check) const = 0;
   virtual TransportWork recv(at::Tensor t, int peer, int tag, MessageCheck check) const = 0;
 
-  // ---- Batches (can().batch; the others throw Error) ----
+  // ---- Batches (can(peer).batch; the others throw Error) ----
   /// tensors[i] with tags[i] and checks[i], in order, posted under one lock. send_batch returns
   /// null when every message is already written (nothing to wait for). The batch answers for each
   /// message (batch_work.h).
@@ -59,10 +62,11 @@ class Transport {
                                                    const std::vector<MessageCheck>& checks) const;
 
   // ---- Loans (docs/loans.md) ----
-  /// A tensor of `sizes` and `dtype` whose sends go by reference (can().loans), else at::empty.
+  /// A tensor of `sizes` and `dtype` whose sends go by reference to the peers whose can(peer).loans
+  /// (an ordinary tensor to the others), else at::empty.
   virtual at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype) const;
   /// A receive of whatever tensor comes, in the sender's shape and dtype (Work::result()): a view
-  /// of the sender's loan, or a fresh tensor. can().loans only (the others throw Error).
+  /// of the sender's loan, or a fresh tensor. can(peer).loans only (the others throw Error).
   virtual TransportWork recv_view(int peer, int tag, MessageCheck check) const;
 
   /// Whether this rank and `peer` pass MemoryMappedTensor leaves of init_remote as files (both

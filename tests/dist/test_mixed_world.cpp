@@ -26,19 +26,10 @@
 
 #include "dist/dist_support.h"
 #include "dist/python_launcher.h"
+#include "dist/python_paths.h"
 
 namespace tdshm::test {
 namespace {
-
-#ifndef TDSHM_TEST_PYTHON
-#define TDSHM_TEST_PYTHON ""
-#endif
-#ifndef TDSHM_TEST_PYTHON_DIR
-#define TDSHM_TEST_PYTHON_DIR ""
-#endif
-#ifndef TDSHM_TEST_SCRIPTS
-#define TDSHM_TEST_SCRIPTS ""
-#endif
 
 constexpr std::chrono::seconds kWorldDeadline{90};
 

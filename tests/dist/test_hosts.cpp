@@ -1,0 +1,292 @@
+// One "shm" world across hosts (src/process_group/process_group_hosts.h), on simulated hosts
+// (dist/sim_hosts.h: a private /dev/shm per host, every host named "node"; the network shared,
+// so gloo runs over 127.0.0.1): init_process_group("shm", tcp://...) as on two machines, point to
+// point routed per pair (the tensordict API in every mode, plain c10d calls), the transport's
+// answers per peer (loans and views only inside a host), the collectives against a one-process
+// reference, and ranks of two PID namespaces sharing /dev/shm in one world (over gloo between
+// them). Root only (namespaces); skipped with a message otherwise.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <tdshm/distributed.h>
+#include <tdshm/errors.h>
+#include <tdshm/tensordict.h>
+
+#include "dist/dist_support.h"
+#include "dist/python_paths.h"
+#include "dist/sim_hosts.h"
+#include "process_group/transport.h"
+
+#include <unistd.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace tdshm::test {
+namespace {
+
+constexpr int kWorld = 6;
+
+/// Two hosts of three ranks, interleaved: host A runs 0, 2, 4 and host B 1, 3, 5.
+std::vector<SimHost> two_hosts(HostView view = HostView::kOwnShm) {
+  return {{view, {0, 2, 4}}, {view, {1, 3, 5}}};
+}
+
+class DistHosts : public DistTest {
+ protected:
+  void SetUp() override {
+    DistTest::SetUp();
+    if (const auto why = sim_hosts_unavailable()) GTEST_SKIP() << *why;
+    port_ = distinct_free_port();
+  }
+
+  /// Every rank of `hosts` joins one "shm" world over tcp://127.0.0.1 (rank 0 serves the
+  /// store), runs `body`, meets the others and destroys its groups.
+  void run_world(const std::vector<SimHost>& hosts, const std::function<void(int)>& body) {
+    int size = 0;
+    for (const SimHost& h : hosts) size += static_cast<int>(h.ranks.size());
+    const std::string method = "tcp://127.0.0.1:" + std::to_string(port_);
+    const std::vector<std::string> failures = run_sim_hosts(hosts, [&](int rank) {
+      init_process_group("shm", {.rank = rank, .world_size = size, .init_method = method, .timeout = kGroupTimeout});
+      body(rank);
+      default_group().backend().barrier()->wait();  // rank 0 serves the store: nobody leaves early
+      destroy_process_group();
+    });
+    for (const std::string& f : failures) ADD_FAILURE() << f;
+  }
+
+  uint16_t port_ = 0;
+};
+
+/// Rank r's tree at round `salt`: {"x": [2, 3] float, ("n", "y"): [2] int64}, batch [2].
+TensorDict tree(int r, int salt, bool blank = false) {
+  const double v = blank ? -1 : r * 100 + salt;
+  return TensorDict({{"x", at::full({2, 3}, v)}, {{"n", "y"}, at::full({2}, static_cast<int64_t>(v), at::kLong)}}, {2});
+}
+
+void check_tree(const TensorDict& td, int r, int salt, const std::string& what) {
+  const TensorDict want = tree(r, salt);
+  SHM_CHECK((td == want).all(), what << ": got x " << td.get("x") << " from rank " << r);
+}
+
+// A ring: every rank sends to the next and receives from the previous, so every rank has a
+// local and a remote pair (ranks alternate hosts). Per leaf (blocking and isend/irecv),
+// consolidated, and a plain c10d call; the transport answers per peer.
+TEST_F(DistHosts, PointToPointRoutedPerPair) {
+  run_world(two_hosts(), [](int rank) {
+    const Group g = default_group();
+    const int next = (rank + 1) % kWorld;
+    const int prev = (rank + kWorld - 1) % kWorld;
+    SHM_CHECK(g.backend_name() == "shm", g.backend_name());
+    // Ranks of one parity share a host: next and prev are on the other host, rank ± 2 on this one.
+    const int beside = (rank + 2) % kWorld;
+    SHM_CHECK(g.transport().can(beside).loans && !g.transport().can(next).loans, "rank " << rank);
+    SHM_CHECK(!g.checked_wire_with(beside) && g.checked_wire_with(next), "checked wire only over the network");
+    for (int salt = 0; salt < 2; ++salt) {
+      // return_early: tensordict's isend otherwise waits for its sends, which over the network
+      // complete only once received (a ring of such isends would wait on each other).
+      const Transfer sent = tree(rank, salt).isend({.dst = next, .return_early = true});
+      TensorDict in = tree(prev, salt, true);
+      in.recv({.src = prev});
+      sent.wait();
+      check_tree(in, prev, salt, "per leaf from the other host");
+      // Inside the host: to rank + 2, from rank - 2.
+      const int from = (rank + kWorld - 2) % kWorld;
+      const Transfer local = tree(rank, salt + 10).isend({.dst = beside, .return_early = true});
+      TensorDict mine = tree(from, salt + 10, true);
+      mine.irecv({.src = from}).wait();
+      local.wait();
+      check_tree(mine, from, salt + 10, "per leaf inside the host");
+    }
+    // Consolidated, both routes.
+    for (const int peer_offset : {1, 2}) {
+      const int to = (rank + peer_offset) % kWorld;
+      const int from = (rank + kWorld - peer_offset) % kWorld;
+      const TensorDict c = tree(rank, 7).consolidate();
+      const Transfer t = c.isend({.dst = to, .return_early = true, .consolidated = true});
+      TensorDict in = tree(from, 0, true).consolidate();
+      in.recv({.src = from, .consolidated = true});
+      t.wait();
+      check_tree(in, from, 7, "consolidated, offset " + std::to_string(peer_offset));
+    }
+    // A plain c10d call on the group's backend (what a Python rank makes).
+    std::vector<at::Tensor> out{at::full({4}, static_cast<float>(rank))};
+    std::vector<at::Tensor> in{at::zeros({4})};
+    auto s = g.backend().send(out, next, 99);
+    g.backend().recv(in, prev, 99)->wait();
+    s->wait();
+    SHM_CHECK(at::equal(in[0], at::full({4}, static_cast<float>(prev))), in[0]);
+    // Any-source receives cannot listen on both routes: refused.
+    SHM_CHECK_THROWS(Error, [&] { (void)g.backend().recvAnysource(in, 5); }, "name the source");
+  });
+}
+
+// A loan sent to another host arrives as bytes; recv_view from another host is a receive into
+// fresh tensors; inside the host a view maps the sender's loan.
+TEST_F(DistHosts, LoansAndViewsStayInsideTheHost) {
+  run_world(two_hosts(), [](int rank) {
+    if (rank == 0 || rank == 2) {
+      // 0 -> 1 (other host), 2 -> 4 (this host)
+      const int to = rank == 0 ? 1 : 4;
+      TensorDict l = loan(tree(rank, 0), {.dst = to});
+      l.update_(tree(rank, 3));
+      l.send({.dst = to});
+    } else if (rank == 1 || rank == 4) {
+      const int from = rank == 1 ? 0 : 2;
+      const TensorDict v = tree(from, 0, true).recv_view({.src = from});
+      check_tree(v, from, 3, "recv_view");
+    }
+  });
+}
+
+/// Every rank's tensor in a collective: rank r holds r + 1 + i at element i.
+at::Tensor ranked(int r, int64_t n = 5) { return at::arange(n, at::kFloat) + (r + 1); }
+
+TEST_F(DistHosts, CollectivesEqualAOneProcessReference) {
+  run_world(two_hosts(), [](int rank) {
+    c10d::ProcessGroup& pg = default_group().backend();
+    // The reference, from every rank's input.
+    at::Tensor sum = at::zeros({5});
+    at::Tensor prod = at::ones({5});
+    at::Tensor mx = ranked(0);
+    for (int r = 0; r < kWorld; ++r) {
+      sum += ranked(r);
+      prod *= ranked(r);
+      mx = at::maximum(mx, ranked(r));
+    }
+    {  // all_reduce: SUM, AVG, PRODUCT, MAX
+      std::vector<at::Tensor> v{ranked(rank)};
+      pg.allreduce(v)->wait();
+      SHM_CHECK(at::allclose(v[0], sum), "all_reduce SUM: " << v[0]);
+      c10d::AllreduceOptions o;
+      o.reduceOp = c10d::ReduceOp::AVG;
+      v = {ranked(rank)};
+      pg.allreduce(v, o)->wait();
+      SHM_CHECK(at::allclose(v[0], sum / kWorld), "all_reduce AVG: " << v[0]);
+      o.reduceOp = c10d::ReduceOp::PRODUCT;
+      v = {ranked(rank)};
+      pg.allreduce(v, o)->wait();
+      SHM_CHECK(at::allclose(v[0], prod), "all_reduce PRODUCT: " << v[0]);
+      o.reduceOp = c10d::ReduceOp::MAX;
+      v = {ranked(rank)};
+      pg.allreduce(v, o)->wait();
+      SHM_CHECK(at::equal(v[0], mx), "all_reduce MAX: " << v[0]);
+    }
+    for (int root : {0, 3, 4}) {  // broadcast and reduce, roots on both hosts, leaders or not
+      std::vector<at::Tensor> v{ranked(rank)};
+      c10d::BroadcastOptions b;
+      b.rootRank = root;
+      pg.broadcast(v, b)->wait();
+      SHM_CHECK(at::equal(v[0], ranked(root)), "broadcast from " << root << ": " << v[0]);
+      v = {ranked(rank)};
+      c10d::ReduceOptions r;
+      r.rootRank = root;
+      pg.reduce(v, r)->wait();
+      SHM_CHECK(at::allclose(v[0], rank == root ? sum : ranked(rank)), "reduce to " << root << ": " << v[0]);
+    }
+    {  // all_gather, gather to 3, scatter from 2, reduce_scatter
+      std::vector<std::vector<at::Tensor>> out(1);
+      for (int r = 0; r < kWorld; ++r) out[0].push_back(at::zeros({5}));
+      std::vector<at::Tensor> in{ranked(rank)};
+      pg.allgather(out, in)->wait();
+      for (int r = 0; r < kWorld; ++r) SHM_CHECK(at::equal(out[0][r], ranked(r)), "all_gather slot " << r);
+      std::vector<std::vector<at::Tensor>> g(rank == 3 ? 1 : 0);
+      if (rank == 3) {
+        for (int r = 0; r < kWorld; ++r) g[0].push_back(at::zeros({5}));
+      }
+      c10d::GatherOptions go;
+      go.rootRank = 3;
+      pg.gather(g, in, go)->wait();
+      if (rank == 3) {
+        for (int r = 0; r < kWorld; ++r) SHM_CHECK(at::equal(g[0][r], ranked(r)), "gather slot " << r);
+      }
+      std::vector<at::Tensor> mine{at::zeros({5})};
+      std::vector<std::vector<at::Tensor>> all(rank == 2 ? 1 : 0);
+      if (rank == 2) {
+        for (int r = 0; r < kWorld; ++r) all[0].push_back(ranked(r) * 10);
+      }
+      c10d::ScatterOptions so;
+      so.rootRank = 2;
+      pg.scatter(mine, all, so)->wait();
+      SHM_CHECK(at::equal(mine[0], ranked(rank) * 10), "scatter: " << mine[0]);
+      std::vector<std::vector<at::Tensor>> parts(1);
+      for (int r = 0; r < kWorld; ++r) parts[0].push_back(ranked(rank) * (r + 1));
+      std::vector<at::Tensor> share{at::zeros({5})};
+      pg.reduce_scatter(share, parts)->wait();
+      SHM_CHECK(at::allclose(share[0], sum * (rank + 1)), "reduce_scatter: " << share[0]);
+    }
+    pg.barrier()->wait();
+    // The tensordict collectives over it.
+    TensorDict td = tree(rank, 0);
+    td.all_reduce({});
+    double total = 0;
+    for (int r = 0; r < kWorld; ++r) total += r * 100;
+    SHM_CHECK(at::allclose(td.get("x"), at::full({2, 3}, total)), "TensorDict::all_reduce: " << td.get("x"));
+  });
+}
+
+// Ranks that share /dev/shm but not their PID namespace cannot judge each other's liveness: one
+// world all the same, over gloo between the two namespaces.
+TEST_F(DistHosts, TwoPidNamespacesFormOneWorld) {
+  run_world({{HostView::kSame, {0, 1}}, {HostView::kOwnPid, {2, 3}}}, [](int rank) {
+    const Group g = default_group();
+    const int peer = rank ^ 2;  // the other namespace
+    const int twin = rank ^ 1;  // the same namespace
+    SHM_CHECK(g.transport().can(twin).loans && !g.transport().can(peer).loans, "rank " << rank);
+    const Transfer t = tree(rank, 1).isend({.dst = peer, .return_early = true});
+    TensorDict in = tree(peer, 1, true);
+    in.recv({.src = peer});
+    t.wait();
+    check_tree(in, peer, 1, "across PID namespaces");
+    std::vector<at::Tensor> v{ranked(rank)};
+    default_group().backend().allreduce(v)->wait();
+    SHM_CHECK(at::allclose(v[0], ranked(0) + ranked(1) + ranked(2) + ranked(3)), v[0]);
+  });
+}
+
+// C++ and Python ranks in one world across two hosts (tests/python/hosts_rank.py): host A runs
+// C++ rank 0 and Python rank 2, host B Python rank 1 and C++ rank 3; the C++ ranks make the same
+// calls as the Python ones.
+TEST_F(DistHosts, PythonAndCppRanksInOneWorld) {
+  if (*TDSHM_TEST_PYTHON == '\0') GTEST_SKIP() << "no Python with the tdshm package in this build";
+  const std::string port = std::to_string(port_);
+  const std::string method = "tcp://127.0.0.1:" + port;
+  const std::vector<std::string> failures =
+      run_sim_hosts({{HostView::kOwnShm, {0, 2}}, {HostView::kOwnShm, {1, 3}}}, [&](int rank) {
+        if (rank == 1 || rank == 2) {
+          const std::string python = TDSHM_TEST_PYTHON;
+          const std::string script = std::string(TDSHM_TEST_SCRIPTS) + "/hosts_rank.py";
+          const std::string r = std::to_string(rank);
+          ::setenv("PYTHONPATH", TDSHM_TEST_PYTHON_DIR, 1);
+          ::setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
+          ::execl(python.c_str(), python.c_str(), script.c_str(), r.c_str(), "4", port.c_str(), nullptr);
+          throw std::runtime_error("cannot run " + python);
+        }
+        init_process_group("shm", {.rank = rank, .world_size = 4, .init_method = method, .timeout = kGroupTimeout});
+        c10d::ProcessGroup& pg = default_group().backend();
+        const int next = (rank + 1) % 4;
+        const int prev = (rank + 3) % 4;
+        std::vector<at::Tensor> out{at::full({4}, static_cast<float>(rank))};
+        std::vector<at::Tensor> in{at::zeros({4})};
+        auto sent = pg.send(out, next, 7);
+        pg.recv(in, prev, 7)->wait();
+        sent->wait();
+        SHM_CHECK(at::equal(in[0], at::full({4}, static_cast<float>(prev))), "ring: " << in[0]);
+        std::vector<at::Tensor> t{ranked(rank)};
+        pg.allreduce(t)->wait();
+        SHM_CHECK(at::allclose(t[0], ranked(0) + ranked(1) + ranked(2) + ranked(3)), "all_reduce: " << t[0]);
+        std::vector<at::Tensor> b{at::arange(3, at::kFloat) * (rank + 1)};
+        c10d::BroadcastOptions o;
+        o.rootRank = 1;
+        pg.broadcast(b, o)->wait();
+        SHM_CHECK(at::equal(b[0], at::arange(3, at::kFloat) * 2), "broadcast: " << b[0]);
+        pg.barrier()->wait();
+        destroy_process_group();
+      });
+  for (const std::string& f : failures) ADD_FAILURE() << f;
+}
+
+}  // namespace
+}  // namespace tdshm::test
