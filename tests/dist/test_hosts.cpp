@@ -15,7 +15,7 @@
 
 #include "dist/dist_support.h"
 #include "dist/python_paths.h"
-#include "dist/sim_hosts.h"
+#include "sim_hosts.h"
 #include "process_group/transport.h"
 
 #include <unistd.h>
@@ -26,6 +26,11 @@
 
 namespace tdshm::test {
 namespace {
+
+using sim::HostView;
+using sim::SimHost;
+using sim::run_sim_hosts;
+using sim::sim_hosts_unavailable;
 
 constexpr int kWorld = 6;
 

@@ -9,7 +9,7 @@
 //   SimHosts.*        the simulated hosts' harness
 
 #include "dist/dist_support.h"
-#include "dist/sim_hosts.h"
+#include "sim_hosts.h"
 #include "process_group/locality.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -23,6 +23,11 @@
 
 namespace tdshm::test {
 namespace {
+
+using sim::HostView;
+using sim::SimHost;
+using sim::run_sim_hosts;
+using sim::sim_hosts_unavailable;
 
 using detail::Locality;
 using detail::locality_from;

@@ -2,7 +2,7 @@
 // (pid 1 of a new PID namespace, so that no rank's exit ends the namespace) that forks the ranks
 // and waits for them. Failures travel to the parent as lines on one pipe every process inherits.
 
-#include "dist/sim_hosts.h"
+#include "sim_hosts.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -18,7 +18,7 @@
 #include <sstream>
 #include <thread>
 
-namespace tdshm::test {
+namespace tdshm::sim {
 
 namespace {
 
@@ -193,4 +193,4 @@ std::vector<std::string> run_sim_hosts(const std::vector<SimHost>& hosts, const 
   return failures;
 }
 
-}  // namespace tdshm::test
+}  // namespace tdshm::sim

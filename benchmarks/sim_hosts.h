@@ -1,6 +1,7 @@
 #pragma once
-// Simulated hosts for the tests of worlds that span hosts, made as the OS makes them: a host is
-// a process that enters its own namespaces and forks its ranks, which inherit them.
+// Simulated hosts for the tests and benchmarks of worlds that span hosts (tests/dist/test_hosts.cpp,
+// benchmarks/bench_hosts.cpp), made as the OS makes them: a host is a process that enters its
+// own namespaces and forks its ranks, which inherit them.
 //  * kOwnShm: its own mount namespace with a private tmpfs on /dev/shm (what another machine's
 //    /dev/shm is to this one) and its own UTS namespace. Every such host takes the same host
 //    name, "node", so that nothing can tell hosts apart by name. The network is shared, so gloo
@@ -17,7 +18,7 @@
 #include <string>
 #include <vector>
 
-namespace tdshm::test {
+namespace tdshm::sim {
 
 enum class HostView { kSame, kOwnShm, kOwnPid };
 
@@ -36,4 +37,4 @@ std::optional<std::string> sim_hosts_unavailable();
 std::vector<std::string> run_sim_hosts(const std::vector<SimHost>& hosts, const std::function<void(int rank)>& body,
                                        std::chrono::seconds deadline = std::chrono::seconds(60));
 
-}  // namespace tdshm::test
+}  // namespace tdshm::sim
