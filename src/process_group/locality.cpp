@@ -25,10 +25,13 @@ namespace {
 
 constexpr const char* kProbePrefix = "tdshm_locality/probe/";
 constexpr const char* kSeesPrefix = "tdshm_locality/sees/";
+const std::string kProbeFilePrefix = "tdshm-probe.";
 
 /// What a rank publishes: its probe file and its PID namespace, each as (device, inode).
 struct Probe {
-  std::string name;  // "tdshm.probe.<pid>.<32 hex digits>" in the shm directory
+  // "tdshm-probe.<pid>.<32 hex digits>" in the shm directory: not "tdshm.<...>", which names
+  // segments (tdshm ls / gc must not take a probe for one).
+  std::string name;
   uint64_t dev = 0;
   uint64_t ino = 0;
   uint64_t ns_dev = 0;
@@ -44,7 +47,7 @@ struct Probe {
     Probe p;
     is >> p.name >> p.dev >> p.ino >> p.ns_dev >> p.ns_ino;
     // Only our own names: nothing read from the shared store may point elsewhere.
-    if (is.fail() || !(is >> std::ws).eof() || p.name.rfind("tdshm.probe.", 0) != 0 ||
+    if (is.fail() || !(is >> std::ws).eof() || p.name.rfind(kProbeFilePrefix, 0) != 0 ||
         p.name.find('/') != std::string::npos || p.name.size() > 128) {
       throw Error("locality: rank " + std::to_string(rank) + " published a malformed probe in the store");
     }
@@ -65,7 +68,7 @@ std::pair<uint64_t, uint64_t> pid_namespace() {
 class ProbeFile {
  public:
   explicit ProbeFile(const std::string& dir) {
-    probe_.name = "tdshm.probe." + std::to_string(::getpid()) + "." + random_hex128();
+    probe_.name = kProbeFilePrefix + std::to_string(::getpid()) + "." + random_hex128();
     path_ = dir + "/" + probe_.name;
     const int fd = ::open(path_.c_str(), O_CREAT | O_EXCL | O_RDONLY | O_CLOEXEC, 0400);
     if (fd < 0) throw Error("locality: cannot create the probe file '" + path_ + "': " + std::strerror(errno));

@@ -38,12 +38,13 @@ struct Locality {
 };
 
 /// The hosts of a group of `size` ranks, this one being `rank`, found through `store` (every rank
-/// of the group calls it once per store). `shm_dir` is where the probe files go (/dev/shm).
+/// of the group calls it once per store). `shm_dir` is where the probe files go: where the
+/// segments live (shm::kSegmentDir), or a test's directory.
 /// Throws TimeoutError when a rank does not answer within `timeout`, Error when the probe file
 /// cannot be created or a published answer is malformed (the store is shared: nothing read from
 /// it is trusted).
 Locality discover_locality(c10d::Store& store, int rank, int size, std::chrono::milliseconds timeout,
-                           const std::string& shm_dir = "/dev/shm");
+                           const std::string& shm_dir);
 
 /// The partition of `size` ranks that `sees` (sees[i][j]: rank i sees rank j) makes: i and j are
 /// local when each sees the other, closed transitively. Pure; exposed for tests.

@@ -6,6 +6,7 @@
 #include "process_group/gloo_group.h"
 #include "process_group/queued_work.h"
 #include "shm/collective_queue.h"
+#include "shm/trust.h"
 
 #include <tdshm/errors.h>
 
@@ -459,7 +460,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_group_from_store(const c10::intrusiv
   if (size < 1 || rank < 0 || rank >= size) {
     throw Error("make_group_from_store: rank " + std::to_string(rank) + " of a group of " + std::to_string(size));
   }
-  detail::Locality locality = detail::discover_locality(*store, rank, size, options.timeout);
+  detail::Locality locality = detail::discover_locality(*store, rank, size, options.timeout, shm::kSegmentDir);
   if (locality.single_host()) return make_shm_group_from_store(store, rank, size, std::move(options));
   const int host = locality.host_of.at(static_cast<size_t>(rank));
   const std::vector<int>& mine = locality.hosts.at(static_cast<size_t>(host));

@@ -72,7 +72,7 @@ std::vector<std::string> probes_in(const std::string& dir) {
   std::vector<std::string> out;
   if (DIR* d = ::opendir(dir.c_str())) {
     while (const dirent* e = ::readdir(d)) {
-      if (std::strncmp(e->d_name, "tdshm.probe.", 12) == 0) out.emplace_back(e->d_name);
+      if (std::strncmp(e->d_name, "tdshm-probe.", 12) == 0) out.emplace_back(e->d_name);
     }
     ::closedir(d);
   }
