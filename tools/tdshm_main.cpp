@@ -11,6 +11,7 @@
 //   tdshm stress   SIGKILL at random instants of real lifecycles, and destroy/init loops under one
 //                  name (tools/stress/); `tdshm stress --help` lists its options
 //   tdshm ls, tdshm inspect NAME, tdshm gc [--dry-run]
+//   tdshm world tcp://HOST:PORT  a world across hosts, from its store
 //                  the segments in /dev/shm, read-only; gc removes the stale ones (tools/segments.cpp)
 //   tdshm help     this text
 
@@ -25,6 +26,7 @@
 #include "segment_sizes.h"
 #include "segments.h"
 #include "stress.h"
+#include "world.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/ones.h>
@@ -139,6 +141,7 @@ void usage(FILE* out) {
                "  ls     the segments in /dev/shm: size, world, attached/alive ranks, age, status (--json)\n"
                "  inspect NAME: one segment's header, ranks, lock file and ring depths (--json)\n"
                "  gc     remove segments whose ranks are all dead or left (--dry-run only says)\n"
+               "  world tcp://HOST:PORT: a running \"shm\" world's hosts, routes and heartbeats, from its store\n"
                "  help   this text\n");
 }
 
@@ -225,6 +228,7 @@ int main(int argc, char** argv) {
     if (cmd == "ls") return tdshm::tools::run_ls(argc - 2, argv + 2);
     if (cmd == "inspect") return tdshm::tools::run_inspect(argc - 2, argv + 2);
     if (cmd == "gc") return tdshm::tools::run_gc(argc - 2, argv + 2);
+    if (cmd == "world") return tdshm::tools::run_world(argc - 2, argv + 2);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
       usage(stdout);
       return 0;

@@ -186,6 +186,11 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   ProcessGroupShm(const std::string& name, int rank, int size, ShmOptions options = {});
   /// Leaves the group; the last rank to leave removes the segment. Pending works fail.
   ~ProcessGroupShm() override;
+  /// What the destructor does, while the object lives on: every pending and later work of this
+  /// rank fails with `reason` (null: the destructor's error), and the rank leaves the segment
+  /// (its peers see it gone). For a rank that knows its world is lost (a world across hosts
+  /// whose rank on another host died). Idempotent.
+  void shutdown(std::exception_ptr reason = nullptr) noexcept;
 
   const std::string getBackendName() const override { return "shm"; }
   // Works of this backend support abort(): a pending receive (or a send not yet started) is

@@ -18,4 +18,10 @@ inline std::string shape_str(c10::IntArrayRef shape) {
   return s + "]";
 }
 
+/// The first line of an error message: c10's errors append a backtrace after it.
+inline std::string first_line(std::string message) {
+  if (const size_t nl = message.find('\n'); nl != std::string::npos) message.resize(nl);
+  return message;
+}
+
 }  // namespace tdshm::detail

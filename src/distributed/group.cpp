@@ -39,6 +39,7 @@
 
 #include <tdshm/distributed.h>
 
+#include "common/format.h"
 #include "process_group/gloo_group.h"
 #include "process_group/transport.h"
 
@@ -236,7 +237,7 @@ auto translate_timeout(const std::string& what, std::chrono::milliseconds timeou
   } catch (const std::exception& e) {
     std::string message = e.what();
     if (!mentions_timeout(message)) throw;
-    if (const size_t nl = message.find('\n'); nl != std::string::npos) message.resize(nl);  // c10 backtrace
+    message = detail::first_line(std::move(message));
     throw TimeoutError(what + ": the peers did not all arrive within " + std::to_string(timeout.count()) +
                        " ms (" + message + ")");
   }

@@ -2,6 +2,7 @@
 
 #include "process_group/locality.h"
 
+#include "common/format.h"
 #include "common/random_name.h"
 
 #include <tdshm/errors.h>
@@ -110,7 +111,7 @@ std::vector<uint8_t> wait_get(c10d::Store& store, const std::string& key, int fr
     store.wait({key}, timeout);
   } catch (const std::exception& e) {
     std::string message = e.what();
-    if (const size_t nl = message.find('\n'); nl != std::string::npos) message.resize(nl);  // c10 backtrace
+    message = detail::first_line(std::move(message));
     throw TimeoutError("locality: rank " + std::to_string(from) + " did not publish '" + key + "' within " +
                        std::to_string(timeout.count()) + " ms (" + message + ")");
   }

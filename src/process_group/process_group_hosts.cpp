@@ -3,6 +3,8 @@
 
 #include "process_group/process_group_hosts.h"
 
+#include "common/format.h"
+
 #include "process_group/gloo_group.h"
 #include "process_group/queued_work.h"
 #include "shm/collective_queue.h"
@@ -27,18 +29,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-/// Waits for one step of a collective within what is left of its deadline.
-void finish(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point deadline, const char* step) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  try {
-    work->wait(std::max(left, std::chrono::milliseconds(1)));
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    std::string message = e.what();
-    if (const size_t nl = message.find('\n'); nl != std::string::npos) message.resize(nl);  // c10 backtrace
-    throw TransportError(std::string("the world across hosts: ") + step + " failed: " + message);
-  }
+
+bool mentions_timeout(const std::string& s) {
+  return s.find("imed out") != std::string::npos || s.find("imeout") != std::string::npos;
 }
 
 const at::Tensor& only_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
@@ -69,11 +62,75 @@ c10d::ReduceOp summed(const c10d::ReduceOp& op, const at::Tensor& t, const char*
 ProcessGroupHosts::ProcessGroupHosts(int rank, int size, Parts parts)
     : c10d::ProcessGroup(rank, size), parts_(std::move(parts)) {
   collectives_ = std::make_shared<shm::CollectiveQueue>("across hosts, rank " + std::to_string(rank), run_mutex_);
+  watch_ = std::make_unique<WorldWatch>(
+      parts_.store, rank, size,
+      [this](int r) { return "rank " + std::to_string(r) + " (host " + std::to_string(host_index(r)) + ")"; },
+      [this](const std::string& what) { on_lost(what); });
 }
 
 ProcessGroupHosts::~ProcessGroupHosts() {
+  watch_.reset();
   collectives_->close(std::make_exception_ptr(Error("the process group was destroyed before this collective ran")));
+  if (is_lost_.load()) {
+    // Left to the process's end (see the header): their threads may wait on peers that wait on them.
+    (void)parts_.network.release();
+    (void)parts_.leaders.release();
+  }
 }
+
+std::optional<std::string> ProcessGroupHosts::lost() const {
+  std::lock_guard lk(lost_mu_);
+  return lost_;
+}
+
+void ProcessGroupHosts::on_lost(const std::string& what) {
+  {
+    std::lock_guard lk(lost_mu_);
+    if (lost_) return;
+    lost_ = what;
+  }
+  is_lost_.store(true);
+  parts_.local->shutdown(std::make_exception_ptr(PeerLostError("the world across hosts is lost: " + what)));
+}
+
+void ProcessGroupHosts::check_world() const {
+  if (!is_lost_.load(std::memory_order_relaxed)) return;
+  throw PeerLostError("the world across hosts is lost: " + lost().value_or("?"));
+}
+
+void ProcessGroupHosts::finish(const c10::intrusive_ptr<c10d::Work>& work, Deadline d, const char* step, bool network) {
+  const auto left = [&] {
+    return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(d - Clock::now()), std::chrono::milliseconds(1));
+  };
+  try {
+    if (!network) {
+      work->wait(left());
+      return;
+    }
+    for (;;) {
+      try {
+        work->wait(std::min(left(), std::chrono::milliseconds(100)));
+        return;
+      } catch (...) {
+        if (work->isCompleted()) throw;  // its own failure, not the end of a slice
+        check_world();
+        if (Clock::now() >= d) {
+          throw TimeoutError(std::string("the world across hosts: ") + step + " did not complete within its deadline");
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    check_world();  // a loss known here explains the failure best
+    // The collectives are out of step now: the world is lost, for every rank.
+    const std::string what = std::string(step) + " failed on rank " + std::to_string(getRank()) + ": " + first_line(e.what());
+    watch_->report(what);
+    if (dynamic_cast<const TimeoutError*>(&e) != nullptr || mentions_timeout(e.what())) {
+      throw TimeoutError("the world across hosts: " + what);
+    }
+    throw PeerLostError("the world across hosts is lost: " + what);
+  }
+}
+
 
 int ProcessGroupHosts::local_rank(int peer) const {
   const std::vector<int>& mine = parts_.locality.hosts.at(static_cast<size_t>(host_index(getRank())));
@@ -92,12 +149,14 @@ int ProcessGroupHosts::widest_host() const {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   if (dstRank < 0 || dstRank >= getSize()) throw Error("send: rank " + std::to_string(dstRank) + " is not in the world");
+  check_world();
   if (is_local(dstRank)) return parts_.local->send(tensors, local_rank(dstRank), tag);
   return parts_.network->send(tensors, dstRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   if (srcRank < 0 || srcRank >= getSize()) throw Error("recv: rank " + std::to_string(srcRank) + " is not in the world");
+  check_world();
   if (is_local(srcRank)) return parts_.local->recv(tensors, local_rank(srcRank), tag);
   return parts_.network->recv(tensors, srcRank, tag);
 }
@@ -112,6 +171,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::recvAnysource(std::vector<at::
 template <class Body>
 c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::issue(c10d::OpType type, std::chrono::milliseconds timeout,
                                                         Body&& body, std::vector<at::Tensor> outputs) {
+  check_world();
   const auto limit = timeout == c10d::kUnsetTimeout ? parts_.timeout : timeout;
   auto work = c10::make_intrusive<QueuedWorkOf<std::decay_t<Body>>>(getRank(), type, collectives_, limit,
                                                                      std::move(outputs), std::forward<Body>(body),
@@ -125,7 +185,7 @@ void ProcessGroupHosts::local_broadcast(at::Tensor& t, int local_root, Deadline 
   std::vector<at::Tensor> v{t};
   c10d::BroadcastOptions o;
   o.rootRank = local_root;
-  finish(parts_.local->broadcast(v, o), d, "the broadcast inside the host");
+  finish(parts_.local->broadcast(v, o), d, "the broadcast inside the host", false);
 }
 
 // Root's host first (over shm), then the leaders (over gloo), then the other hosts (over shm).
@@ -136,7 +196,7 @@ void ProcessGroupHosts::broadcast_steps(at::Tensor& t, int root, Deadline d) {
     std::vector<at::Tensor> v{t};
     c10d::BroadcastOptions o;
     o.rootRank = host_index(root);
-    finish(parts_.leaders->broadcast(v, o), d, "the broadcast between hosts");
+    finish(parts_.leaders->broadcast(v, o), d, "the broadcast between hosts", true);
   }
   if (!root_host) local_broadcast(t, 0, d);
 }
@@ -148,13 +208,13 @@ void ProcessGroupHosts::allreduce_steps(at::Tensor& t, const c10d::ReduceOp& op,
     c10d::ReduceOptions o;
     o.reduceOp = op;
     o.rootRank = 0;
-    finish(parts_.local->reduce(v, o), d, "the reduce inside the host");
+    finish(parts_.local->reduce(v, o), d, "the reduce inside the host", false);
   }
   if (leads()) {
     std::vector<at::Tensor> v{t};
     c10d::AllreduceOptions o;
     o.reduceOp = op;
-    finish(parts_.leaders->allreduce(v, o), d, "the all_reduce between hosts");
+    finish(parts_.leaders->allreduce(v, o), d, "the all_reduce between hosts", true);
   }
   local_broadcast(t, 0, d);
 }
@@ -185,7 +245,7 @@ at::Tensor ProcessGroupHosts::gather_blocks(const at::Tensor& t, Deadline d, boo
     }
     c10d::GatherOptions o;
     o.rootRank = 0;
-    finish(parts_.local->gather(out, in, o), d, "the gather inside the host");
+    finish(parts_.local->gather(out, in, o), d, "the gather inside the host", false);
   } else {
     block[0].copy_(flat);
   }
@@ -196,12 +256,12 @@ at::Tensor ProcessGroupHosts::gather_blocks(const at::Tensor& t, Deadline d, boo
     std::vector<std::vector<at::Tensor>> out(1);
     for (int h = 0; h < hosts; ++h) out[0].push_back(all[h]);
     if (everywhere) {
-      finish(parts_.leaders->allgather(out, in), d, "the all_gather between hosts");
+      finish(parts_.leaders->allgather(out, in), d, "the all_gather between hosts", true);
     } else {
       if (!mine) out.clear();
       c10d::GatherOptions o;
       o.rootRank = host_index(dst);
-      finish(parts_.leaders->gather(out, in, o), d, "the gather between hosts");
+      finish(parts_.leaders->gather(out, in, o), d, "the gather between hosts", true);
     }
   }
   if (everywhere || mine) local_broadcast(all, 0, d);
@@ -273,14 +333,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::reduce(std::vector<at::Tensor>
           c10d::ReduceOptions o;
           o.reduceOp = op;
           o.rootRank = 0;
-          finish(parts_.local->reduce(v, o), d, "the reduce inside the host");
+          finish(parts_.local->reduce(v, o), d, "the reduce inside the host", false);
         }
         if (leads()) {
           std::vector<at::Tensor> v{x};
           c10d::ReduceOptions o;
           o.reduceOp = op;
           o.rootRank = host_index(dst);
-          finish(parts_.leaders->reduce(v, o), d, "the reduce between hosts");
+          finish(parts_.leaders->reduce(v, o), d, "the reduce between hosts", true);
         }
         if (host_index(dst) != host_index(getRank())) return;
         if (dst != parts_.locality.leader_of(dst)) local_broadcast(x, 0, d);
@@ -392,7 +452,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::scatter(std::vector<at::Tensor
           }
           c10d::ScatterOptions o;
           o.rootRank = host_index(src);
-          finish(parts_.leaders->scatter(out, in, o), d, "the scatter between hosts");
+          finish(parts_.leaders->scatter(out, in, o), d, "the scatter between hosts", true);
         }
         at::Tensor mine = at::empty({n}, t.options());
         const int local_size = parts_.local->getSize();
@@ -405,7 +465,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::scatter(std::vector<at::Tensor
           }
           c10d::ScatterOptions o;
           o.rootRank = 0;
-          finish(parts_.local->scatter(out, in, o), d, "the scatter inside the host");
+          finish(parts_.local->scatter(out, in, o), d, "the scatter inside the host", false);
         } else {
           mine.copy_(block[0]);
         }
@@ -443,9 +503,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::barrier(const c10d::BarrierOpt
   return issue(
       c10d::OpType::BARRIER, opts.timeout,
       [this](Deadline d) {
-        if (parts_.local->getSize() > 1) finish(parts_.local->barrier(), d, "the barrier inside the host");
-        if (leads()) finish(parts_.leaders->barrier(), d, "the barrier between hosts");
-        if (parts_.local->getSize() > 1) finish(parts_.local->barrier(), d, "the barrier inside the host");
+        if (parts_.local->getSize() > 1) finish(parts_.local->barrier(), d, "the barrier inside the host", false);
+        if (leads()) finish(parts_.leaders->barrier(), d, "the barrier between hosts", true);
+        if (parts_.local->getSize() > 1) finish(parts_.local->barrier(), d, "the barrier inside the host", false);
       },
       {});
 }
@@ -466,6 +526,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_group_from_store(const c10::intrusiv
   const std::vector<int>& mine = locality.hosts.at(static_cast<size_t>(host));
   const int local_rank = static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
   detail::ProcessGroupHosts::Parts parts;
+  parts.store = store;
   parts.timeout = options.timeout;
   const detail::GlooDevice device = detail::make_gloo_device(detail::tcp_store_host(store));
   // Each part meets under its own prefix of the group's store.

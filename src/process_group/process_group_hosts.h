@@ -16,12 +16,16 @@
 #include <tdshm/process_group.h>
 
 #include "process_group/locality.h"
+#include "process_group/world_watch.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace tdshm::shm {
@@ -33,6 +37,7 @@ namespace tdshm::detail {
 class ProcessGroupHosts final : public c10d::ProcessGroup {
  public:
   struct Parts {
+    c10::intrusive_ptr<c10d::Store> store;  // the group's (its watcher beats there)
     Locality locality;
     c10::intrusive_ptr<ProcessGroupShm> local;
     c10::intrusive_ptr<c10d::ProcessGroup> network;
@@ -41,6 +46,8 @@ class ProcessGroupHosts final : public c10d::ProcessGroup {
   };
 
   ProcessGroupHosts(int rank, int size, Parts parts);
+  /// After a loss, the network groups are left to the process's end rather than destroyed: their
+  /// threads may wait on peers that wait on them (a connection the process's exit closes ends it).
   ~ProcessGroupHosts() override;
   const std::string getBackendName() const override { return "shm"; }
 
@@ -51,6 +58,9 @@ class ProcessGroupHosts final : public c10d::ProcessGroup {
   int local_rank(int peer) const;
   const c10::intrusive_ptr<ProcessGroupShm>& local() const noexcept { return parts_.local; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& network() const noexcept { return parts_.network; }
+  /// Why the world is lost (a rank gone, or a collective that failed), once it is: then every
+  /// work fails with PeerLostError, at once for new ones (docs/hosts.md, "When a rank dies").
+  std::optional<std::string> lost() const;
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
@@ -88,6 +98,15 @@ class ProcessGroupHosts final : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> issue(c10d::OpType type, std::chrono::milliseconds timeout, Body&& body,
                                        std::vector<at::Tensor> outputs);
 
+  // The world is lost: remember why, and fail what waits on this host's shared memory.
+  void on_lost(const std::string& what);
+  /// Throws PeerLostError once the world is lost.
+  void check_world() const;
+  /// Waits for one step of a collective within what is left of `d`. A step over the network
+  /// waits in slices, so that a loss the watcher learns of ends it. A failure is reported to the
+  /// world (the collectives are out of step), and surfaces typed: PeerLostError, TimeoutError.
+  void finish(const c10::intrusive_ptr<c10d::Work>& work, Deadline d, const char* step, bool network);
+
   // The steps of the collectives (run by the queue, against `d`).
   void local_broadcast(at::Tensor& t, int local_root, Deadline d);
   void broadcast_steps(at::Tensor& t, int root, Deadline d);
@@ -103,6 +122,10 @@ class ProcessGroupHosts final : public c10d::ProcessGroup {
   Parts parts_;
   std::mutex run_mutex_;  // held while a collective runs (the queue's contract)
   std::shared_ptr<shm::CollectiveQueue> collectives_;
+  mutable std::mutex lost_mu_;
+  std::optional<std::string> lost_;
+  std::atomic<bool> is_lost_{false};
+  std::unique_ptr<WorldWatch> watch_;  // last: it calls on_lost until it is stopped
 };
 
 }  // namespace tdshm::detail

@@ -320,11 +320,14 @@ ProcessGroupShm::ProcessGroupShm(const std::string& name, int rank, int size, Sh
   init();
 }
 
-ProcessGroupShm::~ProcessGroupShm() {
+ProcessGroupShm::~ProcessGroupShm() { shutdown(); }
+
+void ProcessGroupShm::shutdown(std::exception_ptr reason) noexcept {
   // The engine first: a collective that runs fails at once; those not started fail in close().
-  if (engine_) engine_->shutdown();
+  if (engine_) engine_->shutdown(reason);
   if (collectives_) {
-    collectives_->close(std::make_exception_ptr(Error("the process group was destroyed before this collective ran")));
+    collectives_->close(reason ? reason
+                               : std::make_exception_ptr(Error("the process group was destroyed before this collective ran")));
   }
 }
 

@@ -7,6 +7,7 @@
 // The name is random (128 bits from std::random_device), so two groups of one run, and two runs
 // over one store, never meet on one segment by accident.
 
+#include "common/format.h"
 #include "common/random_name.h"
 
 #include <tdshm/errors.h>
@@ -49,7 +50,7 @@ c10::intrusive_ptr<ProcessGroupShm> make_shm_group_from_store(const c10::intrusi
       store->wait({kSegmentKey}, options.timeout);
     } catch (const std::exception& e) {
       std::string message = e.what();
-      if (const size_t nl = message.find('\n'); nl != std::string::npos) message.resize(nl);  // c10 backtrace
+      message = detail::first_line(std::move(message));
       throw TimeoutError("make_shm_group_from_store: rank " + std::to_string(rank) +
                          " did not get the segment name from group rank 0 within " +
                          std::to_string(options.timeout.count()) + " ms (" + message + ")");

@@ -124,12 +124,11 @@ ShmEngine::~ShmEngine() {
   }
 }
 
-void ShmEngine::shutdown() noexcept {
+void ShmEngine::shutdown(std::exception_ptr reason) noexcept {
+  if (!reason) reason = std::make_exception_ptr(Error("the process group was destroyed while this transfer was pending"));
   {
     std::lock_guard lk(mu_);
-    if (!channel_->close(std::make_exception_ptr(Error("the process group was destroyed while this transfer was pending")))) {
-      return;
-    }
+    if (!channel_->close(std::move(reason))) return;
   }
   {
     std::lock_guard lk(watch_mu_);

@@ -44,9 +44,10 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   ShmEngine(const std::string& name, int rank, int size, const ShmOptions& options);
   /// Calls shutdown() (and detaches the helper thread when it is the one destroying the engine).
   ~ShmEngine();
-  /// Fails every pending op, stops the helper thread and leaves the segment. Idempotent; later
+  /// Fails every pending op (with `reason`; null: "the process group was destroyed while this
+  /// transfer was pending"), stops the helper thread and leaves the segment. Idempotent; later
   /// posts fail at once.
-  void shutdown() noexcept;
+  void shutdown(std::exception_ptr reason = nullptr) noexcept;
   ShmEngine(const ShmEngine&) = delete;
   ShmEngine& operator=(const ShmEngine&) = delete;
 

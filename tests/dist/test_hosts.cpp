@@ -15,11 +15,21 @@
 
 #include "dist/dist_support.h"
 #include "dist/python_paths.h"
+
+#ifndef TDSHM_TOOL_PATH
+#define TDSHM_TOOL_PATH ""
+#endif
 #include "sim_hosts.h"
 #include "process_group/transport.h"
 
 #include <unistd.h>
 
+#include <sys/wait.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -128,6 +138,27 @@ TEST_F(DistHosts, PointToPointRoutedPerPair) {
   });
 }
 
+// `tdshm world` names the hosts, the routes and the heartbeats of the running world.
+TEST_F(DistHosts, TheWorldCommandShowsHostsRoutesAndHeartbeats) {
+  if (*TDSHM_TOOL_PATH == '\0') GTEST_SKIP() << "the tdshm tool is not built";
+  const std::string url = "tcp://127.0.0.1:" + std::to_string(port_);
+  run_world(two_hosts(), [&](int rank) {
+    if (rank != 0) return;
+    FILE* p = ::popen((std::string(TDSHM_TOOL_PATH) + " world " + url + " 2>&1").c_str(), "r");
+    SHM_CHECK(p != nullptr, "popen");
+    std::string out;
+    char buf[512];
+    for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+    const int status = ::pclose(p);
+    SHM_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "exit status " << status << ":\n" << out);
+    for (const char* want : {"a \"shm\" world of 6 ranks on 2 hosts", "host 0: ranks 0 2 4 (leader 0)",
+                             "host 1: ranks 1 3 5 (leader 1)", "the world is running"}) {
+      SHM_CHECK(out.find(want) != std::string::npos, "no '" << want << "' in:\n" << out);
+    }
+    SHM_CHECK(out.find("silent") == std::string::npos && out.find("beating") != std::string::npos, out);
+  });
+}
+
 // A loan sent to another host arrives as bytes; recv_view from another host is a receive into
 // fresh tensors; inside the host a view maps the sender's loan.
 TEST_F(DistHosts, LoansAndViewsStayInsideTheHost) {
@@ -232,6 +263,38 @@ TEST_F(DistHosts, CollectivesEqualAOneProcessReference) {
   });
 }
 
+// Subgroups made with new_group find their own hosts: {0, 1, 2} spans both (0 and 2 on A, 1 on
+// B), {0, 2, 4} is host A alone (a plain ProcessGroupShm); transfers inside each use their
+// group ranks.
+TEST_F(DistHosts, NewGroupsFindTheirOwnHosts) {
+  run_world(two_hosts(), [](int rank) {
+    const Group spans = new_group({0, 1, 2});
+    const Group host_a = new_group({0, 2, 4});
+    if (spans.defined()) {
+      // group ranks: 0 -> 0, 1 -> 1, 2 -> 2; 0 sends to 1 (other host) and 2 (same host).
+      const bool on_a = rank != 1;  // group ranks 0 and 2 are on host A, 1 on B
+      SHM_CHECK(spans.transport().can(2).loans == on_a && spans.transport().can(1).loans == !on_a, "rank " << rank);
+      if (rank == 0) {
+        tree(0, 5).send({.group = spans, .group_dst = 1});
+        tree(0, 6).send({.group = spans, .group_dst = 2});
+      } else {
+        TensorDict in = tree(0, 0, true);
+        in.recv({.group = spans, .group_src = 0});
+        check_tree(in, 0, rank == 1 ? 5 : 6, "in the subgroup across hosts");
+      }
+      std::vector<at::Tensor> v{ranked(rank)};
+      spans.backend().allreduce(v)->wait();
+      SHM_CHECK(at::allclose(v[0], ranked(0) + ranked(1) + ranked(2)), "subgroup all_reduce: " << v[0]);
+    }
+    if (host_a.defined()) {
+      SHM_CHECK(host_a.transport().can(1).loans && host_a.transport().can(2).loans, "one host: all shared memory");
+      std::vector<at::Tensor> v{ranked(rank)};
+      host_a.backend().allreduce(v)->wait();
+      SHM_CHECK(at::allclose(v[0], ranked(0) + ranked(2) + ranked(4)), "host A's all_reduce: " << v[0]);
+    }
+  });
+}
+
 // Ranks that share /dev/shm but not their PID namespace cannot judge each other's liveness: one
 // world all the same, over gloo between the two namespaces.
 TEST_F(DistHosts, TwoPidNamespacesFormOneWorld) {
@@ -249,6 +312,51 @@ TEST_F(DistHosts, TwoPidNamespacesFormOneWorld) {
     default_group().backend().allreduce(v)->wait();
     SHM_CHECK(at::allclose(v[0], ranked(0) + ranked(1) + ranked(2) + ranked(3)), v[0]);
   });
+}
+
+// A rank killed on host B while every rank runs all_reduce in a loop: every survivor, on both
+// hosts, gets a PeerLostError within 5 s of the kill (the victim writes the time first), its
+// groups are destroyed without hanging, and nothing is left in either /dev/shm (each host
+// checks). First a rank of B, then B's leader (which holds the connection between the hosts).
+TEST_F(DistHosts, ARankKilledIsATypedErrorOnEveryHostWithinFiveSeconds) {
+  for (const int victim : {3, 1}) {
+    const std::string method = "tcp://127.0.0.1:" + std::to_string(distinct_free_port());
+    const std::string killed_at = file("killed_at." + std::to_string(victim));
+    const std::vector<std::string> failures = run_sim_hosts(two_hosts(), [&](int rank) {
+      init_process_group("shm", {.rank = rank, .world_size = kWorld, .init_method = method, .timeout = kGroupTimeout});
+      c10d::ProcessGroup& pg = default_group().backend();
+      for (int i = 0;; ++i) {
+        if (rank == victim && i == 30) {
+          {
+            std::ofstream f(killed_at + ".tmp");
+            f << std::chrono::steady_clock::now().time_since_epoch().count();
+          }
+          std::filesystem::rename(killed_at + ".tmp", killed_at);
+          ::raise(SIGKILL);
+        }
+        std::vector<at::Tensor> v{at::ones({1024})};
+        try {
+          pg.allreduce(v)->wait();
+        } catch (const PeerLostError& e) {
+          const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+          std::ifstream f(killed_at);
+          int64_t then = 0;
+          SHM_CHECK(f >> then, "rank " << rank << " got an error before the victim died: " << e.what());
+          const double seconds = static_cast<double>(now - then) * 1e-9;
+          SHM_CHECK(seconds <= 5.0, "rank " << rank << " learned it after " << seconds << " s: " << e.what());
+          break;
+        } catch (const std::exception& e) {
+          SHM_CHECK(false, "rank " << rank << " expected a PeerLostError, got " << demangle(typeid(e).name()) << ": "
+                                   << e.what());
+        }
+        SHM_CHECK(at::allclose(v[0], at::full({1024}, static_cast<float>(kWorld))), "round " << i);
+      }
+      destroy_process_group();
+    });
+    for (const std::string& f : failures) {
+      if (f != "rank " + std::to_string(victim) + " was killed by signal 9") ADD_FAILURE() << "victim " << victim << ": " << f;
+    }
+  }
 }
 
 // C++ and Python ranks in one world across two hosts (tests/python/hosts_rank.py): host A runs

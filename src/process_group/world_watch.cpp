@@ -1,0 +1,105 @@
+// The watcher of a world across hosts (world_watch.h).
+
+#include "process_group/world_watch.h"
+
+#include "common/format.h"
+
+#include <exception>
+#include <utility>
+
+namespace tdshm::detail {
+
+namespace {
+
+constexpr const char* kFailedKey = "tdshm_watch/failed";
+
+std::string beat_key(int rank) { return "tdshm_watch/beat/" + std::to_string(rank); }
+std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
+
+}  // namespace
+
+WorldWatch::WorldWatch(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                       std::function<std::string(int)> describe, std::function<void(const std::string&)> on_failure)
+    : store_(std::move(store)),
+      rank_(rank),
+      size_(size),
+      describe_(std::move(describe)),
+      on_failure_(std::move(on_failure)),
+      thread_([this] { loop(); }) {}
+
+WorldWatch::~WorldWatch() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::optional<std::string> WorldWatch::failure() const {
+  std::lock_guard lk(mu_);
+  return failure_;
+}
+
+void WorldWatch::report(const std::string& what) { fail(what, true); }
+
+void WorldWatch::fail(const std::string& what, bool publish) {
+  {
+    std::lock_guard lk(mu_);
+    if (failure_) return;
+    failure_ = what;
+  }
+  if (publish) {
+    try {
+      store_->set(kFailedKey, bytes_of(what));
+    } catch (const std::exception&) {
+      // A store that no longer answers: the others learn it from their own store operations.
+    }
+  }
+  on_failure_(what);
+}
+
+void WorldWatch::loop() {
+  using Clock = std::chrono::steady_clock;
+  std::vector<std::vector<uint8_t>> last(static_cast<size_t>(size_));
+  std::vector<Clock::time_point> moved(static_cast<size_t>(size_), Clock::now());
+  uint64_t beat = 0;
+  for (;;) {
+    {
+      std::unique_lock lk(mu_);
+      if (stopping_ || failure_) return;
+    }
+    try {
+      store_->set(beat_key(rank_), bytes_of(std::to_string(++beat)));
+      if (store_->check({kFailedKey})) {
+        const std::vector<uint8_t> v = store_->get(kFailedKey);
+        fail(std::string(v.begin(), v.end()), false);
+        return;
+      }
+      const auto now = Clock::now();
+      for (int r = 0; r < size_; ++r) {
+        if (r == rank_) continue;
+        const auto i = static_cast<size_t>(r);
+        if (store_->check({beat_key(r)})) {
+          std::vector<uint8_t> v = store_->get(beat_key(r));
+          if (v != last[i]) {
+            last[i] = std::move(v);
+            moved[i] = now;
+            continue;
+          }
+        }
+        if (now - moved[i] > kSilence) {
+          fail(describe_(r) + " is gone (no heartbeat for " + std::to_string(kSilence.count()) + " ms)", true);
+          return;
+        }
+      }
+    } catch (const std::exception& e) {
+      fail("the group's store no longer answers (" + first_line(e.what()) + "): the rank that serves it is gone", false);
+      return;
+    }
+    std::unique_lock lk(mu_);
+    cv_.wait_for(lk, kBeat, [&] { return stopping_; });
+  }
+}
+
+}  // namespace tdshm::detail
