@@ -5,10 +5,11 @@
 //   tdshm_bench_hosts [--repeat R] [--iters N]
 //
 // Per world, rank 0 measures: 8 B one-way to rank 2 (same host) and to rank 1 (other host), 1 MiB
-// one-way to rank 1 (p50 of round trip / 2, plain c10d send/recv); all_reduce of 1 MiB float32
+// one-way to rank 1 (p50 of round trip / 2, plain c10d send/recv, the two ranks pinned to two CPUs); all_reduce of 1 MiB float32
 // over the six ranks (p50 of rank 0's wait); a loader: ranks 1-4 (two workers on each host) send
-// batches {image uint8 [32, 3, 64, 64], label int64 [32]} to rank 0 (TensorDict::send per leaf,
-// every byte written by the worker), which keeps a receive posted ahead per worker, takes the
+// batches {image uint8 [32, 3, 64, 64], label int64 [32]} to rank 0 (per leaf, from two loans
+// written in place in turn, every byte of each batch written), which keeps a receive posted
+// ahead per worker into its own buffers, takes the
 // workers in turn and reads each batch's first and last byte: batches/s. The ranks a measurement
 // does not involve sleep on a file store meanwhile. The worlds alternate, R times; the table
 // gives medians with min-max and the ratio of the medians. Needs root (namespaces): exits 77
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -60,6 +62,17 @@ uint16_t free_port() {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   ::close(fd);
   return ntohs(addr.sin_port);
+}
+
+/// Pins this process to `cpu` (-1: every CPU of the machine).
+void pin(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+  for (long c = 0; c < cpus; ++c) {
+    if (cpu < 0 || c == cpu % cpus) CPU_SET(static_cast<int>(c), &set);
+  }
+  ::sched_setaffinity(0, sizeof set, &set);
 }
 
 /// One-way p50 (µs) of `iters` round trips of `bytes` between a and b (this rank is one of them).
@@ -127,10 +140,19 @@ double loader(int rank, int per_worker) {
     return per_worker * static_cast<double>(workers.size()) / seconds;
   }
   if (std::find(workers.begin(), workers.end(), rank) != workers.end()) {
-    TensorDict b = batch(rank);
+    // Two loans, written in place while the other is on its way (docs/loans.md): a loan goes by
+    // reference to a rank of this host, as bytes to another host, and is an ordinary tensor in a
+    // gloo world. The same code runs in both worlds.
+    TensorDict b[2] = {loan(batch(rank), {.dst = 0}), loan(batch(rank), {.dst = 0})};
+    Transfer sent[2];
     for (int i = 0; i < per_worker; ++i) {
-      b.get("image").fill_((rank + i) % 251);  // every byte written for each batch
-      b.send({.dst = 0});
+      const int k = i % 2;
+      if (sent[k].has_works) sent[k].wait();  // the receiver is done with this one
+      b[k].get("image").fill_((rank + i) % 251);  // every byte written for each batch
+      sent[k] = b[k].isend({.dst = 0, .return_early = true});
+    }
+    for (const Transfer& t : sent) {
+      if (t.has_works) t.wait();
     }
   }
   return 0;
@@ -173,9 +195,13 @@ std::vector<std::string> run_world(const std::string& backend, const std::string
           return x;
         };
         std::vector<double> figures;
+        // The ping-pongs run pinned, one rank per CPU (as tdshm bench's): on one CPU every hand-off
+        // would be a context switch, whichever transport carries it.
+        pin(rank == 0 ? 0 : rank == 1 || rank == 2 ? 1 : -1);
         figures.push_back(only({0, 2}, [&] { return ping_pong(pg, 0, 2, 8, iters); }));
         figures.push_back(only({0, 1}, [&] { return ping_pong(pg, 0, 1, 8, iters); }));
         figures.push_back(only({0, 1}, [&] { return ping_pong(pg, 0, 1, 1 << 20, std::max(20, iters / 20)); }));
+        pin(-1);
         figures.push_back(only({0, 1, 2, 3, 4, 5}, [&] { return all_reduce(pg, std::max(20, iters / 20)); }));
         figures.push_back(only({0, 1, 2, 3, 4}, [&] { return loader(rank, std::max(50, iters / 10)); }));
         pg.barrier()->wait();

@@ -112,7 +112,8 @@ int run_world(int argc, char** argv) {
       std::printf("every pair over shared memory (a ProcessGroupShm)\n");
       return 0;
     }
-    // Beats: read twice, a beat apart and a little more, to tell a beating rank from a silent one.
+    // Beats: read twice, more than two beats apart (world_watch.h: every 500 ms), to tell a beating
+    // rank from a silent one.
     auto beats = [&] {
       std::vector<std::string> v(size);
       for (size_t r = 0; r < size; ++r) {
@@ -122,7 +123,7 @@ int run_world(int argc, char** argv) {
       return v;
     };
     const std::vector<std::string> before = beats();
-    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
     const std::vector<std::string> after = beats();
     std::printf("%-5s %-5s %-16s %-16s %s\n", "rank", "host", "inside its host", "to other hosts", "heartbeat");
     for (size_t r = 0; r < size; ++r) {

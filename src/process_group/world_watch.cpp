@@ -12,6 +12,7 @@ namespace tdshm::detail {
 namespace {
 
 constexpr const char* kFailedKey = "tdshm_watch/failed";
+constexpr const char* kLostKey = "tdshm_watch/lost";
 
 std::string beat_key(int rank) { return "tdshm_watch/beat/" + std::to_string(rank); }
 std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
@@ -51,7 +52,8 @@ void WorldWatch::fail(const std::string& what, bool publish) {
   }
   if (publish) {
     try {
-      store_->set(kFailedKey, bytes_of(what));
+      store_->set(kFailedKey, bytes_of(what));  // the message first: a watcher that counts a loss reads it
+      store_->add(kLostKey, 1);
     } catch (const std::exception&) {
       // A store that no longer answers: the others learn it from their own store operations.
     }
@@ -61,36 +63,33 @@ void WorldWatch::fail(const std::string& what, bool publish) {
 
 void WorldWatch::loop() {
   using Clock = std::chrono::steady_clock;
-  std::vector<std::vector<uint8_t>> last(static_cast<size_t>(size_));
+  std::vector<int64_t> last(static_cast<size_t>(size_), -1);
   std::vector<Clock::time_point> moved(static_cast<size_t>(size_), Clock::now());
-  uint64_t beat = 0;
   for (;;) {
     {
       std::unique_lock lk(mu_);
       if (stopping_ || failure_) return;
     }
     try {
-      store_->set(beat_key(rank_), bytes_of(std::to_string(++beat)));
-      if (store_->check({kFailedKey})) {
+      // add() reads and writes in one operation, and makes a key that is not there yet.
+      store_->add(beat_key(rank_), 1);
+      if (store_->add(kLostKey, 0) > 0) {
         const std::vector<uint8_t> v = store_->get(kFailedKey);
         fail(std::string(v.begin(), v.end()), false);
         return;
       }
-      const auto now = Clock::now();
-      for (int r = 0; r < size_; ++r) {
-        if (r == rank_) continue;
-        const auto i = static_cast<size_t>(r);
-        if (store_->check({beat_key(r)})) {
-          std::vector<uint8_t> v = store_->get(beat_key(r));
-          if (v != last[i]) {
-            last[i] = std::move(v);
+      if (rank_ == 0) {  // the one that reads every beat
+        const auto now = Clock::now();
+        for (int r = 1; r < size_; ++r) {
+          const auto i = static_cast<size_t>(r);
+          const int64_t b = store_->add(beat_key(r), 0);
+          if (b != last[i]) {
+            last[i] = b;
             moved[i] = now;
-            continue;
+          } else if (now - moved[i] > kSilence) {
+            fail(describe_(r) + " is gone (no heartbeat for " + std::to_string(kSilence.count()) + " ms)", true);
+            return;
           }
-        }
-        if (now - moved[i] > kSilence) {
-          fail(describe_(r) + " is gone (no heartbeat for " + std::to_string(kSilence.count()) + " ms)", true);
-          return;
         }
       }
     } catch (const std::exception& e) {

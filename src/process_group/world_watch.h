@@ -2,14 +2,18 @@
 // Internal: how the ranks of a world across hosts learn that one of them is gone (docs/hosts.md,
 // "When a rank dies"). Inside a host the shm transport sees a dead peer at once (its pid); across
 // hosts nothing does, except gloo on a connection the dead rank held. So every rank's watcher
-// thread beats in the group's store every kBeat, and reads the others' beats: a rank whose beat
-// has not moved for kSilence is gone. A rank that learns of a loss another way (its own transport
-// saw a peer die, or a collective failed) publishes it, and every watcher reads that too. Either
-// way each rank learns within about kSilence + kBeat, and its `on_failure` runs once, on the
-// watcher's thread, with a message naming the rank.
+// thread beats in the group's store every kBeat, and group rank 0's watcher reads every beat: a
+// rank whose beat has not moved for kSilence is gone, and rank 0 publishes it. A rank that learns
+// of a loss another way (its own transport saw a peer die, or a collective failed) publishes it
+// too, and every watcher looks for a published loss every beat. If rank 0 itself dies, the store
+// it serves (tcp://) stops answering, which every watcher sees. Either way each rank learns within
+// about kSilence + 2 kBeat, and its `on_failure` runs once, on the watcher's thread, with a
+// message naming the rank. The store carries two operations per rank per beat (rank 0: one more
+// per rank): a watcher must not wake the measured ranks of a busy host much more than that.
 //
 // Store keys (in the group's store, which c10d's stores serve from any thread):
-// "tdshm_watch/beat/<rank>" = a counter, "tdshm_watch/failed" = the first failure's message.
+// "tdshm_watch/beat/<rank>" (a counter), "tdshm_watch/lost" (how many losses were published) and
+// "tdshm_watch/failed" (the message of one).
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -26,7 +30,7 @@ namespace tdshm::detail {
 
 class WorldWatch {
  public:
-  static constexpr std::chrono::milliseconds kBeat{250};
+  static constexpr std::chrono::milliseconds kBeat{500};
   static constexpr std::chrono::milliseconds kSilence{3000};
 
   /// Starts watching. `describe(rank)` names a rank in messages ("rank 5 (host 1)").

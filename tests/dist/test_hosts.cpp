@@ -20,6 +20,7 @@
 #define TDSHM_TOOL_PATH ""
 #endif
 #include "sim_hosts.h"
+#include "process_group/process_group_hosts.h"
 #include "process_group/transport.h"
 
 #include <unistd.h>
@@ -30,8 +31,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace tdshm::test {
@@ -356,6 +359,57 @@ TEST_F(DistHosts, ARankKilledIsATypedErrorOnEveryHostWithinFiveSeconds) {
     for (const std::string& f : failures) {
       if (f != "rank " + std::to_string(victim) + " was killed by signal 9") ADD_FAILURE() << "victim " << victim << ": " << f;
     }
+  }
+}
+
+// A rank dies while nobody is talking to it: no transport sees it (its host's other rank holds
+// no pending work with it), the heartbeats do. Every survivor's group knows within 5 s, naming
+// it, and then refuses new work with a PeerLostError; the dead rank's host-mate cleans its
+// segment when it leaves.
+TEST_F(DistHosts, ASilentDeathIsSeenByTheHeartbeats) {
+  const std::string killed_at = file("silent_killed_at");
+  const std::string method = "tcp://127.0.0.1:" + std::to_string(port_);
+  const std::string learned = file("learned.");
+  const std::vector<std::string> failures =
+      run_sim_hosts({{HostView::kOwnShm, {0, 1}}, {HostView::kOwnShm, {2, 3}}}, [&](int rank) {
+        init_process_group("shm", {.rank = rank, .world_size = 4, .init_method = method, .timeout = kGroupTimeout});
+        auto* hosts = dynamic_cast<detail::ProcessGroupHosts*>(&default_group().backend());
+        SHM_CHECK(hosts != nullptr, "not a world across hosts");
+        if (rank == 3) {
+          {
+            std::ofstream f(killed_at + ".tmp");
+            f << std::chrono::steady_clock::now().time_since_epoch().count();
+          }
+          std::filesystem::rename(killed_at + ".tmp", killed_at);
+          ::raise(SIGKILL);
+        }
+        const auto start = std::chrono::steady_clock::now();
+        while (!hosts->lost() && std::chrono::steady_clock::now() - start < std::chrono::seconds(10)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+        const std::optional<std::string> why = hosts->lost();
+        SHM_CHECK(why && why->find("rank 3 (host 1) is gone") != std::string::npos, "lost: " << why.value_or("no"));
+        std::ifstream f(killed_at);
+        int64_t then = 0;
+        SHM_CHECK(f >> then, "no kill time");
+        const double seconds = static_cast<double>(now - then) * 1e-9;
+        SHM_CHECK(seconds <= 5.0, "rank " << rank << " learned it after " << seconds << " s");
+        std::vector<at::Tensor> v{at::ones({4})};
+        SHM_CHECK_THROWS(PeerLostError, [&] { (void)default_group().backend().send(v, (rank + 1) % 3, 0); }, "rank 3");
+        // Rank 0 serves the store: it leaves once every survivor learned (or the others would
+        // learn of the store's end instead).
+        std::ofstream(learned + std::to_string(rank)).put('1');
+        for (int r = 0; r < 3; ++r) {
+          while (!std::filesystem::exists(learned + std::to_string(r)) &&
+                 std::chrono::steady_clock::now() - start < std::chrono::seconds(20)) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          }
+        }
+        destroy_process_group();
+      });
+  for (const std::string& f : failures) {
+    if (f != "rank 3 was killed by signal 9") ADD_FAILURE() << f;
   }
 }
 
