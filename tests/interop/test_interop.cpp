@@ -58,6 +58,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
@@ -327,6 +328,21 @@ class PyProcess {
   std::unique_ptr<Child> child_;
 };
 
+/// Removes the entries of /dev/shm whose names start with `prefix` and that were changed (made)
+/// at or after `since`, and returns their names.
+std::vector<std::string> remove_shm_entries_since(const std::string& prefix, std::filesystem::file_time_type since) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("tdshm." + prefix, 0) != 0) continue;
+    const auto changed = std::filesystem::last_write_time(e.path(), ec);
+    if (ec || changed < since) continue;
+    if (std::filesystem::remove(e.path(), ec)) removed.push_back(name);
+  }
+  return removed;
+}
+
 class InteropTest : public DistTest {
  protected:
   void SetUp() override {
@@ -340,6 +356,7 @@ class InteropTest : public DistTest {
   /// Runs the world; every rank must succeed. A rank that fails gets the others killed after
   /// a grace of 3 s (they would otherwise wait for it until their own deadline).
   void run(const World& w) {
+    const auto started = std::filesystem::file_time_type::clock::now();  // before any rank exists
     // One file:// store for both backends: torch.distributed (Python) only rendezvouses through
     // a store, and tdshm's shm backend, registered with torch by the tdshm package, takes its
     // segment's name from it; C++ ranks join the same store.
@@ -401,9 +418,11 @@ class InteropTest : public DistTest {
       if (!c->ok()) ADD_FAILURE() << "C++ rank " << rank << ": " << c->describe();
     }
     // A shm group made over a store lives on the segment "pg-<pid of its creator>-<random>":
-    // nothing of one may be left in /dev/shm once every rank has left (removed either way).
+    // nothing of one may be left in /dev/shm once every rank has left (removed either way). Only
+    // entries made since this world started count: a pid is reused, and a segment of another
+    // test's process that once had a rank's pid is that test's (it may still be in use).
     for (Child* c : all) {
-      const std::vector<std::string> left = remove_shm_entries_of("pg-" + std::to_string(c->pid()) + "-");
+      const std::vector<std::string> left = remove_shm_entries_since("pg-" + std::to_string(c->pid()) + "-", started);
       if (!left.empty() && !HasFailure()) {
         std::string list;
         for (const std::string& l : left) list += " /dev/shm/" + l;
