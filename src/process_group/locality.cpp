@@ -4,6 +4,7 @@
 
 #include "common/format.h"
 #include "common/random_name.h"
+#include "shm/trust.h"
 
 #include <tdshm/errors.h>
 
@@ -26,13 +27,11 @@ namespace {
 
 constexpr const char* kProbePrefix = "tdshm_locality/probe/";
 constexpr const char* kSeesPrefix = "tdshm_locality/sees/";
-const std::string kProbeFilePrefix = "tdshm-probe.";
+const std::string kProbeFilePrefix = shm::kProbeFilePrefix;
 
 /// What a rank publishes: its probe file and its PID namespace, each as (device, inode).
 struct Probe {
-  // "tdshm-probe.<pid>.<32 hex digits>" in the shm directory: not "tdshm.<...>", which names
-  // segments (tdshm ls / gc must not take a probe for one).
-  std::string name;
+  std::string name;  // "tdshm-probe.<pid>.<32 hex digits>" (shm::kProbeFilePrefix) in the shm directory
   uint64_t dev = 0;
   uint64_t ino = 0;
   uint64_t ns_dev = 0;

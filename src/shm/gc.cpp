@@ -1,16 +1,23 @@
 // `tdshm gc`: the reader's verdict on each name (proven stale or kept, and why), and the removal
-// of what it proves stale, re-checked under the lock file by tdshm::remove_stale_segment.
+// of what it proves stale, re-checked under the lock file by tdshm::remove_stale_segment; and the
+// probe files of worlds that never finished forming (collect_probes).
 
 #include "shm/inspect.h"
+
+#include "shm/trust.h"
 
 #include <tdshm/errors.h>
 #include <tdshm/process_group.h>
 
+#include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>
 
 #include <cerrno>
 #include <cstring>
 #include <exception>
+#include <iterator>
+#include <string>
 #include <tuple>
 
 namespace tdshm::shm {
@@ -78,6 +85,47 @@ std::pair<bool, std::string> gc_decision(const SegmentInfo& info) {
   return keep("unknown status");
 }
 
+std::vector<GcItem> collect_probes(bool dry_run) {
+  std::vector<GcItem> items;
+  DIR* dir = ::opendir(kSegmentDir);
+  if (dir == nullptr) return items;
+  const std::string prefix = kProbeFilePrefix;
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(dir)) {
+    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) names.emplace_back(e->d_name);
+  }
+  ::closedir(dir);
+  for (const std::string& name : names) {
+    GcItem item;
+    item.name = name;
+    item.status = SegmentStatus::kNotTdshm;
+    const std::string rest = name.substr(prefix.size());
+    const size_t dot = rest.find('.');
+    long pid = 0;
+    try {
+      pid = dot == std::string::npos ? 0 : std::stol(rest.substr(0, dot));
+    } catch (const std::exception&) {
+    }
+    if (pid <= 0) {
+      item.reason = "not a probe name tdshm makes";
+    } else if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) {
+      item.reason = "a locality probe of pid " + std::to_string(pid) + ", which runs";
+    } else {
+      item.removable = true;
+      item.reason = "a locality probe of pid " + std::to_string(pid) + ", which no longer runs (its world never finished forming)";
+      if (!dry_run) {
+        if (::unlink((std::string(kSegmentDir) + "/" + name).c_str()) == 0 || errno == ENOENT) {
+          item.removed_segment = true;
+        } else {
+          item.error = std::string("cannot remove it: ") + std::strerror(errno);
+        }
+      }
+    }
+    items.push_back(std::move(item));
+  }
+  return items;
+}
+
 std::vector<GcItem> collect_garbage(const GcOptions& options) {
   std::vector<SegmentInfo> infos;
   if (options.names.empty()) {
@@ -108,6 +156,10 @@ std::vector<GcItem> collect_garbage(const GcOptions& options) {
       }
     }
     items.push_back(std::move(item));
+  }
+  if (options.names.empty()) {
+    std::vector<GcItem> probes = collect_probes(options.dry_run);
+    items.insert(items.end(), std::make_move_iterator(probes.begin()), std::make_move_iterator(probes.end()));
   }
   return items;
 }

@@ -256,4 +256,10 @@ std::pair<bool, std::string> gc_decision(const SegmentInfo& info);
 /// message), not an error.
 std::vector<GcItem> collect_garbage(const GcOptions& options);
 
+/// The locality probe files in the segment directory (kProbeFilePrefix): removable when the pid
+/// in the name runs no process here (its world never finished forming; a probe of another PID
+/// namespace is never a host-mate's, so removing it changes no partition), kept otherwise; a dry
+/// run only decides. collect_garbage calls it when it is given no names.
+std::vector<GcItem> collect_probes(bool dry_run);
+
 }  // namespace tdshm::shm

@@ -25,6 +25,10 @@ namespace tdshm::shm {
 /// Where segments live, and the prefix of their file names.
 inline constexpr const char* kSegmentDir = "/dev/shm";
 inline constexpr const char* kSegmentFilePrefix = "tdshm.";
+/// The prefix of the probe files a forming world makes beside them (process_group/locality.h):
+/// "tdshm-probe.<pid>.<32 hex digits>", not "tdshm.<...>", so that no reader takes one for a
+/// segment; `tdshm gc` removes those whose process is gone (collect_probes).
+inline constexpr const char* kProbeFilePrefix = "tdshm-probe.";
 
 /// /dev/shm/tdshm.<name>, and its lock file /dev/shm/tdshm.<name>.lock.
 std::string segment_path(const std::string& name);

@@ -11,7 +11,7 @@
 //    a FIFO: each is reported with its status, nothing crashes or blocks, and gc keeps them all
 //    (it removes only what it proves stale: see inspect.h). An interrupted creation (zeros and a
 //    lock record of a dead creator) and a lock file alone are removed; a lock file whose creator
-//    is alive and creating is kept.
+//    is alive and creating is kept. Locality probe files: a dead pid's removed, a live one's kept.
 //  - Layout version 5 details of a live group of three forked ranks with messages in flight
 //    (InFlightGroup: rank 0 -> 1 an inline 8 B, a 100 KiB and a 4 KiB message, rank 2 -> 1 one of
 //    1000 B, none received yet): exact ring depth, messages and bytes per pair, and each rank's
@@ -562,6 +562,38 @@ TEST_F(ShmTools, PlantedFilesAreReportedAndKept) {
     EXPECT_EQ(now.st_mtim.tv_nsec, st.st_mtim.tv_nsec) << name;
   }
   EXPECT_FALSE(exists("/dev/shm/tdshm-no-such-file")) << "a dangling link was followed";
+}
+
+// The probe files of a world that was forming (process_group/locality.h): one whose pid no longer
+// runs is removed (a dry run only says so), one of a live process is kept; neither is taken for a
+// segment by the listing.
+TEST_F(ShmTools, StaleLocalityProbesAreCollected) {
+  Plants plants;
+  const std::string stale = std::string("tdshm-probe.") + std::to_string(dead_pid()) + ".0123456789abcdef0123456789abcdef";
+  const std::string live = std::string("tdshm-probe.") + std::to_string(::getpid()) + ".fedcba9876543210fedcba9876543210";
+  for (const std::string& n : {stale, live}) {
+    plants.add("/dev/shm/" + n);
+    write_file("/dev/shm/" + n, {});
+  }
+  auto item_of = [](const std::vector<shm::GcItem>& items, const std::string& name) {
+    return std::find_if(items.begin(), items.end(), [&](const shm::GcItem& i) { return i.name == name; });
+  };
+  const std::vector<shm::GcItem> dry = shm::collect_probes(true);
+  ASSERT_NE(item_of(dry, stale), dry.end());
+  EXPECT_TRUE(item_of(dry, stale)->removable) << item_of(dry, stale)->reason;
+  EXPECT_FALSE(item_of(dry, stale)->removed_segment);
+  EXPECT_TRUE(exists("/dev/shm/" + stale)) << "a dry run removed it";
+  ASSERT_NE(item_of(dry, live), dry.end());
+  EXPECT_FALSE(item_of(dry, live)->removable);
+  EXPECT_NE(item_of(dry, live)->reason.find("which runs"), std::string::npos) << item_of(dry, live)->reason;
+  const std::vector<shm::GcItem> done = shm::collect_probes(false);
+  ASSERT_NE(item_of(done, stale), done.end());
+  EXPECT_TRUE(item_of(done, stale)->removed_segment);
+  EXPECT_FALSE(exists("/dev/shm/" + stale));
+  EXPECT_TRUE(exists("/dev/shm/" + live)) << "a live process's probe was removed";
+  for (const shm::SegmentInfo& info : shm::list_segments()) {
+    EXPECT_EQ(info.name.find("probe"), std::string::npos) << "listed as a segment: " << info.name;
+  }
 }
 
 TEST_F(ShmTools, InterruptedCreationAndLockFilesAlone) {
