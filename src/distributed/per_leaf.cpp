@@ -424,7 +424,8 @@ Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o) {
     if (long_desc) descriptor.push_back(send_one(p.group, int64_tensor(std::move(desc)), p.rank, tag));
   }
   const Transport& transport = p.group.transport();
-  if (transport.can(p.rank).batch && descriptor.empty() && !o.return_early) {
+  const Transport::Can& can = transport.can(p.rank);
+  if (can.batch && descriptor.empty() && !o.return_early) {
     // The blocking send on a transport that batches: every leaf written, then one wake-up of the
     // receiver and at most one Work (none when every leaf is already written).
     if (c10::intrusive_ptr<BatchWork> batch =
@@ -442,7 +443,7 @@ Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o) {
   std::vector<WorkPtr> sends;
   for (size_t i = 0; i < l.keys().size(); ++i) {
     // A transport that takes strided tensors packs them itself; others want contiguous bytes.
-    at::Tensor t = transport.can(p.rank).strided || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
+    at::Tensor t = can.strided || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
     sends.push_back(send_one(p.group, t, p.rank, l.wire->c10d_tags[i], l.wire->checks[i]));
   }
   if (o.return_early) {
