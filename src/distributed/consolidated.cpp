@@ -48,7 +48,7 @@ std::shared_ptr<Deferred> checked_recv(const Group& g, int peer, const at::Tenso
 
 }  // namespace
 
-Transfer isend_consolidated(const TensorDict& td, const Peer& p, const SendOptions& o) {
+Transfer isend_consolidated(const TensorDict& td, const Peer& p, const SendOptions& o, Completion done) {
   Transfer out;
   const TensorDict c = td.consolidate();
   const at::Tensor storage = c.consolidated_storage();
@@ -59,7 +59,7 @@ Transfer isend_consolidated(const TensorDict& td, const Peer& p, const SendOptio
         p.rank, kConsolidatedTag));
   }
   inner.push_back(send_one(p.group, storage, p.rank, kConsolidatedTag, schema_check(c.schema_fingerprint())));
-  if (o.return_early) {
+  if (o.return_early && done == Completion::kAsOptions) {
     out.has_works = true;
     out.works.push_back(c10::make_intrusive<TransferWork>("consolidated send: ", std::move(inner), c10d::OpType::SEND));
     return out;
@@ -72,7 +72,7 @@ Transfer isend_consolidated(const TensorDict& td, const Peer& p, const SendOptio
   return out;
 }
 
-Transfer irecv_consolidated(const TensorDict& td, const Peer& p, const RecvOptions& o) {
+Transfer irecv_consolidated(const TensorDict& td, const Peer& p, const RecvOptions& o, Completion c) {
   if (!td.is_consolidated()) {
     throw Error("irecv(consolidated=True) needs a consolidated receiver: call consolidate() first (it must have the "
                 "sender's schema)");
@@ -100,7 +100,7 @@ Transfer irecv_consolidated(const TensorDict& td, const Peer& p, const RecvOptio
         c10d::OpType::RECV);
   }
   Transfer out;
-  if (o.return_premature) {
+  if (o.return_premature && c == Completion::kAsOptions) {
     out.has_works = true;
     out.works.push_back(std::move(work));
   } else {

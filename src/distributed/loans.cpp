@@ -73,8 +73,6 @@ void wait_each(const std::vector<WorkPtr>& works, What what) {
 
 TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) {
   const Transport& transport = p.group.transport();
-  RecvOptions waited = o;
-  waited.return_premature = false;
   if (o.consolidated) {
     if (!td.is_consolidated()) {
       throw Error("recv_view(consolidated=True) needs a consolidated tensordict for the schema: call consolidate() "
@@ -83,7 +81,7 @@ TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) 
     const at::Tensor mine = td.consolidated_storage();
     if (!transport.can(p.rank).loans) {
       TensorDict fresh = TensorDict::from_consolidated(at::empty_like(mine), td.schema());
-      irecv_consolidated(fresh, p, waited);
+      irecv_consolidated(fresh, p, o, Completion::kWaited);
       return fresh;
     }
     const std::vector<WorkPtr> works{transport.recv_view(p.rank, kConsolidatedTag, schema_check(td.schema_fingerprint()))};
@@ -98,15 +96,16 @@ TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) 
   }
   if (!transport.can(p.rank).loans) {
     TensorDict fresh = td.apply([](const at::Tensor& t) { return at::empty(t.sizes(), t.options()); });
-    irecv_per_leaf(fresh, p, waited);
+    irecv_per_leaf(fresh, p, o, nullptr, Completion::kWaited);
     return fresh;
   }
   const std::shared_ptr<const SortedLeaves> sorted = sorted_leaves(td);
-  const std::shared_ptr<const PerLeafWire> wire = wire_of(*sorted, o.init_tag, o.pseudo_rand);
+  std::shared_ptr<const PerLeafWire> wire_keep;
+  const PerLeafWire& wire = wire_of(*sorted, o.init_tag, o.pseudo_rand, wire_keep);
   const size_t n = sorted->keys.size();
   std::vector<WorkPtr> works;
   works.reserve(n);
-  for (size_t i = 0; i < n; ++i) works.push_back(transport.recv_view(p.rank, wire->c10d_tags[i], wire->checks[i]));
+  for (size_t i = 0; i < n; ++i) works.push_back(transport.recv_view(p.rank, wire.c10d_tags[i], wire.checks[i]));
   wait_each(works, [&](size_t i) { return "recv_view of key " + sorted->keys[i].str() + ": "; });
   c10::SmallVector<at::Tensor, 8> views;
   for (const WorkPtr& w : works) views.push_back(w->result().at(0));

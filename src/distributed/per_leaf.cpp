@@ -33,13 +33,9 @@ namespace tdshm::detail {
 // ---------------------------------------------------------------------------------------------
 // Per-leaf transfers
 
-/// `sorted`'s wire for init_tag / pseudo_rand (transfer_common.h), from its cache when those were
-/// the last used.
-std::shared_ptr<const PerLeafWire> wire_of(const SortedLeaves& sorted, int64_t init_tag, bool pseudo_rand) {
-  if (auto cached = sorted.wire.load(std::memory_order_acquire);
-      cached && cached->init_tag == init_tag && cached->pseudo_rand == pseudo_rand) {
-    return cached;
-  }
+namespace {
+
+std::shared_ptr<const PerLeafWire> make_wire(const SortedLeaves& sorted, int64_t init_tag, bool pseudo_rand) {
   auto fresh = std::make_shared<PerLeafWire>();
   fresh->init_tag = init_tag;
   fresh->pseudo_rand = pseudo_rand;
@@ -50,15 +46,38 @@ std::shared_ptr<const PerLeafWire> wire_of(const SortedLeaves& sorted, int64_t i
     fresh->c10d_tags.push_back(c10d_tag(fresh->tags[i]));
     fresh->checks.push_back(key_check_of_hash(sorted.key_hashes[i], sorted.keys.size()));
   }
-  sorted.wire.store(fresh, std::memory_order_release);
   return fresh;
+}
+
+}  // namespace
+
+const PerLeafWire& wire_of(const SortedLeaves& sorted, int64_t init_tag, bool pseudo_rand,
+                           std::shared_ptr<const PerLeafWire>& keep) {
+  if (init_tag == 0 && !pseudo_rand) {
+    if (const PerLeafWire* w = sorted.default_wire.load(std::memory_order_acquire)) return *w;
+    std::lock_guard<std::mutex> lock(sorted.default_wire_mutex);
+    if (!sorted.default_wire_owner) {
+      sorted.default_wire_owner = make_wire(sorted, 0, false);
+      sorted.default_wire.store(sorted.default_wire_owner.get(), std::memory_order_release);
+    }
+    return *sorted.default_wire_owner;
+  }
+  if (auto cached = sorted.wire.load(std::memory_order_acquire);
+      cached && cached->init_tag == init_tag && cached->pseudo_rand == pseudo_rand) {
+    keep = std::move(cached);
+    return *keep;
+  }
+  keep = make_wire(sorted, init_tag, pseudo_rand);
+  sorted.wire.store(keep, std::memory_order_release);
+  return *keep;
 }
 
 namespace {
 
 struct Leaves {
   std::shared_ptr<const SortedLeaves> sorted;  // keys and key hashes, cached by the tensordict
-  std::shared_ptr<const PerLeafWire> wire;     // tags and checks, cached with them
+  const PerLeafWire* wire = nullptr;           // tags and checks, cached with them (wire_of)
+  std::shared_ptr<const PerLeafWire> wire_keep;
   c10::SmallVector<at::Tensor, 8> tensors;  // (inline: a tree's leaves are few, no allocation per transfer)
   const std::vector<Key>& keys() const noexcept { return sorted->keys; }
   const std::vector<int64_t>& tags() const noexcept { return wire->tags; }
@@ -71,7 +90,7 @@ struct Leaves {
 Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
   Leaves l;
   l.sorted = sorted_leaves(td);
-  l.wire = wire_of(*l.sorted, init_tag, pseudo_rand);
+  l.wire = &wire_of(*l.sorted, init_tag, pseudo_rand, l.wire_keep);
   for (size_t i = 0; i < l.keys().size(); ++i) l.tensors.push_back(leaf_tensor(td, *l.sorted, i));
   return l;
 }
@@ -102,8 +121,8 @@ Leaves collect(const LazyStackedTensorDict& stack, int64_t init_tag, bool pseudo
   for (size_t m = 0; m < members.size(); ++m) {
     for (size_t i = 0; i < members[m]->keys.size(); ++i) l.tensors.push_back(leaf_tensor(stack.tensordicts()[m], *members[m], i));
   }
-  l.wire = wire_of(*entry->leaves, init_tag, pseudo_rand);
   l.sorted = entry->leaves;
+  l.wire = &wire_of(*l.sorted, init_tag, pseudo_rand, l.wire_keep);
   return l;
 }
 
@@ -410,7 +429,8 @@ PostedLeaves post_leaf_receives(const Leaves& l, const Peer& p, const RecvOption
 
 namespace {
 
-Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o) {
+Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o, Completion c) {
+  const bool early = o.return_early && c == Completion::kAsOptions;
   Transfer out;
   for (size_t i = 0; i < l.keys().size(); ++i) {
     check_leaf(l.tensors[i], [&] { return "key " + l.keys()[i].str(); });
@@ -425,7 +445,7 @@ Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o) {
   }
   const Transport& transport = p.group.transport();
   const Transport::Can& can = transport.can(p.rank);
-  if (can.batch && descriptor.empty() && !o.return_early) {
+  if (can.batch && descriptor.empty() && !early) {
     // The blocking send on a transport that batches: every leaf written, then one wake-up of the
     // receiver and at most one Work (none when every leaf is already written).
     if (c10::intrusive_ptr<BatchWork> batch =
@@ -446,7 +466,7 @@ Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o) {
     at::Tensor t = can.strided || l.tensors[i].is_contiguous() ? l.tensors[i] : l.tensors[i].contiguous();
     sends.push_back(send_one(p.group, t, p.rank, l.wire->c10d_tags[i], l.wire->checks[i]));
   }
-  if (o.return_early) {
+  if (early) {
     if (l.keys().empty()) wait_all(descriptor);
     out.has_works = true;
     for (size_t i = 0; i < l.keys().size(); ++i) {
@@ -469,7 +489,7 @@ Transfer isend_leaves(const Leaves& l, const Peer& p, const SendOptions& o) {
   return out;
 }
 
-Transfer irecv_leaves(const Leaves& l, const Peer& p, const RecvOptions& o, int64_t* last_tag) {
+Transfer irecv_leaves(const Leaves& l, const Peer& p, const RecvOptions& o, int64_t* last_tag, Completion c) {
   if (last_tag != nullptr) *last_tag = l.last_tag();
   // Every leaf is checked before any receive is posted; a refused transfer still consumes the
   // sender's messages, so the next transfer on the pair is in step.
@@ -492,7 +512,7 @@ Transfer irecv_leaves(const Leaves& l, const Peer& p, const RecvOptions& o, int6
   PostedLeaves posted = post_leaf_receives(l, p, o, targets, refusal);
 
   Transfer out;
-  if (!o.return_premature) {
+  if (!o.return_premature || c == Completion::kWaited) {
     // Waited here: no user-facing Work per leaf. A batch is waited as a whole; only a failure
     // needs a Work per leaf (PostedLeaves::wait).
     bool batch_ok = false;
@@ -522,17 +542,18 @@ Transfer irecv_leaves(const Leaves& l, const Peer& p, const RecvOptions& o, int6
 
 }  // namespace
 
-Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o) {
-  return isend_leaves(collect(td, o.init_tag, o.pseudo_rand), p, o);
+Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o, Completion c) {
+  return isend_leaves(collect(td, o.init_tag, o.pseudo_rand), p, o, c);
 }
-Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag) {
-  return irecv_leaves(collect(td, o.init_tag, o.pseudo_rand), p, o, last_tag);
+Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag, Completion c) {
+  return irecv_leaves(collect(td, o.init_tag, o.pseudo_rand), p, o, last_tag, c);
 }
-Transfer isend_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const SendOptions& o) {
-  return isend_leaves(collect(stack, o.init_tag, o.pseudo_rand), p, o);
+Transfer isend_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const SendOptions& o, Completion c) {
+  return isend_leaves(collect(stack, o.init_tag, o.pseudo_rand), p, o, c);
 }
-Transfer irecv_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const RecvOptions& o, int64_t* last_tag) {
-  return irecv_leaves(collect(stack, o.init_tag, o.pseudo_rand), p, o, last_tag);
+Transfer irecv_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const RecvOptions& o, int64_t* last_tag,
+                        Completion c) {
+  return irecv_leaves(collect(stack, o.init_tag, o.pseudo_rand), p, o, last_tag, c);
 }
 
 }  // namespace tdshm::detail

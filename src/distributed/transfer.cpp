@@ -18,9 +18,12 @@ Transfer TensorDict::isend(const SendOptions& o) const {
 }
 
 void TensorDict::send(const SendOptions& o) const {
-  SendOptions waited = o;
-  waited.return_early = false;
-  isend(waited);
+  const Peer p = resolve_peer("dst", "group_dst", o.dst, o.group_dst, o.group);
+  if (o.consolidated) {
+    detail::isend_consolidated(*this, p, o, detail::Completion::kWaited);
+  } else {
+    detail::isend_per_leaf(*this, p, o, detail::Completion::kWaited);
+  }
 }
 
 Transfer TensorDict::irecv(const RecvOptions& o) {
@@ -48,9 +51,9 @@ Transfer LazyStackedTensorDict::isend(const SendOptions& o) const {
 }
 
 void LazyStackedTensorDict::send(const SendOptions& o) const {
-  SendOptions waited = o;
-  waited.return_early = false;
-  isend(waited);
+  if (o.consolidated) return consolidate().consolidated_->send(o);
+  const Peer p = resolve_peer("dst", "group_dst", o.dst, o.group_dst, o.group);
+  detail::isend_per_leaf(*this, p, o, detail::Completion::kWaited);
 }
 
 Transfer LazyStackedTensorDict::irecv(const RecvOptions& o) {
@@ -61,24 +64,20 @@ Transfer LazyStackedTensorDict::irecv(const RecvOptions& o) {
 
 int64_t LazyStackedTensorDict::recv(const RecvOptions& o) {
   if (o.consolidated) return TensorDict(consolidated_receiver(consolidated_)).recv(o);
-  RecvOptions waited = o;
-  waited.return_premature = false;
   const Peer p = resolve_peer("src", "group_src", o.src, o.group_src, o.group);
   int64_t last_tag = 0;
-  detail::irecv_per_leaf(*this, p, waited, &last_tag);
+  detail::irecv_per_leaf(*this, p, o, &last_tag, detail::Completion::kWaited);
   return last_tag;
 }
 
 int64_t TensorDict::recv(const RecvOptions& o) {
-  RecvOptions waited = o;
-  waited.return_premature = false;
   const Peer p = resolve_peer("src", "group_src", o.src, o.group_src, o.group);
   if (o.consolidated) {
-    detail::irecv_consolidated(*this, p, waited);
+    detail::irecv_consolidated(*this, p, o, detail::Completion::kWaited);
     return 0;  // tensordict's consolidated transfers use tag 0
   }
   int64_t last_tag = 0;
-  detail::irecv_per_leaf(*this, p, waited, &last_tag);
+  detail::irecv_per_leaf(*this, p, o, &last_tag, detail::Completion::kWaited);
   return last_tag;
 }
 

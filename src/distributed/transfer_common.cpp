@@ -48,18 +48,18 @@ Peer resolve_peer(const char* global_name, const char* group_name, std::optional
   if (in_group && !given.defined()) throw Error("`" + gg() + "` requires `group` to be passed.");
   if (global && in_group) throw Error("`" + g() + "` and `" + gg() + "` are mutually exclusive.");
   if (!global && !in_group) throw Error("Exactly one of `" + g() + "` and `" + gg() + "` must be provided.");
-  Peer p;
-  p.group = given.defined() ? given : default_group();
-  p.rank = in_group ? *in_group : p.group.group_rank(*global);
-  if (p.rank < 0 || p.rank >= p.group.size()) {
+  Group fallback;
+  const Group& group = given.defined() ? given : (fallback = default_group());
+  const int rank = in_group ? *in_group : group.group_rank(*global);
+  if (rank < 0 || rank >= group.size()) {
     throw Error("`" + (in_group ? gg() : g()) + "` = " + std::to_string(in_group ? *in_group : *global) +
-                " is not a rank of the group (size " + std::to_string(p.group.size()) + ")");
+                " is not a rank of the group (size " + std::to_string(group.size()) + ")");
   }
-  if (p.rank == p.group.rank()) {
+  if (rank == group.rank()) {
     throw Error("`" + (in_group ? gg() : g()) + "` = " + std::to_string(in_group ? *in_group : *global) +
                 " is this process's own rank: a tensordict cannot be sent to itself");
   }
-  return p;
+  return Peer(given.defined() ? &given : nullptr, std::move(fallback), rank);
 }
 
 int c10d_tag(int64_t tag) {

@@ -277,9 +277,22 @@ void wait_all(const std::vector<WorkPtr>& works);
 // ---------------------------------------------------------------------------------------------
 // Peers and messages
 
-struct Peer {
-  Group group;
-  int rank = -1;  // in group
+/// The peer of a transfer: a rank of `group`, the caller's own group (referred to, not copied: a
+/// copy costs four reference-count operations per transfer) or the default group (held here).
+/// Lives on the stack of the call that resolved it, which holds the caller's options.
+class Peer {
+ public:
+  Peer(const Group* given, Group fallback, int group_rank) noexcept
+      : fallback_(std::move(fallback)), group(given != nullptr ? *given : fallback_), rank(group_rank) {}
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
+
+ private:
+  Group fallback_;  // (declared first: `group` may refer to it)
+
+ public:
+  const Group& group;
+  const int rank;  // in group
 };
 
 /// Resolves exactly one of `global` / `in_group` (docs/semantics.md, "Peers"), before any message.
@@ -327,8 +340,10 @@ struct PerLeafWire {
   std::vector<int> c10d_tags;
   std::vector<MessageCheck> checks;  // the shm key check of each leaf
 };
-/// `sorted`'s wire for init_tag / pseudo_rand, from its cache when those were the last used.
-std::shared_ptr<const PerLeafWire> wire_of(const SortedLeaves& sorted, int64_t init_tag, bool pseudo_rand);
+/// `sorted`'s wire for init_tag / pseudo_rand, from its cache (SortedLeaves::default_wire, or
+/// the last used). Valid while `sorted` lives and `keep` holds what it was given.
+const PerLeafWire& wire_of(const SortedLeaves& sorted, int64_t init_tag, bool pseudo_rand,
+                           std::shared_ptr<const PerLeafWire>& keep);
 
 /// A leaf that can be a message: a defined, dense CPU tensor. `what()` names it ("key 'c'"),
 /// built only on error. Throws TypeError.
@@ -365,15 +380,24 @@ void check_receive_target(const at::Tensor& t, const Name& what) {
 // ---------------------------------------------------------------------------------------------
 // The protocols (one file each), called by TensorDict's methods once the peer is resolved.
 
-Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o);
+/// How a protocol's entry point completes: as its options say (isend's return_early, irecv's
+/// return_premature), or waited whatever they say (send, recv: no copy of the options per call).
+enum class Completion { kAsOptions, kWaited };
+
+Transfer isend_per_leaf(const TensorDict& td, const Peer& p, const SendOptions& o,
+                        Completion c = Completion::kAsOptions);
 /// `last_tag`, when given, is set to the transfer's last tag (what recv returns).
-Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag = nullptr);
+Transfer irecv_per_leaf(const TensorDict& td, const Peer& p, const RecvOptions& o, int64_t* last_tag = nullptr,
+                        Completion c = Completion::kAsOptions);
 /// The same for a lazy stack: its members' leaves in order, the tags running on.
-Transfer isend_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const SendOptions& o);
+Transfer isend_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const SendOptions& o,
+                        Completion c = Completion::kAsOptions);
 Transfer irecv_per_leaf(const LazyStackedTensorDict& stack, const Peer& p, const RecvOptions& o,
-                        int64_t* last_tag = nullptr);
-Transfer isend_consolidated(const TensorDict& td, const Peer& p, const SendOptions& o);
-Transfer irecv_consolidated(const TensorDict& td, const Peer& p, const RecvOptions& o);
+                        int64_t* last_tag = nullptr, Completion c = Completion::kAsOptions);
+Transfer isend_consolidated(const TensorDict& td, const Peer& p, const SendOptions& o,
+                            Completion c = Completion::kAsOptions);
+Transfer irecv_consolidated(const TensorDict& td, const Peer& p, const RecvOptions& o,
+                            Completion c = Completion::kAsOptions);
 inline constexpr int kConsolidatedTag = 0;  // tensordict's consolidated transfers use tag 0
 TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o);  // loans.cpp
 

@@ -71,6 +71,9 @@ namespace tdshm::detail {
 /// `done` is stored (release); a thread that loads done == true (acquire) may read them.
 struct ShmOp {
   enum class Kind { kSend, kRecv };
+  // User-provided, so that make_shared's value-initialisation does not zero the whole op before
+  // the member initialisers below run (a few hundred bytes per message).
+  ShmOp() noexcept {}
   Kind kind = Kind::kSend;
   int peer = -1;  // destination of a send; source of a recv, -1 for any source
   int64_t tag = 0;

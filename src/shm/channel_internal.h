@@ -123,10 +123,14 @@ inline uint32_t check_flag(const MessageCheck& check) noexcept {
   return 0;
 }
 
-inline MessageCheck entry_check(const shm::EntryFields& e) noexcept {
-  if (e.flags & shm::kEntryKeyCheck) return {MessageCheck::Kind::kKey, e.check, e.leaves};
-  if (e.flags & shm::kEntrySchemaCheck) return {MessageCheck::Kind::kSchema, e.check};
-  return {};
+// The check an entry carries, written into `out` field by field: a MessageCheck temporary was
+// stored in parts and read back whole (a stalled store-to-load forward on every entry).
+inline void read_entry_check(const shm::EntryFields& e, MessageCheck& out) noexcept {
+  const bool key = (e.flags & shm::kEntryKeyCheck) != 0;
+  const bool schema = !key && (e.flags & shm::kEntrySchemaCheck) != 0;
+  out.kind = key ? MessageCheck::Kind::kKey : schema ? MessageCheck::Kind::kSchema : MessageCheck::Kind::kNone;
+  out.value = key || schema ? e.check : 0;
+  out.leaves = key ? e.leaves : 0;
 }
 
 inline std::string hex32(uint32_t v) {

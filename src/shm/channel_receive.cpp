@@ -230,7 +230,7 @@ MessageHead ShmChannel::message_head(int src, const shm::EntryFields& e, const s
   h.control = (e.flags & shm::kEntryControl) != 0;
   h.reference = (e.flags & shm::kEntryReference) != 0;
   h.loan = (e.flags & shm::kEntryLoan) != 0;
-  h.check = entry_check(e);
+  read_entry_check(e, h.check);
   h.total = e.total_bytes;
   h.dtype = e.dtype;
   h.ndim = e.ndim;

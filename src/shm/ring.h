@@ -97,7 +97,7 @@ class RingConsumer {
     const uint64_t pos = position();
     const EntryHeader& e = ring_.header(pos);
     if (e.seq.load(std::memory_order_acquire) != pos + 1) return false;  // pairs with the producer's release
-    out = read_entry(e, ring_.tail(pos));
+    read_entry(e, ring_.tail(pos), out);
     return true;
   }
   /// The current entry's inline bytes and shape (valid after peek() returned true).

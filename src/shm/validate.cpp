@@ -101,8 +101,7 @@ HeaderCheck check_header(const HeaderFields& h, uint64_t file_bytes) {
   return {HeaderVerdict::kValid, {}};
 }
 
-EntryFields read_entry(const EntryHeader& shared, const EntryTail& tail) noexcept {
-  EntryFields e;
+void read_entry(const EntryHeader& shared, const EntryTail& tail, EntryFields& e) noexcept {
   const void* b = &shared;
   e.tag = load_field<int64_t>(b, offsetof(EntryHeader, tag));
   e.total_bytes = load_field<uint64_t>(b, offsetof(EntryHeader, total_bytes));
@@ -116,7 +115,6 @@ EntryFields read_entry(const EntryHeader& shared, const EntryTail& tail) noexcep
   const void* t = &tail;
   e.chunk_offset = (e.flags & kEntryFirst) ? 0 : load_field<uint64_t>(t, offsetof(EntryTail, chunk_offset));
   e.slot = (e.flags & kEntryInline) ? 0 : load_field<uint32_t>(t, offsetof(EntryTail, slot));
-  return e;
 }
 
 std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaShape& arena, uint64_t max_message_bytes) {

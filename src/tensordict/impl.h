@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -48,8 +49,14 @@ struct SortedLeaves {
   /// The sorted index of the j-th leaf in insertion order (depth first), the order in which
   /// map_leaves visits them (with_leaves).
   std::vector<uint32_t> insertion_order;
-  /// The per-leaf transfers' tags and checks for these keys, for the init_tag and pseudo_rand
-  /// last used (per_leaf.cpp): kept with the keys, so they are computed once per tree too.
+  /// The per-leaf transfers' tags and checks for these keys (per_leaf.cpp's wire_of), kept with
+  /// the keys so that they are computed once per tree too. Those of init_tag 0 without
+  /// pseudo_rand (every transfer that sets neither) are made once and never replaced, so a
+  /// transfer reads them with one load and no reference count (an atomic shared_ptr's load takes
+  /// a lock and a count: three atomic operations); any other, the last used, in `wire`.
+  mutable std::atomic<const PerLeafWire*> default_wire{nullptr};
+  mutable std::shared_ptr<const PerLeafWire> default_wire_owner;  // set once, under default_wire_mutex
+  mutable std::mutex default_wire_mutex;
   mutable std::atomic<std::shared_ptr<const PerLeafWire>> wire;
 };
 
