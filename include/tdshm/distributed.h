@@ -107,8 +107,8 @@ class Group {
 
  private:
   // What copies share, never changed once the group is formed (set_checked_wire replaces it): a
-  // Group is copied by every transfer (its options, its peer), so a copy costs two reference
-  // counts and no allocation.
+  // Group is copied by options and by transfers that outlive their call, so a copy costs two
+  // reference counts and no allocation (a blocking transfer refers to its options' group).
   struct Shared {
     std::vector<int> global_ranks;  // empty: a standalone group
     std::vector<bool> checked;      // per group rank: advertised the checked protocol (empty: not set)
