@@ -235,6 +235,11 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> irecv_view(int srcRank, int tag, MessageCheck check = {});
   /// irecv_view, waited for: the received tensor.
   at::Tensor recv_view(int srcRank, int tag, MessageCheck check = {});
+  /// One irecv_view per tags[i] (with checks[i]) from `srcRank`, posted under one lock (a tree's
+  /// views): one Work whose result() is the received tensors in order once wait() returned;
+  /// wait() throws the first error as soon as one receive failed (shm_batch_messages splits it).
+  c10::intrusive_ptr<c10d::Work> irecv_view_batch(int srcRank, const std::vector<int>& tags,
+                                                  const std::vector<MessageCheck>& checks);
   /// Whether this rank and `peer` both set ShmOptions::memmap_by_reference: their
   /// init_remote / from_remote_init then pass MemoryMappedTensor leaves as files, not bytes.
   bool memmap_by_reference_with(int peer) const noexcept;

@@ -54,19 +54,27 @@ namespace detail {
 
 namespace {
 
-// Waits for every one of `works` (so that every message is taken, even after a failure), then
-// rethrows the first failure with the context `what(i)` of its work.
+// Waits for `batch`; after a failure, for each of its messages (so that every message is taken),
+// then rethrows the first failure with the context `what(i)` of its message. Returns the tensors.
 template <class What>
-void wait_each(const std::vector<WorkPtr>& works, What what) {
+std::vector<at::Tensor> wait_views(const c10::intrusive_ptr<BatchWork>& batch, What what) {
+  std::exception_ptr failed;
+  try {
+    batch->wait();
+    return batch->result();
+  } catch (...) {
+    failed = std::current_exception();
+  }
   std::exception_ptr first;
-  for (size_t i = 0; i < works.size(); ++i) {
+  const std::vector<WorkPtr> messages = batch->messages();
+  for (size_t i = 0; i < messages.size(); ++i) {
     try {
-      works[i]->wait();
+      messages[i]->wait();
     } catch (...) {
       if (!first) first = current_with_context(what(i));
     }
   }
-  if (first) std::rethrow_exception(first);
+  std::rethrow_exception(first ? first : failed);  // (failed: an error no message repeats)
 }
 
 }  // namespace
@@ -84,9 +92,10 @@ TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) 
       irecv_consolidated(fresh, p, o, Completion::kWaited);
       return fresh;
     }
-    const std::vector<WorkPtr> works{transport.recv_view(p.rank, kConsolidatedTag, schema_check(td.schema_fingerprint()))};
-    wait_each(works, [](size_t) { return std::string("consolidated recv_view: "); });
-    const at::Tensor storage = works[0]->result().at(0);
+    const at::Tensor storage =
+        wait_views(transport.recv_views(p.rank, {kConsolidatedTag}, {schema_check(td.schema_fingerprint())}),
+                   [](size_t) { return std::string("consolidated recv_view: "); })
+            .at(0);
     if (storage.scalar_type() != at::kByte || storage.dim() != 1 || storage.numel() != mine.numel()) {
       throw SchemaError("consolidated recv_view: the sender's storage (" + std::to_string(storage.numel()) + " " +
                         c10::toString(storage.scalar_type()) + " elements) is not this tensordict's (" +
@@ -102,13 +111,9 @@ TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) 
   const std::shared_ptr<const SortedLeaves> sorted = sorted_leaves(td);
   std::shared_ptr<const PerLeafWire> wire_keep;
   const PerLeafWire& wire = wire_of(*sorted, o.init_tag, o.pseudo_rand, wire_keep);
-  const size_t n = sorted->keys.size();
-  std::vector<WorkPtr> works;
-  works.reserve(n);
-  for (size_t i = 0; i < n; ++i) works.push_back(transport.recv_view(p.rank, wire.c10d_tags[i], wire.checks[i]));
-  wait_each(works, [&](size_t i) { return "recv_view of key " + sorted->keys[i].str() + ": "; });
-  c10::SmallVector<at::Tensor, 8> views;
-  for (const WorkPtr& w : works) views.push_back(w->result().at(0));
+  // Every leaf's view receive posted under one lock, waited as one.
+  const std::vector<at::Tensor> views = wait_views(transport.recv_views(p.rank, wire.c10d_tags, wire.checks),
+                                                   [&](size_t i) { return "recv_view of key " + sorted->keys[i].str() + ": "; });
   try {
     return with_leaves(td, *sorted, views);  // the structure around the views, no key looked up
   } catch (...) {

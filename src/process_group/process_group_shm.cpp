@@ -96,6 +96,14 @@ class ShmWork final : public detail::BatchWork {
     if (output_.defined()) return {output_};
     // A recv's result is its tensor, which its op holds already (no second reference to keep).
     if (!batch_ && ops_.size() == 1 && ops_[0]->kind == ShmOp::Kind::kRecv) return {ops_[0]->user};
+    // A batch of receives whose ops are all there (recv_batch, irecv_view_batch): their tensors.
+    if (batch_ && positions_.empty() && ops_.size() == batch_size_ &&
+        std::all_of(ops_.begin(), ops_.end(), [](const auto& op) { return op->kind == ShmOp::Kind::kRecv; })) {
+      std::vector<at::Tensor> out;
+      out.reserve(ops_.size());
+      for (const auto& op : ops_) out.push_back(op->user);
+      return out;
+    }
     return {};
   }
 
@@ -117,8 +125,9 @@ class ShmWork final : public detail::BatchWork {
     for (size_t j = 0; j < ops_.size(); ++j) {
       const auto& op = ops_[j];
       const bool recv = op->kind == ShmOp::Kind::kRecv;
+      // (A view's tensor is made when its message lands: its Work reads it from the op then.)
       out[positions_.empty() ? j : positions_[j]] = c10::make_intrusive<ShmWork>(engine_, OpList{op}, recv ? c10d::OpType::RECV : c10d::OpType::SEND,
-                                                        recv ? op->user : at::Tensor{});
+                                                        recv && !op->view ? op->user : at::Tensor{});
     }
     for (auto& w : out) {
       if (!w) w = c10::make_intrusive<ShmWork>(engine_, OpList{}, opType_);  // completed when posted
@@ -436,6 +445,17 @@ at::Tensor ProcessGroupShm::recv_view(int srcRank, int tag, MessageCheck check) 
   auto work = irecv_view(srcRank, tag, check);
   work->wait();
   return work->result().at(0);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::irecv_view_batch(int srcRank, const std::vector<int>& tags,
+                                                                 const std::vector<MessageCheck>& checks) {
+  TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::irecv_view_batch: source rank must be >= 0");
+  TORCH_CHECK(tags.size() == checks.size(), "ProcessGroupShm::irecv_view_batch: ", tags.size(), " tags and ",
+              checks.size(), " checks");
+  const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
+  auto work = c10::make_intrusive<ShmWork>(engine_, engine_->post_recv_views(srcRank, wide, checks), c10d::OpType::RECV);
+  work->set_batch(tags.size(), {});
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {

@@ -72,8 +72,9 @@ class ShmTransport final : public Transport {
     return as_batch(backend_->recv_batch(tensors, peer, tags, checks));
   }
   at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype) const override { return backend_->loan(sizes, dtype); }
-  TransportWork recv_view(int peer, int tag, MessageCheck check) const override {
-    return backend_->irecv_view(peer, tag, check);
+  c10::intrusive_ptr<BatchWork> recv_views(int peer, const std::vector<int>& tags,
+                                           const std::vector<MessageCheck>& checks) const override {
+    return as_batch(backend_->irecv_view_batch(peer, tags, checks));
   }
   bool memmap_by_reference_with(int peer) const noexcept override { return backend_->memmap_by_reference_with(peer); }
   bool peer_runs_tdshm(int peer) const noexcept override { return backend_->runs_tdshm_transfers(peer); }
@@ -113,9 +114,10 @@ class RoutedTransport final : public Transport {
   }
   // A loan lives in this host's segment: sent to a rank of another host it is an ordinary tensor.
   at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype) const override { return local_.loan(sizes, dtype); }
-  TransportWork recv_view(int peer, int tag, MessageCheck check) const override {
-    if (!local(peer)) return Transport::recv_view(peer, tag, check);
-    return local_.recv_view(backend_->local_rank(peer), tag, check);
+  c10::intrusive_ptr<BatchWork> recv_views(int peer, const std::vector<int>& tags,
+                                           const std::vector<MessageCheck>& checks) const override {
+    if (!local(peer)) return Transport::recv_views(peer, tags, checks);
+    return local_.recv_views(backend_->local_rank(peer), tags, checks);
   }
   bool memmap_by_reference_with(int peer) const noexcept override {
     return local(peer) && local_.memmap_by_reference_with(backend_->local_rank(peer));
@@ -148,7 +150,7 @@ c10::intrusive_ptr<BatchWork> Transport::recv_batch(std::span<const at::Tensor>,
 at::Tensor Transport::loan(at::IntArrayRef sizes, at::ScalarType dtype) const {
   return at::empty(sizes, at::TensorOptions().dtype(dtype));
 }
-TransportWork Transport::recv_view(int, int, MessageCheck) const {
+c10::intrusive_ptr<BatchWork> Transport::recv_views(int, const std::vector<int>&, const std::vector<MessageCheck>&) const {
   throw Error("this group's backend does not receive views");
 }
 

@@ -65,9 +65,12 @@ class Transport {
   /// A tensor of `sizes` and `dtype` whose sends go by reference to the peers whose can(peer).loans
   /// (an ordinary tensor to the others), else at::empty.
   virtual at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype) const;
-  /// A receive of whatever tensor comes, in the sender's shape and dtype (Work::result()): a view
-  /// of the sender's loan, or a fresh tensor. can(peer).loans only (the others throw Error).
-  virtual TransportWork recv_view(int peer, int tag, MessageCheck check) const;
+  /// Receives of whatever tensors come (tags[i] with checks[i]), in the sender's shapes and
+  /// dtypes, posted under one lock: views of the sender's loans, or fresh tensors. The batch
+  /// answers for each message, and its result() is the tensors in order once it is waited.
+  /// can(peer).loans only (the others throw Error).
+  virtual c10::intrusive_ptr<BatchWork> recv_views(int peer, const std::vector<int>& tags,
+                                                   const std::vector<MessageCheck>& checks) const;
 
   /// Whether this rank and `peer` pass MemoryMappedTensor leaves of init_remote as files (both
   /// map the same files and run tdshm's from_remote_init), not as bytes. False by default.

@@ -185,6 +185,16 @@ std::shared_ptr<ShmOp> ShmEngine::post_recv_view(int src, int64_t tag, MessageCh
   return op;
 }
 
+OpList ShmEngine::post_recv_views(int src, std::span<const int64_t> tags, std::span<const MessageCheck> checks) {
+  TORCH_INTERNAL_ASSERT(tags.size() == checks.size());
+  OpList ops;
+  ops.reserve(tags.size());
+  for (size_t i = 0; i < tags.size(); ++i) ops.push_back(ShmChannel::make_recv_view(src, rank_, size_, tags[i], checks[i]));
+  std::lock_guard lk(mu_);
+  channel_->post_recvs(ops, src);
+  return ops;
+}
+
 at::Tensor ShmEngine::loan(c10::IntArrayRef sizes, c10::ScalarType dtype, Clock::time_point deadline) {
   const std::shared_ptr<shm::LoanPool>& pool = loans_;
   uint64_t numel = 1;

@@ -68,6 +68,8 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
                     std::span<const MessageCheck> checks, bool control = false);
   /// Posts a receive of whatever tensor comes from `src` with `tag` (ShmChannel::make_recv_view).
   std::shared_ptr<ShmOp> post_recv_view(int src, int64_t tag, MessageCheck check = {});
+  /// A batch of the above from one peer (a tree's views): one op per tag, posted under one lock.
+  OpList post_recv_views(int src, std::span<const int64_t> tags, std::span<const MessageCheck> checks);
   /// A loan of `sizes` and `dtype` from this rank's heap, waiting (progress, then sleep) until
   /// receivers give enough back; TimeoutError at `deadline`, SegmentError if it can never fit
   /// (ShapeError: a negative or huge shape).

@@ -194,6 +194,59 @@ TEST_F(ShmLoan, AViewHoldsTheLoanUntilDroppedBetweenProcesses) {
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) { view_scenario(name, r, *flags); }));
 }
 
+// A tree's views in one call (ProcessGroupShm::irecv_view_batch): loans and an ordinary tensor
+// arrive in order as views or fresh tensors, the loans come back when the views are dropped;
+// a message whose key check differs fails its receive alone (the batch's wait throws it, the
+// other messages arrive); bad arguments are refused before anything is posted.
+void view_batch_scenario(const std::string& name, int rank, Flags& f) {
+  ProcessGroupShm pg(name, rank, 2, loan_options());
+  constexpr int64_t n = 64;
+  const MessageCheck theirs{MessageCheck::Kind::kKey, 0x1234, 3};
+  if (rank == 0) {
+    at::Tensor a = filled_loan(pg, n, 5);
+    at::Tensor b = pg.loan({2, 2}, at::kDouble);
+    b.copy_(at::arange(4, at::kDouble).reshape({2, 2}));
+    auto sent_a = post_send(pg, a, 1, 1);
+    SHM_CHECK(post_send(pg, at::arange(12, at::kInt).reshape({3, 4}), 1, 2)->wait(), "ordinary send");
+    auto sent_b = post_send(pg, b, 1, 3);
+    SHM_CHECK(sent_a->wait() && sent_b->wait(), "the loans' sends");
+    SHM_CHECK(f.dropped.load() == 1, "a loan's send completed before its view was dropped");
+    std::vector<at::Tensor> one{at::full({4}, 7.0f)}, two{at::full({4}, 8.0f)}, three{at::full({4}, 9.0f)};
+    SHM_CHECK(pg.send(one, 1, 4)->wait(), "send 4");
+    SHM_CHECK(pg.send_checked(two, 1, 5, theirs)->wait(), "send 5");
+    SHM_CHECK(pg.send(three, 1, 6)->wait(), "send 6");
+  } else {
+    SHM_CHECK_THROWS(c10::Error, [&] { pg.irecv_view_batch(0, {1, 2}, {MessageCheck{}}); }, {"2 tags and 1 checks"});
+    SHM_CHECK_THROWS(c10::Error, [&] { pg.irecv_view_batch(-1, {1}, {MessageCheck{}}); }, {"source rank"});
+    {
+      auto work = pg.irecv_view_batch(0, {1, 2, 3}, {MessageCheck{}, MessageCheck{}, MessageCheck{}});
+      SHM_CHECK(work->wait(), "the batch of views");
+      const std::vector<at::Tensor> got = work->result();
+      SHM_CHECK(got.size() == 3, "one tensor per message, got " << got.size());
+      SHM_CHECK(got[0].scalar_type() == at::kFloat && got[0].sizes() == at::IntArrayRef({n}) &&
+                    same_bytes(got[0], pattern(at::kFloat, n, 5)),
+                "the first loan's view");
+      SHM_CHECK(at::equal(got[1], at::arange(12, at::kInt).reshape({3, 4})), "the ordinary message");
+      SHM_CHECK(at::equal(got[2], at::arange(4, at::kDouble).reshape({2, 2})), "the second loan's view");
+      f.dropped = 1;
+    }  // the views are dropped: both loans go back
+    auto work = pg.irecv_view_batch(0, {4, 5, 6}, {MessageCheck{}, MessageCheck{MessageCheck::Kind::kKey, 0x9999, 3},
+                                                  MessageCheck{}});
+    SHM_CHECK_THROWS(TransportError, [&] { work->wait(); }, {"key"});
+    const auto messages = shm_batch_messages(*work);
+    SHM_CHECK(messages.size() == 3, "three messages");
+    SHM_CHECK(messages[0]->wait() && at::equal(messages[0]->result().at(0), at::full({4}, 7.0f)), "message 4");
+    SHM_CHECK_THROWS(TransportError, [&] { messages[1]->wait(); }, {"key"});
+    SHM_CHECK(messages[2]->wait() && at::equal(messages[2]->result().at(0), at::full({4}, 9.0f)), "message 6");
+  }
+}
+
+TEST_F(ShmLoan, ATreesViewsArriveInOneBatch) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) { view_batch_scenario(name, r, *flags); }));
+}
+
 // A receiver that keeps its views: a new loan waits for room and times out naming the holder; a
 // send waits for a ticket. Nothing is overwritten: the views still read the first bytes.
 void back_pressure_scenario(const std::string& name, int rank, Flags& f) {
