@@ -197,6 +197,19 @@ def _worker(backend, rank, world, init_method, outdir):
             errors.append(f"rank {rank}: {what}: no error")
         except RuntimeError:
             pass
+    # send(peer) and recv(peer) take a short way into C++: what it does not take (not an int, too
+    # many arguments, a peer beyond int) still raises TypeError, and so does a tree whose leaf was
+    # replaced by a non-tensor since it was walked (before any message goes out).
+    changed = {"x": torch.zeros(1)}
+    tc = tdshm.Transfer(changed)
+    changed["x"] = 3
+    for call, what in ((lambda: t.send("1"), "a str peer"), (lambda: t.recv(peer, 2, 3), "three arguments"),
+                       (lambda: t.send(2**40), "a peer beyond int"), (lambda: tc.send(peer), "a replaced leaf")):
+        try:
+            call()
+            errors.append(f"rank {rank}: {what}: no error")
+        except TypeError:
+            pass
 
     dist.barrier()
     dist.destroy_process_group()
