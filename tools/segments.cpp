@@ -142,6 +142,12 @@ std::string json_array(const std::vector<std::string>& items) {
   return out + "]";
 }
 
+std::string json_string_array(const std::vector<std::string>& items) {
+  std::vector<std::string> quoted;
+  for (const std::string& item : items) quoted.push_back(json_str(item));
+  return json_array(quoted);
+}
+
 std::string json_lock_process(const shm::LockProcess& p) {
   return JsonObject().num("pid", p.pid).num("rank", p.rank).boolean("alive", p.alive).done();
 }
@@ -235,7 +241,8 @@ std::string json_segment(const SegmentInfo& info) {
     for (const shm::RankInfo& r : info.ranks) {
       ranks.push_back(
           JsonObject().num("rank", r.rank).str("state", r.state_name()).num("pid", r.pid).boolean("alive", r.alive)
-              .num("pid_namespace", r.pid_ns).boolean("other_pid_namespace", r.foreign).done());
+              .num("pid_namespace", r.pid_ns).boolean("other_pid_namespace", r.foreign)
+              .add("offers", json_string_array(r.feature_names())).done());
     }
     o.add("ranks", json_array(ranks));
   }
@@ -336,11 +343,14 @@ void print_inspect(const SegmentInfo& info) {
   std::printf("gc         %s: %s\n", removable ? "would remove" : "keeps", reason.c_str());
 
   if (info.ranks_read) {
-    std::printf("\nranks\n  %-6s %-10s %-10s %s\n", "RANK", "STATE", "PID", "ALIVE");
+    std::printf("\nranks\n  %-6s %-10s %-10s %-38s %s\n", "RANK", "STATE", "PID", "ALIVE", "OFFERS");
     for (const shm::RankInfo& r : info.ranks) {
-      std::printf("  %-6u %-10s %-10s %s\n", r.rank, r.state_name().c_str(),
+      std::string offers;
+      for (const std::string& f : r.feature_names()) offers += (offers.empty() ? "" : ",") + f;
+      std::printf("  %-6u %-10s %-10s %-38s %s\n", r.rank, r.state_name().c_str(),
                   r.state == shm::kRankFree ? "-" : std::to_string(r.pid).c_str(),
-                  r.foreign ? "unknown (another PID namespace: kept)" : r.alive ? "yes" : "no");
+                  r.foreign ? "unknown (another PID namespace: kept)" : r.alive ? "yes" : "no",
+                  offers.empty() ? "-" : offers.c_str());
     }
   }
   if (!info.details) return;

@@ -176,6 +176,7 @@ bool read_ranks(int fd, uint64_t offset, uint32_t world, uint64_t file_bytes, Se
       ri.pid = load<uint32_t>(slot + offsetof(RankSlot, pid));
       ri.start_time = load<uint64_t>(slot + offsetof(RankSlot, start_time));
       ri.pid_ns = load<uint32_t>(slot + offsetof(RankSlot, pid_ns));  // zeros in layout 5's reserved bytes
+      ri.features = load<uint32_t>(slot + offsetof(RankSlot, features));  // zeros before layout 8
     }
     ri.foreign = foreign_pid_namespace({ri.pid, ri.start_time, ri.pid_ns});
     ri.alive = ri.state == kRankLive && process_alive({ri.pid, ri.start_time, ri.pid_ns});
@@ -392,6 +393,18 @@ const char* status_name(SegmentStatus status) {
     case SegmentStatus::kMissing: return "missing";
   }
   return "unknown";
+}
+
+std::vector<std::string> RankInfo::feature_names() const {
+  std::vector<std::string> out;
+  for (uint32_t bit = 0; bit < 32; ++bit) {
+    const uint32_t f = uint32_t{1} << bit;
+    if ((features & f) == 0) continue;
+    out.push_back(f == kRankFeatureMemmapByReference ? "memmap_by_reference"
+                  : f == kRankFeatureTdshmTransfers  ? "tdshm_transfers"
+                                                     : "bit " + std::to_string(bit));
+  }
+  return out;
 }
 
 std::string RankInfo::state_name() const {

@@ -71,6 +71,9 @@ struct RankInfo {
   uint32_t pid = 0;
   uint64_t start_time = 0;
   uint32_t pid_ns = 0;  // its PID namespace (RankSlot::pid_ns; 0: not recorded)
+  uint32_t features = 0;  // what it offers its peers (RankSlot::features, kRankFeature*; 0: nothing)
+  /// The names of the features it offers ("memmap_by_reference", "tdshm_transfers", "bit N").
+  std::vector<std::string> feature_names() const;
   bool alive = false;  // state is Live and the process (pid + start time) still runs, or runs in
                        // another PID namespace (foreign_pid_namespace: not checkable, so kept)
   bool foreign = false;  // recorded by a process of another PID namespace than the reader's

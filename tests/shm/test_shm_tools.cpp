@@ -371,6 +371,13 @@ TEST_F(ShmTools, LiveGroupIsListedAndNeverCollected) {
   const SegmentInfo info = shm::inspect_segment(name, {.details = true});
   EXPECT_EQ(info.status, SegmentStatus::kValid);
   EXPECT_EQ(info.alive_ranks(), 2u);
+  for (const shm::RankInfo& r : info.ranks) {  // C++ ranks with the default options offer both
+    EXPECT_EQ(r.features, shm::kRankFeatureMemmapByReference | shm::kRankFeatureTdshmTransfers) << "rank " << r.rank;
+    EXPECT_EQ(r.feature_names(), (std::vector<std::string>{"memmap_by_reference", "tdshm_transfers"}));
+  }
+  shm::RankInfo other;
+  other.features = shm::kRankFeatureTdshmTransfers | (uint32_t{1} << 7);  // a bit a later build may set
+  EXPECT_EQ(other.feature_names(), (std::vector<std::string>{"tdshm_transfers", "bit 7"}));
   ASSERT_TRUE(info.details.has_value());
   if (shm::kLayoutVersion >= 5) {
     // One ring per ordered pair; rank 1's message to rank 0 (64 bytes: inline, no slot) is in it.
@@ -1373,12 +1380,14 @@ TEST_F(ShmCli, LsInspectGcOnLiveThenKilledGroup) {
   ToolRun in = run_tool({"inspect", name});
   EXPECT_EQ(in.rc, 0) << in.describe("inspect");
   for (const char* needle : {"status     in use (2 of 2 ranks alive", "layout version", "world size 2", "RANK", "live",
-                             "gc         keeps: in use", "details"}) {
+                             "OFFERS", "memmap_by_reference,tdshm_transfers", "gc         keeps: in use", "details"}) {
     EXPECT_TRUE(has(in.out, needle)) << "no '" << needle << "' in\n" << in.describe("inspect " + name);
   }
   ToolRun inj = run_tool({"inspect", "--json", name});
   EXPECT_EQ(inj.rc, 0) << inj.describe("inspect --json");
-  EXPECT_TRUE(has(inj.out, "\"status\": \"valid\"") && has(inj.out, "\"details\": {")) << inj.describe("inspect --json");
+  EXPECT_TRUE(has(inj.out, "\"status\": \"valid\"") && has(inj.out, "\"details\": {") &&
+              has(inj.out, "\"offers\": [\"memmap_by_reference\", \"tdshm_transfers\"]"))
+      << inj.describe("inspect --json");
   if (shm::kLayoutVersion >= 5) {
     // The pair table (PAIR HEAD TAIL DEPTH MESSAGES BYTES): rank 1's 64-byte message to rank 0 is
     // in flight, inline (no arena slot).
