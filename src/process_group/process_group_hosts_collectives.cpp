@@ -30,6 +30,21 @@ const at::Tensor& only_tensor(const std::vector<at::Tensor>& tensors, const char
   return tensors[0];
 }
 
+/// The root's one list of world-size tensors of a gather (`what` "output") or scatter ("input");
+/// none outside the root. Throws Error otherwise.
+std::vector<at::Tensor> root_list(const std::vector<std::vector<at::Tensor>>& lists, bool root, int world,
+                                  const char* op, const char* what) {
+  const std::string prefix = std::string("the shm backend across hosts: ") + op + " takes ";
+  if (root) {
+    if (lists.size() != 1 || lists[0].size() != static_cast<size_t>(world)) {
+      throw Error(prefix + "one list of world-size " + what + " tensors on the root");
+    }
+    return lists[0];
+  }
+  if (!lists.empty()) throw Error(prefix + "no " + what + " tensors outside the root");
+  return {};
+}
+
 bool is_avg(const c10d::ReduceOp& op) { return static_cast<c10d::ReduceOp::RedOpType>(op) == c10d::ReduceOp::AVG; }
 
 /// AVG is reduced as SUM (gloo has no AVG, and an average of averages over hosts of other sizes
@@ -268,15 +283,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::gather(std::vector<std::vector
   const at::Tensor t = only_tensor(inputTensors, "gather");
   if (opts.rootRank < 0 || opts.rootRank >= getSize()) throw Error("gather: root rank outside the world");
   const int dst = static_cast<int>(opts.rootRank);
-  std::vector<at::Tensor> outs;
-  if (getRank() == dst) {
-    if (outputTensors.size() != 1 || outputTensors[0].size() != static_cast<size_t>(getSize())) {
-      throw Error("the shm backend across hosts: gather takes one list of world-size output tensors on the root");
-    }
-    outs = outputTensors[0];
-  } else if (!outputTensors.empty()) {
-    throw Error("the shm backend across hosts: gather takes no output tensors outside the root");
-  }
+  const std::vector<at::Tensor> outs = root_list(outputTensors, getRank() == dst, getSize(), "gather", "output");
   return issue(
       c10d::OpType::GATHER, opts.timeout,
       [this, t, outs, dst](Deadline d) {
@@ -295,15 +302,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::scatter(std::vector<at::Tensor
   const at::Tensor t = only_tensor(outputTensors, "scatter");
   if (opts.rootRank < 0 || opts.rootRank >= getSize()) throw Error("scatter: root rank outside the world");
   const int src = static_cast<int>(opts.rootRank);
-  std::vector<at::Tensor> ins;
-  if (getRank() == src) {
-    if (inputTensors.size() != 1 || inputTensors[0].size() != static_cast<size_t>(getSize())) {
-      throw Error("the shm backend across hosts: scatter takes one list of world-size input tensors on the root");
-    }
-    ins = inputTensors[0];
-  } else if (!inputTensors.empty()) {
-    throw Error("the shm backend across hosts: scatter takes no input tensors outside the root");
-  }
+  const std::vector<at::Tensor> ins = root_list(inputTensors, getRank() == src, getSize(), "scatter", "input");
   return issue(
       c10d::OpType::SCATTER, opts.timeout,
       [this, t, ins, src](Deadline d) {
