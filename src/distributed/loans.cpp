@@ -52,33 +52,6 @@ TensorDict TensorDict::recv_view(const RecvOptions& o) const {
 
 namespace detail {
 
-namespace {
-
-// Waits for `batch`; after a failure, for each of its messages (so that every message is taken),
-// then rethrows the first failure with the context `what(i)` of its message. Returns the tensors.
-template <class What>
-std::vector<at::Tensor> wait_views(const c10::intrusive_ptr<BatchWork>& batch, What what) {
-  std::exception_ptr failed;
-  try {
-    batch->wait();
-    return batch->result();
-  } catch (...) {
-    failed = std::current_exception();
-  }
-  std::exception_ptr first;
-  const std::vector<WorkPtr> messages = batch->messages();
-  for (size_t i = 0; i < messages.size(); ++i) {
-    try {
-      messages[i]->wait();
-    } catch (...) {
-      if (!first) first = current_with_context(what(i));
-    }
-  }
-  std::rethrow_exception(first ? first : failed);  // (failed: an error no message repeats)
-}
-
-}  // namespace
-
 TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) {
   const Transport& transport = p.group.transport();
   if (o.consolidated) {
@@ -92,10 +65,14 @@ TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) 
       irecv_consolidated(fresh, p, o, Completion::kWaited);
       return fresh;
     }
-    const at::Tensor storage =
-        wait_views(transport.recv_views(p.rank, {kConsolidatedTag}, {schema_check(td.schema_fingerprint())}),
-                   [](size_t) { return std::string("consolidated recv_view: "); })
-            .at(0);
+    const c10::intrusive_ptr<BatchWork> batch =
+        transport.recv_views(p.rank, {kConsolidatedTag}, {schema_check(td.schema_fingerprint())});
+    try {
+      batch->wait();
+    } catch (...) {
+      rethrow_with_context("consolidated recv_view: ");
+    }
+    const at::Tensor storage = batch->result().at(0);
     if (storage.scalar_type() != at::kByte || storage.dim() != 1 || storage.numel() != mine.numel()) {
       throw SchemaError("consolidated recv_view: the sender's storage (" + std::to_string(storage.numel()) + " " +
                         c10::toString(storage.scalar_type()) + " elements) is not this tensordict's (" +
@@ -111,9 +88,16 @@ TensorDict recv_view(const TensorDict& td, const Peer& p, const RecvOptions& o) 
   const std::shared_ptr<const SortedLeaves> sorted = sorted_leaves(td);
   std::shared_ptr<const PerLeafWire> wire_keep;
   const PerLeafWire& wire = wire_of(*sorted, o.init_tag, o.pseudo_rand, wire_keep);
-  // Every leaf's view receive posted under one lock, waited as one.
-  const std::vector<at::Tensor> views = wait_views(transport.recv_views(p.rank, wire.c10d_tags, wire.checks),
-                                                   [&](size_t i) { return "recv_view of key " + sorted->keys[i].str() + ": "; });
+  // Every leaf's view receive posted under one lock, waited as one; after a failure each message
+  // is waited (every message is taken) and the first error names its key.
+  const c10::intrusive_ptr<BatchWork> batch = transport.recv_views(p.rank, wire.c10d_tags, wire.checks);
+  try {
+    batch->wait();
+  } catch (...) {
+    wait_keyed(batch->messages(), sorted->keys, "recv_view of key ");
+    throw;
+  }
+  const std::vector<at::Tensor> views = batch->result();
   try {
     return with_leaves(td, *sorted, views);  // the structure around the views, no key looked up
   } catch (...) {

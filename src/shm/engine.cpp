@@ -179,10 +179,7 @@ OpList ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src, std::
 }
 
 std::shared_ptr<ShmOp> ShmEngine::post_recv_view(int src, int64_t tag, MessageCheck check) {
-  auto op = ShmChannel::make_recv_view(src, rank_, size_, tag, check);
-  std::lock_guard lk(mu_);
-  channel_->post_recvs({&op, 1}, src);
-  return op;
+  return post_recv_views(src, {&tag, 1}, {&check, 1})[0];
 }
 
 OpList ShmEngine::post_recv_views(int src, std::span<const int64_t> tags, std::span<const MessageCheck> checks) {

@@ -87,11 +87,6 @@ struct EntryFields {
 /// is 0, an inline chunk's slot 0. Written into `out` in place (the caller's copy): a returned
 /// struct, stored field by field and then copied whole, stalled the copy's wide loads.
 void read_entry(const EntryHeader& shared, const EntryTail& tail, EntryFields& out) noexcept;
-inline EntryFields read_entry(const EntryHeader& shared, const EntryTail& tail) noexcept {
-  EntryFields e;
-  read_entry(shared, tail, e);
-  return e;
-}
 
 /// What the consumer of one ring knows when an entry arrives: the message in progress, if any.
 struct RxProgress {

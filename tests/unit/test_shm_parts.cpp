@@ -330,7 +330,8 @@ TEST(ShmRing, ReadEntryCopiesTheFields) {
   EXPECT_EQ(f.check, static_cast<uint32_t>(5 * 2654435761u));
   EXPECT_EQ(f.slot, 5u);
   // A fresh read_entry sees the new values (it reads the memory, not a cache of it).
-  const EntryFields g = read_entry(e, t);
+  EntryFields g;
+  read_entry(e, t, g);
   EXPECT_EQ(g.tag, 999);
   EXPECT_EQ(g.total_bytes, 1ull << 40);
   EXPECT_EQ(g.chunk_offset, 3u);
