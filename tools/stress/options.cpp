@@ -148,7 +148,7 @@ void print_stress_usage(FILE* out) {
                "else), hangs (still running --hang-s seconds after the kill, default 10), crashes and wrong\n"
                "data; then a fresh group of all ranks under the same name must rendezvous and do a checked\n"
                "transfer (no cleanup before), and /dev/shm must be clean after tdshm::remove_stale_segment.\n"
-               "Scenarios (LIST: comma-separated names or letters, \"all\" for a-g, which is the default):\n");
+               "Scenarios (LIST: comma-separated names or letters, \"all\" for a-h, which is the default):\n");
   for (const stress::Scenario& s : stress::kScenarios) std::fprintf(out, "  %c %-13s %s\n", s.letter, s.name, s.what);
   std::fprintf(out,
                "  recreate        --ranks (default 2,4) ranks run --cycles (default 500) cycles of\n"

@@ -2,7 +2,7 @@
 // file runs it: the worker mode, the options, then the kill loop over the scenarios and the
 // recreate runs, the summary and the exit code. The parts live beside it in tools/stress/.
 //
-// Kill loop (scenarios a-g). Every trial starts one process per rank (fork + exec of this tool in
+// Kill loop (scenarios a-h). Every trial starts one process per rank (fork + exec of this tool in
 // a hidden worker mode, `tdshm stress --worker ...`; `--spawn fork` skips the exec), with a
 // segment name of its own, waits until all are ready, starts the scenario and SIGKILLs one rank
 // at a uniformly random instant of the scenario's active window (measured beforehand by one run

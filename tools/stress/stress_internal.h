@@ -40,6 +40,7 @@ inline constexpr Scenario kScenarios[] = {
     {"broadcast", 'e', 3, false, "3 ranks: TensorDict::broadcast and ProcessGroupShm::broadcast, rotating root, 60 rounds"},
     {"fullring", 'f', 2, false, "1 MiB per-leaf sends into a 4 x 4 KiB ring while the receiver sleeps 150 ms, twice"},
     {"create", 'g', 2, true, "rank 0 creating a 256 MiB segment while rank 1 waits to attach"},
+    {"loans", 'h', 2, false, "3 loans (96 KiB; per-leaf, consolidated) sent in turn by reference, 2 views held, 300 rounds"},
 };
 
 /// The scenario named `name` or lettered so; nullptr if none.
@@ -74,6 +75,7 @@ void body_consolidated(const WorkerSpec& w, std::string& phase);
 void body_remote(const WorkerSpec& w, std::string& phase);
 void body_broadcast(const WorkerSpec& w, std::string& phase);
 void body_fullring(const WorkerSpec& w, std::string& phase);
+void body_loans(const WorkerSpec& w, std::string& phase);
 void recreate_exchange(const WorkerSpec& w, int64_t cycle, std::string& phase);
 
 // ---------------------------------------------------------------------------------------------

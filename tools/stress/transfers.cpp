@@ -1,4 +1,4 @@
-// What the ranks of `tdshm stress` send and check: the bodies of scenarios b-f, the checked
+// What the ranks of `tdshm stress` send and check: the bodies of scenarios b-f and h, the checked
 // exchange of a, g and the recovery groups, and the recreate loop's exchange. A received value
 // that differs from what was sent throws WrongData; `phase` always says where a rank is.
 
@@ -13,6 +13,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <chrono>
+#include <deque>
 #include <initializer_list>
 #include <thread>
 #include <variant>
@@ -29,6 +30,9 @@ constexpr int kRemoteRounds = 30;
 constexpr int kBroadcastRounds = 60;
 constexpr int kFullRingRounds = 2;
 constexpr auto kFullRingSleep = 150ms;
+constexpr int kLoanRounds = 300;
+constexpr int kLoanBuffers = 3;  // two per-leaf loans, then a consolidated one
+constexpr int kLoanCopyEvery = 5;  // every fifth round rank 0 copies the loan out instead of a view
 
 void expect(bool ok, const std::string& what) {
   if (!ok) throw WrongData(what);
@@ -73,6 +77,92 @@ TensorDict p2p_tree() {
 
 TensorDict big_tree() {
   return TensorDict({{"x", at::zeros({kBigFloats}, at::kFloat)}, {"i", at::zeros({1}, at::kLong)}}).consolidate();
+}
+
+TensorDict loan_tree() {
+  return TensorDict({{"x", at::zeros({98304}, at::kByte)}, {{"n", "y"}, at::zeros({1000}, at::kFloat)}, {"i", at::zeros({1}, at::kLong)}});
+}
+
+bool loan_round_consolidated(int i) { return i % kLoanBuffers == kLoanBuffers - 1; }
+int64_t loan_round_value(int i) { return i % 250 + 1; }
+
+void fill_loan_round(const TensorDict& td, int i) {
+  td.get("x").fill_(loan_round_value(i));
+  td.get({"n", "y"}).fill_(loan_round_value(i));
+  td.get("i").fill_(i);
+}
+
+void check_loan_round(const TensorDict& td, int i, const std::string& what) {
+  const int64_t v = loan_round_value(i);
+  expect(td.get("i").item<int64_t>() == i, what + ": leaf i is " + i64_str(td.get("i")));
+  expect(td.get("x").eq(v).all().item<bool>() && td.get({"n", "y"}).eq(v).all().item<bool>(),
+         what + ": a leaf is not all " + std::to_string(v));
+}
+
+// (h), the sender: kLoanBuffers loans filled in turn, each sent by reference once its previous
+// send completed (rank 0 dropped its view or copied it). If rank 0 dies, the loans' room must come
+// back: with every loan dropped, the whole heap can be lent again.
+void loans_sender(std::string& phase) {
+  const TensorDict like = loan_tree();
+  std::vector<TensorDict> loans;
+  for (int b = 0; b < kLoanBuffers; ++b) loans.push_back(loan(like, {.dst = 0, .consolidated = loan_round_consolidated(b)}));
+  std::vector<Transfer> sent(kLoanBuffers);
+  try {
+    for (int i = 0; i < kLoanRounds; ++i) {
+      const auto b = static_cast<size_t>(i % kLoanBuffers);
+      phase = round_phase(i, "wait for the loan's previous send");
+      sent[b].wait();
+      fill_loan_round(loans[b], i);
+      phase = round_phase(i, "isend a loan");
+      sent[b] = loans[b].isend({.dst = 0, .return_early = true, .consolidated = loan_round_consolidated(i)});
+    }
+    phase = "wait for the last sends";
+    for (const Transfer& t : sent) t.wait();
+  } catch (const PeerLostError&) {
+    sent.clear();
+    loans.clear();
+    const std::string failed = phase;
+    phase = failed + "; PeerLostError, then lending the whole loan heap";
+    const auto heap = static_cast<int64_t>(ShmOptions{}.loan_bytes);
+    expect(loan({heap}, at::kByte, {.dst = 0}).defined(), phase + ": no loan");
+    phase = failed;
+    throw;
+  }
+}
+
+// (h), the receiver: views of rounds i - 1 and i held (checked on arrival and again before they
+// are dropped: nothing overwrote them), every fifth round a copy out of the loan instead. If rank
+// 1 dies, the views held must still read what was sent.
+void loans_receiver(std::string& phase) {
+  TensorDict own = loan_tree();
+  TensorDict own_consolidated = loan_tree().consolidate();  // also the schema of consolidated views
+  std::deque<std::pair<TensorDict, int>> held;
+  auto recheck = [&](const char* when) {
+    for (const auto& [view, round] : held) check_loan_round(view, round, round_phase(round, when));
+  };
+  try {
+    for (int i = 0; i < kLoanRounds; ++i) {
+      const bool consolidated = loan_round_consolidated(i);
+      if (i % kLoanCopyEvery == kLoanCopyEvery - 1) {
+        phase = round_phase(i, "recv (a copy out of the loan)");
+        TensorDict& into = consolidated ? own_consolidated : own;
+        into.recv({.src = 1, .consolidated = consolidated});
+        check_loan_round(into, i, phase);
+      } else {
+        phase = round_phase(i, "recv_view");
+        const TensorDict& like = consolidated ? own_consolidated : own;  // gives keys or schema, not written
+        held.emplace_back(like.recv_view({.src = 1, .consolidated = consolidated}), i);
+        check_loan_round(held.back().first, i, phase);
+      }
+      while (!held.empty() && held.front().second < i - 1) {  // the sender refills that loan next
+        check_loan_round(held.front().first, held.front().second, round_phase(held.front().second, "view before its drop"));
+        held.pop_front();
+      }
+    }
+  } catch (const PeerLostError&) {
+    recheck("a view held when the sender was lost");
+    throw;
+  }
 }
 
 }  // namespace
@@ -212,6 +302,15 @@ void body_fullring(const WorkerSpec& w, std::string& phase) {
       td.recv({.src = 1});
       expect(td.eq(v).all(), phase + ": a leaf is not all " + std::to_string(v));
     }
+  }
+}
+
+// (h) rank 1 sends loans by reference, rank 0 takes views and copies (docs/loans.md).
+void body_loans(const WorkerSpec& w, std::string& phase) {
+  if (w.rank == 1) {
+    loans_sender(phase);
+  } else {
+    loans_receiver(phase);
   }
 }
 

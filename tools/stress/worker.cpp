@@ -148,6 +148,7 @@ int run_kill_worker(const WorkerSpec& w, const Scenario& s) {
       case 'd': body_remote(w, phase); break;
       case 'e': body_broadcast(w, phase); break;
       case 'f': body_fullring(w, phase); break;
+      case 'h': body_loans(w, phase); break;
       default: checked_exchange(w, static_cast<int64_t>(w.seed), phase); break;
     }
     emit("DONE");
