@@ -20,6 +20,10 @@ Stats stats_of(const LayoutResult& r, const std::string& pattern, const std::str
       bounds.push_back(static_cast<double>(m.count) * items_per_count / m.read_seconds);
     }
   }
+  std::vector<double> writes;
+  for (const auto& w : r.written) {
+    if (w.pattern == pattern && w.transport == transport && w.batch_seconds > 0) writes.push_back(w.batch_seconds);
+  }
   Stats s;
   s.n = static_cast<int>(rates.size());
   if (s.n == 0) return s;
@@ -30,7 +34,9 @@ Stats stats_of(const LayoutResult& r, const std::string& pattern, const std::str
   if (!shares.empty()) {
     s.read_share = median_of(shares);
     s.read_bound = median_of(bounds);
+    s.read_batch_seconds = 1 / s.read_bound;
   }
+  if (!writes.empty()) s.write_batch_seconds = median_of(writes);
   return s;
 }
 
@@ -48,7 +54,9 @@ void print_loan_goals(const LayoutResult& r, const std::string& scenario, int it
          1.2);
     line("shm loan-copy / shm irecv-ahead", median("loan-copy", "shm"), median("irecv-ahead", "shm"), ">=", 1.3);
     // What main reading every byte and nothing else would take (measured in the in-place
-    // reference, whose main does nothing else but wait on one flag).
+    // reference, whose main does nothing else but wait on one flag); and what the CPUs allow when
+    // they only write every byte once (the workers) and read it once (main): no transport can do
+    // less, so no pattern passes min(1 / read, N / write, CPUs / (write + read)) batches/s.
     const Stats inplace = stats_of(r, "loan-view", "inplace", items);
     const double copying = median("irecv-ahead", "shm");
     if (inplace.read_bound > 0 && inplace.median > 0 && copying > 0) {
@@ -56,6 +64,14 @@ void print_loan_goals(const LayoutResult& r, const std::string& scenario, int it
                   "           = %.2fx inplace, %.2fx shm irecv-ahead (what reading alone allows this minute)\n",
                   100 * inplace.read_share, inplace.read_bound, inplace.read_bound / inplace.median,
                   inplace.read_bound / copying);
+      const double write = inplace.write_batch_seconds, read = inplace.read_batch_seconds;
+      const int cpus = allowed_cpu_count();
+      if (write > 0 && cpus > 0) {
+        const double bound = std::min({1 / read, items / write, cpus / (write + read)});
+        std::printf("  ceiling: a worker writes a batch in %.1f us, main reads it in %.1f us (inplace, medians); with %d\n"
+                    "           CPU(s) doing nothing else: %.1f batches/s = %.2fx inplace, %.2fx shm irecv-ahead\n",
+                    write * 1e6, read * 1e6, cpus, bound, bound / inplace.median, bound / copying);
+      }
     }
   } else {
     line("shm loan-view / shm weights-trajectory", median("loan-view", "shm"), median("weights-trajectory", "shm"), ">=",

@@ -15,8 +15,16 @@ struct Measured {
   double read_seconds = 0;  // loader: main's time reading and checking batches
 };
 
+/// Loader: what one worker reported of one measurement.
+struct Written {
+  std::string pattern, transport;
+  int repeat = 0;
+  double batch_seconds = 0;  // the median time it took to write a batch
+};
+
 struct LayoutResult {
   std::vector<Measured> measured;
+  std::vector<Written> written;
   std::vector<std::string> failures;
 };
 
@@ -27,6 +35,9 @@ struct Stats {
   // Loader: the share of main's loop spent reading batches, and the rate main would reach if
   // it did nothing else (batches / reading seconds) (medians).
   double read_share = 0, read_bound = 0;
+  // Loader: main's median time to read a batch, a worker's to write one (median over the workers
+  // and repeats).
+  double read_batch_seconds = 0, write_batch_seconds = 0;
 };
 
 /// Rates (items per second) of the measurements of (pattern, transport).

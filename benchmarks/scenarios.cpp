@@ -295,10 +295,37 @@ void inject_fault(const std::string& fault, int rank, int64_t seq, const BatchVi
 
 constexpr int kLoanBuffers = 4;
 
+// A worker's production of its batches: fill_batch, timed (two clock reads per batch, in every
+// transport alike). median() is what writing one batch costs a worker: with main's read, the
+// work no transport can take away (scenario_results.cpp's ceiling).
+class Producer {
+ public:
+  Producer(const Layout& layout, int w, int64_t seq0, int count) : layout_(layout), w_(w), seq0_(seq0) {
+    fills_.reserve(static_cast<size_t>(count));
+  }
+  void fill(const BatchView& v, int b) {
+    const auto t0 = Clock::now();
+    fill_batch(v, w_, seq0_ + b);
+    fills_.push_back(Clock::now() - t0);
+    inject_fault(layout_.fault, w_, seq0_ + b, &v);
+  }
+  double median_seconds() {
+    if (fills_.empty()) return 0;
+    std::nth_element(fills_.begin(), fills_.begin() + static_cast<std::ptrdiff_t>(fills_.size() / 2), fills_.end());
+    return std::chrono::duration<double>(fills_[fills_.size() / 2]).count();
+  }
+
+ private:
+  const Layout& layout_;
+  int w_;
+  int64_t seq0_;
+  std::vector<Clock::duration> fills_;
+};
+
 // A worker of the loan patterns: kLoanBuffers loans filled in turn, each sent by
 // reference; a loan is filled again once its previous send completed (main dropped its view,
 // or copied it out).
-void loan_worker(const Layout& layout, const Group& g, const Step& s, int64_t seq0, int w) {
+void loan_worker(const Group& g, const Step& s, Producer& producer) {
   const LoanOptions o{.group = g, .dst = 0, .consolidated = s.pattern == "loan-view-c"};
   std::vector<TensorDict> loans;
   for (int i = 0; i < kLoanBuffers; ++i) loans.push_back(loan(make_batch(), o));
@@ -307,39 +334,35 @@ void loan_worker(const Layout& layout, const Group& g, const Step& s, int64_t se
     const TensorDict& batch = loans[static_cast<size_t>(b % kLoanBuffers)];
     Transfer& previous = sent[static_cast<size_t>(b % kLoanBuffers)];
     previous.wait();
-    const BatchView v = view(batch);
-    fill_batch(v, w, seq0 + b);
-    inject_fault(layout.fault, w, seq0 + b, &v);
+    producer.fill(view(batch), b);
     previous = batch.isend({.group = g, .group_dst = 0, .return_early = true, .consolidated = o.consolidated});
   }
   for (const Transfer& t : sent) t.wait();
 }
 
-void loader_worker(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, int w,
-                   const TensorDict& batch) {
+// A worker of the loader; returns the median time it took to write a batch.
+double loader_worker(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, int w,
+                     const TensorDict& batch) {
   const Group& g = step_group(groups, s);
+  Producer producer(layout, w, seq0, s.count);
   if (s.transport == "inplace") {
     const auto deadline = Clock::now() + kGroupTimeout;
     InplaceChannel ch = layout.inplace_channel(w);
     for (int b = 0; b < s.count; ++b) {
       ch.wait_empty(deadline);
-      const BatchView v = view(ch);
-      fill_batch(v, w, seq0 + b);
-      inject_fault(layout.fault, w, seq0 + b, &v);
+      producer.fill(view(ch), b);
       ch.publish();
     }
-    return;
+    return producer.median_seconds();
   }
   if (is_loan_pattern(s.pattern)) {
-    loan_worker(layout, g, s, seq0, w);
-    return;
+    loan_worker(g, s, producer);
+    return producer.median_seconds();
   }
   const bool by_copy = s.transport == "memcpy";
   const std::vector<at::Tensor> leaves = copied_tensors(batch);
   for (int b = 0; b < s.count; ++b) {
-    const BatchView v = view(batch);
-    fill_batch(v, w, seq0 + b);
-    inject_fault(layout.fault, w, seq0 + b, &v);
+    producer.fill(view(batch), b);
     if (by_copy) {
       // The consolidated pattern pays its consolidate() per batch here too.
       copy_send(layout.worker_channel(w),
@@ -350,6 +373,7 @@ void loader_worker(const Layout& layout, const Groups& groups, const Step& s, in
       batch.send({.group = g, .group_dst = 0});
     }
   }
+  return producer.median_seconds();
 }
 
 double learner(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, const TensorDict& weights,
@@ -477,7 +501,12 @@ int run_rank(const Layout& layout, int rank, Control& control, const Reporter& r
         if (rank == 0) {
           seconds = loader_main(layout, groups, s, seq, plain, consolidated);
         } else {
-          loader_worker(layout, groups, s, seq, rank, batch);
+          const double write = loader_worker(layout, groups, s, seq, rank, batch);
+          if (s.repeat >= 0) {
+            char line[256];
+            std::snprintf(line, sizeof line, "W %s %s %d %.9g", s.pattern.c_str(), s.transport.c_str(), s.repeat, write);
+            report.line(line);
+          }
         }
       } else if (rank == 0) {
         seconds.seconds = learner(layout, groups, s, seq, weights, trajectories);
@@ -511,8 +540,20 @@ std::string rank_name(const Layout& layout, int rank) {
   return std::string(layout.scenario == "loader" ? "worker " : "actor ") + std::to_string(rank);
 }
 
-// The measurements in rank 0's report lines ("M pattern transport repeat count seconds read_seconds").
+// The measurements in rank 0's report lines ("M pattern transport repeat count seconds
+// read_seconds") and the loader workers' ("W pattern transport repeat write_seconds": the median
+// time a batch took to write).
 void handle_line(const std::string& line, LayoutResult& result) {
+  if (line.rfind("W ", 0) == 0) {
+    char pattern[64], transport[16];
+    Written w;
+    if (std::sscanf(line.c_str(), "W %63s %15s %d %lf", pattern, transport, &w.repeat, &w.batch_seconds) == 4) {
+      w.pattern = pattern;
+      w.transport = transport;
+      result.written.push_back(w);
+      return;
+    }
+  }
   if (line.rfind("M ", 0) == 0) {
     char pattern[64], transport[16];
     Measured m;
@@ -706,6 +747,7 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
             r.set_int("workers", peers).set_int("batches", static_cast<int64_t>(count) * peers);
             r.set_int("batch_bytes", static_cast<int64_t>(kBatchBytes));
             r.set_number("main_read_share", st.read_share).set_number("read_bound_batches_per_s", st.read_bound);
+            r.set_number("worker_write_s", st.write_batch_seconds).set_number("main_read_s", st.read_batch_seconds);
           } else {
             r.set_int("actors", peers).set_int("steps", count);
             r.set_int("step_bytes", static_cast<int64_t>(item_bytes));

@@ -5,7 +5,8 @@
 #  1. --scenario loader --quick --workers 1,2 --progress --json: exit 0; one row per pattern
 #     (blocking, irecv-ahead, consolidated: shm, gloo, memcpy; loan-copy, loan-view-c: shm,
 #     gloo; loan-view: shm, gloo, inplace) and N with positive
-#     batches_per_s and gbps, batches = 30 N; the progress lines go to stderr, stdout has no \r;
+#     batches_per_s, gbps, worker_write_s and main_read_s, batches = 30 N; the ceilings' lines;
+#     the progress lines go to stderr, stdout has no \r;
 #     the oversubscription note for N=2 on a machine with fewer than 3 CPUs.
 #  2. --scenario actor-learner --quick --json: exit 0; a row per transport (shm, gloo, memcpy),
 #     positive steps_per_s.
@@ -88,6 +89,7 @@ cmake_host_system_information(RESULT cpus QUERY NUMBER_OF_LOGICAL_CORES)
 if(cpus LESS 3)
   expect_in("loader: N=2 on ${cpus} CPUs" "${l_out}" "oversubscribed")
 endif()
+expect_in("loader: the write-and-read ceiling" "${l_out}" "CPU(s) doing nothing else")
 rows_of("${loader_json}" loader rows)
 list(LENGTH rows n)
 if(NOT n EQUAL 32)
@@ -104,6 +106,10 @@ foreach(row IN LISTS rows)
   string(JSON repeats GET "${row}" repeats)
   expect_positive("loader batches_per_s in ${row}" "${rate}")
   expect_positive("loader gbps in ${row}" "${gbps}")
+  string(JSON write GET "${row}" worker_write_s)
+  string(JSON read GET "${row}" main_read_s)
+  expect_positive("loader worker_write_s in ${row}" "${write}")
+  expect_positive("loader main_read_s in ${row}" "${read}")
   math(EXPR want "30 * ${workers}")
   if(NOT batches EQUAL want OR NOT repeats EQUAL 1)
     message(FATAL_ERROR "loader: batches ${batches} (expected ${want}) or repeats ${repeats} (expected 1) in ${row}")
