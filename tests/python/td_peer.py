@@ -872,7 +872,7 @@ def scatter(src, tensordicts=None, *, group=None, use_torch=False, seen=None):
 
 
 # ------------------------------------------------------------------------------------------
-# The trees of the tests and their values (the C++ side builds the same: test_interop.cpp)
+# The trees of the tests and their values (the C++ side builds the same: tests/interop/interop_trees.cpp)
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,

@@ -4,7 +4,7 @@ tensordict carries a tensorclass through init_remote / broadcast as the string
 ``f"{cls.__module__}.{cls.__qualname__}"`` and the receiver imports it back
 (``_resolve_tensorclass_type``: ``importlib.import_module(module).<name>``). td_peer.py
 does the same, so the type travels as "td_peer_types.InteropRecord"; the C++ side registers
-its tensorclass under that very name (tests/interop/test_interop.cpp).
+its tensorclass under that very name (tests/interop/interop_trees.h).
 """
 
 
