@@ -296,8 +296,8 @@ void inject_fault(const std::string& fault, int rank, int64_t seq, const BatchVi
 constexpr int kLoanBuffers = 4;
 
 // A worker's production of its batches: fill_batch, timed (two clock reads per batch, in every
-// transport alike). median() is what writing one batch costs a worker: with main's read, the
-// work no transport can take away (scenario_results.cpp's ceiling).
+// transport alike). median_seconds() is what writing one batch costs a worker: with main's read,
+// the work no transport can take away (scenario_results.cpp's ceiling).
 class Producer {
  public:
   Producer(const Layout& layout, int w, int64_t seq0, int count) : layout_(layout), w_(w), seq0_(seq0) {
