@@ -303,7 +303,7 @@ class Producer {
   Producer(const Layout& layout, int w, int64_t seq0, int count) : layout_(layout), w_(w), seq0_(seq0) {
     fills_.reserve(static_cast<size_t>(count));
   }
-  void fill(const BatchView& v, int b) {
+  void produce(const BatchView& v, int b) {
     const auto t0 = Clock::now();
     fill_batch(v, w_, seq0_ + b);
     fills_.push_back(Clock::now() - t0);
@@ -334,7 +334,7 @@ void loan_worker(const Group& g, const Step& s, Producer& producer) {
     const TensorDict& batch = loans[static_cast<size_t>(b % kLoanBuffers)];
     Transfer& previous = sent[static_cast<size_t>(b % kLoanBuffers)];
     previous.wait();
-    producer.fill(view(batch), b);
+    producer.produce(view(batch), b);
     previous = batch.isend({.group = g, .group_dst = 0, .return_early = true, .consolidated = o.consolidated});
   }
   for (const Transfer& t : sent) t.wait();
@@ -350,7 +350,7 @@ double loader_worker(const Layout& layout, const Groups& groups, const Step& s, 
     InplaceChannel ch = layout.inplace_channel(w);
     for (int b = 0; b < s.count; ++b) {
       ch.wait_empty(deadline);
-      producer.fill(view(ch), b);
+      producer.produce(view(ch), b);
       ch.publish();
     }
     return producer.median_seconds();
@@ -362,7 +362,7 @@ double loader_worker(const Layout& layout, const Groups& groups, const Step& s, 
   const bool by_copy = s.transport == "memcpy";
   const std::vector<at::Tensor> leaves = copied_tensors(batch);
   for (int b = 0; b < s.count; ++b) {
-    producer.fill(view(batch), b);
+    producer.produce(view(batch), b);
     if (by_copy) {
       // The consolidated pattern pays its consolidate() per batch here too.
       copy_send(layout.worker_channel(w),
@@ -467,7 +467,7 @@ void actor(const Layout& layout, const Groups& groups, const Step& s, int64_t se
 }
 
 // Everything a rank does after fork; returns its exit code.
-int run_rank(const Layout& layout, int rank, Control& control, const Reporter& report) {
+int scenario_rank(const Layout& layout, int rank, Control& control, const Reporter& report) {
   at::set_num_threads(1);
   try {
     const Groups groups = make_groups(layout.segment, rank, layout.world(), control);
@@ -535,7 +535,7 @@ int run_rank(const Layout& layout, int rank, Control& control, const Reporter& r
 
 // ---- the coordinator ----
 
-std::string rank_name(const Layout& layout, int rank) {
+std::string name_of_rank(const Layout& layout, int rank) {
   if (rank == 0) return layout.scenario == "loader" ? "main (rank 0)" : "learner (rank 0)";
   return std::string(layout.scenario == "loader" ? "worker " : "actor ") + std::to_string(rank);
 }
@@ -543,7 +543,7 @@ std::string rank_name(const Layout& layout, int rank) {
 // The measurements in rank 0's report lines ("M pattern transport repeat count seconds
 // read_seconds") and the loader workers' ("W pattern transport repeat write_seconds": the median
 // time a batch took to write).
-void handle_line(const std::string& line, LayoutResult& result) {
+void read_report(const std::string& line, LayoutResult& result) {
   if (line.rfind("W ", 0) == 0) {
     char pattern[64], transport[16];
     Written w;
@@ -587,13 +587,13 @@ LayoutResult run_layout(Layout layout, std::chrono::seconds deadline_after) {
   job.world = layout.world();
   job.segment = layout.segment;
   job.run_rank = [&layout](int rank, Control& control, const Reporter& report) {
-    return run_rank(layout, rank, control, report);
+    return scenario_rank(layout, rank, control, report);
   };
-  job.rank_name = [&layout](int rank) { return rank_name(layout, rank); };
+  job.rank_name = [&layout](int rank) { return name_of_rank(layout, rank); };
   RanksResult ranks = run_ranks(job, deadline_after);
   LayoutResult result;
   result.failures = std::move(ranks.failures);
-  for (const auto& line : ranks.reports) handle_line(line, result);
+  for (const auto& line : ranks.reports) read_report(line, result);
   return result;
 }
 
