@@ -40,7 +40,7 @@ inline constexpr Scenario kScenarios[] = {
     {"broadcast", 'e', 3, false, "3 ranks: TensorDict::broadcast and ProcessGroupShm::broadcast, rotating root, 60 rounds"},
     {"fullring", 'f', 2, false, "1 MiB per-leaf sends into a 4 x 4 KiB ring while the receiver sleeps 150 ms, twice"},
     {"create", 'g', 2, true, "rank 0 creating a 256 MiB segment while rank 1 waits to attach"},
-    {"loans", 'h', 2, false, "3 loans (96 KiB; per-leaf, consolidated) sent in turn by reference, 2 views held, 300 rounds"},
+    {"loans", 'h', 2, false, "96 KiB loans, per-leaf and consolidated, sent by reference; 2 views held; 300 rounds"},
 };
 
 /// The scenario named `name` or lettered so; nullptr if none.
