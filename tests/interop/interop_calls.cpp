@@ -36,9 +36,9 @@ RecvOptions from(int peer, const Group& g) {
   return o;
 }
 
-/// The tags of `n` leaves from init_tag: the last one.
 namespace {
 
+/// The tags of `n` leaves from init_tag: the last one.
 int64_t expected_last_tag(size_t n, int64_t init_tag, bool pseudo) {
   int64_t tag = init_tag - 1;
   for (size_t i = 0; i < n; ++i) tag = pseudo ? pseudo_rand_tag(tag + 1) : tag + 1;
@@ -47,9 +47,9 @@ int64_t expected_last_tag(size_t n, int64_t init_tag, bool pseudo) {
 
 }  // namespace
 
-/// The two leaves beside a nested stack (PerLeaf::nest), as td_peer.py makes them.
 namespace {
 
+/// The two leaves beside a nested stack (PerLeaf::nest), as td_peer.py makes them.
 TensorDict nest_lazy(const LazyStackedTensorDict& stack, int64_t salt, bool blank) {
   const at::Tensor a0 = blank ? at::full({3}, -1.0) : at::arange(3, at::kFloat) + static_cast<double>(salt);
   const at::Tensor zz = blank ? at::full({2}, -1, at::kLong) : at::arange(2, at::kLong) * (salt + 1);
@@ -91,9 +91,9 @@ void check_lazy(const LazyStackedTensorDict& s, const std::vector<std::string>& 
   }
 }
 
-/// nest_lazy of a lazy stack of `trees`: the leaves beside the stack, then its members.
 namespace {
 
+/// nest_lazy of a lazy stack of `trees`: the leaves beside the stack, then its members.
 void check_nested_lazy(const TensorDict& td, const std::vector<std::string>& trees, int64_t salt, const std::string& what) {
   const TensorDict want = nest_lazy(lazy_stack_of(trees, salt, false), salt, false);
   SHM_CHECK(at::equal(td.get("a0"), want.get("a0")) && at::equal(td.get("zz"), want.get("zz")),
@@ -103,10 +103,10 @@ void check_nested_lazy(const TensorDict& td, const std::vector<std::string>& tre
 
 }  // namespace
 
-/// `td` itself, or a loan like it holding its values (the transport sends it by reference over
-/// shm; a Python peer still receives its bytes).
 namespace {
 
+/// `td` itself, or a loan like it holding its values (the transport sends it by reference over
+/// shm; a Python peer still receives its bytes).
 TensorDict maybe_loaned(const TensorDict& td, const Group& g, bool loaned, bool consolidated = false) {
   if (!loaned) return td;
   TensorDict lent = loan(td, {.group = g, .consolidated = consolidated});
@@ -120,9 +120,9 @@ TensorDict maybe_loaned(const TensorDict& td, const Group& g, bool loaned, bool 
 
 }  // namespace
 
-/// The sends of cpp_send, on a TensorDict or a lazy stack.
 namespace {
 
+/// The sends of cpp_send, on a TensorDict or a lazy stack.
 template <class Tree>
 void send_as(const Tree& td, const PerLeaf& p, SendOptions o) {
   o.init_tag = p.init_tag;
@@ -152,9 +152,9 @@ std::function<void(const Group&)> cpp_send(int dst, PerLeaf p) {
   };
 }
 
-/// The receives of cpp_recv, into a TensorDict or a lazy stack.
 namespace {
 
+/// The receives of cpp_recv, into a TensorDict or a lazy stack.
 template <class Tree>
 void recv_as(Tree& td, const PerLeaf& p, RecvOptions o) {
   o.init_tag = p.init_tag;
@@ -408,10 +408,10 @@ c10d::ReduceOp::RedOpType reduce_op(const std::string& op) {
 
 }  // namespace
 
-/// Every tensor leaf of tree `name` in `got` holds the tree at each of `salts` reduced with `op`
-/// in the leaf's dtype (td_peer.check_reduced).
 namespace {
 
+/// Every tensor leaf of tree `name` in `got` holds the tree at each of `salts` reduced with `op`
+/// in the leaf's dtype (td_peer.check_reduced).
 void check_reduced(const TensorDict& got, const std::string& name, int64_t salt, int world, const std::string& op,
                    const std::string& what) {
   for (const Entry& e : tree_spec(name).entries) {
@@ -463,9 +463,9 @@ std::string joined(const std::vector<std::string>& trees) {
 
 }  // namespace
 
-/// Tree `name` at `salt`, as a tensorclass's tensordict for "record" (whose name must not travel).
 namespace {
 
+/// Tree `name` at `salt`, as a tensorclass's tensordict for "record" (whose name must not travel).
 TensorDict collective_tree(const std::string& name, int64_t salt) {
   const TensorDict td = build_tree(name, salt);
   return name == "record" ? InteropRecord(td).tensordict() : td;
