@@ -171,20 +171,15 @@ bool CollectiveQueue::cancel(QueuedCollective& c, std::exception_ptr error) {
 void CollectiveQueue::on_done(QueuedCollective& c, std::function<void()> fn) {
   {
     std::lock_guard lk(mu_);
+    c.on_done_.push_back(std::move(fn));
     if (!c.done()) {
-      c.on_done_.push_back(std::move(fn));
       c.has_callbacks_.store(true, std::memory_order_seq_cst);
       if (!c.done()) return;  // settle() sees has_callbacks_ and calls it
-    } else {
-      fn = nullptr;
     }
   }
-  // Done meanwhile: call_back takes the callbacks under mu_, so each runs once whoever calls it.
-  if (fn) {
-    fn();
-  } else {
-    call_back(c);
-  }
+  // Done already (a future asked for after wait()), or meanwhile: call_back takes the callbacks
+  // under mu_, so each runs once, whichever thread gets there first.
+  call_back(c);
 }
 
 void CollectiveQueue::urge() noexcept {

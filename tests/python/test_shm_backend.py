@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import unittest
 from datetime import timedelta
 
@@ -119,6 +120,39 @@ def _worker(scenario, rank, world, init_method, outdir):
         expect_equal("all_reduce around point-to-point", t, torch.full((1000,), 3.0))
         f = dist.all_reduce(t, async_op=True).get_future()
         expect_equal("a future's value", f.wait()[0], torch.full((1000,), 6.0))
+
+        # The future of a Work asked for after wait() (DDP hooks, collect_all over waited works):
+        # it completes with the result. Polled with a deadline: a future that never completes is a
+        # failure, not a hang.
+        def late_future(work, what):
+            wait(work)
+            fut = work.get_future()
+            give_up = time.monotonic() + 10
+            while not fut.done():
+                if time.monotonic() > give_up:
+                    raise AssertionError(f"rank {rank}: the future of a waited {what} never completed")
+                time.sleep(0.001)
+            return fut.wait()
+
+        t = torch.full((4,), float(rank + 1))
+        got = late_future(dist.all_reduce(t, async_op=True), "all_reduce")
+        expect_equal("a late future's all_reduce", got[0], torch.full((4,), 3.0))
+        b = torch.full((4,), float(rank))
+        got = late_future(dist.broadcast(b, src=1, async_op=True), "broadcast")
+        expect_equal("a late future's broadcast", got[0], torch.full((4,), 1.0))
+        outs = [torch.zeros(2) for _ in range(world)]
+        late_future(dist.all_gather(outs, torch.full((2,), float(rank)), async_op=True), "all_gather")
+        expect_equal("a late future's all_gather", torch.stack(outs), torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+        late_future(dist.barrier(async_op=True), "barrier")
+        chained = dist.all_reduce(t, async_op=True)
+        wait(chained)
+        then = chained.get_future().then(lambda fut: fut.value()[0] * 2)
+        give_up = time.monotonic() + 10
+        while not then.done():
+            if time.monotonic() > give_up:
+                raise AssertionError(f"rank {rank}: then() on a waited all_reduce's future never ran")
+            time.sleep(0.001)
+        expect_equal("then() after wait()", then.wait(), torch.full((4,), 12.0))
     elif scenario == "collectives":
         for root in range(world):
             for dtype in (torch.float32, torch.int64, torch.uint8):

@@ -204,6 +204,117 @@ TEST_F(ShmAsyncCollective, AWaitThatTimesOutLeavesItRunningAndFuturesComplete) {
   }));
 }
 
+// A Work's future asked for after wait() completes at once with the collective's result (it was
+// made after the completion that would have marked it, and never completed), for every kind of
+// collective, and with the error of one that failed. Never c10's blocking wait on the future: a
+// future that never completes is a check that fails, not a hang.
+TEST_F(ShmAsyncCollective, AFutureAskedForAfterWaitCompletes) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 3, [&](int r) {
+    ProcessGroupShm pg(name, r, 3, small_options());
+    auto expect_completed = [&](const c10::intrusive_ptr<c10d::Work>& w, const char* what) {
+      w->wait();
+      auto f = w->getFuture();
+      const auto give_up = Clock::now() + 5s;
+      while (!f->completed()) {
+        SHM_CHECK(Clock::now() < give_up, std::string("the future of a waited ") + what + " never completed");
+        std::this_thread::sleep_for(1ms);
+      }
+      SHM_CHECK(!f->hasError(), std::string("the future of a waited ") + what + " failed");
+      return f->value().toTensorVector();
+    };
+    const float me = static_cast<float>(r + 1);
+    {
+      at::Tensor t = at::full({4}, me);
+      auto out = expect_completed(allreduce(pg, t), "all_reduce");
+      SHM_CHECK(out.size() == 1 && at::equal(out[0], at::full({4}, 6.0f)), "all_reduce's future value");
+    }
+    {
+      at::Tensor t = at::full({4}, me);
+      auto out = expect_completed(broadcast(pg, t, 1), "broadcast");
+      SHM_CHECK(out.size() == 1 && at::equal(out[0], at::full({4}, 2.0f)), "broadcast's future value");
+    }
+    {
+      std::vector<at::Tensor> v{at::full({4}, me)};
+      c10d::ReduceOptions o;
+      o.rootRank = 2;
+      auto out = expect_completed(pg.reduce(v, o), "reduce");
+      if (r == 2) SHM_CHECK(at::equal(out.at(0), at::full({4}, 6.0f)), "reduce's future value at the root");
+    }
+    {
+      std::vector<at::Tensor> in{at::full({2}, me)};
+      std::vector<std::vector<at::Tensor>> outs{{at::zeros({2}), at::zeros({2}), at::zeros({2})}};
+      expect_completed(pg.allgather(outs, in), "all_gather");
+      for (int k = 0; k < 3; ++k) {
+        SHM_CHECK(at::equal(outs[0][k], at::full({2}, static_cast<float>(k + 1))), "all_gather's outputs");
+      }
+    }
+    {
+      at::Tensor in = at::full({2}, me);
+      at::Tensor out = at::zeros({6});
+      expect_completed(pg._allgather_base(out, in), "_allgather_base");
+      SHM_CHECK(at::equal(out, at::tensor({1.f, 1.f, 2.f, 2.f, 3.f, 3.f})), "_allgather_base's output");
+    }
+    {
+      std::vector<at::Tensor> in{at::full({2}, me)};
+      std::vector<std::vector<at::Tensor>> outs;
+      if (r == 0) outs = {{at::zeros({2}), at::zeros({2}), at::zeros({2})}};
+      c10d::GatherOptions o;
+      o.rootRank = 0;
+      expect_completed(pg.gather(outs, in, o), "gather");
+      if (r == 0) SHM_CHECK(at::equal(outs[0][2], at::full({2}, 3.0f)), "gather's outputs at the root");
+    }
+    {
+      std::vector<at::Tensor> out{at::zeros({2})};
+      std::vector<std::vector<at::Tensor>> ins;
+      if (r == 0) ins = {{at::full({2}, 10.f), at::full({2}, 11.f), at::full({2}, 12.f)}};
+      c10d::ScatterOptions o;
+      o.rootRank = 0;
+      expect_completed(pg.scatter(out, ins, o), "scatter");
+      SHM_CHECK(at::equal(out[0], at::full({2}, 10.f + static_cast<float>(r))), "scatter's output");
+    }
+    {
+      std::vector<at::Tensor> out{at::zeros({2})};
+      std::vector<std::vector<at::Tensor>> ins{{at::full({2}, me), at::full({2}, me), at::full({2}, me)}};
+      expect_completed(pg.reduce_scatter(out, ins), "reduce_scatter");
+      SHM_CHECK(at::equal(out[0], at::full({2}, 6.0f)), "reduce_scatter's output");
+    }
+    {
+      at::Tensor in = at::full({3}, me);
+      at::Tensor out = at::zeros({3});
+      std::vector<int64_t> none;
+      expect_completed(pg.alltoall_base(out, in, none, none), "alltoall_base");
+      SHM_CHECK(at::equal(out, at::tensor({1.f, 2.f, 3.f})), "alltoall_base's output");
+    }
+    {
+      std::vector<at::Tensor> v{at::full({4}, me), at::full({2}, me)};
+      expect_completed(pg.allreduce_coalesced(v), "allreduce_coalesced");
+      SHM_CHECK(at::equal(v[1], at::full({2}, 6.0f)), "allreduce_coalesced's output");
+    }
+    expect_completed(pg.barrier(), "barrier");
+    // A collective that failed (withdrawn before it ran): its late future holds the error.
+    if (r == 0) {
+      at::Tensor t = at::full({4}, me);
+      const auto first = allreduce(pg, t);  // waits for the peers, which sleep below
+      const at::Tensor b = at::ones({4});
+      auto second = broadcast(pg, b, 0);
+      second->abort();
+      SHM_CHECK_THROWS(TransportError, [&] { second->wait(); }, "aborted");
+      auto f = second->getFuture();
+      SHM_CHECK(f->completed(), "the future of a failed, waited collective is not completed");
+      SHM_CHECK(f->hasError(), "the future of a failed collective has no error");
+      SHM_CHECK(f->tryRetrieveErrorMessage().find("aborted") != std::string::npos,
+                "the failed future's error: " + f->tryRetrieveErrorMessage());
+      first->wait();
+    } else {
+      std::this_thread::sleep_for(200ms);
+      at::Tensor t = at::full({4}, me);
+      allreduce(pg, t)->wait();
+    }
+    pg.barrier()->wait();
+  }));
+}
+
 // abort() withdraws a collective that has not started (here: queued behind one that waits for
 // a late peer): its wait throws TransportError, and the group's collectives go on in step.
 TEST_F(ShmAsyncCollective, AbortWithdrawsACollectiveNotStarted) {
