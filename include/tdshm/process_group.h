@@ -246,6 +246,11 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// Whether rank `peer` runs tdshm's C++ tensordict transfers, not a Python process's
   /// tensordict (protocols only tdshm speaks, such as gather_and_stack's, need every rank to).
   bool runs_tdshm_transfers(int peer) const noexcept;
+  /// Whether rank `peer` died holding its place in the group: its process ended (a crash, a
+  /// kill) without leaving. False for a live rank, one that left (destroyed or shut down its
+  /// group, whether or not its process still runs), and this rank. Reads the segment's rank
+  /// table; usable after shutdown().
+  bool peer_died(int peer) const;
 
   // ---- Collectives (docs/transport.md, "Collectives over the windows"; protocol in src/shm/collective.h) ----
   // They run over the segment's collective windows, one at a time in issue order: the call checks

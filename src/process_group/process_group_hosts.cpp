@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <exception>
 #include <string>
+#include <thread>
 #include <utility>
 
 namespace tdshm::detail {
@@ -30,7 +31,7 @@ ProcessGroupHosts::ProcessGroupHosts(int rank, int size, Parts parts)
   collectives_ = std::make_shared<shm::CollectiveQueue>("across hosts, rank " + std::to_string(rank), run_mutex_);
   watch_ = std::make_unique<WorldWatch>(
       parts_.store, rank, size,
-      [this](int r) { return "rank " + std::to_string(r) + " (host " + std::to_string(host_index(r)) + ")"; },
+      [this](int r) { return describe(r); },
       [this](const std::string& what) { on_lost(what); });
 }
 
@@ -88,13 +89,62 @@ void ProcessGroupHosts::finish(const c10::intrusive_ptr<c10d::Work>& work, Deadl
   } catch (const std::exception& e) {
     check_world();  // a loss known here explains the failure best
     // The collectives are out of step now: the world is lost, for every rank.
-    const std::string what = std::string(step) + " failed on rank " + std::to_string(getRank()) + ": " + first_line(e.what());
-    watch_->report(what);
     if (dynamic_cast<const TimeoutError*>(&e) != nullptr || mentions_timeout(e.what())) {
+      const std::string what = std::string(step) + " failed on rank " + std::to_string(getRank()) + ": " + first_line(e.what());
+      watch_->report(what);
       throw TimeoutError("the world across hosts: " + what);
     }
+    const std::string what = explain_loss(step, first_line(e.what()));
+    watch_->report(what);
     throw PeerLostError("the world across hosts is lost: " + what);
   }
+}
+
+std::optional<std::string> ProcessGroupHosts::dead_host_mate() const {
+  const std::vector<int>& mine = parts_.locality.hosts.at(static_cast<size_t>(host_index(getRank())));
+  for (size_t i = 0; i < mine.size(); ++i) {
+    if (mine[i] == getRank() || !parts_.local->peer_died(static_cast<int>(i))) continue;
+    return describe(mine[i]) + " died: its process ended without leaving the group (seen by rank " +
+           std::to_string(getRank()) + " on its host)";
+  }
+  return std::nullopt;
+}
+
+// The first signal of a death is often not the dead rank's: a connection that another survivor
+// reset when it gave up, a host-mate that shut its group down after its own failure. So a symptom
+// is explained by the world's verdict when one comes soon, and said to be a symptom otherwise.
+std::string ProcessGroupHosts::explain_loss(const char* step, const std::string& symptom) {
+  const std::string here = "; on rank " + std::to_string(getRank()) + ", " + step + " failed";
+  if (auto mate = dead_host_mate()) {
+    watch_->publish_verdict(*mate);
+    return *mate + here;
+  }
+  const std::vector<int64_t> before = watch_->beats();
+  const auto until = Clock::now() + kVerdictWait;
+  for (;;) {
+    if (auto v = watch_->verdict()) return *v + here;
+    if (auto mate = dead_host_mate()) {
+      watch_->publish_verdict(*mate);
+      return *mate + here;
+    }
+    if (auto known = lost()) return *known;  // the world's word, as the watcher heard it
+    if (Clock::now() >= until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::string silent;
+  const std::vector<int64_t> after = watch_->beats();
+  if (before.empty() || after.empty()) {
+    silent = "the group's store no longer answers";
+  } else {
+    for (int r = 0; r < getSize(); ++r) {
+      const auto i = static_cast<size_t>(r);
+      if (r == getRank() || after[i] != before[i]) continue;
+      silent += (silent.empty() ? "" : ", ") + describe(r);
+    }
+    silent = silent.empty() ? "every rank still beats" : silent + " did not answer";
+  }
+  return "no rank was found gone within " + std::to_string(kVerdictWait.count()) + " ms (" + silent + ")" + here +
+         ": " + symptom;
 }
 
 

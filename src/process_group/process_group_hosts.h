@@ -106,6 +106,18 @@ class ProcessGroupHosts final : public c10d::ProcessGroup {
   /// waits in slices, so that a loss the watcher learns of ends it. A failure is reported to the
   /// world (the collectives are out of step), and surfaces typed: PeerLostError, TimeoutError.
   void finish(const c10::intrusive_ptr<c10d::Work>& work, Deadline d, const char* step, bool network);
+  /// How long a rank whose step failed with a symptom (a reset connection, a host-mate's
+  /// shutdown) waits for the world's verdict: two beats and a margin, so that a rank that did not
+  /// answer has missed two.
+  static constexpr std::chrono::milliseconds kVerdictWait{1500};
+  /// Why the world is lost, as this rank can best tell after `step` failed with `symptom`: a
+  /// host-mate that died (seen here, and published as the verdict), else the verdict another
+  /// rank publishes within kVerdictWait, else the cause is unknown and the ranks that did not
+  /// answer meanwhile are named as such. Never names a live rank as gone.
+  std::string explain_loss(const char* step, const std::string& symptom);
+  /// "rank 5 (host 1) died ..." for a rank of this host whose process ended without leaving.
+  std::optional<std::string> dead_host_mate() const;
+  std::string describe(int rank) const { return "rank " + std::to_string(rank) + " (host " + std::to_string(host_index(rank)) + ")"; }
 
   // The steps of the collectives (run by the queue, against `d`).
   void local_broadcast(at::Tensor& t, int local_root, Deadline d);

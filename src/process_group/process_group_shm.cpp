@@ -431,6 +431,7 @@ at::Tensor ProcessGroupShm::loan(at::IntArrayRef sizes, at::ScalarType dtype) {
 bool ProcessGroupShm::is_loan(const at::Tensor& t) const { return engine_->is_loan(t); }
 
 bool ProcessGroupShm::runs_tdshm_transfers(int peer) const noexcept { return engine_->runs_tdshm_transfers(peer); }
+bool ProcessGroupShm::peer_died(int peer) const { return engine_->rank_died(peer); }
 
 bool ProcessGroupShm::memmap_by_reference_with(int peer) const noexcept {
   return engine_->memmap_by_reference_with(peer);

@@ -13,9 +13,12 @@ namespace {
 
 constexpr const char* kFailedKey = "tdshm_watch/failed";
 constexpr const char* kLostKey = "tdshm_watch/lost";
+constexpr const char* kVerdictKey = "tdshm_watch/verdict";
+constexpr const char* kVerdictsKey = "tdshm_watch/verdicts";
+constexpr const char* kToldKey = "tdshm_watch/told";
 
 std::string beat_key(int rank) { return "tdshm_watch/beat/" + std::to_string(rank); }
-std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
+std::vector<uint8_t> message_bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 }  // namespace
 
@@ -29,6 +32,16 @@ WorldWatch::WorldWatch(c10::intrusive_ptr<c10d::Store> store, int rank, int size
       thread_([this] { loop(); }) {}
 
 WorldWatch::~WorldWatch() {
+  if (rank_ == 0 && failure()) {
+    // At least one rank is gone; the others read the verdict from this process's store.
+    const auto until = std::chrono::steady_clock::now() + kLinger;
+    try {
+      while (store_->add(kToldKey, 0) < size_ - 1 && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } catch (const std::exception&) {
+    }
+  }
   {
     std::lock_guard lk(mu_);
     stopping_ = true;
@@ -44,19 +57,49 @@ std::optional<std::string> WorldWatch::failure() const {
 
 void WorldWatch::report(const std::string& what) { fail(what, true); }
 
+void WorldWatch::publish_verdict(const std::string& what) {
+  try {
+    store_->set(kVerdictKey, message_bytes(what));  // the message first, as for a loss
+    store_->add(kVerdictsKey, 1);
+  } catch (const std::exception&) {
+    // The store's server is gone: nobody can read it anyway.
+  }
+}
+
+std::optional<std::string> WorldWatch::verdict() {
+  try {
+    if (store_->add(kVerdictsKey, 0) == 0) return std::nullopt;
+    const std::vector<uint8_t> v = store_->get(kVerdictKey);
+    return std::string(v.begin(), v.end());
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+std::vector<int64_t> WorldWatch::beats() {
+  std::vector<int64_t> out(static_cast<size_t>(size_), -1);
+  try {
+    for (int r = 0; r < size_; ++r) out[static_cast<size_t>(r)] = store_->add(beat_key(r), 0);
+  } catch (const std::exception&) {
+    return {};
+  }
+  return out;
+}
+
 void WorldWatch::fail(const std::string& what, bool publish) {
   {
     std::lock_guard lk(mu_);
     if (failure_) return;
     failure_ = what;
   }
-  if (publish) {
-    try {
-      store_->set(kFailedKey, bytes_of(what));  // the message first: a watcher that counts a loss reads it
+  try {
+    if (publish) {
+      store_->set(kFailedKey, message_bytes(what));  // the message first: a watcher that counts a loss reads it
       store_->add(kLostKey, 1);
-    } catch (const std::exception&) {
-      // A store that no longer answers: the others learn it from their own store operations.
     }
+    store_->add(kToldKey, 1);
+  } catch (const std::exception&) {
+    // A store that no longer answers: the others learn it from their own store operations.
   }
   on_failure_(what);
 }
@@ -66,19 +109,21 @@ void WorldWatch::loop() {
   std::vector<int64_t> last(static_cast<size_t>(size_), -1);
   std::vector<Clock::time_point> moved(static_cast<size_t>(size_), Clock::now());
   for (;;) {
+    bool failed = false;
     {
       std::unique_lock lk(mu_);
-      if (stopping_ || failure_) return;
+      if (stopping_) return;
+      failed = failure_.has_value();
     }
     try {
       // add() reads and writes in one operation, and makes a key that is not there yet.
       store_->add(beat_key(rank_), 1);
-      if (store_->add(kLostKey, 0) > 0) {
+      if (failed) {
+        // After a loss it only beats: a survivor still looking for the verdict sees it answer.
+      } else if (store_->add(kLostKey, 0) > 0) {
         const std::vector<uint8_t> v = store_->get(kFailedKey);
         fail(std::string(v.begin(), v.end()), false);
-        return;
-      }
-      if (rank_ == 0) {  // the one that reads every beat
+      } else if (rank_ == 0) {  // the one that reads every beat
         const auto now = Clock::now();
         for (int r = 1; r < size_; ++r) {
           const auto i = static_cast<size_t>(r);
@@ -87,14 +132,16 @@ void WorldWatch::loop() {
             last[i] = b;
             moved[i] = now;
           } else if (now - moved[i] > kSilence) {
-            fail(describe_(r) + " is gone (no heartbeat for " + std::to_string(kSilence.count()) + " ms)", true);
-            return;
+            const std::string what = describe_(r) + " is gone (no heartbeat for " + std::to_string(kSilence.count()) + " ms)";
+            publish_verdict(what);
+            fail(what, true);
+            break;
           }
         }
       }
     } catch (const std::exception& e) {
       fail("the group's store no longer answers (" + first_line(e.what()) + "): the rank that serves it is gone", false);
-      return;
+      return;  // nothing to beat into
     }
     std::unique_lock lk(mu_);
     cv_.wait_for(lk, kBeat, [&] { return stopping_; });

@@ -244,6 +244,10 @@ bool ShmEngine::runs_tdshm_transfers(int peer) const noexcept {
   return rank_offers(peer, shm::kRankFeatureTdshmTransfers);
 }
 
+bool ShmEngine::rank_died(int peer) const {
+  return peer >= 0 && peer < size_ && peer != rank_ && segment_->rank_died(static_cast<uint32_t>(peer));
+}
+
 bool ShmEngine::memmap_by_reference_with(int peer) const noexcept {
   return options_.memmap_by_reference && rank_offers(peer, shm::kRankFeatureMemmapByReference);
 }

@@ -81,6 +81,8 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   bool memmap_by_reference_with(int peer) const noexcept;
   /// Whether rank `peer` (this one included) runs tdshm's C++ transfers (ShmOptions::tdshm_transfers).
   bool runs_tdshm_transfers(int peer) const noexcept;
+  /// Segment::rank_died for `peer` (false outside the group).
+  bool rank_died(int peer) const;
   /// Whether rank `peer`'s slot has `feature` (a kRankFeature* bit) set.
   bool rank_offers(int peer, uint32_t feature) const noexcept;
   /// Moves everything pending until every op in `ops` (null ones count as done) is done (or failed), spinning then

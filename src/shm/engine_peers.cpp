@@ -28,11 +28,15 @@ void ShmEngine::check_peers() {
     if (channel.check_poisoned()) return;  // the rank table read zeros because the file was just cut
     channel.drain(p);  // what it sent before it went is still good: all of it is taken
     if (channel.peer_error(p)) continue;
-    channel.fail_peer(p, std::make_exception_ptr(PeerLostError(segment_->describe_rank(static_cast<uint32_t>(p)) +
-                                                               " of segment '" + name_ + "' is gone (it exited or died)")));
+    // A rank that left while its process runs on (it destroyed or shut down its group, say after
+    // its own failure) is not said to have died.
+    const bool process_alive = segment_->rank_process_alive(static_cast<uint32_t>(p));
+    channel.fail_peer(p, std::make_exception_ptr(PeerLostError(
+                             segment_->describe_rank(static_cast<uint32_t>(p)) + " of segment '" + name_ +
+                             (process_alive ? "' left the group (its process runs on)" : "' is gone (it exited or died)"))));
     // A gone rank reads nothing more: the slots this rank handed to it are free again.
     const uint32_t reclaimed = channel.reclaim_slots(p);
-    if (segment_->rank_process_alive(static_cast<uint32_t>(p))) {
+    if (process_alive) {
       view_holders_.push_back(p);  // it left its group: its views stay readable, and lent
     } else {
       channel.reclaim_loans(p);

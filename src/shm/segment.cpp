@@ -160,6 +160,11 @@ bool Segment::rank_process_alive(uint32_t r) const {
   return v.state != kRankFree && alive_or_self(v.process());
 }
 
+bool Segment::rank_died(uint32_t r) const {
+  const SlotView v = read_slot(r);
+  return v.state == kRankLive && !alive_or_self(v.process());
+}
+
 uint32_t Segment::rank_features(uint32_t r) const noexcept {
   const RankSlot& slot = rank_slot(r);
   const uint32_t state = slot.state.load(std::memory_order_acquire);  // pairs with the claim's release

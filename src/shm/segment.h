@@ -104,6 +104,9 @@ class Segment {
   /// Whether the process that was rank `r` in this incarnation still runs, whether or not it left
   /// (its views of loans may outlive its group); false for a rank that never arrived.
   bool rank_process_alive(uint32_t r) const;
+  /// Whether rank `r` died holding its place: it is still live in the table but its process is
+  /// gone (a crash or a kill; a rank that left first, then exited, did not die here).
+  bool rank_died(uint32_t r) const;
   /// Rank r's RankSlot::features (read once it is live; 0 before).
   uint32_t rank_features(uint32_t r) const noexcept;
   /// Whether every rank has arrived in this incarnation: it is live, or it has left after its

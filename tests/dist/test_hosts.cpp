@@ -317,16 +317,60 @@ TEST_F(DistHosts, TwoPidNamespacesFormOneWorld) {
   });
 }
 
+// A collective's future asked for after wait() completes with its result across hosts too (the
+// world's collectives queue as ProcessGroupShm's do), for each kind; polled with a deadline.
+TEST_F(DistHosts, AFutureAskedForAfterWaitCompletes) {
+  run_world(two_hosts(), [&](int rank) {
+    c10d::ProcessGroup& pg = default_group().backend();
+    auto late = [&](const c10::intrusive_ptr<c10d::Work>& w, const char* what) {
+      w->wait();
+      auto f = w->getFuture();
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!f->completed()) {
+        SHM_CHECK(std::chrono::steady_clock::now() < give_up, "rank " << rank << ": the future of a waited " << what
+                                                                       << " never completed");
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      SHM_CHECK(!f->hasError(), "rank " << rank << ": " << what << "'s future failed: " << f->tryRetrieveErrorMessage());
+      return f->value().toTensorVector();
+    };
+    std::vector<at::Tensor> t{at::full({4}, static_cast<float>(rank))};
+    auto out = late(pg.allreduce(t), "all_reduce");
+    SHM_CHECK(out.size() == 1 && at::equal(out[0], at::full({4}, 15.0f)), "all_reduce's future value");
+    std::vector<at::Tensor> b{at::full({4}, static_cast<float>(rank))};
+    c10d::BroadcastOptions bo;
+    bo.rootRank = 3;
+    out = late(pg.broadcast(b, bo), "broadcast");
+    SHM_CHECK(out.size() == 1 && at::equal(out[0], at::full({4}, 3.0f)), "broadcast's future value");
+    std::vector<at::Tensor> in{at::full({2}, static_cast<float>(rank))};
+    std::vector<std::vector<at::Tensor>> outs(1);
+    for (int r = 0; r < kWorld; ++r) outs[0].push_back(at::zeros({2}));
+    late(pg.allgather(outs, in), "all_gather");
+    for (int r = 0; r < kWorld; ++r) SHM_CHECK(at::equal(outs[0][r], at::full({2}, static_cast<float>(r))), "all_gather");
+    late(pg.barrier(), "barrier");
+  });
+}
+
 // A rank killed on host B while every rank runs all_reduce in a loop: every survivor, on both
-// hosts, gets a PeerLostError within 5 s of the kill (the victim writes the time first), its
-// groups are destroyed without hanging, and nothing is left in either /dev/shm (each host
-// checks). First a rank of B, then B's leader (which holds the connection between the hosts).
-TEST_F(DistHosts, ARankKilledIsATypedErrorOnEveryHostWithinFiveSeconds) {
-  for (const int victim : {3, 1}) {
+// hosts, gets a PeerLostError within 5 s of the kill (the victim writes the time first) that names
+// the killed rank and no other as gone (the first signal on most survivors is a reset connection
+// or a host-mate's shutdown, not the death itself), its groups are destroyed without hanging, and
+// nothing is left in either /dev/shm (each host checks). First a rank of B, then B's leader (which
+// holds the connection between the hosts); in two worlds: three ranks a host, interleaved, and two
+// a host (0-1 on A, 2-3 on B).
+TEST_F(DistHosts, ARankKilledIsATypedErrorOnEveryHostNamingIt) {
+  struct Case {
+    std::vector<SimHost> hosts;
+    int victim;
+  };
+  const std::vector<SimHost> pairs = {{HostView::kOwnShm, {0, 1}}, {HostView::kOwnShm, {2, 3}}};
+  for (const Case& c : {Case{two_hosts(), 3}, Case{two_hosts(), 1}, Case{pairs, 3}, Case{pairs, 2}}) {
+    const int victim = c.victim;
+    const int world = static_cast<int>(c.hosts[0].ranks.size() + c.hosts[1].ranks.size());
     const std::string method = "tcp://127.0.0.1:" + std::to_string(distinct_free_port());
-    const std::string killed_at = file("killed_at." + std::to_string(victim));
-    const std::vector<std::string> failures = run_sim_hosts(two_hosts(), [&](int rank) {
-      init_process_group("shm", {.rank = rank, .world_size = kWorld, .init_method = method, .timeout = kGroupTimeout});
+    const std::string killed_at = file("killed_at." + std::to_string(world) + "." + std::to_string(victim));
+    const std::vector<std::string> failures = run_sim_hosts(c.hosts, [&](int rank) {
+      init_process_group("shm", {.rank = rank, .world_size = world, .init_method = method, .timeout = kGroupTimeout});
       c10d::ProcessGroup& pg = default_group().backend();
       for (int i = 0;; ++i) {
         if (rank == victim && i == 30) {
@@ -337,7 +381,7 @@ TEST_F(DistHosts, ARankKilledIsATypedErrorOnEveryHostWithinFiveSeconds) {
           std::filesystem::rename(killed_at + ".tmp", killed_at);
           ::raise(SIGKILL);
         }
-        std::vector<at::Tensor> v{at::ones({1024})};
+        std::vector<at::Tensor> v{at::ones({16 * 1024})};
         try {
           pg.allreduce(v)->wait();
         } catch (const PeerLostError& e) {
@@ -347,17 +391,36 @@ TEST_F(DistHosts, ARankKilledIsATypedErrorOnEveryHostWithinFiveSeconds) {
           SHM_CHECK(f >> then, "rank " << rank << " got an error before the victim died: " << e.what());
           const double seconds = static_cast<double>(now - then) * 1e-9;
           SHM_CHECK(seconds <= 5.0, "rank " << rank << " learned it after " << seconds << " s: " << e.what());
+          const std::string what = e.what();
+          std::fprintf(stderr, "[world %d, rank %d killed] rank %d after %.3f s: %s\n", world, victim, rank, seconds,
+                       what.c_str());
+          const std::string named = "rank " + std::to_string(victim) + " (host 1) ";
+          SHM_CHECK(what.find(named + "died") != std::string::npos || what.find(named + "is gone") != std::string::npos,
+                    "rank " << rank << "'s error does not name rank " << victim << " as gone: " << what);
+          for (int r = 0; r < world; ++r) {
+            if (r == victim) continue;
+            for (const char* host : {"0", "1"}) {
+              for (const char* blame : {"died", "is gone", "did not answer"}) {
+                const std::string wrong = "rank " + std::to_string(r) + " (host " + host + ") " + blame;
+                SHM_CHECK(what.find(wrong) == std::string::npos, "rank " << rank << " blames live rank " << r << ": " << what);
+              }
+            }
+            SHM_CHECK(what.find("rank " + std::to_string(r) + " (pid") == std::string::npos,
+                      "rank " << rank << " names live rank " << r << " by its pid: " << what);
+          }
           break;
         } catch (const std::exception& e) {
           SHM_CHECK(false, "rank " << rank << " expected a PeerLostError, got " << demangle(typeid(e).name()) << ": "
                                    << e.what());
         }
-        SHM_CHECK(at::allclose(v[0], at::full({1024}, static_cast<float>(kWorld))), "round " << i);
+        SHM_CHECK(at::allclose(v[0], at::full({16 * 1024}, static_cast<float>(world))), "round " << i);
       }
       destroy_process_group();
     });
     for (const std::string& f : failures) {
-      if (f != "rank " + std::to_string(victim) + " was killed by signal 9") ADD_FAILURE() << "victim " << victim << ": " << f;
+      if (f != "rank " + std::to_string(victim) + " was killed by signal 9") {
+        ADD_FAILURE() << "world " << world << ", victim " << victim << ": " << f;
+      }
     }
   }
 }
