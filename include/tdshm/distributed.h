@@ -268,6 +268,10 @@ struct FromRemoteInitOptions {
   Group group{};
   std::optional<c10::Device> device{};  ///< where the storage is allocated (default CPU)
   bool use_broadcast = false;
+  /// A memory-mapped leaf the sender passes by reference (ShmOptions::memmap_by_reference) is
+  /// mapped shared and writable only when this is set and the sender's is writable; by default
+  /// the receiver maps it read-only (it sees the sender's writes, its own stay private).
+  bool memmap_writable = false;
 };
 
 /// broadcast (src, group, device).

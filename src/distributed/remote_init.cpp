@@ -250,7 +250,7 @@ TensorDict from_remote_init_p2p(const FromRemoteInitOptions& o, LazyRoot* receiv
     recv_now(p.group, r.storage.narrow(0, static_cast<int64_t>(from), static_cast<int64_t>(to - from)), p.rank,
              kRemoteInitTag);
   }
-  TensorDict td = rebuild_with_references(r.storage, schema, refs);
+  TensorDict td = rebuild_with_references(r.storage, schema, refs, o.memmap_writable);
   if (o.device && *o.device != r.storage.device()) td = td.to(*o.device);
   return td;
 }

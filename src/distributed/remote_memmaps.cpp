@@ -2,6 +2,8 @@
 
 #include "distributed/remote_memmaps.h"
 
+#include "memmap/peer_file.h"
+
 #include <tdshm/errors.h>
 #include <tdshm/lazy_stack.h>
 #include <tdshm/memmap.h>
@@ -92,7 +94,10 @@ void collect_references(const TensorDict& td, const SchemaNode& node, std::vecto
       if (!MemoryMappedTensor::is_mapped(t) || !t.is_contiguous()) continue;
       const std::optional<MemmapInfo> info = MemoryMappedTensor::info(t);
       if (!info || info->filename.empty() || info->filename.size() > kMaxPathBytes) continue;  // anonymous: by value
-      refs.push_back({leaf->start, leaf->stop, info->filename, info->offset, info->writable});
+      // The canonical path: the receiver follows no link (memmap/peer_file.h).
+      std::string file = peer_path(info->filename);
+      if (file.size() > kMaxPathBytes) continue;
+      refs.push_back({leaf->start, leaf->stop, std::move(file), info->offset, info->writable});
     } else if (const auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value); child && *child) {
       const Value v = td.get_value(e.key);
       if (!(*child)->lazy_stack_dim) {
@@ -171,6 +176,10 @@ std::vector<MemmapReference> decode_references(const at::Tensor& bytes, const Sc
       throw SchemaError("from_remote_init: the sender's memmap table entry " + std::to_string(i) +
                         " is not an absolute path");
     }
+    if (const std::string tail = r.file + "/"; tail.find("/../") != std::string::npos || tail.find("/./") != std::string::npos) {
+      throw SchemaError("from_remote_init: the sender's memmap table entry " + std::to_string(i) +
+                        " has '.' or '..' parts in its path");
+    }
     end = r.stop;
     refs.push_back(std::move(r));
   }
@@ -190,7 +199,7 @@ std::vector<std::pair<uint64_t, uint64_t>> storage_ranges(uint64_t total, const 
 }
 
 TensorDict rebuild_with_references(const at::Tensor& storage, const Schema& schema,
-                                   const std::vector<MemmapReference>& refs) {
+                                   const std::vector<MemmapReference>& refs, bool may_write) {
   TensorDict td = TensorDict::from_consolidated(storage, schema);
   if (refs.empty()) return td;
   std::map<uint64_t, const MemmapReference*> by_start;
@@ -207,9 +216,7 @@ TensorDict rebuild_with_references(const at::Tensor& storage, const Schema& sche
     if (it == by_start.end()) return t;
     const MemmapReference& r = *it->second;
     try {
-      return MemoryMappedTensor::from_filename(r.file, t.scalar_type(), t.sizes().vec(), r.offset,
-                                               r.writable ? MemmapMode::kReadWrite : MemmapMode::kReadOnly)
-          .tensor();
+      return map_peer_file(r.file, t.scalar_type(), t.sizes(), r.offset, r.writable && may_write);
     } catch (const MemmapError& e) {
       throw MemmapError("from_remote_init: leaf " + keys.at(start).str() +
                         " is the sender's file, which this rank cannot map: " + e.what());

@@ -9,8 +9,9 @@
 ///
 /// The table is read like every byte from a peer: bounded before anything is allocated, every
 /// entry checked against the schema the metadata described (a reference must cover exactly one
-/// tensor leaf's bytes, in order, without overlap), the path absolute and bounded; the file is
-/// opened as MemoryMappedTensor::from_filename opens one (a regular file, as large as needed).
+/// tensor leaf's bytes, in order, without overlap), the path absolute, bounded and without '.'
+/// or '..' parts; the file is opened by the rules of memmap/peer_file.h (no link followed, a
+/// regular file of this user, as large as needed, writable only if the receiver asked).
 
 #include <tdshm/schema.h>
 #include <tdshm/tensordict.h>
@@ -48,10 +49,12 @@ std::vector<MemmapReference> decode_references(const at::Tensor& bytes, const Sc
 std::vector<std::pair<uint64_t, uint64_t>> storage_ranges(uint64_t total, const std::vector<MemmapReference>& refs);
 
 /// The tree of `schema` over `storage`, with each referenced leaf a MemoryMappedTensor of its
-/// file (MemmapError when this rank cannot map it). Not consolidated: those leaves are not in
-/// the storage.
+/// file, opened by the rules of memmap/peer_file.h (MemmapError naming the leaf when they refuse
+/// it or it cannot be mapped): shared and writable when the sender's is and `may_write`
+/// (FromRemoteInitOptions::memmap_writable), else read-only. Not consolidated: those leaves are
+/// not in the storage.
 TensorDict rebuild_with_references(const at::Tensor& storage, const Schema& schema,
-                                   const std::vector<MemmapReference>& refs);
+                                   const std::vector<MemmapReference>& refs, bool may_write);
 
 /// The most bytes a table may announce (the receiver bounds it before allocating).
 inline constexpr int64_t kMaxReferenceTableBytes = int64_t{64} << 20;

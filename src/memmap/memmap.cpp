@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "common/log.h"
+#include "memmap/peer_file.h"
 #include "tdshm/errors.h"
 
 namespace tdshm {
@@ -399,5 +400,28 @@ int64_t MemoryMappedTensor::offset() const {
   auto i = info(tensor_);
   return i ? i->offset : 0;
 }
+
+namespace detail {
+
+at::Tensor map_peer_file(const std::string& path, c10::ScalarType dtype, c10::IntArrayRef shape, int64_t offset,
+                         bool writable) {
+  check_dtype(dtype, "from a peer's file");
+  const int64_t nbytes = byte_size(shape, dtype, "from a peer's file");
+  int64_t end = 0;
+  if (offset < 0 || __builtin_add_overflow(offset, nbytes, &end)) {
+    throw MemmapError("the peer's file " + quoted(path) + ": offset " + std::to_string(offset) + " is out of range");
+  }
+  std::string problem;
+  FileDescriptor fd(open_peer_file(path, writable, problem));
+  if (fd.get() < 0) throw MemmapError("the peer's file " + quoted(path) + ": " + problem);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0 || st.st_size < end) {
+    throw MemmapError("the peer's file " + quoted(path) + " holds " + std::to_string(st.st_size) + " bytes, but " +
+                      std::to_string(end) + " are needed");
+  }
+  return map_file(std::move(fd), /*keep_fd=*/false, path, writable, dtype, shape, offset, nbytes, path);
+}
+
+}  // namespace detail
 
 }  // namespace tdshm

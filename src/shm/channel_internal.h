@@ -4,6 +4,7 @@
 
 #include "shm/channel.h"
 #include "common/recycle.h"
+#include "memmap/peer_file.h"
 
 #include <tdshm/memmap.h>
 
@@ -104,13 +105,14 @@ inline std::string memmap_reference(const at::Tensor& t, uint64_t slot_bytes) {
   if (!MemoryMappedTensor::is_mapped(t)) return {};  // the common case, in a few instructions
   auto info = MemoryMappedTensor::info(t);
   if (!info || info->filename.empty() || !t.is_contiguous()) return {};
-  if (sizeof(shm::MemmapReference) + info->filename.size() > slot_bytes) return {};
+  const std::string path = peer_path(info->filename);  // the receiver follows no link
+  if (sizeof(shm::MemmapReference) + path.size() > slot_bytes) return {};
   shm::MemmapReference r{};
   r.offset = static_cast<uint64_t>(info->offset);
-  r.path_bytes = static_cast<uint32_t>(info->filename.size());
+  r.path_bytes = static_cast<uint32_t>(path.size());
   std::string out(sizeof r, '\0');
   std::memcpy(out.data(), &r, sizeof r);
-  return out + info->filename;
+  return out + path;
 }
 
 // The entry flag that says what kind of check `check` carries (0: none).

@@ -362,6 +362,13 @@ void ShmChannel::land_loan(int src, const MessageHead& msg, uint32_t ticket, con
     try {
       ViewShape shape;
       view_shape(msg, shape);  // (checked by bind_view when the receive matched)
+      // A view's elements must be aligned for its dtype: a forged offset would give a tensor
+      // whose every access is misaligned.
+      if (const size_t element = c10::elementSize(shape.dtype); reinterpret_cast<uintptr_t>(lent) % element != 0) {
+        throw TransportError("the sender's loan of " + std::to_string(msg.total) + " bytes at heap offset " +
+                             std::to_string(lent - loan_regions_[s].heap) + " is not aligned for " +
+                             c10::toString(shape.dtype) + " (" + std::to_string(element) + " bytes)");
+      }
       op->user = shm::view_of_loan(segment_.mapping(), loan_regions_[s], ticket,
                                    segment_.rank_slot(static_cast<uint32_t>(src)), lent, shape.sizes, shape.dtype);
     } catch (const std::exception& e) {
@@ -374,6 +381,14 @@ void ShmChannel::land_loan(int src, const MessageHead& msg, uint32_t ticket, con
     return;
   }
   if (msg.total != 0) copy_bytes(op->data, lent, msg.total, msg.total >= kStreamingMessageBytes);
+  // The bytes were read only while the ticket named this rank: a sender that took it back (or
+  // rewrote it) meanwhile may have rewritten them, and the copy may be torn (as for a slot).
+  if (!shm::still_lent(loan_regions_[s], ticket, static_cast<uint32_t>(rank_))) {
+    finish(op, make_error<TransportError>(op->what() + ": corrupted transfer from " +
+                                          segment_.describe_rank(static_cast<uint32_t>(src)) + ": its loan (ticket " +
+                                          std::to_string(ticket) + ") was taken back while this rank copied it"));
+    return;  // not this rank's ticket any more: nothing to give back
+  }
   give_back_loan(src, ticket);
   complete(op);
 }
@@ -444,25 +459,26 @@ bool ShmChannel::bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>&
 
 // Lands a reference message (validated by check_reference) in `op`: nothing to do when op's
 // tensor maps the same bytes, else one copy from the file. Returns the error to fail op with.
-// The file is the sender's choice: only a regular file this process can read is read, never
-// through a final symlink, and never past its end; the bytes go into the receiver's own tensor.
+// The file is the sender's choice: it is opened by the rules of memmap/peer_file.h (no link
+// followed, a regular file of this user, read-only), and never read past its end; the bytes go
+// into the receiver's own tensor.
 std::exception_ptr ShmChannel::resolve_reference(const ShmOp& op, const shm::ReferenceFields& ref) const {
   if (op.bytes == 0) return nullptr;
   if (auto mine = MemoryMappedTensor::info(op.user);
-      mine && mine->writable && op.user.is_contiguous() && mine->filename == ref.path &&
-      static_cast<uint64_t>(mine->offset) == ref.offset) {  // (a private copy-on-write mapping may differ)
+      mine && mine->writable && op.user.is_contiguous() && static_cast<uint64_t>(mine->offset) == ref.offset &&
+      (mine->filename == ref.path || peer_path(mine->filename) == ref.path)) {  // (a private mapping may differ)
     return nullptr;  // the receiver's tensor is the sender's bytes
   }
   auto fail = [&](const std::string& why) {
     return make_error<TransportError>(op.what() + ": the sender's memory-mapped file '" + ref.path + "': " + why);
   };
-  // O_NONBLOCK: opening a FIFO named by a buggy peer must not block (it is refused below).
-  const int fd = ::open(ref.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) return fail(std::string("cannot open it: ") + std::strerror(errno));
+  std::string problem;
+  const int fd = open_peer_file(ref.path, /*writable=*/false, problem);
+  if (fd < 0) return fail(problem);
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
     ::close(fd);
-    return fail("not a regular file");
+    return fail(std::string("cannot stat it: ") + std::strerror(errno));
   }
   if (ref.offset + op.bytes > static_cast<uint64_t>(st.st_size)) {
     ::close(fd);

@@ -160,6 +160,11 @@ const uint8_t* lent_bytes(const LoanRegionView& region, const LoanReference& ref
   return region.heap + ref.offset;
 }
 
+bool still_lent(const LoanRegionView& region, uint32_t t, uint32_t me) noexcept {
+  std::atomic_thread_fence(std::memory_order_acquire);  // the copy's loads before the ticket's
+  return t < region.ticket_count && region.tickets[t].state.load(std::memory_order_relaxed) == me + 1;
+}
+
 void give_back(const LoanRegionView& region, uint32_t t, RankSlot& owner_slot) noexcept {
   region.tickets[t].state.store(kSlotFree, std::memory_order_release);  // pairs with the owner's acquire
   wake(owner_slot);

@@ -114,6 +114,9 @@ class LoanPool : public std::enable_shared_from_this<LoanPool> {
 /// The receiver's side of `owner`'s region: the bytes a LoanReference names if its ticket is
 /// handed to `me` and [offset, offset + bytes) lies in the heap; null otherwise (a corrupt entry).
 const uint8_t* lent_bytes(const LoanRegionView& region, const LoanReference& ref, uint64_t bytes, uint32_t me) noexcept;
+/// After reading lent bytes: whether ticket `t` still names `me` (the reads are ordered before
+/// this check, as a seqlock's reader orders them); false when the owner took it back meanwhile.
+bool still_lent(const LoanRegionView& region, uint32_t t, uint32_t me) noexcept;
 /// Gives ticket `t` of `region` back (release) and wakes its owner (`owner_slot`).
 void give_back(const LoanRegionView& region, uint32_t t, RankSlot& owner_slot) noexcept;
 /// Gives the bytes of a view (view_of_loan) back to their sender now, before the view is dropped;

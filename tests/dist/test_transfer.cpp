@@ -38,6 +38,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <sys/stat.h>
+
 #include <climits>
 #include <cstdint>
 #include <filesystem>
@@ -557,8 +559,8 @@ TEST_P(TransferRemote, SeedExample) {
 // Over gloo init_remote speaks tensordict's wire (the metadata pickle, then the storage): a
 // MemoryMappedTensor leaf travels by value, and the receiver's leaf views its own storage. Over
 // shm between two C++ ranks it travels by reference: the receiver's leaf maps the sender's file
-// (writes are shared both ways) and its bytes never cross the segment; an anonymous memmap, or a
-// strided view of one, still goes by value.
+// (writes are shared both ways, as the receiver asked with memmap_writable) and its bytes never
+// cross the segment; an anonymous memmap, or a strided view of one, still goes by value.
 TEST_P(TransferRemote, MemmapLeafByReferenceOverShm) {
   const bool shm = GetParam() == Method::kShm;
   const std::string memmap_file = file("remote_leaf.mm");
@@ -578,7 +580,7 @@ TEST_P(TransferRemote, MemmapLeafByReferenceOverShm) {
       wait_until(flags.step[0], 1, "the receiver's write");
       SHM_CHECK(mm.tensor()[1][1].item<float>() == (shm ? 42.0f : 3.0f), "the sender's file after the receiver wrote");
     } else {
-      const TensorDict r = TensorDict::from_remote_init({.src = 0});
+      const TensorDict r = TensorDict::from_remote_init({.src = 0, .memmap_writable = true});
       for (const char* k : {"anon", "strided"}) SHM_CHECK(at::equal(r.get(k), expected), k);
       SHM_CHECK(at::equal(r.get({"d", "e"}), expected), values(r));
       SHM_CHECK(at::equal(r.get("x"), at::ones({2})) && at::equal(r.get("z"), at::full({2}, 5.0)), values(r));
@@ -592,6 +594,44 @@ TEST_P(TransferRemote, MemmapLeafByReferenceOverShm) {
       }
       r.get({"d", "e"})[1][1].fill_(42.0f);  // into the file (over shm), into the storage (gloo)
       flags.step[0].store(1);
+    }
+  });
+}
+
+// A memory-mapped leaf passed by reference whose name is no longer a regular file when the
+// receiver maps it (here a FIFO nobody opens for writing, put in its place): from_remote_init
+// refuses it with a MemmapError naming the leaf at once, and never blocks in open(); by default
+// the receiver's leaf of a good file is read-only although the sender's is writable, and the pair
+// stays in step.
+TEST_P(TransferRemote, APeersMemmapThatIsNotAFileIsRefusedWithoutBlocking) {
+  if (GetParam() != Method::kShm) GTEST_SKIP() << "references travel over shm only";
+  const std::string memmap_file = file("swapped.mm");
+  const std::string good_file = file("kept.mm");
+  run_world(2, [&](int rank, Flags& flags) {
+    const at::Tensor expected = at::arange(6, at::kFloat);
+    if (rank == 0) {
+      const MemoryMappedTensor mm = MemoryMappedTensor::from_tensor(expected, memmap_file);
+      flags.step[0].store(1);  // the file exists: the receiver may replace it
+      TensorDict({{"x", at::ones({2})}, {{"d", "m"}, mm.tensor()}}, {}).init_remote({.dst = 1});
+      TensorDict({{"m", MemoryMappedTensor::from_tensor(expected, good_file).tensor()}}, {}).init_remote({.dst = 1});
+      wait_until(flags.step[1], 1, "the receiver's checks");
+      SHM_CHECK(at::equal(MemoryMappedTensor::from_filename(good_file, at::kFloat, {6}).tensor(), expected),
+                "the receiver's write reached the sender's file through a read-only mapping");
+    } else {
+      wait_until(flags.step[0], 1, "the sender's memmap");
+      std::filesystem::rename(memmap_file, memmap_file + ".old");
+      SHM_CHECK(::mkfifo(memmap_file.c_str(), 0600) == 0, "mkfifo: " << std::strerror(errno));
+      const auto start = std::chrono::steady_clock::now();
+      CHECK_EXACT_THROWS(MemmapError, [&] { (void)TensorDict::from_remote_init({.src = 0}); }, "leaf ('d', 'm')",
+                         "a FIFO");
+      SHM_CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5), "the refusal took long");
+      const TensorDict r = TensorDict::from_remote_init({.src = 0});
+      SHM_CHECK(at::equal(r.get("m"), expected), values(r));
+      const auto info = MemoryMappedTensor::info(r.get("m"));
+      SHM_CHECK(info && !info->writable, "the receiver's leaf is writable without memmap_writable");
+      r.get("m").fill_(-1);  // private to this process
+      flags.step[1].store(1);
+      std::filesystem::remove(memmap_file);
     }
   });
 }

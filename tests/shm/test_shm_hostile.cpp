@@ -176,6 +176,14 @@ class RingWriter {
   }
   uint64_t tail() const { return control().tail.load(std::memory_order_acquire); }
 
+  /// The sender's loan region: ticket `t` (handed to a rank r as r + 1) and its heap.
+  std::atomic<uint32_t>& loan_ticket(uint32_t t) const {
+    SHM_CHECK(t < seg_.header().loan_tickets, "no loan ticket " << t);
+    return reinterpret_cast<shm::LoanTicket*>(loan_region())[t].state;
+  }
+  uint8_t* loan_heap() const { return reinterpret_cast<uint8_t*>(loan_region() + geo_.loan_table_bytes); }
+  uint64_t loan_heap_bytes() const { return geo_.loan_bytes; }
+
   /// Waits until the consumer has freed the entry of position `pos`; false if `give_up` said so
   /// first. Throws CheckFailure at `deadline`.
   bool wait_room(uint64_t pos, Clock::time_point deadline, const std::function<bool()>& give_up = {}) const {
@@ -231,6 +239,9 @@ class RingWriter {
 
  private:
   std::byte* region() const { return seg_.data() + geo_.arena_offset + uint64_t{static_cast<uint32_t>(src_)} * geo_.region_bytes; }
+  std::byte* loan_region() const {
+    return seg_.data() + geo_.loan_offset + uint64_t{static_cast<uint32_t>(src_)} * geo_.loan_region_bytes;
+  }
 
   RawSegment seg_;
   int src_;
@@ -1375,15 +1386,24 @@ TEST_F(ShmHostile, MemmapReferencesToUnreadableFilesFailTheRecv) {
   const std::string link = dir.file("link.bin");
   ASSERT_EQ(::symlink(good.c_str(), link.c_str()), 0) << std::strerror(errno);
   const std::string dir_name = dir.path().substr(dir.path().rfind('/') + 1);
+  const std::string linked_dir = dir.file("linked");
+  ASSERT_EQ(::symlink(dir.path().c_str(), linked_dir.c_str()), 0) << std::strerror(errno);
+  const std::string others = dir.file("others.bin");
+  write_file(others, good_bytes.data_ptr(), kBytes);
+  const bool root = ::geteuid() == 0;  // only root can give a file to another user
+  if (root) {
+    ASSERT_EQ(::chown(others.c_str(), 65534, 65534), 0) << std::strerror(errno);
+  }
 
-  const std::vector<ReferenceCase> cases{
+  std::vector<ReferenceCase> cases{
       {"a regular file (control)", good, 0, {}, false},
       {"a FIFO", fifo, 0, {"not a regular file"}, false},
       {"/dev/zero", "/dev/zero", 0, {"not a regular file"}, false},
       {"a regular file shorter than the message", short_file, 0, {"has 10 bytes", "needs 64"}, false},
       {"an offset near the end of a file", good, 32, {"needs 96"}, false},
       {"a missing file", dir.path() + "/missing.bin", 0, {"cannot open"}, false},
-      {"a symbolic link", link, 0, {"cannot open"}, false},
+      {"a symbolic link", link, 0, {"symbolic link"}, false},
+      {"a path through a linked directory", linked_dir + "/good.bin", 0, {"linked' is a symbolic link"}, false},
       {"a relative path", "short.bin", 0, {"corrupted entry", "not absolute"}, true},
       {"a path with /../", dir.path() + "/../" + dir_name + "/good.bin", 0, {"corrupted entry", ".."}, true},
       {"a path with /./", dir.path() + "/./good.bin", 0, {"corrupted entry", "'.'"}, true},
@@ -1394,6 +1414,7 @@ TEST_F(ShmHostile, MemmapReferencesToUnreadableFilesFailTheRecv) {
        true},
       {"an empty path", "", 0, {"corrupted entry", "path length"}, true},
   };
+  if (root) cases.push_back({"another user's file", others, 0, {"owned by uid 65534"}, false});
   for (const ReferenceCase& rc : cases) {
     for (const bool posted_first : {true, false}) {
       const std::string what =
@@ -1456,6 +1477,119 @@ TEST_F(ShmHostile, MemmapReferencesToUnreadableFilesFailTheRecv) {
                 30s);
       if (HasFailure()) return;
     }
+  }
+}
+
+// A loan rewritten while the receiver copies it: the hostile rank lends 64 MiB of its heap (its
+// own entry, its own ticket handed to the victim), then, at a moment inside the victim's copy,
+// rewrites the heap's last MiB and takes the ticket back. The victim's receive must fail with a
+// TransportError (the ticket no longer named it after the copy, or before it began), or hold
+// exactly the lent bytes (the rewrite came after the copy): never torn bytes silently. Several
+// moments, so that some land inside the copy (about 10 ms here).
+TEST_F(ShmHostile, ALoanTakenBackDuringTheCopyFailsTheRecv) {
+  set_deadline(300s);
+  ShmOptions opts = small_options();
+  constexpr int64_t kBytes = int64_t{64} << 20;
+  constexpr int64_t kRewritten = int64_t{1} << 20;
+  opts.loan_bytes = kBytes;
+  for (const auto delay : {200us, 1000us, 2000us, 4000us, 8000us}) {
+    const std::string what = "the loan taken back " + std::to_string(delay.count()) + " us after it was published";
+    SCOPED_TRACE(what);
+    const std::string name = unique_name();
+    constexpr int64_t kTag = 5;
+    Shared<Sync> s;
+    run_roles({{"victim (rank 0)",
+                [&] {
+                  const SignalOnExit done(s->victim_done);
+                  ProcessGroupShm pg(name, 0, 2, opts);
+                  const at::Tensor got = at::zeros({kBytes}, at::kByte);
+                  auto w = post_recv(pg, got, 1, kTag);
+                  s->posted.store(1);
+                  const Caught c = outcome(w);
+                  note(what + ": " + c.describe());
+                  if (c.threw) {
+                    expect_error<TransportError>(c, what, {"loan"});
+                  } else {
+                    SHM_CHECK(at::equal(got, at::full({kBytes}, 0x11, at::kByte)),
+                              what << ": the receive succeeded with bytes the sender rewrote (a torn copy)");
+                  }
+                  s->victim_done.store(1);
+                }},
+               {"hostile (rank 1)",
+                [&] {
+                  ProcessGroupShm pg(name, 1, 2, opts);
+                  const RingWriter ring(name, 1, 0);
+                  SHM_CHECK(ring.loan_heap_bytes() >= static_cast<uint64_t>(kBytes), "the loan heap is too small");
+                  std::memset(ring.loan_heap(), 0x11, kBytes);
+                  ring.loan_ticket(0).store(1, std::memory_order_relaxed);  // handed to rank 0
+                  await(s->posted, 1, "the victim's recv");
+                  std::this_thread::sleep_for(1ms);  // the victim sleeps in its wait
+                  const shm::LoanReference ref{0, 0, 0};
+                  ring.put(0,
+                           {.tag = kTag,
+                            .total = kBytes,
+                            .chunk = sizeof ref,
+                            .flags = shm::kEntryFirst | shm::kEntryLast | shm::kEntryLoan},
+                           &ref, sizeof ref);
+                  const auto at = Clock::now() + delay;
+                  while (Clock::now() < at) {
+                  }
+                  std::memset(ring.loan_heap() + kBytes - kRewritten, 0x22, kRewritten);
+                  ring.loan_ticket(0).store(0, std::memory_order_release);  // taken back
+                  await(s->victim_done, 1, "the victim");
+                }}},
+              60s);
+    if (HasFailure()) return;
+  }
+}
+
+// A loan whose offset is not aligned for its dtype: a view of it is refused (TransportError);
+// the same bytes at an aligned offset arrive as a view of the right floats.
+TEST_F(ShmHostile, AMisalignedLoanIsRefusedAsAView) {
+  set_deadline(120s);
+  const ShmOptions opts = small_options();
+  constexpr int64_t kFloats = 16;
+  for (const uint64_t offset : {uint64_t{4}, uint64_t{2}, uint64_t{4097}}) {
+    const bool aligned = offset % sizeof(float) == 0;
+    const std::string what = "a float loan at heap offset " + std::to_string(offset);
+    SCOPED_TRACE(what);
+    const std::string name = unique_name();
+    constexpr int64_t kTag = 6;
+    const at::Tensor values = at::arange(kFloats, at::kFloat);
+    Shared<Sync> s;
+    run_roles({{"victim (rank 0)",
+                [&] {
+                  const SignalOnExit done(s->victim_done);
+                  ProcessGroupShm pg(name, 0, 2, opts);
+                  auto w = pg.irecv_view(1, kTag);
+                  const Caught c = outcome(w);
+                  note(what + ": " + c.describe());
+                  if (aligned) {
+                    SHM_CHECK(!c.threw, what << ": " << c.describe());
+                    SHM_CHECK(at::equal(w->result().at(0), values), what << ": wrong values");
+                  } else {
+                    expect_error<TransportError>(c, what, {"not aligned", "Float"});
+                  }
+                  s->victim_done.store(1);
+                }},
+               {"hostile (rank 1)",
+                [&] {
+                  ProcessGroupShm pg(name, 1, 2, opts);
+                  const RingWriter ring(name, 1, 0);
+                  std::memcpy(ring.loan_heap() + offset, values.data_ptr(), kFloats * sizeof(float));
+                  ring.loan_ticket(3).store(1, std::memory_order_relaxed);  // handed to rank 0
+                  const shm::LoanReference ref{offset, 3, 0};
+                  ring.put(0,
+                           {.tag = kTag,
+                            .total = kFloats * sizeof(float),
+                            .chunk = sizeof ref,
+                            .flags = shm::kEntryFirst | shm::kEntryLast | shm::kEntryLoan,
+                            .dtype = static_cast<uint8_t>(at::kFloat)},
+                           &ref, sizeof ref);
+                  await(s->victim_done, 1, "the victim");
+                }}},
+              60s);
+    if (HasFailure()) return;
   }
 }
 

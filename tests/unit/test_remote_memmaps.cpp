@@ -8,8 +8,14 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -76,7 +82,7 @@ TEST_F(RemoteMemmaps, FindsNamedLeavesAndRebuildsThemAsTheFile) {
   // The receiver: the storage (its referenced bytes never written: zeros here) and the file.
   at::Tensor storage = td.consolidate().consolidated_storage().clone();
   storage.narrow(0, static_cast<int64_t>(refs[0].start), static_cast<int64_t>(refs[0].stop - refs[0].start)).zero_();
-  const TensorDict r = rebuild_with_references(storage, schema, back);
+  const TensorDict r = rebuild_with_references(storage, schema, back, /*may_write=*/true);
   EXPECT_TRUE(at::equal(r.get("m"), at::arange(10, 14, at::kLong)));
   EXPECT_TRUE(at::equal(r.get("x"), at::arange(4, at::kFloat)));
   EXPECT_TRUE(at::equal(r.get("anon"), at::ones({4})));
@@ -120,6 +126,11 @@ TEST_F(RemoteMemmaps, HostileTablesAreRefused) {
   r = good;
   r.offset = -8;
   refused({r}, "a negative offset");
+  for (const char* path : {"/tmp/../etc/m.mm", "/tmp/./m.mm", "/tmp/x/..", "/."}) {
+    r = good;
+    r.file = path;
+    refused({r}, std::string("a path with '.' or '..' parts: ") + path);
+  }
   r = good;
   r.file = "/" + std::string(5000, 'a');
   refused({r}, "a path past 4096 bytes");
@@ -142,11 +153,99 @@ TEST_F(RemoteMemmaps, AFileThisRankCannotMapIsAMemmapErrorNamingTheLeaf) {
   r.file = path("gone.mm");
   const at::Tensor storage = td.consolidate().consolidated_storage();
   try {
-    rebuild_with_references(storage, schema, {r});
+    rebuild_with_references(storage, schema, {r}, /*may_write=*/false);
     ADD_FAILURE() << "no error";
   } catch (const MemmapError& e) {
     EXPECT_NE(std::string(e.what()).find("leaf 'm'"), std::string::npos) << e.what();
   }
+}
+
+// What a receiver maps for a peer's table (memmap/peer_file.h): no link followed at any level, a
+// regular file owned by this user, never a FIFO or a device (refused at once, without blocking
+// in open), writable only when the receiver asks. Each refusal is a MemmapError naming the leaf
+// and saying why.
+TEST_F(RemoteMemmaps, APeersFileIsMappedOnlyUnderTheRules) {
+  const TensorDict td = tree();
+  const Schema schema = td.consolidate().schema();
+  const MemmapReference good = memmap_references(td, schema).at(0);
+  const at::Tensor storage = td.consolidate().consolidated_storage();
+  auto refused = [&](const std::string& file, const std::string& needle, const std::string& what) {
+    MemmapReference r = good;
+    r.file = file;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      rebuild_with_references(storage, schema, {r}, /*may_write=*/false);
+      ADD_FAILURE() << what << ": no error";
+    } catch (const MemmapError& e) {
+      EXPECT_NE(std::string(e.what()).find("leaf 'm'"), std::string::npos) << what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2)) << what << " took long";
+  };
+  // The good file's bytes at the same names, through links and as other kinds of files.
+  ASSERT_EQ(::symlink(good.file.c_str(), path("link.mm").c_str()), 0);
+  refused(path("link.mm"), "symbolic link", "a symbolic link to the file");
+  ASSERT_EQ(::mkdir(path("real").c_str(), 0700), 0);
+  std::filesystem::copy_file(good.file, path("real/m.mm"));
+  ASSERT_EQ(::symlink(path("real").c_str(), path("linked").c_str()), 0);
+  refused(path("linked/m.mm"), "'" + path("linked") + "' is a symbolic link", "a directory on the way is a link");
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
+  refused(path("fifo"), "a FIFO", "a FIFO nobody writes to");
+  refused("/dev/zero", "a character device", "a device");
+  refused(path("real"), "a directory", "a directory");
+  refused(path("missing.mm"), "cannot open it", "a missing file");
+  {
+    std::ofstream(path("short.mm")) << "12";
+    refused(path("short.mm"), "holds 2 bytes", "a file shorter than the leaf");
+  }
+  if (::geteuid() == 0) {  // a file of another user can only be made by root
+    std::filesystem::copy_file(good.file, path("other.mm"));
+    ASSERT_EQ(::chown(path("other.mm").c_str(), 65534, 65534), 0);
+    refused(path("other.mm"), "owned by uid 65534", "another user's file");
+  }
+  // The same file through its own path maps, read-only unless the receiver asked to write.
+  MemmapReference r = good;
+  r.file = path("real/m.mm");
+  ASSERT_TRUE(r.writable) << "the sender's memmap is writable";
+  {
+    const TensorDict got = rebuild_with_references(storage, schema, {r}, /*may_write=*/false);
+    const auto info = MemoryMappedTensor::info(got.get("m"));
+    ASSERT_TRUE(info.has_value());
+    EXPECT_FALSE(info->writable) << "mapped writable though the receiver did not ask";
+    EXPECT_TRUE(at::equal(got.get("m"), at::arange(10, 14, at::kLong)));
+    got.get("m").fill_(7);  // private to this mapping
+    const TensorDict again = rebuild_with_references(storage, schema, {r}, /*may_write=*/false);
+    EXPECT_TRUE(at::equal(again.get("m"), at::arange(10, 14, at::kLong))) << "a read-only mapping wrote the file";
+  }
+  {
+    const TensorDict got = rebuild_with_references(storage, schema, {r}, /*may_write=*/true);
+    EXPECT_TRUE(MemoryMappedTensor::info(got.get("m"))->writable);
+    got.get("m").fill_(9);
+    const TensorDict again = rebuild_with_references(storage, schema, {r}, /*may_write=*/false);
+    EXPECT_TRUE(at::equal(again.get("m"), at::full({4}, 9, at::kLong))) << "the receiver's write did not reach the file";
+  }
+  {
+    MemmapReference ro = r;
+    ro.writable = false;  // the sender's own mapping was read-only: never writable here
+    const TensorDict got = rebuild_with_references(storage, schema, {ro}, /*may_write=*/true);
+    EXPECT_FALSE(MemoryMappedTensor::info(got.get("m"))->writable);
+  }
+}
+
+// The sender names its file by its canonical path: a memmap made through a linked directory is
+// sent as the real file, which the receiver's rules accept.
+TEST_F(RemoteMemmaps, TheSenderNamesTheCanonicalPath) {
+  ASSERT_EQ(::mkdir(path("real").c_str(), 0700), 0);
+  ASSERT_EQ(::symlink(path("real").c_str(), path("linked").c_str()), 0);
+  const TensorDict td({{"m", MemoryMappedTensor::from_tensor(at::arange(4, at::kLong), path("linked/m.mm")).tensor()}},
+                      {4});
+  const Schema schema = td.consolidate().schema();
+  const std::vector<MemmapReference> refs = memmap_references(td, schema);
+  ASSERT_EQ(refs.size(), 1u);
+  EXPECT_EQ(refs[0].file, std::filesystem::canonical(path("real/m.mm")).string());
+  const TensorDict got =
+      rebuild_with_references(td.consolidate().consolidated_storage(), schema, refs, /*may_write=*/false);
+  EXPECT_TRUE(at::equal(got.get("m"), at::arange(4, at::kLong)));
 }
 
 }  // namespace
