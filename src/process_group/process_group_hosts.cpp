@@ -88,15 +88,18 @@ void ProcessGroupHosts::finish(const c10::intrusive_ptr<c10d::Work>& work, Deadl
     }
   } catch (const std::exception& e) {
     check_world();  // a loss known here explains the failure best
-    // The collectives are out of step now: the world is lost, for every rank.
-    if (dynamic_cast<const TimeoutError*>(&e) != nullptr || mentions_timeout(e.what())) {
+    // The collectives are out of step now: the world is lost, for every rank. A timeout before
+    // the collective's own deadline (gloo's, say, after its peer gave up) is a symptom too.
+    const bool timed_out = dynamic_cast<const TimeoutError*>(&e) != nullptr || mentions_timeout(e.what());
+    if (timed_out && Clock::now() >= d) {
       const std::string what = std::string(step) + " failed on rank " + std::to_string(getRank()) + ": " + first_line(e.what());
       watch_->report(what);
       throw TimeoutError("the world across hosts: " + what);
     }
-    const std::string what = explain_loss(step, first_line(e.what()));
-    watch_->report(what);
-    throw PeerLostError("the world across hosts is lost: " + what);
+    const Explained why = explain_loss(step, first_line(e.what()));
+    watch_->report(why.what);
+    if (timed_out && !why.verdict) throw TimeoutError("the world across hosts: " + why.what);
+    throw PeerLostError("the world across hosts is lost: " + why.what);
   }
 }
 
@@ -113,21 +116,21 @@ std::optional<std::string> ProcessGroupHosts::dead_host_mate() const {
 // The first signal of a death is often not the dead rank's: a connection that another survivor
 // reset when it gave up, a host-mate that shut its group down after its own failure. So a symptom
 // is explained by the world's verdict when one comes soon, and said to be a symptom otherwise.
-std::string ProcessGroupHosts::explain_loss(const char* step, const std::string& symptom) {
+ProcessGroupHosts::Explained ProcessGroupHosts::explain_loss(const char* step, const std::string& symptom) {
   const std::string here = "; on rank " + std::to_string(getRank()) + ", " + step + " failed";
   if (auto mate = dead_host_mate()) {
     watch_->publish_verdict(*mate);
-    return *mate + here;
+    return {*mate + here, true};
   }
   const std::vector<int64_t> before = watch_->beats();
   const auto until = Clock::now() + kVerdictWait;
   for (;;) {
-    if (auto v = watch_->verdict()) return *v + here;
+    if (auto v = watch_->verdict()) return {*v + here, true};
     if (auto mate = dead_host_mate()) {
       watch_->publish_verdict(*mate);
-      return *mate + here;
+      return {*mate + here, true};
     }
-    if (auto known = lost()) return *known;  // the world's word, as the watcher heard it
+    if (auto known = lost()) return {*known, true};  // the world's word, as the watcher heard it
     if (Clock::now() >= until) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -143,8 +146,9 @@ std::string ProcessGroupHosts::explain_loss(const char* step, const std::string&
     }
     silent = silent.empty() ? "every rank still beats" : silent + " did not answer";
   }
-  return "no rank was found gone within " + std::to_string(kVerdictWait.count()) + " ms (" + silent + ")" + here +
-         ": " + symptom;
+  return {"no rank was found gone within " + std::to_string(kVerdictWait.count()) + " ms (" + silent + ")" + here +
+              ": " + symptom,
+          false};
 }
 
 

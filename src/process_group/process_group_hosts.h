@@ -114,7 +114,11 @@ class ProcessGroupHosts final : public c10d::ProcessGroup {
   /// host-mate that died (seen here, and published as the verdict), else the verdict another
   /// rank publishes within kVerdictWait, else the cause is unknown and the ranks that did not
   /// answer meanwhile are named as such. Never names a live rank as gone.
-  std::string explain_loss(const char* step, const std::string& symptom);
+  struct Explained {
+    std::string what;
+    bool verdict;  // a rank was named gone
+  };
+  Explained explain_loss(const char* step, const std::string& symptom);
   /// "rank 5 (host 1) died ..." for a rank of this host whose process ended without leaving.
   std::optional<std::string> dead_host_mate() const;
   std::string describe(int rank) const { return "rank " + std::to_string(rank) + " (host " + std::to_string(host_index(rank)) + ")"; }
