@@ -227,6 +227,9 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// loans (TimeoutError after ShmOptions::timeout, naming who holds what); a loan larger than the
   /// heap is a SegmentError, a negative shape a ShapeError. Any thread.
   at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype);
+  /// loan() without waiting: an undefined tensor when the heap has no room now (receivers hold
+  /// earlier loans) or never will (larger than the heap), for callers that then send by value.
+  at::Tensor try_loan(at::IntArrayRef sizes, at::ScalarType dtype);
   /// Whether `t`'s bytes lie wholly inside one live loan of this group (its sends go by reference).
   bool is_loan(const at::Tensor& t) const;
   /// Receives whatever tensor `srcRank` sends with `tag`, in a tensor of the sender's shape and

@@ -106,6 +106,21 @@ PYBIND11_MODULE(_C, m) {
           py::arg("shape"), py::arg("dtype"),
           "A tensor whose bytes live in this rank's loan heap: sent to a rank of this group it goes by "
           "reference, and the send completes once the receiver no longer reads it (tdshm.empty).")
+      .def(
+          "try_loan",
+          [](tdshm::ProcessGroupShm& pg, std::vector<int64_t> shape, py::object dtype) -> std::optional<at::Tensor> {
+            if (!THPDtype_Check(dtype.ptr())) throw tdshm::TypeError("try_loan: dtype must be a torch.dtype");
+            const at::ScalarType st = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+            at::Tensor t;
+            {
+              py::gil_scoped_release nogil;
+              t = pg.try_loan(shape, st);
+            }
+            if (!t.defined()) return std::nullopt;
+            return t;
+          },
+          py::arg("shape"), py::arg("dtype"),
+          "loan() without waiting: None when the heap has no room now, or is smaller than the tensor.")
       .def("is_loan", &tdshm::ProcessGroupShm::is_loan, py::arg("tensor"),
            "Whether the tensor lies wholly inside one live loan of this group.")
       .def(
@@ -117,6 +132,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("src"), py::arg("tag") = 0,
           "Receives whatever tensor group rank `src` sends with `tag`, in the sender's shape and dtype: a "
           "view of its bytes when they are a loan (given back when the view is dropped), else a fresh tensor.")
+      .def(
+          "irecv_view",
+          [](tdshm::ProcessGroupShm& pg, int src, int tag) {
+            py::gil_scoped_release nogil;
+            return pg.irecv_view(src, tag);
+          },
+          py::arg("src"), py::arg("tag") = 0,
+          "recv_view, not waited: a Work whose result()[0] is the received tensor once wait() returned.")
       .def_property_readonly("segment_name", &tdshm::ProcessGroupShm::segment_name,
                              "The segment's name (the file is /dev/shm/tdshm.<segment_name>).");
 

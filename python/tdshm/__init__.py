@@ -46,6 +46,9 @@ of a tensordict (or of nested dicts of tensors) once; its ``send``, ``isend``, `
 ``irecv`` then move every leaf in one call into C++ with the GIL released, on tensordict's wire
 (the peer may be a tensordict rank calling ``td.recv``/``td.send``, or a C++ tdshm rank), over
 "shm" or any other backend.
+
+``tdshm.DataLoader`` is torch.utils.data.DataLoader (the same arguments and semantics) whose
+workers hand batches to the main process through shared memory, zero copy (docs/loader.md).
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -53,8 +56,10 @@ import torch.distributed as _dist
 
 from ._C import ProcessGroupShm, __version__
 from . import _C
+from .loader import DataLoader
 
-__all__ = ["ProcessGroupShm", "Transfer", "empty", "loan", "recv_view", "release", "__version__", "BACKEND"]
+__all__ = ["DataLoader", "ProcessGroupShm", "Transfer", "empty", "loan", "recv_view", "release", "__version__",
+           "BACKEND"]
 
 #: The name under which the backend is registered with torch.distributed.
 BACKEND = "shm"

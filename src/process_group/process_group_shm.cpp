@@ -428,6 +428,16 @@ at::Tensor ProcessGroupShm::loan(at::IntArrayRef sizes, at::ScalarType dtype) {
   return engine_->loan(sizes, dtype, std::chrono::steady_clock::now() + engine_->options().timeout);
 }
 
+at::Tensor ProcessGroupShm::try_loan(at::IntArrayRef sizes, at::ScalarType dtype) {
+  try {
+    return engine_->loan(sizes, dtype, std::chrono::steady_clock::now());
+  } catch (const TimeoutError&) {  // no room now
+    return {};
+  } catch (const SegmentError&) {  // larger than the heap
+    return {};
+  }
+}
+
 bool ProcessGroupShm::is_loan(const at::Tensor& t) const { return engine_->is_loan(t); }
 
 bool ProcessGroupShm::runs_tdshm_transfers(int peer) const noexcept { return engine_->runs_tdshm_transfers(peer); }

@@ -1,0 +1,322 @@
+"""tdshm.DataLoader against torch.utils.data.DataLoader as the oracle.
+
+Every test builds the same loader twice (torch's and tdshm's: same dataset, sampler and generator
+seed) and checks that they yield the same batches in the same order, or fail the same way; then
+that no tdshm.dl-* segment is left in /dev/shm. Failures: an exception in a worker (its type and
+the worker's traceback), a worker killed by a signal (a RuntimeError naming its pid and signal
+within 1 s), the loader's timeout, main killed (its workers exit), a loop left with break.
+
+Run by ctest (python.loader) with PYTHONPATH=<build>/python.
+"""
+
+import collections
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import unittest
+
+os.environ["OMP_NUM_THREADS"] = "1"
+import torch  # noqa: E402
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
+from torch.utils.data import Dataset, IterableDataset, get_worker_info  # noqa: E402
+
+import tdshm  # noqa: E402
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+def segments():
+    return set(glob.glob("/dev/shm/tdshm.dl-{}-*".format(os.getpid())))
+
+
+class Samples(Dataset):
+    """Every kind of value a sample may hold: tensors of several dtypes, ints, floats, strings,
+    tuples, lists, namedtuples, nested dicts; and what a worker sees (its info and seed)."""
+
+    def __init__(self, n=37):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return {
+            "image": torch.full((3, 8, 8), i % 256, dtype=torch.uint8),
+            "x": torch.arange(5, dtype=torch.float32) * i,
+            "label": i,
+            "weight": i / 2.0,
+            "name": "sample-{}".format(i),
+            "pair": Pair(torch.tensor([i, -i]), i * 3),
+            "nested": {"t": (torch.ones(2, dtype=torch.int64) * i, [i, i + 1])},
+            "flag": torch.tensor(i % 2 == 0),
+            "seed": torch.initial_seed(),
+            "worker": -1 if info is None else info.id,
+            "info": None if info is None else (info.num_workers, info.seed, type(info.dataset).__name__),
+            "random": torch.rand(2),
+        }
+
+
+class Ranges(IterableDataset):
+    """Each worker yields its share of [0, n), unevenly (one worker has more)."""
+
+    def __init__(self, n=23):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        lo, hi = 0, self.n
+        if info is not None:
+            per = (self.n + info.num_workers - 1) // info.num_workers
+            lo, hi = info.id * per, min(self.n, (info.id + 1) * per)
+        for i in range(lo, hi):
+            yield {"i": torch.tensor(i), "v": torch.full((4,), float(i)), "w": info.id if info else -1}
+
+
+class Whole(Dataset):
+    """Whole batches (batch_size=None)."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return {"image": torch.full((4, 3, 16, 16), i, dtype=torch.uint8), "label": torch.arange(4) + 4 * i}
+
+
+class Raises(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 9:
+            raise KeyError("no sample 9 here")
+        return torch.tensor([i])
+
+
+class Kills(Dataset):
+    """Index 20 kills its worker, which first writes the time and its pid to `path`."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i == 20:
+            with open(self.path, "w") as f:
+                f.write("{} {}".format(time.monotonic(), os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([i])
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 2:
+            time.sleep(3)
+        return torch.tensor([i])
+
+
+def custom_collate(batch):
+    return {"sum": sum(b["x"] for b in batch), "names": [b["name"] for b in batch], "n": len(batch)}
+
+
+def same(a, b, where="batch"):
+    """Raises AssertionError naming where `a` and `b` differ (tensors: dtype, shape, values)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            raise AssertionError("{}: {} against {}".format(where, type(a), type(b)))
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            raise AssertionError("{}: {} against {}".format(where, a, b))
+        return
+    if type(a) is not type(b):
+        raise AssertionError("{}: {} against {}".format(where, type(a).__name__, type(b).__name__))
+    if isinstance(a, dict):
+        if list(a.keys()) != list(b.keys()):
+            raise AssertionError("{}: keys {} against {}".format(where, list(a), list(b)))
+        for k in a:
+            same(a[k], b[k], "{}[{!r}]".format(where, k))
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            raise AssertionError("{}: {} items against {}".format(where, len(a), len(b)))
+        for k, (x, y) in enumerate(zip(a, b)):
+            same(x, y, "{}[{}]".format(where, k))
+    elif a != b:
+        raise AssertionError("{}: {!r} against {!r}".format(where, a, b))
+
+
+class LoaderTest(unittest.TestCase):
+    def setUp(self):
+        self.before = segments()
+
+    def tearDown(self):
+        deadline = time.monotonic() + 5
+        while segments() - self.before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(segments() - self.before, set(), "segments left in /dev/shm")
+
+    def both(self, dataset, seed=1234, **kwargs):
+        """The two loaders' batches, each built with a generator seeded `seed`."""
+        out = []
+        for cls in (TorchLoader, tdshm.DataLoader):
+            loader = cls(dataset, generator=torch.Generator().manual_seed(seed), **kwargs)
+            out.append((len(loader) if not isinstance(dataset, IterableDataset) else None, list(loader)))
+            del loader
+        return out
+
+    def check_same(self, dataset, **kwargs):
+        (n_torch, torch_batches), (n_shm, shm_batches) = self.both(dataset, **kwargs)
+        self.assertEqual(n_torch, n_shm)
+        self.assertEqual(len(torch_batches), len(shm_batches))
+        self.assertGreater(len(shm_batches), 0)
+        for i, (a, b) in enumerate(zip(torch_batches, shm_batches)):
+            same(a, b, "batch {}".format(i))
+        return shm_batches
+
+    def test_map_style_every_value_kind(self):
+        for workers in (1, 2, 3):
+            for drop_last in (False, True):
+                with self.subTest(workers=workers, drop_last=drop_last):
+                    self.check_same(Samples(), batch_size=4, shuffle=True, num_workers=workers, drop_last=drop_last)
+
+    def test_samplers_and_prefetch(self):
+        ds = Samples(20)
+        self.check_same(ds, batch_size=3, sampler=list(reversed(range(20))), num_workers=2, prefetch_factor=1)
+        self.check_same(ds, batch_sampler=[[1, 2], [7], [3, 4, 5], [19, 0]], num_workers=2, prefetch_factor=3)
+        self.check_same(ds, batch_size=None, num_workers=2)  # one sample at a time, not collated
+
+    def test_iterable_dataset(self):
+        for workers in (2, 3):
+            with self.subTest(workers=workers):
+                self.check_same(Ranges(), batch_size=3, num_workers=workers)
+                self.check_same(Ranges(), batch_size=3, num_workers=workers, drop_last=True)
+
+    def test_whole_batches_and_custom_collate(self):
+        batches = self.check_same(Whole(), batch_size=None, num_workers=3)
+        self.assertEqual(batches[5]["image"].shape, (4, 3, 16, 16))
+        self.check_same(Samples(), batch_size=5, num_workers=2, collate_fn=custom_collate)
+
+    def test_worker_init_fn_and_epochs(self):
+        seen = []
+
+        def init(worker_id):
+            info = get_worker_info()
+            assert info.id == worker_id and info.num_workers == 2 and info.seed == torch.initial_seed()
+
+        for persistent in (False, True):
+            with self.subTest(persistent=persistent):
+                loaders = [cls(Samples(13), batch_size=4, shuffle=True, num_workers=2, worker_init_fn=init,
+                               persistent_workers=persistent, generator=torch.Generator().manual_seed(7))
+                           for cls in (TorchLoader, tdshm.DataLoader)]
+                for epoch in range(3):
+                    a, b = list(loaders[0]), list(loaders[1])
+                    self.assertEqual(len(b), len(loaders[1]))
+                    for i, (x, y) in enumerate(zip(a, b)):
+                        same(x, y, "epoch {} batch {}".format(epoch, i))
+                    seen.append(len(b))
+                del loaders
+        self.assertEqual(seen, [4] * 6)
+
+    def test_batches_live_as_long_as_the_user_keeps_them(self):
+        # Many batches kept at once (more than any heap holds), then a loop that keeps every
+        # other batch past the next step, then break mid-epoch.
+        loader = tdshm.DataLoader(Whole(), batch_size=None, num_workers=2)
+        for _ in range(3):
+            kept = list(loader)
+            for i, b in enumerate(kept):
+                same(b, Whole()[i], "kept batch {}".format(i))
+        held = []
+        for i, b in enumerate(loader):
+            if i % 2 == 0:
+                held.append((i, b))
+        for i, b in held:
+            same(b, Whole()[i], "held batch {}".format(i))
+        for i, b in enumerate(loader):
+            if i == 3:
+                break
+        del loader, held, kept
+
+    def test_an_exception_in_a_worker_is_raised_in_main(self):
+        for cls in (TorchLoader, tdshm.DataLoader):
+            with self.subTest(loader=cls.__module__):
+                loader = cls(Raises(), batch_size=2, num_workers=2)
+                got = []
+                with self.assertRaises(KeyError) as caught:
+                    for b in loader:
+                        got.append(b)
+                self.assertIn("in DataLoader worker process", str(caught.exception))
+                self.assertIn("no sample 9 here", str(caught.exception))
+                self.assertIn("Traceback", str(caught.exception))
+                self.assertEqual(len(got), 4)  # batches 0-3; batch 4 holds index 9
+                del loader
+
+    def test_a_killed_worker_is_a_runtime_error_naming_it(self):
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "killed")
+            loader = tdshm.DataLoader(Kills(path), batch_size=2, num_workers=2)
+            got = []
+            with self.assertRaises(RuntimeError) as caught:
+                for b in loader:
+                    got.append(b)
+            raised = time.monotonic()
+            killed, pid = open(path).read().split()
+            message = str(caught.exception)
+            self.assertIn(pid, message)
+            self.assertTrue("killed by signal: Killed" in message or "exited unexpectedly" in message, message)
+            self.assertLess(raised - float(killed), 1.0, message)
+            self.assertEqual([int(b[0]) for b in got], list(range(0, 20, 2)))  # every batch before index 20
+            del loader
+
+    def test_timeout(self):
+        loader = tdshm.DataLoader(Slow(), batch_size=1, num_workers=2, timeout=1)
+        with self.assertRaises(RuntimeError) as caught:
+            list(loader)
+        self.assertIn("DataLoader timed out after 1 seconds", str(caught.exception))
+        del loader
+
+    def test_main_killed_ends_its_workers(self):
+        script = textwrap.dedent("""
+            import os, sys, time, torch, tdshm
+            from torch.utils.data import Dataset
+            class D(Dataset):
+                def __len__(self): return 10**6
+                def __getitem__(self, i): return torch.full((64,), i)
+            it = iter(tdshm.DataLoader(D(), batch_size=4, num_workers=3))
+            next(it)
+            print(os.getpid(), *[w.pid for w in it._workers], flush=True)
+            time.sleep(60)
+        """)
+        env = dict(os.environ)
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+        try:
+            line = child.stdout.readline().decode().split()
+            self.assertEqual(len(line), 4, "the child did not start its loader")
+            main, workers = int(line[0]), [int(p) for p in line[1:]]
+            child.kill()
+            child.wait(10)
+            deadline = time.monotonic() + 5
+            alive = workers
+            while alive and time.monotonic() < deadline:
+                alive = [p for p in alive if os.path.exists("/proc/{}".format(p))
+                         and open("/proc/{}/stat".format(p)).read().split()[2] != "Z"]
+                time.sleep(0.05)
+            self.assertEqual(alive, [], "workers outlived main by 5 s")
+            deadline = time.monotonic() + 5
+            while glob.glob("/dev/shm/tdshm.dl-{}-*".format(main)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertEqual(glob.glob("/dev/shm/tdshm.dl-{}-*".format(main)), [])
+        finally:
+            if child.poll() is None:
+                child.kill()
+
+
+if __name__ == "__main__":
+    unittest.main()
