@@ -85,16 +85,25 @@ PYBIND11_MODULE(_C, m) {
       "_base ones). alltoall (lists of tensors), allgather_coalesced and monitored_barrier raise "
       "RuntimeError, as does a reduce op the dtype does not have, or PREMUL_SUM.")
       .def(py::init([](const std::string& name, int rank, int size, std::chrono::milliseconds timeout,
-                       std::optional<size_t> loan_bytes, std::optional<uint32_t> loan_tickets) {
-             return c10::make_intrusive<tdshm::ProcessGroupShm>(name, rank, size,
-                                                                options_with(timeout, loan_bytes, loan_tickets));
+                       std::optional<size_t> loan_bytes, std::optional<uint32_t> loan_tickets,
+                       std::optional<std::chrono::microseconds> spin, std::optional<uint32_t> slots_per_rank,
+                       std::optional<size_t> window_bytes) {
+             tdshm::ShmOptions options = options_with(timeout, loan_bytes, loan_tickets);
+             if (spin) options.spin = *spin;
+             if (slots_per_rank) options.slots_per_rank = *slots_per_rank;
+             if (window_bytes) options.window_bytes = *window_bytes;
+             return c10::make_intrusive<tdshm::ProcessGroupShm>(name, rank, size, options);
            }),
            py::arg("name"), py::arg("rank"), py::arg("size"),
            py::arg("timeout") = std::chrono::milliseconds(std::chrono::minutes(30)), py::arg("loan_bytes") = py::none(),
-           py::arg("loan_tickets") = py::none(), py::call_guard<py::gil_scoped_release>(),
+           py::arg("loan_tickets") = py::none(), py::kw_only(), py::arg("spin") = py::none(),
+           py::arg("slots_per_rank") = py::none(), py::arg("window_bytes") = py::none(),
+           py::call_guard<py::gil_scoped_release>(),
            "Joins (or creates) the segment /dev/shm/tdshm.<name> as `rank` of `size` and waits for every "
            "rank, at most `timeout` (a datetime.timedelta). loan_bytes / loan_tickets: each rank's loan heap "
-           "(default: $TDSHM_LOAN_BYTES or 1 MiB, $TDSHM_LOAN_TICKETS or 64); every rank must give the same.")
+           "(default: $TDSHM_LOAN_BYTES or 1 MiB, $TDSHM_LOAN_TICKETS or 64); every rank must give the same, "
+           "as for slots_per_rank (64) and window_bytes (1 MiB: the collectives' window). spin (a timedelta, "
+           "default 250 us): how long a wait spins before it sleeps.")
       .def(
           "loan",
           [](tdshm::ProcessGroupShm& pg, std::vector<int64_t> shape, py::object dtype) {
@@ -133,6 +142,18 @@ PYBIND11_MODULE(_C, m) {
           "Receives whatever tensor group rank `src` sends with `tag`, in the sender's shape and dtype: a "
           "view of its bytes when they are a loan (given back when the view is dropped), else a fresh tensor.")
       .def(
+          "recv_views",
+          [](tdshm::ProcessGroupShm& pg, int src, int tag, size_t n) {
+            py::gil_scoped_release nogil;
+            if (n == 0) return std::vector<at::Tensor>{};
+            auto work = pg.irecv_view_batch(src, std::vector<int>(n, tag), std::vector<tdshm::MessageCheck>(n));
+            work->wait();
+            return work->result();
+          },
+          py::arg("src"), py::arg("tag"), py::arg("n"),
+          "The next `n` messages group rank `src` sends with `tag`, as recv_view receives each (views of "
+          "loans, fresh tensors otherwise), posted at once and waited for together.")
+      .def(
           "irecv_view",
           [](tdshm::ProcessGroupShm& pg, int src, int tag) {
             py::gil_scoped_release nogil;
@@ -140,6 +161,10 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("src"), py::arg("tag") = 0,
           "recv_view, not waited: a Work whose result()[0] is the received tensor once wait() returned.")
+      .def(
+          "shutdown", [](tdshm::ProcessGroupShm& pg) { pg.shutdown(); }, py::call_guard<py::gil_scoped_release>(),
+          "Leaves the group now, as destroying it does (its pending and later works fail), while the object "
+          "lives on: views of loans received stay readable.")
       .def_property_readonly("segment_name", &tdshm::ProcessGroupShm::segment_name,
                              "The segment's name (the file is /dev/shm/tdshm.<segment_name>).");
 

@@ -48,6 +48,18 @@ _SLICE = 0.1  # seconds between checks for dead workers while main waits on a pi
 _WATCH = 0.5  # seconds between a worker's checks that main still runs
 _PAGE = 4096
 _LEAF_SLACK = 256  # bytes of heap per tensor beyond its own (the allocator's alignment)
+_HEAP_BATCHES = 4  # batches beyond the prefetched ones a heap holds (batches held, fragmentation)
+_SPIN_US = 20
+_FOREVER = timedelta(days=365)
+
+
+def _group(name, rank, timeout, heap, tickets):
+    """A worker's group with main: its heap, 8 arena slots of 64 KiB a rank (batches travel in
+    loans; a slot carries a header or a tensor sent by value) and a small collective window (none
+    runs), so that 8 workers with batches of 1.5 MiB fit a 64 MiB /dev/shm. A short spin: the
+    workers need the CPUs main would spin on."""
+    return ProcessGroupShm(name, rank, 2, timeout=timeout, loan_bytes=heap, loan_tickets=tickets,
+                           spin=timedelta(microseconds=_SPIN_US), slots_per_rank=8, window_bytes=64 << 10)
 
 
 class _MainGone(Exception):
@@ -108,22 +120,21 @@ class _Outbox:
         self.parent = parent
         self.pg = None
         self.tickets = 0
-        self.works = []  # sends by value and headers (completed ones pruned now and then)
+        self.works = []  # sends by value and headers, until they are all in the group's slots
         self.lent = []  # sends of loans: each holds one of the heap's tickets until main drops its view
 
     def _open(self, leaves):
         need = sum(t.numel() * t.element_size() + _LEAF_SLACK for t in leaves)
-        heap = max(1 << 20, (self.prefetch + 2) * need)
+        heap = max(1 << 20, (self.prefetch + _HEAP_BATCHES) * need)
         heap = (heap + _PAGE - 1) // _PAGE * _PAGE
-        tickets = max(64, (self.prefetch + 2) * max(1, len(leaves)) * 2)
+        tickets = max(64, (self.prefetch + _HEAP_BATCHES) * max(1, len(leaves)) * 2)
         self.tickets = tickets
         self.conn.send(("group", self.name, heap, tickets))
         # Main attaches when it needs this worker's answer, which may be long; it may also die
         # first. So the rendezvous is tried in slices, and given up once main is gone.
         while True:
             try:
-                self.pg = ProcessGroupShm(self.name, 1, 2, timeout=timedelta(seconds=_WATCH * 4), loan_bytes=heap,
-                                          loan_tickets=tickets)
+                self.pg = _group(self.name, 1, timedelta(seconds=_WATCH * 4), heap, tickets)
                 break
             except TimeoutError:
                 if os.getppid() != self.parent:
@@ -160,19 +171,24 @@ class _Outbox:
                     out.copy_(t)
             work = pg.send([out], 0, _TAG)
             (self.lent if pg.is_loan(out) else self.works).append(work)
-        self._prune()
+        self._flush()
 
     def _send_header(self, data):
         self.works.append(self.pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], 0, _TAG))
+        self._flush()
 
     def _ticket_free(self):
         if len(self.lent) + 1 >= self.tickets:
             self.lent = [w for w in self.lent if not w.is_completed()]
         return len(self.lent) + 1 < self.tickets
 
-    def _prune(self):
-        if len(self.works) > 64:
-            self.works = [w for w in self.works if not w.is_completed()]
+    def _flush(self):
+        # A message sent by value streams through the group's slots only while this process
+        # calls into tdshm: wait until it is all in (at once, unless main holds every slot; then
+        # main takes it when it reaches this batch). Main's death or departure ends the wait.
+        for w in self.works:
+            w.wait(_FOREVER)
+        self.works = []
 
     def close(self):
         self.works = []
@@ -419,18 +435,19 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if cause is not None:
             raise RuntimeError("DataLoader worker (pid {}): {}".format(w.pid, cause)) from cause
 
-    def _wait(self, work, worker):
+    def _wait(self, receive, worker):
         # One blocking wait: the group's timeout is the loader's, and tdshm sees a worker that
         # died (or left) within its peer check (0.1 s). A wait cannot be sliced: a p2p wait that
         # times out withdraws its receive.
         try:
-            work.wait()
+            return receive()
         except Exception as e:
             if isinstance(e, TimeoutError) or "timed out" in str(e):
+                # The receive was withdrawn: this worker's answers are out of step from here.
+                self._shutdown_workers()
                 raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout)) from None
             self._check(worker, None, e)
             raise
-        return work.result()[0]
 
     def _receive(self, worker):
         """The next answer of `worker`: (kind, task index, batch / ExceptionWrapper / worker id)."""
@@ -448,15 +465,13 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 return msg
             _, name, heap, tickets = msg
             wait = timedelta(seconds=self._timeout) if self._timeout > 0 else self._group_timeout
-            ch.pg = ProcessGroupShm(name, 0, 2, timeout=wait, loan_bytes=heap, loan_tickets=tickets)
+            ch.pg = _group(name, 0, wait, heap, tickets)
         pg = ch.pg
-        header = self._wait(pg.irecv_view(1, _TAG), worker)
+        header = self._wait(lambda: pg.recv_view(1, _TAG), worker)
         kind, idx, body, n = pickle.loads(header.numpy().tobytes())
         if kind != "data":
             return kind, idx, body
-        works = [pg.irecv_view(1, _TAG) for _ in range(n)]
-        leaves = [self._wait(w, worker) for w in works]
-        return kind, idx, _join(body, leaves)
+        return kind, idx, _join(body, self._wait(lambda: pg.recv_views(1, _TAG, n), worker))
 
     # ---- shutting down ----
 
@@ -487,8 +502,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                         if msg[0] == "group":
                             _, name, heap, tickets = msg
                             try:
-                                ch.pg = ProcessGroupShm(name, 0, 2, timeout=timedelta(seconds=5), loan_bytes=heap,
-                                                        loan_tickets=tickets)
+                                ch.pg = _group(name, 0, timedelta(seconds=5), heap, tickets)
                             except Exception:
                                 pass
                     else:
@@ -497,7 +511,11 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     w.terminate()
                     w.join()
             for ch in self._channels:
-                ch.pg = None  # leaves the segment (the views main holds keep their mapping)
+                if ch.pg is not None:
+                    # Leaves the segment now, whoever still refers to the group (a traceback);
+                    # the views main holds keep their mapping.
+                    ch.pg.shutdown()
+                ch.pg = None
                 ch.tasks.close()
                 ch.answers.close()
         finally:
