@@ -63,7 +63,18 @@ def _group(name, rank, timeout, heap, tickets):
 
 
 class _MainGone(Exception):
-    """The main process died: a worker ends."""
+    """The main process died or left the worker's group: the worker ends."""
+
+
+def _is_timeout(e):
+    # tdshm's TimeoutError reaches Python as a RuntimeError from ProcessGroupShm's own calls.
+    text = str(e)
+    return isinstance(e, TimeoutError) or "timed out" in text or "within the timeout" in text
+
+
+def _main_left(e):
+    text = str(e)
+    return "left the group" in text or "is gone" in text or "was destroyed" in text
 
 
 class _HeaderPickler(pickle.Pickler):
@@ -121,7 +132,7 @@ class _Outbox:
         self.pg = None
         self.tickets = 0
         self.works = []  # sends by value and headers, until they are all in the group's slots
-        self.lent = []  # sends of loans: each holds one of the heap's tickets until main drops its view
+        self.lent = []  # sends of loans not completed: each holds a ticket until main drops its view
 
     def _open(self, leaves):
         need = sum(t.numel() * t.element_size() + _LEAF_SLACK for t in leaves)
@@ -136,7 +147,9 @@ class _Outbox:
             try:
                 self.pg = _group(self.name, 1, timedelta(seconds=_WATCH * 4), heap, tickets)
                 break
-            except TimeoutError:
+            except (TimeoutError, RuntimeError) as e:
+                if not _is_timeout(e):
+                    raise
                 if os.getppid() != self.parent:
                     raise _MainGone() from None
 
@@ -145,7 +158,16 @@ class _Outbox:
         return None if self.pg is None else self.pg.try_loan(list(shape), dtype)
 
     def answer(self, kind, idx, payload):
-        """kind: "data" (payload: the batch), "error" (an ExceptionWrapper), "stop", "resumed"."""
+        """kind: "data" (payload: the batch), "error" (an ExceptionWrapper), "stop", "resumed".
+        Raises _MainGone once main left the group (it shut the iterator down) or died."""
+        try:
+            self._answer(kind, idx, payload)
+        except RuntimeError as e:
+            if _main_left(e) or os.getppid() != self.parent:
+                raise _MainGone() from None
+            raise
+
+    def _answer(self, kind, idx, payload):
         if kind != "data":
             if self.pg is None:
                 self.conn.send((kind, idx, payload))
@@ -157,6 +179,9 @@ class _Outbox:
             self._open(leaves)
         self._send_header(pickle.dumps(("data", idx, header, len(leaves)), protocol=pickle.HIGHEST_PROTOCOL))
         pg = self.pg
+        # A loan's Work holds its tensor, and so its heap bytes, until dropped: keep only those
+        # whose views main still holds.
+        self.lent = [w for w in self.lent if not w.is_completed()]
         for t in leaves:
             # A loan's send waits for a free ticket: with every ticket held by main's views, by
             # value instead (the heap's bytes are then held too, and try_loan says so).
@@ -178,8 +203,6 @@ class _Outbox:
         self._flush()
 
     def _ticket_free(self):
-        if len(self.lent) + 1 >= self.tickets:
-            self.lent = [w for w in self.lent if not w.is_completed()]
         return len(self.lent) + 1 < self.tickets
 
     def _flush(self):
@@ -442,7 +465,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         try:
             return receive()
         except Exception as e:
-            if isinstance(e, TimeoutError) or "timed out" in str(e):
+            if _is_timeout(e):
                 # The receive was withdrawn: this worker's answers are out of step from here.
                 self._shutdown_workers()
                 raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout)) from None
@@ -484,6 +507,10 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 _utils.signal_handling._remove_worker_pids(id(self))
                 self._worker_pids_set = False
             for ch in self._channels:
+                # Leaving the group first ends a worker's wait on main (a send main will never
+                # take); then the pipe tells it to stop.
+                if ch.pg is not None:
+                    ch.pg.shutdown()
                 try:
                     ch.tasks.send(("stop",))
                 except (BrokenPipeError, OSError):
@@ -512,8 +539,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     w.join()
             for ch in self._channels:
                 if ch.pg is not None:
-                    # Leaves the segment now, whoever still refers to the group (a traceback);
-                    # the views main holds keep their mapping.
+                    # Left the segment above, or joined it meanwhile: leave now, whoever still
+                    # refers to the group (a traceback); the views main holds keep their mapping.
                     ch.pg.shutdown()
                 ch.pg = None
                 ch.tasks.close()

@@ -243,6 +243,20 @@ class LoaderTest(unittest.TestCase):
                 break
         del loader, held, kept
 
+    def test_a_consumer_slower_than_a_rendezvous(self):
+        # Worker 1's first answer waits for main to attach to its group, in slices of 2 s: a user
+        # step of 2.5 s after the first batch spans more than one.
+        want = list(TorchLoader(Samples(12), batch_size=3, num_workers=2, generator=torch.Generator().manual_seed(5)))
+        got = []
+        for i, b in enumerate(tdshm.DataLoader(Samples(12), batch_size=3, num_workers=2,
+                                               generator=torch.Generator().manual_seed(5))):
+            got.append(b)
+            if i == 0:
+                time.sleep(2.5)
+        self.assertEqual(len(got), len(want))
+        for i, (a, b) in enumerate(zip(want, got)):
+            same(a, b, "batch {}".format(i))
+
     def test_an_exception_in_a_worker_is_raised_in_main(self):
         for cls in (TorchLoader, tdshm.DataLoader):
             with self.subTest(loader=cls.__module__):
