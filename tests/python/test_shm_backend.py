@@ -153,6 +153,41 @@ def _worker(scenario, rank, world, init_method, outdir):
                 raise AssertionError(f"rank {rank}: then() on a waited all_reduce's future never ran")
             time.sleep(0.001)
         expect_equal("then() after wait()", then.wait(), torch.full((4,), 12.0))
+        r = torch.full((3,), float(rank + 1))
+        late_future(dist.reduce(r, dst=0, async_op=True), "reduce")
+        if rank == 0:
+            expect_equal("a late future's reduce", r, torch.full((3,), 3.0))
+        g = [torch.zeros(2) for _ in range(world)] if rank == 0 else None
+        late_future(dist.gather(torch.full((2,), float(rank)), g, dst=0, async_op=True), "gather")
+        if rank == 0:
+            expect_equal("a late future's gather", torch.stack(g), torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+        sc = torch.zeros(2)
+        late_future(dist.scatter(sc, [torch.full((2,), 5.0), torch.full((2,), 6.0)] if rank == 0 else None, src=0,
+                                 async_op=True), "scatter")
+        expect_equal("a late future's scatter", sc, torch.full((2,), 5.0 + rank))
+        a2a = torch.zeros(2)
+        late_future(dist.all_to_all_single(a2a, torch.tensor([10.0 * rank, 10.0 * rank + 1]), async_op=True),
+                    "all_to_all_single")
+        expect_equal("a late future's all_to_all_single", a2a, torch.tensor([0.0 + rank, 10.0 + rank]))
+        # A collective that failed (the ranks disagree on its size): its late future holds the
+        # error. Last: every later collective of the group fails with it.
+        bad = dist.all_reduce(torch.zeros(4 + rank), async_op=True)
+        try:
+            bad.wait()
+            raise AssertionError(f"rank {rank}: an all_reduce of mismatched sizes succeeded")
+        except RuntimeError:
+            pass
+        fut = bad.get_future()
+        give_up = time.monotonic() + 10
+        while not fut.done():
+            if time.monotonic() > give_up:
+                raise AssertionError(f"rank {rank}: the future of a failed, waited all_reduce never completed")
+            time.sleep(0.001)
+        try:
+            fut.wait()
+            raise AssertionError(f"rank {rank}: the future of a failed all_reduce has no error")
+        except RuntimeError:
+            pass
     elif scenario == "collectives":
         for root in range(world):
             for dtype in (torch.float32, torch.int64, torch.uint8):
