@@ -1,0 +1,80 @@
+#pragma once
+/// A versioned board: one writer publishes a tree (a TensorDict of fixed keys, dtypes and shapes)
+/// as version 1, 2, ...; readers in other processes of this host read the newest *complete*
+/// version, copied into their own tree or as views, and can wait for a version newer than the one
+/// they have (docs/board.md). What an actor needs of a learner's weights.
+///
+/// - A reader never sees a torn version: the writer writes into a buffer no reader holds, stamps
+///   it, then publishes it; a reader pins the newest buffer before it reads.
+/// - The writer never waits for a reader: there are 2 buffers per reader slot and 2 more, so a
+///   free one always exists (each reader holds at most kPinsPerReader versions at once).
+/// - A reader that dies holds nothing: the writer takes back the pins of a dead reader's slot, and
+///   a new reader takes over its slot.
+/// - The board lives in /dev/shm/tdshm-board.<name> (mode 0600, this user's; readers refuse
+///   another user's file or a link), removed when the writer's Board is destroyed; readers' views
+///   keep their mapping.
+
+#include <tdshm/tensordict.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace tdshm {
+
+namespace detail {
+class BoardState;
+}
+
+struct BoardOptions {
+  /// Reader slots (each reader process takes one while its Board lives): at most 64.
+  uint32_t readers = 8;
+  /// Board::open waits this long for the writer to create the board.
+  std::chrono::milliseconds timeout{std::chrono::seconds(30)};
+};
+
+class Board {
+ public:
+  /// Versions a reader may hold as views at once (view() beyond that is an Error).
+  static constexpr uint32_t kPinsPerReader = 2;
+
+  /// The writer: creates the board `name` for trees with `like`'s keys, dtypes and shapes (its
+  /// values are not published; plain nested TensorDicts of tensors). SegmentError when the name is
+  /// held by a live writer, or is not a valid name; a board left by a dead writer is replaced.
+  static Board create(const std::string& name, const TensorDict& like, BoardOptions options = {});
+  /// A reader: opens the board `name`, waiting up to options.timeout for its writer (TimeoutError),
+  /// and takes a reader slot (SegmentError when every slot is held by a live reader).
+  static Board open(const std::string& name, BoardOptions options = {});
+
+  Board(Board&&) noexcept;
+  Board& operator=(Board&&) noexcept;
+  ~Board();
+
+  /// Writer: copies `td`'s leaves into a free buffer and publishes them as the next version,
+  /// without waiting for any reader. SchemaError naming the key when `td`'s tree differs from
+  /// `like`'s. Returns the new version.
+  uint64_t publish(const TensorDict& td);
+  /// The newest published version (0: none yet).
+  uint64_t version() const;
+  /// Reader: copies the newest version into `td`'s leaves (SchemaError naming the key when `td`'s
+  /// tree differs from the board's) and returns its version; 0 (td untouched) before the first.
+  uint64_t read(TensorDict& td);
+  /// Reader: the newest version as a locked tree of views of the board's bytes, held (the writer
+  /// writes elsewhere) until the last of its tensors is dropped. Error when this reader already
+  /// holds kPinsPerReader versions; TimeoutError-free: 0 versions published is an Error.
+  TensorDict view();
+  /// Waits (futex, no spinning while idle) until a version newer than `version` is published and
+  /// returns it; TimeoutError after `timeout`.
+  uint64_t wait_newer(uint64_t version, std::chrono::milliseconds timeout);
+  /// The board's tree: keys, dtypes, shapes (a tree of zeros).
+  TensorDict like() const;
+  const std::string& name() const noexcept;
+  bool is_writer() const noexcept;
+
+ private:
+  explicit Board(std::shared_ptr<detail::BoardState> state);
+  std::shared_ptr<detail::BoardState> state_;
+};
+
+}  // namespace tdshm

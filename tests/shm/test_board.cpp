@@ -1,0 +1,249 @@
+// The versioned board (include/tdshm/board.h) between real processes: readers never see a torn
+// version while the writer publishes at full speed (every element of a version holds its number);
+// views hold their version until dropped; wait_newer wakes and times out; a reader that dies holds
+// nothing; trees that differ are SchemaErrors naming the key; names, live writers, links; nothing
+// left in /dev/shm.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <tdshm/board.h>
+#include <tdshm/errors.h>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shm_test_support.h"
+
+namespace tdshm::test {
+namespace {
+
+class Board : public ShmTest {
+ protected:
+  std::string board_name() { return "b" + unique_name(); }
+  static std::string path(const std::string& name) { return "/dev/shm/tdshm-board." + name; }
+};
+
+/// {"w": float [n], ("n", "step"): int64 [4]}, every element `v`.
+TensorDict weights(int64_t n, double v) {
+  return TensorDict({{"w", at::full({n}, v)}, {{"n", "step"}, at::full({4}, static_cast<int64_t>(v), at::kLong)}}, {});
+}
+
+/// Whether every element of `td` holds `v`.
+bool holds(const TensorDict& td, uint64_t v) {
+  return at::all(td.get("w") == static_cast<double>(v)).item<bool>() &&
+         at::all(td.get(Key("n") / "step") == static_cast<int64_t>(v)).item<bool>();
+}
+
+struct Counts {
+  std::atomic<int> writer_done{0};
+  std::atomic<int> readers_ready{0};
+  std::atomic<int64_t> reads{0};
+  std::atomic<int64_t> views{0};
+  std::atomic<int64_t> torn{0};
+  std::atomic<int64_t> backwards{0};
+};
+
+// The writer publishes 1 MiB versions as fast as it can; two readers copy the newest and take
+// views of it, checking every element against the version the board named, and that versions
+// never go back.
+TEST_F(Board, ReadersNeverSeeATornVersionWhileTheWriterRuns) {
+  set_deadline(120s);
+  const std::string name = board_name();
+  constexpr int64_t kFloats = 256 * 1024;
+  Shared<Counts> counts;
+  std::vector<Child> children;
+  children.emplace_back([&] {
+    auto board = tdshm::Board::create(name, weights(kFloats, 0), {.readers = 4});
+    const auto start = Clock::now();
+    while (counts->readers_ready.load() < 2) {
+      SHM_CHECK(Clock::now() - start < 30s, "the readers never opened the board");
+      std::this_thread::sleep_for(1ms);
+    }
+    TensorDict td = weights(kFloats, 0);
+    for (uint64_t v = 1; v <= 3000; ++v) {
+      td.get("w").fill_(static_cast<double>(v));
+      td.get(Key("n") / "step").fill_(static_cast<int64_t>(v));
+      SHM_CHECK(board.publish(td) == v, "publish returned another version");
+    }
+    counts->writer_done.store(1);
+    while (counts->readers_ready.load() < 4) std::this_thread::sleep_for(1ms);  // readers done
+  });
+  for (int r = 0; r < 2; ++r) {
+    children.emplace_back([&, r] {
+      auto board = tdshm::Board::open(name, {.timeout = 20s});
+      counts->readers_ready.fetch_add(1);
+      TensorDict mine = board.like();
+      uint64_t last = 0;
+      while (counts->writer_done.load() == 0) {
+        const uint64_t v = board.read(mine);
+        if (v == 0) continue;
+        if (v < last) counts->backwards.fetch_add(1);
+        last = v;
+        if (!holds(mine, v)) counts->torn.fetch_add(1);
+        counts->reads.fetch_add(1);
+        if (r == 1) {
+          const TensorDict view = board.view();
+          const uint64_t at = static_cast<uint64_t>(view.get(Key("n") / "step")[0].item<int64_t>());
+          if (at < last) counts->backwards.fetch_add(1);
+          std::this_thread::sleep_for(200us);  // held while the writer goes on
+          if (!holds(view, at)) counts->torn.fetch_add(1);
+          counts->views.fetch_add(1);
+        }
+      }
+      counts->readers_ready.fetch_add(1);
+    });
+  }
+  ASSERT_TRUE(wait_all(children, 100s));
+  for (const Child& c : children) EXPECT_TRUE(c.ok()) << c.describe();
+  std::fprintf(stderr, "[board] %lld copies, %lld views checked element by element\n",
+               static_cast<long long>(counts->reads.load()), static_cast<long long>(counts->views.load()));
+  EXPECT_EQ(counts->torn.load(), 0);
+  EXPECT_EQ(counts->backwards.load(), 0);
+  EXPECT_GT(counts->reads.load(), 0);
+  EXPECT_GT(counts->views.load(), 0);
+  EXPECT_FALSE(std::filesystem::exists(path(name))) << "the board outlived its writer";
+}
+
+// wait_newer sleeps until a publish wakes it, and throws TimeoutError when none comes.
+TEST_F(Board, WaitNewerWakesOnPublishAndTimesOut) {
+  set_deadline(60s);
+  const std::string name = board_name();
+  Shared<Counts> counts;
+  std::vector<Child> children;
+  children.emplace_back([&] {
+    auto board = tdshm::Board::create(name, weights(8, 0), {.readers = 1});
+    while (counts->readers_ready.load() < 1) std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(100ms);
+    board.publish(weights(8, 7));
+    while (counts->readers_ready.load() < 2) std::this_thread::sleep_for(1ms);
+  });
+  children.emplace_back([&] {
+    auto board = tdshm::Board::open(name);
+    SHM_CHECK_THROWS(Error, [&] { (void)board.view(); }, "nothing published");
+    TensorDict mine = board.like();
+    SHM_CHECK(board.read(mine) == 0, "read before the first publish");
+    counts->readers_ready.fetch_add(1);
+    const auto start = Clock::now();
+    SHM_CHECK(board.wait_newer(0, 10s) == 1, "the first version");
+    SHM_CHECK(Clock::now() - start < 5s, "woken late");
+    SHM_CHECK(board.read(mine) == 1 && holds(mine, 7), "the value published");
+    const auto before = Clock::now();
+    SHM_CHECK_THROWS(TimeoutError, [&] { (void)board.wait_newer(1, 50ms); }, "newer than 1");
+    SHM_CHECK(Clock::now() - before >= 50ms, "the timeout was not kept");
+    counts->readers_ready.fetch_add(1);
+  });
+  ASSERT_TRUE(wait_all(children, 30s));
+  for (const Child& c : children) EXPECT_TRUE(c.ok()) << c.describe();
+}
+
+// A reader holds at most two versions as views; each is kept (the writer writes elsewhere) until
+// dropped. A reader killed while it holds views holds nothing: the writer goes on, and a new
+// reader takes its slot.
+TEST_F(Board, ViewsHoldTheirVersionAndADeadReaderHoldsNothing) {
+  set_deadline(60s);
+  const std::string name = board_name();
+  Shared<Counts> counts;
+  std::vector<Child> children;
+  children.emplace_back([&] {
+    auto board = tdshm::Board::create(name, weights(1024, 0), {.readers = 1});
+    board.publish(weights(1024, 1));
+    while (counts->readers_ready.load() < 1) std::this_thread::sleep_for(1ms);
+    for (int v = 2; v <= 20; ++v) board.publish(weights(1024, v));  // around the held buffers
+    counts->writer_done.store(1);
+    while (counts->readers_ready.load() < 2) std::this_thread::sleep_for(1ms);
+    // The reader that held two views dies: its buffers and its slot come back.
+    while (counts->readers_ready.load() < 3) std::this_thread::sleep_for(1ms);
+    for (int v = 21; v <= 60; ++v) board.publish(weights(1024, v));
+    counts->writer_done.store(2);
+    while (counts->readers_ready.load() < 4) std::this_thread::sleep_for(1ms);
+  });
+  {
+    Child reader([&] {
+      auto board = tdshm::Board::open(name);
+      SHM_CHECK(board.wait_newer(0, 10s) >= 1, "the first version");
+      const TensorDict first = board.view();
+      const uint64_t held = static_cast<uint64_t>(first.get("w")[0].item<double>());
+      counts->readers_ready.fetch_add(1);
+      while (counts->writer_done.load() < 1) std::this_thread::sleep_for(1ms);
+      SHM_CHECK(holds(first, held), "a view changed while held");
+      const TensorDict second = board.view();
+      SHM_CHECK(holds(second, 20), "the newest version as a view");
+      SHM_CHECK_THROWS(Error, [&] { (void)board.view(); }, "drop one");
+      counts->readers_ready.fetch_add(1);
+      ::raise(SIGKILL);  // holding both
+    });
+    ASSERT_TRUE(reader.wait(30s));
+    EXPECT_EQ(reader.signal(), SIGKILL) << reader.describe();
+  }
+  children.emplace_back([&] {
+    auto board = tdshm::Board::open(name);  // the dead reader's slot (the only one)
+    counts->readers_ready.fetch_add(1);
+    while (counts->writer_done.load() < 2) std::this_thread::sleep_for(1ms);
+    TensorDict mine = board.like();
+    SHM_CHECK(board.read(mine) == 60 && holds(mine, 60), "the newest version after the dead reader");
+    counts->readers_ready.fetch_add(1);
+  });
+  ASSERT_TRUE(wait_all(children, 40s));
+  for (const Child& c : children) EXPECT_TRUE(c.ok()) << c.describe();
+  EXPECT_FALSE(std::filesystem::exists(path(name)));
+}
+
+// Trees that differ from the board's, bad names, a second writer, a link in the board's place.
+TEST_F(Board, DifferentTreesNamesAndFilesAreRefused) {
+  set_deadline(60s);
+  const std::string name = board_name();
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 1, [&](int) {
+    auto board = tdshm::Board::create(name, weights(16, 0), {.readers = 2});
+    SHM_CHECK_THROWS(SegmentError, [&] { (void)tdshm::Board::create(name, weights(16, 0)); }, "live writer");
+    SHM_CHECK_THROWS(SchemaError, [&] { board.publish(weights(17, 1)); }, "leaf 'w'", "[17]");
+    TensorDict extra = weights(16, 1);
+    extra.set("x", at::ones({2}));
+    SHM_CHECK_THROWS(SchemaError, [&] { board.publish(extra); }, "leaf 'x'");
+    SHM_CHECK_THROWS(SchemaError, [&] { board.publish(TensorDict({{"w", at::ones({16})}}, {})); }, "('n', 'step')");
+    board.publish(weights(16, 3));
+    auto reader = tdshm::Board::open(name);
+    TensorDict wrong({{"w", at::zeros({16}, at::kDouble)}, {{"n", "step"}, at::zeros({4}, at::kLong)}}, {});
+    SHM_CHECK_THROWS(SchemaError, [&] { (void)reader.read(wrong); }, "leaf 'w'", "Double");
+    SHM_CHECK_THROWS(Error, [&] { reader.publish(weights(16, 1)); }, "reader");
+    SHM_CHECK_THROWS(SegmentError, [&] { (void)tdshm::Board::create("../x", weights(1, 0)); }, "name");
+    SHM_CHECK_THROWS(TimeoutError, [&] { (void)tdshm::Board::open(name + "-none", {.timeout = 20ms}); }, "no board");
+    // A symbolic link where a board should be is never followed.
+    const std::string link_name = name + "-link";
+    std::filesystem::create_symlink(path(name), path(link_name));
+    SHM_CHECK_THROWS(SegmentError, [&] { (void)tdshm::Board::open(link_name, {.timeout = 20ms}); }, "board");
+    std::filesystem::remove(path(link_name));
+  }));
+  EXPECT_FALSE(std::filesystem::exists(path(name)));
+}
+
+// A writer killed leaves its board; the next writer of the name replaces it.
+TEST_F(Board, ABoardLeftByADeadWriterIsReplaced) {
+  set_deadline(60s);
+  const std::string name = board_name();
+  {
+    Child writer([&] {
+      auto board = tdshm::Board::create(name, weights(4, 0));
+      board.publish(weights(4, 1));
+      ::raise(SIGKILL);
+    });
+    ASSERT_TRUE(writer.wait(20s));
+  }
+  ASSERT_TRUE(std::filesystem::exists(path(name)));
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 1, [&](int) {
+    auto board = tdshm::Board::create(name, weights(8, 0));
+    SHM_CHECK(board.version() == 0, "a fresh board");
+    SHM_CHECK(board.publish(weights(8, 2)) == 1, "its first version");
+  }));
+  EXPECT_FALSE(std::filesystem::exists(path(name)));
+}
+
+}  // namespace
+}  // namespace tdshm::test
