@@ -38,6 +38,7 @@
 namespace py = pybind11;
 
 void bind_transfer(py::module_& m);  // transfer.cpp
+void bind_board(py::module_& m);     // board.cpp
 
 namespace {
 
@@ -180,5 +181,6 @@ PYBIND11_MODULE(_C, m) {
         "Gives a view's bytes back to their sender now (tdshm.release).");
 
   bind_transfer(m);
+  bind_board(m);
   m.attr("__version__") = TDSHM_VERSION;
 }

@@ -49,16 +49,19 @@ of a tensordict (or of nested dicts of tensors) once; its ``send``, ``isend``, `
 
 ``tdshm.DataLoader`` is torch.utils.data.DataLoader (the same arguments and semantics) whose
 workers hand batches to the main process through shared memory, zero copy (docs/loader.md).
+``tdshm.Board`` is a versioned board: one writer publishes a tree (a dict of tensors, a
+TensorDict, a module's state_dict) as versions that readers in other processes copy or view,
+newest and never torn (docs/board.md).
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed as _dist
 
-from ._C import ProcessGroupShm, __version__
+from ._C import Board, ProcessGroupShm, __version__
 from . import _C
 from .loader import DataLoader
 
-__all__ = ["DataLoader", "ProcessGroupShm", "Transfer", "empty", "loan", "recv_view", "release", "__version__",
+__all__ = ["Board", "DataLoader", "ProcessGroupShm", "Transfer", "empty", "loan", "recv_view", "release", "__version__",
            "BACKEND"]
 
 #: The name under which the backend is registered with torch.distributed.

@@ -1,0 +1,158 @@
+// tdshm.Board: the versioned board (include/tdshm/board.h) from Python. Trees are dicts of
+// tensors (nested dicts for nested keys) or tensordict TensorDicts; view() and like() return
+// nested dicts.
+
+#include <pybind11/chrono.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <tdshm/board.h>
+#include <tdshm/errors.h>
+
+#include <optional>
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+void add_leaves(py::handle node, const std::optional<tdshm::Key>& prefix, tdshm::TensorDict& out) {
+  py::object items;
+  if (PyDict_Check(node.ptr())) {
+    items = py::reinterpret_borrow<py::dict>(node).attr("items")();
+  } else if (py::hasattr(node, "items") && py::hasattr(node, "batch_size")) {  // a tensordict TensorDict
+    items = node.attr("items")();
+  } else {
+    throw tdshm::TypeError("tdshm.Board: a tree is a dict of tensors (nested dicts for nested keys) or a "
+                           "TensorDict; got " + std::string(py::str(py::type::handle_of(node).attr("__name__"))));
+  }
+  for (py::handle kv : items) {
+    const auto pair = py::reinterpret_borrow<py::tuple>(kv);
+    if (!py::isinstance<py::str>(pair[0])) throw tdshm::TypeError("tdshm.Board: tree keys are strings");
+    const std::string name = pair[0].cast<std::string>();
+    tdshm::Key key = prefix ? *prefix / name : tdshm::Key(name);
+    py::handle value = pair[1];
+    if (THPVariable_Check(value.ptr())) {
+      out.set(key, THPVariable_Unpack(value.ptr()));
+    } else {
+      add_leaves(value, key, out);
+    }
+  }
+}
+
+tdshm::TensorDict tree_of(py::handle tree) {
+  tdshm::TensorDict td(std::vector<int64_t>{});
+  add_leaves(tree, std::nullopt, td);
+  return td;
+}
+
+py::dict dict_of(const tdshm::TensorDict& td) {
+  py::dict out;
+  for (const std::string& k : td.sorted_keys()) {
+    const tdshm::Value v = td.get_value(tdshm::Key(k));
+    if (v.is_tensor()) {
+      out[py::str(k)] = py::cast(v.tensor());
+    } else {
+      out[py::str(k)] = dict_of(v.tensordict());
+    }
+  }
+  return out;
+}
+
+// tdshm's typed errors keep their Python meaning (TypeError, KeyError, TimeoutError); the others
+// are RuntimeErrors whose text names what went wrong (a SchemaError names the key).
+[[noreturn]] void raise_typed(const std::exception_ptr& p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const tdshm::TypeError& e) {
+    throw py::type_error(e.what());
+  } catch (const tdshm::KeyError& e) {
+    throw py::key_error(e.what());
+  } catch (const tdshm::TimeoutError& e) {
+    PyErr_SetString(PyExc_TimeoutError, e.what());
+    throw py::error_already_set();
+  }
+}
+
+/// f() with the GIL released; its error raised once the GIL is held again.
+template <class F>
+auto released(F&& f) {
+  std::exception_ptr error;
+  std::optional<decltype(f())> result;
+  {
+    py::gil_scoped_release nogil;
+    try {
+      result.emplace(f());
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (error) raise_typed(error);
+  return std::move(*result);
+}
+
+/// f() with the GIL held, its tdshm errors typed.
+template <class F>
+auto typed(F&& f) {
+  try {
+    return f();
+  } catch (const tdshm::Error&) {
+    raise_typed(std::current_exception());
+  }
+}
+
+}  // namespace
+
+void bind_board(py::module_& m) {
+  py::class_<tdshm::Board>(m, "Board",
+                           "A versioned board: one writer publishes a tree as version 1, 2, ...; readers in other "
+                           "processes copy or view the newest complete version (docs/board.md).")
+      .def_static(
+          "create",
+          [](const std::string& name, py::handle like, uint32_t readers) {
+            tdshm::TensorDict td = typed([&] { return tree_of(like); });
+            return released([&] { return tdshm::Board::create(name, td, {.readers = readers}); });
+          },
+          py::arg("name"), py::arg("like"), py::arg("readers") = 8,
+          "The writer: a board for trees with `like`'s keys, dtypes and shapes.")
+      .def_static(
+          "open",
+          [](const std::string& name, std::chrono::milliseconds timeout) {
+            return released([&] { return tdshm::Board::open(name, {.timeout = timeout}); });
+          },
+          py::arg("name"), py::arg("timeout") = std::chrono::milliseconds(30000),
+          "A reader: waits up to `timeout` (a timedelta) for the board and takes a reader slot.")
+      .def(
+          "publish",
+          [](tdshm::Board& b, py::handle tree) {
+            tdshm::TensorDict td = typed([&] { return tree_of(tree); });
+            return released([&] { return b.publish(td); });
+          },
+          py::arg("tree"), "Publishes `tree` as the next version (never waits for a reader); returns it.")
+      .def(
+          "read",
+          [](tdshm::Board& b, py::handle tree) {
+            tdshm::TensorDict td = typed([&] { return tree_of(tree); });  // the caller's own tensors
+            return released([&] { return b.read(td); });
+          },
+          py::arg("tree"), "Copies the newest version into `tree`'s tensors; returns its version (0: none yet).")
+      .def(
+          "view",
+          [](tdshm::Board& b) {
+            return dict_of(released([&] { return b.view(); }));
+          },
+          "The newest version as a dict of views of the board, held until they are dropped.")
+      .def(
+          "wait_newer",
+          [](tdshm::Board& b, uint64_t version, std::chrono::milliseconds timeout) {
+            return released([&] { return b.wait_newer(version, timeout); });
+          },
+          py::arg("version"), py::arg("timeout"),
+          "Sleeps until a version newer than `version` is published and returns it (TimeoutError after "
+          "`timeout`, a timedelta).")
+      .def_property_readonly("version", &tdshm::Board::version, "The newest published version (0: none yet).")
+      .def("like", [](const tdshm::Board& b) { return dict_of(b.like()); }, "A dict of zeros shaped like the board's tree.")
+      .def_property_readonly("name", &tdshm::Board::name);
+}

@@ -1,0 +1,123 @@
+"""tdshm.Board from Python: a writer process publishing a module's state_dict, readers in other
+processes copying and viewing the newest version (never torn), wait_newer, refused trees, and
+nothing left in /dev/shm.
+
+Run by ctest (python.board) with PYTHONPATH=<build>/python.
+"""
+
+import glob
+import multiprocessing as mp
+import os
+import time
+import unittest
+import uuid
+from datetime import timedelta
+
+os.environ["OMP_NUM_THREADS"] = "1"
+import torch  # noqa: E402
+
+import tdshm  # noqa: E402
+
+VERSIONS = 400
+
+
+def policy():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+
+
+def fill(state, v):
+    for t in state.values():
+        t.fill_(float(v))
+
+
+def consistent(tree, v):
+    return all(bool((t == float(v)).all()) for t in tree.values())
+
+
+def writer(name, ready, done):
+    state = policy().state_dict()
+    board = tdshm.Board.create(name, state, readers=4)
+    ready.wait(20)
+    for v in range(1, VERSIONS + 1):
+        with torch.no_grad():
+            fill(state, v)
+        assert board.publish(state) == v
+    done.set()
+    time.sleep(0.5)  # readers finish their last read
+
+
+def reader(name, ready, done, out, use_views):
+    board = tdshm.Board.open(name, timeout=timedelta(seconds=20))
+    mine = board.like()
+    ready.set()
+    last, torn, reads = 0, 0, 0
+    board.wait_newer(0, timedelta(seconds=20))
+    while True:
+        finished = done.is_set()  # one more read after the writer's last version
+        if use_views:
+            view = board.view()
+            v = int(next(iter(view.values())).flatten()[0])
+            torn += not consistent(view, v)
+            del view
+        else:
+            v = board.read(mine)
+            torn += not consistent(mine, v)
+        torn += v < last
+        last = v
+        reads += 1
+        if finished:
+            break
+    out.put((reads, torn, last))
+
+
+class BoardTest(unittest.TestCase):
+    def setUp(self):
+        self.name = "py-{}-{}".format(os.getpid(), uuid.uuid4().hex[:8])
+
+    def tearDown(self):
+        self.assertEqual(glob.glob("/dev/shm/tdshm-board.{}*".format(self.name)), [])
+
+    def test_readers_see_the_newest_complete_version(self):
+        ctx = mp.get_context("fork")
+        ready, done, out = ctx.Event(), ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=writer, args=(self.name, ready, done))]
+        procs += [ctx.Process(target=reader, args=(self.name, ready, done, out, views)) for views in (False, True)]
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=60) for _ in range(2)]
+        for p in procs:
+            p.join(30)
+            self.assertEqual(p.exitcode, 0)
+        for reads, torn, last in results:
+            self.assertGreater(reads, 0)
+            self.assertEqual(torn, 0)
+            self.assertEqual(last, VERSIONS)  # the last read came after the last publish
+
+    def test_waits_and_refusals(self):
+        state = policy().state_dict()
+        board = tdshm.Board.create(self.name, state, readers=1)
+        reader_board = tdshm.Board.open(self.name)
+        with self.assertRaises(TimeoutError):
+            reader_board.wait_newer(0, timedelta(milliseconds=30))
+        self.assertEqual(reader_board.read(reader_board.like()), 0)
+        self.assertEqual(board.publish(state), 1)
+        self.assertEqual(reader_board.wait_newer(0, timedelta(seconds=1)), 1)
+        wrong = dict(state)
+        wrong["0.weight"] = torch.zeros(3)
+        with self.assertRaisesRegex(RuntimeError, "0.weight"):
+            board.publish(wrong)
+        with self.assertRaisesRegex(RuntimeError, "2.bias"):
+            reader_board.read({k: v for k, v in state.items() if k != "2.bias"})
+        with self.assertRaises(TypeError):
+            board.publish([1, 2])
+        views = [reader_board.view(), reader_board.view()]
+        with self.assertRaisesRegex(RuntimeError, "drop one"):
+            reader_board.view()
+        del views
+        reader_board.view()
+        del board, reader_board
+
+
+if __name__ == "__main__":
+    unittest.main()
