@@ -124,15 +124,17 @@ def _worker(scenario, rank, world, init_method, outdir):
         # The future of a Work asked for after wait() (DDP hooks, collect_all over waited works):
         # it completes with the result. Polled with a deadline: a future that never completes is a
         # failure, not a hang.
-        def late_future(work, what):
-            wait(work)
-            fut = work.get_future()
+        def completed(fut, what):
             give_up = time.monotonic() + 10
             while not fut.done():
                 if time.monotonic() > give_up:
-                    raise AssertionError(f"rank {rank}: the future of a waited {what} never completed")
+                    raise AssertionError(f"rank {rank}: {what} never completed")
                 time.sleep(0.001)
-            return fut.wait()
+            return fut
+
+        def late_future(work, what):
+            wait(work)
+            return completed(work.get_future(), f"the future of a waited {what}").wait()
 
         t = torch.full((4,), float(rank + 1))
         got = late_future(dist.all_reduce(t, async_op=True), "all_reduce")
@@ -146,12 +148,8 @@ def _worker(scenario, rank, world, init_method, outdir):
         late_future(dist.barrier(async_op=True), "barrier")
         chained = dist.all_reduce(t, async_op=True)
         wait(chained)
-        then = chained.get_future().then(lambda fut: fut.value()[0] * 2)
-        give_up = time.monotonic() + 10
-        while not then.done():
-            if time.monotonic() > give_up:
-                raise AssertionError(f"rank {rank}: then() on a waited all_reduce's future never ran")
-            time.sleep(0.001)
+        then = completed(chained.get_future().then(lambda fut: fut.value()[0] * 2),
+                         "then() on a waited all_reduce's future")
         expect_equal("then() after wait()", then.wait(), torch.full((4,), 12.0))
         r = torch.full((3,), float(rank + 1))
         late_future(dist.reduce(r, dst=0, async_op=True), "reduce")
@@ -177,12 +175,7 @@ def _worker(scenario, rank, world, init_method, outdir):
             raise AssertionError(f"rank {rank}: an all_reduce of mismatched sizes succeeded")
         except RuntimeError:
             pass
-        fut = bad.get_future()
-        give_up = time.monotonic() + 10
-        while not fut.done():
-            if time.monotonic() > give_up:
-                raise AssertionError(f"rank {rank}: the future of a failed, waited all_reduce never completed")
-            time.sleep(0.001)
+        fut = completed(bad.get_future(), "the future of a failed, waited all_reduce")
         try:
             fut.wait()
             raise AssertionError(f"rank {rank}: the future of a failed all_reduce has no error")
