@@ -32,6 +32,9 @@ struct BoardOptions {
   uint32_t readers = 8;
   /// Board::open waits this long for the writer to create the board.
   std::chrono::milliseconds timeout{std::chrono::seconds(30)};
+  /// wait_newer checks the version this long before it sleeps (a futex wake-up costs tens of
+  /// microseconds on a VM); 0: sleep at once.
+  std::chrono::microseconds spin{std::chrono::microseconds(250)};
 };
 
 class Board {
@@ -64,8 +67,9 @@ class Board {
   /// writes elsewhere) until the last of its tensors is dropped. Error when this reader already
   /// holds kPinsPerReader versions; TimeoutError-free: 0 versions published is an Error.
   TensorDict view();
-  /// Waits (futex, no spinning while idle) until a version newer than `version` is published and
-  /// returns it; TimeoutError after `timeout`.
+  /// Waits until a version newer than `version` is published and returns it: it checks for
+  /// BoardOptions::spin, then sleeps on a futex (no spinning while idle); TimeoutError after
+  /// `timeout`.
   uint64_t wait_newer(uint64_t version, std::chrono::milliseconds timeout);
   /// The board's tree: keys, dtypes, shapes (a tree of zeros).
   TensorDict like() const;

@@ -13,6 +13,7 @@
 #include "tdshm/board.h"
 
 #include "shm/futex.h"
+#include "shm/spin.h"
 #include "shm/process_identity.h"
 #include "shm/trust.h"
 
@@ -145,6 +146,7 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   std::vector<Leaf> leaves;
   ReaderSlot* mine = nullptr;  // a reader's slot
   uint64_t next_version = 1;   // the writer's
+  std::chrono::microseconds spin{0};  // wait_newer's
   uint32_t last_buffer = 0;    // the writer's last choice (round robin keeps pages warm evenly)
   dev_t dev = 0;
   ino_t ino = 0;
@@ -317,6 +319,7 @@ Board Board::create(const std::string& name, const TensorDict& like, BoardOption
   s->buffers = s->map->base + buffers_offset;
   s->schema = std::move(schema);
   s->leaves = std::move(leaves);
+  s->spin = options.spin;
   h.ready.store(1, std::memory_order_release);
   return Board(std::move(s));
 }
@@ -376,6 +379,7 @@ Board Board::open(const std::string& name, BoardOptions options) {
           throw SegmentError("tdshm::Board::open: every one of the " + std::to_string(h.readers) +
                              " reader slots of '" + name + "' is held by a live reader (BoardOptions::readers)");
         }
+        s->spin = options.spin;
         return Board(std::move(s));
       }
     }
@@ -473,7 +477,15 @@ TensorDict Board::view() {
 
 uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) {
   BoardState& s = *state_;
-  const auto until = std::chrono::steady_clock::now() + timeout;
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + timeout;
+  // A version due soon is seen at once; one that is not costs spin of a CPU, then nothing.
+  const auto spin_until = start + std::min<std::chrono::steady_clock::duration>(s.spin, timeout);
+  for (uint32_t i = 0;; ++i) {
+    if (const uint64_t v = this->version(); v > version) return v;
+    detail::cpu_relax();
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() >= spin_until) break;
+  }
   for (;;) {
     const uint64_t now_version = this->version();
     if (now_version > version) return now_version;
