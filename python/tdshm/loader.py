@@ -24,12 +24,9 @@ past the next step only keeps its worker's heap busy (later batches then travel 
 import itertools
 import os
 import pickle
-import queue  # noqa: F401  (torch's workers import it; kept for symmetry of errors)
 import random
-import threading
 import time
 import uuid
-import warnings
 from datetime import timedelta
 
 import torch
@@ -110,10 +107,6 @@ def _split(obj):
 def _join(header, leaves):
     import io
     return _HeaderUnpickler(io.BytesIO(header), leaves).load()
-
-
-def _count_tensors(obj):
-    return len(_split(obj)[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,51 +495,48 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if self._shutdown:
             return
         self._shutdown = True
-        try:
-            if self._worker_pids_set:
-                _utils.signal_handling._remove_worker_pids(id(self))
-                self._worker_pids_set = False
-            for ch in self._channels:
-                # Leaving the group first ends a worker's wait on main (a send main will never
-                # take); then the pipe tells it to stop.
-                if ch.pg is not None:
-                    ch.pg.shutdown()
-                try:
-                    ch.tasks.send(("stop",))
-                except (BrokenPipeError, OSError):
-                    pass
-            give_up = time.monotonic() + _utils.MP_STATUS_CHECK_INTERVAL
-            for worker, w in enumerate(self._workers):
-                ch = self._channels[worker]
-                # A worker that announced its group waits for main in the group's rendezvous:
-                # join it so that the worker can leave (and the segment goes with the last rank).
-                while w.is_alive() and time.monotonic() < give_up:
-                    if ch.pg is None and ch.answers.poll(0.01):
+        if self._worker_pids_set:
+            _utils.signal_handling._remove_worker_pids(id(self))
+            self._worker_pids_set = False
+        for ch in self._channels:
+            # Leaving the group first ends a worker's wait on main (a send main will never
+            # take); then the pipe tells it to stop.
+            if ch.pg is not None:
+                ch.pg.shutdown()
+            try:
+                ch.tasks.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        give_up = time.monotonic() + _utils.MP_STATUS_CHECK_INTERVAL
+        for worker, w in enumerate(self._workers):
+            ch = self._channels[worker]
+            # A worker that announced its group waits for main in the group's rendezvous:
+            # join it so that the worker can leave (and the segment goes with the last rank).
+            while w.is_alive() and time.monotonic() < give_up:
+                if ch.pg is None and ch.answers.poll(0.01):
+                    try:
+                        msg = ch.answers.recv()
+                    except (EOFError, OSError):
+                        continue
+                    if msg[0] == "group":
+                        _, name, heap, tickets = msg
                         try:
-                            msg = ch.answers.recv()
-                        except (EOFError, OSError):
-                            continue
-                        if msg[0] == "group":
-                            _, name, heap, tickets = msg
-                            try:
-                                ch.pg = _group(name, 0, timedelta(seconds=5), heap, tickets)
-                            except Exception:
-                                pass
-                    else:
-                        w.join(0.01)
-                if w.is_alive():
-                    w.terminate()
-                    w.join()
-            for ch in self._channels:
-                if ch.pg is not None:
-                    # Left the segment above, or joined it meanwhile: leave now, whoever still
-                    # refers to the group (a traceback); the views main holds keep their mapping.
-                    ch.pg.shutdown()
-                ch.pg = None
-                ch.tasks.close()
-                ch.answers.close()
-        finally:
-            pass
+                            ch.pg = _group(name, 0, timedelta(seconds=5), heap, tickets)
+                        except Exception:
+                            pass
+                else:
+                    w.join(0.01)
+            if w.is_alive():
+                w.terminate()
+                w.join()
+        for ch in self._channels:
+            if ch.pg is not None:
+                # Left the segment above, or joined it meanwhile: leave now, whoever still
+                # refers to the group (a traceback); the views main holds keep their mapping.
+                ch.pg.shutdown()
+            ch.pg = None
+            ch.tasks.close()
+            ch.answers.close()
 
     def __del__(self):
         try:
