@@ -1,0 +1,136 @@
+#pragma once
+/// A feed: N producer processes hand items (TensorDicts, or a header and tensors) to one consumer
+/// process of this host, in order and zero-copy, without the caller managing loans or tickets
+/// (docs/loader.md, "The C++ core"). What a data loader is made of; tdshm.DataLoader is built on it.
+///
+/// - Each producer speaks to the consumer over its own private two-rank shm group
+///   ("<name>-<producer>-g<generation>"); nothing touches the user's default group.
+/// - The producer's loan heap is sized from its first item (FeedOptions::items_in_heap of them);
+///   an item that later outgrows it opens a bigger group (the next generation), announced in-band.
+/// - A tensor already in the producer's heap (FeedProducer::loan, try_loan) goes by reference; any
+///   other is copied into the heap once; when the consumer holds the whole heap, by value. The
+///   consumer receives views: their bytes go back when the last reference is dropped, so items
+///   may be held as long as the user likes (later ones then travel by value), never overwritten.
+/// - Failures: a producer that dies is a PeerLostError naming it (within the transport's peer
+///   check, ~0.1 s); the consumer's wait ends with a TimeoutError after FeedOptions::timeout; a
+///   producer's wait for the consumer ends with a PeerLostError once FeedOptions::watch_pid is gone.
+///   A producer's close() ends its items (next() then skips it); the segments go with the last
+///   rank that leaves them, or with the processes.
+
+#include <tdshm/tensordict.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace tdshm {
+
+namespace detail {
+class FeedProducerState;
+class FeedConsumerState;
+}  // namespace detail
+
+struct FeedOptions {
+  /// The consumer's wait for one item, and either side's wait for the other to join a group;
+  /// zero: forever (torch's DataLoader timeout=0). Past it: TimeoutError.
+  std::chrono::milliseconds timeout{0};
+  /// How many items of the first one's size a producer's heap holds: the items in flight plus
+  /// those the consumer keeps. Loan tickets follow (two per leaf of each).
+  uint32_t items_in_heap = 6;
+  /// A producer's heap when it has no item yet (its first answer carries no tensors), in bytes.
+  size_t first_heap_bytes = size_t{1} << 20;
+  /// How long a wait spins before it sleeps: short, since producers need the CPUs.
+  std::chrono::microseconds spin{20};
+  /// Producer side: the consumer's process; a producer waiting for it gives up (PeerLostError)
+  /// once it is gone. 0: not watched (the timeout alone bounds the wait).
+  pid_t watch_pid = 0;
+};
+
+/// One item as it travels: the producer's header bytes (opaque to the feed) and its tensors, in
+/// order. On the consumer's side the tensors are views of the producer's loans, or fresh tensors.
+struct FeedItem {
+  std::vector<uint8_t> header;
+  std::vector<at::Tensor> tensors;
+};
+
+/// A producer's end: producer `index` (0-based) of the feed `name`.
+class FeedProducer {
+ public:
+  /// Nothing is created yet: the group opens with the first put, sized from it.
+  FeedProducer(const std::string& name, int index, FeedOptions options = {});
+  FeedProducer(FeedProducer&&) noexcept;
+  FeedProducer& operator=(FeedProducer&&) noexcept;
+  /// Leaves the group without ending the feed (the consumer then sees this producer as lost when
+  /// it waits for more): call close() first for an orderly end.
+  ~FeedProducer();
+
+  /// A tensor in this producer's heap (fill it, then put it: it goes by reference), or an
+  /// undefined tensor when there is no heap yet (before the first put) or no room now.
+  at::Tensor try_loan(at::IntArrayRef sizes, at::ScalarType dtype);
+  /// A consolidated tensordict like `like` whose storage is one loan (try_loan's rules), or
+  /// nullopt; put() sends it as one reference.
+  std::optional<TensorDict> try_loan(const TensorDict& like);
+  /// Whether `t` lies in a live loan of this producer's current group.
+  bool is_loan(const at::Tensor& t) const;
+
+  /// Hands the next item to the consumer: `header` by value, each tensor by reference when it is
+  /// a loan, else copied into one (or sent by value when the heap is held). Returns once every
+  /// byte sent by value is in the segment; a loan stays lent until the consumer drops its view.
+  /// Waits for the consumer to join (FeedOptions::timeout / watch_pid); PeerLostError once the
+  /// consumer left or died; TypeError for a tensor that is not a dense CPU tensor.
+  void put(std::span<const uint8_t> header, const std::vector<at::Tensor>& tensors);
+  /// A tensordict as one item: consolidated, one reference when `td` came from try_loan(like),
+  /// else copied once into a loan. The consumer's next() rebuilds it (keys, batch size,
+  /// non-tensor values, tensorclass names) over a view.
+  void put(const TensorDict& td);
+  /// Ends this producer's items: the consumer's next_from returns nullopt for it from then on.
+  void close();
+  /// Items put so far.
+  uint64_t items() const noexcept;
+  /// The group generation (0 first; +1 each time the heap grew).
+  uint32_t generation() const noexcept;
+
+ private:
+  std::unique_ptr<detail::FeedProducerState> state_;
+};
+
+/// The consumer's end of the feed `name` with `producers` producers.
+class FeedConsumer {
+ public:
+  /// Nothing is joined yet: producer k's group is joined when its first item is asked for.
+  FeedConsumer(const std::string& name, int producers, FeedOptions options = {});
+  FeedConsumer(FeedConsumer&&) noexcept;
+  FeedConsumer& operator=(FeedConsumer&&) noexcept;
+  /// Leaves every group: producers waiting on this consumer fail with PeerLostError; views
+  /// already received stay readable.
+  ~FeedConsumer();
+
+  /// The next item of producer `k` (nullopt once it closed). PeerLostError when it died or left
+  /// without closing; TimeoutError after FeedOptions::timeout (the feed of that producer is then
+  /// unusable: its answers would be out of step); TransportError for a malformed frame.
+  std::optional<FeedItem> next_from(int k);
+  /// The next tensordict, in order: producer 0, 1, ..., N-1, 0, ... skipping producers that
+  /// closed; nullopt once all did. Its tensors are views of the producer's loan (held until
+  /// dropped). TransportError when an item was not put as a TensorDict.
+  std::optional<TensorDict> next();
+  /// Producer `k`'s items as a TensorDict (next_from + rebuild).
+  std::optional<TensorDict> next_td_from(int k);
+  /// Whether producer `k` closed.
+  bool closed(int k) const;
+  /// Leaves every group now (the destructor's work); later calls fail.
+  void shutdown() noexcept;
+  int producers() const noexcept;
+
+ private:
+  std::unique_ptr<detail::FeedConsumerState> state_;
+};
+
+}  // namespace tdshm

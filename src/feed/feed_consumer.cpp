@@ -1,0 +1,180 @@
+// A feed's consumer (include/tdshm/feed.h; the frames in feed_wire.h): joins producer k's group
+// when its first item is asked for, follows its generations, and hands out each item's tensors as
+// views (of loans) or fresh tensors (sent by value).
+
+#include "feed/feed_wire.h"
+
+#include <tdshm/errors.h>
+#include <tdshm/feed.h>
+#include <tdshm/schema.h>
+
+#include <cstring>
+
+namespace tdshm {
+namespace detail {
+
+class FeedConsumerState {
+ public:
+  FeedConsumerState(std::string name, int producers, FeedOptions o)
+      : name_(std::move(name)), o_(o), ends_(static_cast<size_t>(std::max(producers, 0))) {
+    if (producers < 1) throw Error("FeedConsumer: producers " + std::to_string(producers) + " must be >= 1");
+    for (int k = 0; k < producers; ++k) validate_segment_name(feed::group_name(name_, k, 0));
+  }
+  ~FeedConsumerState() { shutdown(); }
+
+  std::optional<FeedItem> next_from(int k) {
+    End& e = end(k);
+    if (e.closed) return std::nullopt;
+    if (shut_) throw Error("FeedConsumer '" + name_ + "': used after shutdown()");
+    if (!e.pg) e.pg = join(k, 0, feed::page_up(o_.first_heap_bytes), feed::kFirstTickets);
+    while (true) {
+      const at::Tensor frame = wait_one(k, e, e.pg->irecv_view(1, feed::kFrameTag));
+      const auto bytes = static_cast<size_t>(frame.numel());
+      feed::FrameHead head;
+      if (frame.scalar_type() != at::kByte || bytes < sizeof head) bad(k, "a frame of " + std::to_string(bytes) + " bytes");
+      std::memcpy(&head, frame.data_ptr<uint8_t>(), sizeof head);
+      if (head.magic != feed::kFrameMagic) bad(k, "a frame without the feed's magic");
+      if (head.kind == feed::FrameKind::kClose) {
+        e.closed = true;
+        leave(e);
+        return std::nullopt;
+      }
+      if (head.kind == feed::FrameKind::kGrow) {
+        if (head.generation != e.gen + 1 || head.heap_bytes > feed::kMaxHeapBytes || head.loan_tickets < 1 ||
+            head.loan_tickets > feed::kMaxTickets) {
+          bad(k, "a grow frame to generation " + std::to_string(head.generation) + " (heap " +
+                     std::to_string(head.heap_bytes) + " bytes, " + std::to_string(head.loan_tickets) +
+                     " tickets) after generation " + std::to_string(e.gen));
+        }
+        leave(e);  // views of its loans keep their mapping
+        e.gen = head.generation;
+        e.pg = join(k, e.gen, head.heap_bytes, head.loan_tickets);
+        continue;
+      }
+      if (head.kind != feed::FrameKind::kItem || head.tensors > feed::kMaxTensors) {
+        bad(k, "a frame of kind " + std::to_string(static_cast<int>(head.kind)) + " with " +
+                   std::to_string(head.tensors) + " tensors");
+      }
+      FeedItem item;
+      item.header.assign(frame.data_ptr<uint8_t>() + sizeof head, frame.data_ptr<uint8_t>() + bytes);
+      if (head.tensors > 0) {
+        auto work = e.pg->irecv_view_batch(1, std::vector<int>(head.tensors, feed::kFrameTag),
+                                           std::vector<MessageCheck>(head.tensors));
+        wait_work(k, e, work);
+        item.tensors = work->result();
+      }
+      return item;
+    }
+  }
+
+  std::optional<TensorDict> next_td_from(int k) {
+    std::optional<FeedItem> item = next_from(k);
+    if (!item) return std::nullopt;
+    const auto& h = item->header;
+    uint32_t magic = 0;
+    if (h.size() >= sizeof magic) std::memcpy(&magic, h.data(), sizeof magic);
+    if (magic != feed::kTensorDictMagic || item->tensors.size() != 1 || item->tensors[0].scalar_type() != at::kByte ||
+        item->tensors[0].dim() != 1) {
+      throw TransportError("feed '" + name_ + "', producer " + std::to_string(k) +
+                           ": the item was not put as a TensorDict (FeedProducer::put(TensorDict))");
+    }
+    const at::Tensor& storage = item->tensors[0];
+    Schema schema = decode_schema(std::span<const uint8_t>(h.data() + sizeof magic, h.size() - sizeof magic),
+                                  static_cast<uint64_t>(storage.numel()));
+    return TensorDict::from_consolidated(storage, std::move(schema));
+  }
+
+  std::optional<TensorDict> next() {
+    const int n = static_cast<int>(ends_.size());
+    for (int tried = 0; tried < n; ++tried) {
+      const int k = cursor_;
+      cursor_ = (cursor_ + 1) % n;
+      if (std::optional<TensorDict> td = next_td_from(k)) return td;
+    }
+    return std::nullopt;
+  }
+
+  bool closed(int k) { return end(k).closed; }
+
+  void shutdown() noexcept {
+    shut_ = true;
+    for (End& e : ends_) leave(e);
+  }
+
+  int producers() const noexcept { return static_cast<int>(ends_.size()); }
+
+ private:
+  struct End {
+    c10::intrusive_ptr<ProcessGroupShm> pg;
+    uint32_t gen = 0;
+    bool closed = false;
+  };
+
+  End& end(int k) {
+    if (k < 0 || k >= static_cast<int>(ends_.size())) {
+      throw Error("FeedConsumer: producer " + std::to_string(k) + " is outside [0, " + std::to_string(ends_.size()) +
+                  ")");
+    }
+    return ends_[static_cast<size_t>(k)];
+  }
+
+  c10::intrusive_ptr<ProcessGroupShm> join(int k, uint32_t gen, uint64_t heap, uint32_t tickets) {
+    return feed::join_group(feed::group_name(name_, k, gen), 0, o_, heap, tickets, [] { return std::string(); });
+  }
+
+  at::Tensor wait_one(int k, End& e, const c10::intrusive_ptr<c10d::Work>& work) {
+    wait_work(k, e, work);
+    return work->result().at(0);
+  }
+
+  void wait_work(int k, End& e, const c10::intrusive_ptr<c10d::Work>& work) {
+    try {
+      work->wait(feed::wait_limit(o_));
+    } catch (const TimeoutError&) {
+      // The receive was withdrawn: this producer's answers are out of step from here.
+      e.closed = true;
+      leave(e);
+      throw TimeoutError("feed '" + name_ + "': producer " + std::to_string(k) + " sent nothing within " +
+                         std::to_string(o_.timeout.count()) + " ms");
+    } catch (const PeerLostError& lost) {
+      e.closed = true;
+      leave(e);
+      throw PeerLostError("feed '" + name_ + "': producer " + std::to_string(k) + ": " + lost.what());
+    }
+  }
+
+  [[noreturn]] void bad(int k, const std::string& what) {
+    End& e = end(k);
+    e.closed = true;
+    leave(e);
+    throw TransportError("feed '" + name_ + "': producer " + std::to_string(k) + " sent " + what);
+  }
+
+  static void leave(End& e) noexcept {
+    if (e.pg) e.pg->shutdown();
+    e.pg.reset();
+  }
+
+  std::string name_;
+  FeedOptions o_;
+  std::vector<End> ends_;
+  int cursor_ = 0;
+  bool shut_ = false;
+};
+
+}  // namespace detail
+
+FeedConsumer::FeedConsumer(const std::string& name, int producers, FeedOptions options)
+    : state_(std::make_unique<detail::FeedConsumerState>(name, producers, options)) {}
+FeedConsumer::FeedConsumer(FeedConsumer&&) noexcept = default;
+FeedConsumer& FeedConsumer::operator=(FeedConsumer&&) noexcept = default;
+FeedConsumer::~FeedConsumer() = default;
+
+std::optional<FeedItem> FeedConsumer::next_from(int k) { return state_->next_from(k); }
+std::optional<TensorDict> FeedConsumer::next() { return state_->next(); }
+std::optional<TensorDict> FeedConsumer::next_td_from(int k) { return state_->next_td_from(k); }
+bool FeedConsumer::closed(int k) const { return state_->closed(k); }
+void FeedConsumer::shutdown() noexcept { state_->shutdown(); }
+int FeedConsumer::producers() const noexcept { return state_->producers(); }
+
+}  // namespace tdshm

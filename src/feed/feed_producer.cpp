@@ -1,0 +1,245 @@
+// A feed's producer (include/tdshm/feed.h; the frames in feed_wire.h): sizes its group from the
+// first item, grows it when an item outgrows the heap, and sends each tensor by reference when it
+// can, copied into a loan when it can, by value otherwise, so that a put never waits for the
+// consumer to drop what it holds.
+
+#include "feed/feed_wire.h"
+
+#include <tdshm/errors.h>
+#include <tdshm/feed.h>
+#include <tdshm/schema.h>
+
+#include <ATen/ops/empty.h>
+
+#include <fcntl.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+
+namespace tdshm {
+
+namespace feed {
+
+std::string process_gone(pid_t pid) {
+  if (pid <= 0) return {};
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return "process " + std::to_string(pid) + " is gone";
+  // A zombie (killed, not yet reaped) no longer runs either.
+  char buf[512];
+  std::string text;
+  if (const int fd = ::open(("/proc/" + std::to_string(pid) + "/stat").c_str(), O_RDONLY | O_CLOEXEC); fd >= 0) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    ::close(fd);
+    if (n > 0) text.assign(buf, static_cast<size_t>(n));
+  }
+  const size_t paren = text.rfind(')');
+  if (paren != std::string::npos && paren + 2 < text.size() && (text[paren + 2] == 'Z' || text[paren + 2] == 'X')) {
+    return "process " + std::to_string(pid) + " ended";
+  }
+  return {};
+}
+
+namespace detail_producer {
+
+constexpr uint64_t kLeafSlack = 256;  // heap bytes per tensor beyond its own (the allocator's alignment)
+
+uint64_t tensor_bytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
+
+// Half of what /dev/shm has free: a group larger than that is not grown into (its tensors then
+// travel by value), so that growing never fails for want of room.
+uint64_t growth_room() {
+  struct statvfs fs {};
+  if (::statvfs("/dev/shm", &fs) != 0) return kMaxHeapBytes;
+  return static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize / 2;
+}
+
+at::Tensor frame_tensor(const FrameHead& head, std::span<const uint8_t> header) {
+  at::Tensor t = at::empty({static_cast<int64_t>(sizeof head + header.size())}, at::kByte);
+  std::memcpy(t.data_ptr<uint8_t>(), &head, sizeof head);
+  if (!header.empty()) std::memcpy(t.data_ptr<uint8_t>() + sizeof head, header.data(), header.size());
+  return t;
+}
+
+}  // namespace detail_producer
+}  // namespace feed
+
+namespace detail {
+
+class FeedProducerState {
+ public:
+  FeedProducerState(std::string name, int index, FeedOptions o) : name_(std::move(name)), index_(index), o_(o) {
+    if (index < 0) throw Error("FeedProducer: index " + std::to_string(index) + " must be >= 0");
+    validate_segment_name(feed::group_name(name_, index_, 0));
+  }
+  ~FeedProducerState() { leave(); }
+
+  at::Tensor try_loan(at::IntArrayRef sizes, at::ScalarType dtype) {
+    if (!pg_ || closed_) return {};
+    prune();
+    if (lent_.size() + 1 >= tickets_) return {};
+    return pg_->try_loan(sizes, dtype);
+  }
+
+  bool is_loan(const at::Tensor& t) const { return pg_ && pg_->is_loan(t); }
+
+  void put(std::span<const uint8_t> header, const std::vector<at::Tensor>& tensors) {
+    if (closed_) throw Error("FeedProducer '" + name_ + "': put after close()");
+    uint64_t need = 0;
+    for (const auto& t : tensors) {
+      if (!t.defined() || t.device().type() != c10::DeviceType::CPU || t.layout() != c10::kStrided) {
+        throw TypeError("FeedProducer::put: tensor " + std::to_string(&t - tensors.data()) +
+                        " must be a defined dense CPU tensor");
+      }
+      need += feed::detail_producer::tensor_bytes(t) + feed::detail_producer::kLeafSlack;
+    }
+    if (tensors.size() > feed::kMaxTensors) throw Error("FeedProducer::put: more than 2^20 tensors");
+    fit(need, tensors.size());
+    feed::FrameHead head;
+    head.tensors = static_cast<uint32_t>(tensors.size());
+    send_by_value(feed::detail_producer::frame_tensor(head, header));
+    prune();
+    for (const auto& t : tensors) {
+      // A loan whose send would wait for a ticket (the consumer holds them all) is cloned: by value.
+      const bool ticket = lent_.size() + 1 < tickets_;
+      at::Tensor out;
+      if (ticket && t.is_contiguous() && pg_->is_loan(t)) {
+        out = t;
+      } else if (ticket && (out = pg_->try_loan(t.sizes(), t.scalar_type())).defined()) {
+        out.copy_(t);
+      } else {
+        send_by_value(pg_->is_loan(t) || !t.is_contiguous() ? t.clone(at::MemoryFormat::Contiguous) : t);
+        continue;
+      }
+      std::vector<at::Tensor> one{out};
+      lent_.push_back(pg_->send(one, 0, feed::kFrameTag));
+    }
+    flush();
+    ++items_;
+  }
+
+  void put(const TensorDict& td) {
+    const TensorDict c = td.consolidate();  // no copy when td came from try_loan(like)
+    const std::vector<uint8_t> schema = encode_schema(c.schema());
+    std::vector<uint8_t> header(sizeof feed::kTensorDictMagic + schema.size());
+    std::memcpy(header.data(), &feed::kTensorDictMagic, sizeof feed::kTensorDictMagic);
+    std::memcpy(header.data() + sizeof feed::kTensorDictMagic, schema.data(), schema.size());
+    put(header, {c.consolidated_storage()});
+  }
+
+  void close() {
+    if (closed_) return;
+    fit(0, 0);
+    feed::FrameHead head;
+    head.kind = feed::FrameKind::kClose;
+    send_by_value(feed::detail_producer::frame_tensor(head, {}));
+    flush();
+    closed_ = true;
+  }
+
+  uint64_t items() const noexcept { return items_; }
+  uint32_t generation() const noexcept { return gen_; }
+
+ private:
+  // The group exists and its heap holds an item of `need` bytes a few times over: generation 0
+  // (the size both sides know) opens first, then grows to this item's size when it must (a new
+  // generation, announced over the old one).
+  void fit(uint64_t need, size_t leaves) {
+    const uint64_t want = feed::page_up(std::max<uint64_t>(need * o_.items_in_heap, kMinHeap));
+    const uint32_t tickets = static_cast<uint32_t>(std::min<uint64_t>(
+        feed::kMaxTickets, std::max<uint64_t>(feed::kFirstTickets, uint64_t{o_.items_in_heap} * std::max<size_t>(1, leaves) * 2)));
+    if (!pg_) open(feed::page_up(o_.first_heap_bytes), feed::kFirstTickets);
+    // Grow when fewer than half of items_in_heap such items fit, if /dev/shm has the room.
+    if (need * std::max<uint32_t>(2, o_.items_in_heap / 2) <= heap_ && tickets <= tickets_) return;
+    const uint64_t heap = std::max(want, heap_);
+    if (heap > feed::kMaxHeapBytes || heap > feed::detail_producer::growth_room()) return;
+    feed::FrameHead head;
+    head.kind = feed::FrameKind::kGrow;
+    head.generation = gen_ + 1;
+    head.heap_bytes = heap;
+    head.loan_tickets = std::max(tickets, tickets_);
+    send_by_value(feed::detail_producer::frame_tensor(head, {}));
+    flush();
+    // The consumer's views of this generation's loans keep their mapping after both leave it.
+    pg_->shutdown();
+    pg_.reset();
+    lent_.clear();
+    ++gen_;
+    open(heap, head.loan_tickets);
+  }
+
+  void open(uint64_t heap, uint32_t tickets) {
+    pg_ = feed::join_group(feed::group_name(name_, index_, gen_), 1, o_, heap, tickets,
+                           [this] { return feed::process_gone(o_.watch_pid); });
+    heap_ = heap;
+    tickets_ = tickets;
+  }
+
+  void send_by_value(const at::Tensor& t) {
+    std::vector<at::Tensor> one{t};
+    pending_.push_back(pg_->send(one, 0, feed::kFrameTag));
+  }
+
+  // A message sent by value streams through the group's slots only while this process calls into
+  // tdshm: wait until all of it is in (at once, unless the consumer holds every slot). The
+  // consumer's death or departure ends the wait with its error.
+  void flush() {
+    for (auto& w : pending_) w->wait(feed::wait_limit(o_));
+    pending_.clear();
+  }
+
+  // Keeps only the loans' sends whose views the consumer still holds (each holds a ticket).
+  void prune() {
+    std::erase_if(lent_, [](const c10::intrusive_ptr<c10d::Work>& w) { return w->isCompleted(); });
+  }
+
+  void leave() noexcept {
+    pending_.clear();
+    lent_.clear();
+    if (pg_) pg_->shutdown();
+    pg_.reset();
+  }
+
+  static constexpr uint64_t kMinHeap = uint64_t{64} << 10;
+
+  std::string name_;
+  int index_;
+  FeedOptions o_;
+  c10::intrusive_ptr<ProcessGroupShm> pg_;
+  uint32_t gen_ = 0;
+  uint64_t heap_ = 0;
+  uint32_t tickets_ = 0;
+  uint64_t items_ = 0;
+  bool closed_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> pending_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> lent_;
+};
+
+}  // namespace detail
+
+FeedProducer::FeedProducer(const std::string& name, int index, FeedOptions options)
+    : state_(std::make_unique<detail::FeedProducerState>(name, index, options)) {}
+FeedProducer::FeedProducer(FeedProducer&&) noexcept = default;
+FeedProducer& FeedProducer::operator=(FeedProducer&&) noexcept = default;
+FeedProducer::~FeedProducer() = default;
+
+at::Tensor FeedProducer::try_loan(at::IntArrayRef sizes, at::ScalarType dtype) { return state_->try_loan(sizes, dtype); }
+
+std::optional<TensorDict> FeedProducer::try_loan(const TensorDict& like) {
+  const TensorDict c = like.consolidate();  // (a copy unless consolidated: only its schema is kept)
+  at::Tensor storage = state_->try_loan({c.consolidated_storage().numel()}, at::kByte);
+  if (!storage.defined()) return std::nullopt;
+  return TensorDict::from_consolidated(storage, c.schema());
+}
+
+bool FeedProducer::is_loan(const at::Tensor& t) const { return state_->is_loan(t); }
+void FeedProducer::put(std::span<const uint8_t> header, const std::vector<at::Tensor>& tensors) {
+  state_->put(header, tensors);
+}
+void FeedProducer::put(const TensorDict& td) { state_->put(td); }
+void FeedProducer::close() { state_->close(); }
+uint64_t FeedProducer::items() const noexcept { return state_->items(); }
+uint32_t FeedProducer::generation() const noexcept { return state_->generation(); }
+
+}  // namespace tdshm

@@ -1,0 +1,102 @@
+#pragma once
+// What a feed's producer and consumer say to each other (include/tdshm/feed.h), and the group
+// they say it over.
+//
+// Every item is one frame message (uint8, by value) followed by its tensors, one message each,
+// all with kFrameTag on the producer's group, in order. A frame starts with a FrameHead:
+//   kItem    `tensors` messages follow; the user's header bytes follow the FrameHead.
+//   kGrow    the producer's heap outgrew: the next frames come over generation `generation`
+//            ("<name>-<k>-g<generation>") with `heap_bytes` and `loan_tickets`.
+//   kClose   the producer ended its items.
+// A consumer trusts nothing in a frame: wrong magic, kind, generation or counts out of range are
+// a TransportError naming the producer.
+
+#include <tdshm/errors.h>
+#include <tdshm/feed.h>
+#include <tdshm/process_group.h>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace tdshm::feed {
+
+inline constexpr int kFrameTag = 7;
+inline constexpr uint32_t kFrameMagic = 0x44464454;  // "TDFD"
+inline constexpr uint32_t kMaxTensors = 1u << 20;
+inline constexpr uint64_t kMaxHeapBytes = uint64_t{1} << 36;
+inline constexpr uint32_t kMaxTickets = 1u << 16;
+inline constexpr uint32_t kFirstTickets = 64;  // generation 0's loan tickets, known to both sides
+// The magic of a FeedItem header written by FeedProducer::put(TensorDict): then the schema.
+inline constexpr uint32_t kTensorDictMagic = 0x53445454;  // "TTDS"
+
+enum class FrameKind : uint8_t { kItem = 1, kGrow = 2, kClose = 3 };
+
+struct FrameHead {
+  uint32_t magic = kFrameMagic;
+  FrameKind kind = FrameKind::kItem;
+  uint8_t reserved[3] = {};
+  uint32_t tensors = 0;
+  uint32_t generation = 0;
+  uint64_t heap_bytes = 0;
+  uint32_t loan_tickets = 0;
+  uint32_t reserved2 = 0;
+};
+static_assert(sizeof(FrameHead) == 32);
+
+/// The segment name of producer `k`'s group of generation `gen`.
+inline std::string group_name(const std::string& feed, int k, uint32_t gen) {
+  return feed + "-" + std::to_string(k) + "-g" + std::to_string(gen);
+}
+
+/// Joins (or creates) producer k's group as `rank` (consumer 0, producer 1), waiting in slices of
+/// at most 1 s so that `gone()` (the other side's process ended) and the deadline are checked
+/// between them. PeerLostError from `gone`, TimeoutError at the deadline.
+template <class Gone>
+c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank, const FeedOptions& o,
+                                               uint64_t heap_bytes, uint32_t tickets, Gone&& gone) {
+  using Clock = std::chrono::steady_clock;
+  const bool forever = o.timeout.count() <= 0;
+  const auto deadline = Clock::now() + o.timeout;
+  ShmOptions so;
+  so.spin = o.spin;
+  so.loan_bytes = heap_bytes;
+  so.loan_tickets = tickets;
+  // Items travel in loans: a slot carries a frame or a tensor sent by value. Few slots and a
+  // small collective window (none runs) keep a group small (8 producers fit Docker's 64 MiB).
+  so.slots_per_rank = 8;
+  so.window_bytes = size_t{64} << 10;
+  while (true) {
+    auto slice = std::chrono::milliseconds(1000);
+    if (!forever) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) {
+        throw TimeoutError("feed group '" + name + "': the other side did not join within " +
+                           std::to_string(o.timeout.count()) + " ms");
+      }
+      slice = std::min(slice, left);
+    }
+    // The group's timeout is the rendezvous slice: every later wait of the feed gives its own.
+    so.timeout = slice;
+    try {
+      return c10::make_intrusive<ProcessGroupShm>(name, rank, 2, so);
+    } catch (const TimeoutError&) {
+      if (const std::string why = gone(); !why.empty()) throw PeerLostError("feed group '" + name + "': " + why);
+    }
+  }
+}
+
+/// A wait's limit: the feed's timeout, or (zero) a year. Never kNoTimeout: that is the group's
+/// timeout, which here is only the rendezvous slice.
+inline std::chrono::milliseconds wait_limit(const FeedOptions& o) {
+  return o.timeout.count() > 0 ? o.timeout : std::chrono::milliseconds(std::chrono::hours(24 * 365));
+}
+
+inline uint64_t page_up(uint64_t n) { return (n + 4095) / 4096 * 4096; }
+
+/// "" while process `pid` runs (0: not watched), else why it is taken for gone.
+std::string process_gone(pid_t pid);
+
+}  // namespace tdshm::feed

@@ -1,0 +1,266 @@
+// The feed (include/tdshm/feed.h) between real processes: items arrive in order from every
+// producer, loans by reference and the rest by copy, held items are never overwritten, a heap
+// that an item outgrows grows, a producer killed is a PeerLostError naming it, a consumer gone
+// ends its producers, the timeout holds, frames a hostile peer writes are refused; nothing is
+// left in /dev/shm.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <tdshm/errors.h>
+#include <tdshm/feed.h>
+#include <tdshm/process_group.h>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shm_test_support.h"
+
+namespace tdshm::test {
+namespace {
+
+class Feed : public ShmTest {};
+
+/// {"x": float [n] all `v`, ("meta", "seq"): int64 [2] = {k, seq}}, batch size [].
+TensorDict item(int64_t n, int k, int64_t seq) {
+  return TensorDict({{"x", at::full({n}, static_cast<double>(seq * 10 + k))},
+                     {{"meta", "seq"}, at::tensor(std::vector<int64_t>{k, seq}, at::kLong)}},
+                    {});
+}
+
+/// Whether `td` is item(n, k, seq), every element checked.
+bool is_item(const TensorDict& td, int64_t n, int k, int64_t seq) {
+  const at::Tensor x = td.get("x");
+  const at::Tensor meta = td.get(Key("meta") / "seq");
+  return x.numel() == n && at::all(x == static_cast<double>(seq * 10 + k)).item<bool>() &&
+         meta[0].item<int64_t>() == k && meta[1].item<int64_t>() == seq;
+}
+
+// Three producers, 30 items each, every other one filled in place in a loan (zero copy) and the
+// others plain tensordicts (copied into a loan); the consumer takes them round-robin and keeps
+// every one (list(loader)): all arrive intact and in order though the heaps are held.
+TEST_F(Feed, ItemsArriveInOrderAndHeldOnesAreNeverOverwritten) {
+  set_deadline(120s);
+  const std::string name = unique_name();
+  constexpr int kProducers = 3;
+  constexpr int64_t kItems = 30, kFloats = 16 * 1024;
+  std::vector<Child> children;
+  for (int k = 0; k < kProducers; ++k) {
+    children.emplace_back([&, k] {
+      FeedProducer p(name, k, {.timeout = 30s, .watch_pid = getppid()});
+      int64_t loaned = 0;
+      for (int64_t s = 0; s < kItems; ++s) {
+        std::optional<TensorDict> slot = s % 2 == 1 ? p.try_loan(item(kFloats, 0, 0)) : std::nullopt;
+        if (slot) {
+          slot->update_(item(kFloats, k, s));
+          SHM_CHECK(p.is_loan(slot->consolidated_storage()), "try_loan gave a tensordict outside the heap");
+          p.put(*slot);
+          ++loaned;
+        } else {
+          p.put(item(kFloats, k, s));
+        }
+      }
+      SHM_CHECK(loaned > 0, "no item went in a loan");
+      SHM_CHECK(p.items() == static_cast<uint64_t>(kItems), "items() counts the puts");
+      p.close();
+      SHM_CHECK_THROWS(Error, [&] { p.put(item(4, k, 0)); }, "put after close");
+    });
+  }
+  FeedConsumer c(name, kProducers, {.timeout = 30s});
+  std::vector<TensorDict> kept;
+  for (int64_t s = 0; s < kItems; ++s) {
+    for (int k = 0; k < kProducers; ++k) {
+      std::optional<TensorDict> td = c.next();
+      ASSERT_TRUE(td.has_value()) << "item " << s << " of producer " << k;
+      ASSERT_TRUE(is_item(*td, kFloats, k, s)) << "item " << s << " of producer " << k;
+      kept.push_back(std::move(*td));
+    }
+  }
+  EXPECT_FALSE(c.next().has_value()) << "every producer closed";
+  for (int k = 0; k < kProducers; ++k) EXPECT_TRUE(c.closed(k));
+  ASSERT_TRUE(wait_all(children, 60s));
+  for (const Child& ch : children) EXPECT_TRUE(ch.ok()) << ch.describe();
+  for (size_t i = 0; i < kept.size(); ++i) {
+    EXPECT_TRUE(is_item(kept[i], kFloats, static_cast<int>(i % kProducers), static_cast<int64_t>(i / kProducers)))
+        << "held item " << i << " was overwritten";
+  }
+}
+
+// Raw items: header bytes and tensors of every kind (a loan, a plain one, a strided one, none),
+// then items that outgrow the heap: the group grows (new generations) and every byte arrives.
+TEST_F(Feed, RawItemsAndAGrowingHeap) {
+  set_deadline(120s);
+  const std::string name = unique_name();
+  const std::vector<int64_t> sizes{16, 1 << 10, 64 << 10, 1 << 20, 4 << 20};  // floats
+  Child producer([&] {
+    FeedProducer p(name, 0, {.timeout = 30s, .first_heap_bytes = 256 << 10, .watch_pid = getppid()});
+    const std::vector<uint8_t> hello{'h', 'i'};
+    p.put(hello, {});  // a header alone: the group opens at its first size
+    SHM_CHECK(p.generation() == 0, "a header alone grows nothing");
+    at::Tensor loan = p.try_loan({8}, at::kInt);
+    SHM_CHECK(loan.defined(), "room for 32 bytes");
+    loan.copy_(at::arange(8, at::kInt));
+    const at::Tensor strided = at::arange(20, at::kLong).view({4, 5}).t();
+    p.put(hello, {loan, at::full({3}, 2.5), strided});
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const std::vector<uint8_t> h{static_cast<uint8_t>(i)};
+      p.put(h, {at::full({sizes[i]}, static_cast<double>(i + 1))});
+    }
+    SHM_CHECK(p.generation() >= 2, "items of 4 and 16 MiB outgrew a 256 KiB heap; generation " << p.generation());
+    p.close();
+  });
+  FeedConsumer c(name, 1, {.timeout = 30s, .first_heap_bytes = 256 << 10});
+  std::optional<FeedItem> a = c.next_from(0);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->header, (std::vector<uint8_t>{'h', 'i'}));
+  EXPECT_TRUE(a->tensors.empty());
+  std::optional<FeedItem> b = c.next_from(0);
+  ASSERT_TRUE(b);
+  ASSERT_EQ(b->tensors.size(), 3u);
+  EXPECT_TRUE(at::equal(b->tensors[0], at::arange(8, at::kInt)));
+  EXPECT_TRUE(at::equal(b->tensors[1], at::full({3}, 2.5)));
+  EXPECT_TRUE(at::equal(b->tensors[2], at::arange(20, at::kLong).view({4, 5}).t()));
+  std::vector<FeedItem> held;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    std::optional<FeedItem> it = c.next_from(0);
+    ASSERT_TRUE(it) << "item " << i;
+    ASSERT_EQ(it->header, std::vector<uint8_t>{static_cast<uint8_t>(i)});
+    ASSERT_EQ(it->tensors.size(), 1u);
+    EXPECT_EQ(it->tensors[0].numel(), sizes[i]);
+    EXPECT_TRUE(at::all(it->tensors[0] == static_cast<double>(i + 1)).item<bool>()) << "item " << i;
+    held.push_back(std::move(*it));
+  }
+  EXPECT_FALSE(c.next_from(0).has_value());
+  EXPECT_FALSE(c.next_from(0).has_value()) << "closed stays closed";
+  ASSERT_TRUE(producer.wait(60s));
+  EXPECT_TRUE(producer.ok()) << producer.describe();
+  // Views of earlier generations stay readable after their groups are gone.
+  for (size_t i = 0; i < held.size(); ++i) {
+    EXPECT_TRUE(at::all(held[i].tensors[0] == static_cast<double>(i + 1)).item<bool>()) << "held item " << i;
+  }
+}
+
+// A producer killed mid-feed: the consumer gets what it sent, then a PeerLostError within ~1 s.
+TEST_F(Feed, AProducerKilledIsAPeerLostError) {
+  set_deadline(60s);
+  const std::string name = unique_name();
+  Child producer([&] {
+    FeedProducer p(name, 0, {.timeout = 30s, .watch_pid = getppid()});
+    p.put(item(64, 0, 0));
+    p.put(item(64, 0, 1));
+    ::raise(SIGKILL);
+  });
+  FeedConsumer c(name, 1, {.timeout = 30s});
+  ASSERT_TRUE(is_item(*c.next(), 64, 0, 0));
+  ASSERT_TRUE(is_item(*c.next(), 64, 0, 1));
+  ASSERT_TRUE(producer.wait(20s));
+  EXPECT_EQ(producer.signal(), SIGKILL);
+  const auto start = Clock::now();
+  try {
+    (void)c.next();
+    ADD_FAILURE() << "next() after the producer died returned";
+  } catch (const PeerLostError& e) {
+    EXPECT_LT(Clock::now() - start, 2s);
+    EXPECT_NE(std::string(e.what()).find("producer 0: rank 1 (pid " + std::to_string(producer.pid()) + ")"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// A consumer that leaves ends a producer's put (PeerLostError); a producer whose consumer died
+// before joining gives up through watch_pid; a consumer whose producer never comes times out.
+TEST_F(Feed, EitherSideGoneOrLateEndsTheOthersWait) {
+  set_deadline(90s);
+  {
+    const std::string name = unique_name();
+    Child producer([&] {
+      FeedProducer p(name, 0, {.timeout = 30s, .watch_pid = getppid()});
+      SHM_CHECK_THROWS(PeerLostError, [&] {
+        for (int64_t s = 0; s < 1000; ++s) p.put(item(1 << 16, 0, s));
+      }, "left the group");
+    });
+    {
+      FeedConsumer c(name, 1, {.timeout = 30s});
+      ASSERT_TRUE(is_item(*c.next(), 1 << 16, 0, 0));
+    }  // leaves without reading the rest
+    ASSERT_TRUE(producer.wait(30s));
+    EXPECT_TRUE(producer.ok()) << producer.describe();
+  }
+  {
+    const std::string name = unique_name();
+    Child watcher([&] {
+      Child gone([] { ::_exit(0); });  // the "consumer": gone before it joins
+      SHM_CHECK(gone.wait(10s), "the short-lived child");
+      FeedProducer p(name, 0, {.watch_pid = gone.pid()});
+      const auto start = Clock::now();
+      SHM_CHECK_THROWS(PeerLostError, [&] { p.put(item(4, 0, 0)); }, "is gone");
+      SHM_CHECK(Clock::now() - start < 5s, "gave up late");
+    });
+    ASSERT_TRUE(watcher.wait(30s));
+    EXPECT_TRUE(watcher.ok()) << watcher.describe();
+  }
+  {
+    const std::string name = unique_name();
+    FeedConsumer c(name, 2, {.timeout = 300ms});
+    const auto start = Clock::now();
+    EXPECT_THROW((void)c.next_from(1), TimeoutError);
+    EXPECT_GE(Clock::now() - start, 290ms);
+    EXPECT_LT(Clock::now() - start, 5s);
+  }
+}
+
+// Bad arguments, and frames a hostile producer writes: each a typed error naming the producer.
+TEST_F(Feed, BadArgumentsAndHostileFramesAreTypedErrors) {
+  set_deadline(60s);
+  EXPECT_THROW(FeedConsumer(unique_name(), 0), Error);
+  EXPECT_THROW(FeedProducer(unique_name(), -1), Error);
+  EXPECT_THROW(FeedProducer("bad/name", 0), SegmentError);
+  {
+    FeedConsumer c(unique_name(), 2);
+    EXPECT_THROW((void)c.next_from(2), Error);
+    EXPECT_THROW((void)c.next_from(-1), Error);
+  }
+  {
+    FeedProducer p(unique_name(), 0);
+    EXPECT_THROW(p.put(std::vector<uint8_t>{}, {at::Tensor()}), TypeError);
+    EXPECT_FALSE(p.try_loan({4}, at::kFloat).defined()) << "no heap before the first put";
+  }
+  // A peer that joins producer 0's group and sends frames of its own.
+  for (const std::string bad : {"short", "magic", "kind", "grow"}) {
+    const std::string name = unique_name();
+    Child hostile([&] {
+      ShmOptions so;
+      so.loan_bytes = 1 << 20;
+      so.loan_tickets = 64;
+      so.slots_per_rank = 8;
+      so.window_bytes = 64 << 10;
+      so.timeout = 20s;
+      ProcessGroupShm pg(name + "-0-g0", 1, 2, so);
+      at::Tensor frame = at::zeros({bad == "short" ? 8 : 32}, at::kByte);
+      uint32_t magic = bad == "magic" ? 1 : 0x44464454;
+      std::memcpy(frame.data_ptr<uint8_t>(), &magic, 4);
+      frame[4] = bad == "kind" ? 9 : (bad == "grow" ? 2 : 1);
+      if (bad == "grow") frame[12] = 5;  // generation 5 after 0
+      post_send(pg, frame, 0, 7)->wait();
+      std::this_thread::sleep_for(500ms);
+    });
+    FeedConsumer c(name, 1, {.timeout = 20s});
+    try {
+      (void)c.next_from(0);
+      ADD_FAILURE() << bad << ": a hostile frame was taken";
+    } catch (const TransportError& e) {
+      EXPECT_NE(std::string(e.what()).find("producer 0 sent"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(c.next_from(0).has_value()) << "a producer that sent garbage is closed";
+    ASSERT_TRUE(hostile.wait(20s));
+  }
+}
+
+}  // namespace
+}  // namespace tdshm::test
