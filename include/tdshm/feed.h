@@ -25,6 +25,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -49,6 +50,10 @@ struct FeedOptions {
   size_t first_heap_bytes = size_t{1} << 20;
   /// How long a wait spins before it sleeps: short, since producers need the CPUs.
   std::chrono::microseconds spin{20};
+  /// Called every 100 ms or so while a side waits (for an item, a join, room); what it throws
+  /// ends the wait (for Python: KeyboardInterrupt on Ctrl-C); a receive it ends is withdrawn,
+  /// and that producer counts as closed (its items would be out of step).
+  std::function<void()> check{};
   /// Producer side: the consumer's process; a producer waiting for it gives up (PeerLostError)
   /// once it is gone. 0: not watched (the timeout alone bounds the wait).
   pid_t watch_pid = 0;
@@ -123,9 +128,14 @@ class FeedConsumer {
   std::optional<TensorDict> next();
   /// Producer `k`'s items as a TensorDict (next_from + rebuild).
   std::optional<TensorDict> next_td_from(int k);
+  /// Watches producer `k`'s process while the consumer waits for it to join its group: once it is
+  /// gone, the wait ends with a PeerLostError naming it (once joined, the transport sees it).
+  void watch(int k, pid_t pid);
   /// Whether producer `k` closed.
   bool closed(int k) const;
-  /// Leaves every group now (the destructor's work); later calls fail.
+  /// Leaves every group now (the destructor's work), and removes those whose producer died
+  /// without leaving; later calls fail. Call it again once the producers' processes ended to
+  /// remove what the last of them left.
   void shutdown() noexcept;
   int producers() const noexcept;
 

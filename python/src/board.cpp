@@ -9,12 +9,16 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <tdshm/board.h>
+
+#include "typed_errors.h"
 #include <tdshm/errors.h>
 
 #include <optional>
 #include <string>
 
 namespace py = pybind11;
+using tdshm_python::released;
+using tdshm_python::typed;
 
 namespace {
 
@@ -59,48 +63,6 @@ py::dict dict_of(const tdshm::TensorDict& td) {
     }
   }
   return out;
-}
-
-// tdshm's typed errors keep their Python meaning (TypeError, KeyError, TimeoutError); the others
-// are RuntimeErrors whose text names what went wrong (a SchemaError names the key).
-[[noreturn]] void raise_typed(const std::exception_ptr& p) {
-  try {
-    std::rethrow_exception(p);
-  } catch (const tdshm::TypeError& e) {
-    throw py::type_error(e.what());
-  } catch (const tdshm::KeyError& e) {
-    throw py::key_error(e.what());
-  } catch (const tdshm::TimeoutError& e) {
-    PyErr_SetString(PyExc_TimeoutError, e.what());
-    throw py::error_already_set();
-  }
-}
-
-/// f() with the GIL released; its error raised once the GIL is held again.
-template <class F>
-auto released(F&& f) {
-  std::exception_ptr error;
-  std::optional<decltype(f())> result;
-  {
-    py::gil_scoped_release nogil;
-    try {
-      result.emplace(f());
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
-  if (error) raise_typed(error);
-  return std::move(*result);
-}
-
-/// f() with the GIL held, its tdshm errors typed.
-template <class F>
-auto typed(F&& f) {
-  try {
-    return f();
-  } catch (const tdshm::Error&) {
-    raise_typed(std::current_exception());
-  }
 }
 
 }  // namespace

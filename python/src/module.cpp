@@ -39,6 +39,7 @@ namespace py = pybind11;
 
 void bind_transfer(py::module_& m);  // transfer.cpp
 void bind_board(py::module_& m);     // board.cpp
+void bind_feed(py::module_& m);      // feed.cpp
 
 namespace {
 
@@ -182,5 +183,6 @@ PYBIND11_MODULE(_C, m) {
 
   bind_transfer(m);
   bind_board(m);
+  bind_feed(m);
   m.attr("__version__") = TDSHM_VERSION;
 }

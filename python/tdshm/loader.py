@@ -7,15 +7,15 @@ multi-process iterator differs. How a batch travels:
 
 * main sends each worker its tasks (the sampler's indices, pickled) through a pipe, as torch's
   index queues do;
-* each worker answers every task exactly once, in order, over its own two-rank shm group with
-  main (a private segment, never the user's default group): a header (the batch pickled with
-  every tensor left out) and then each tensor as its own message. A tensor in the worker's loan
-  heap goes by reference and main receives a view of it, no copy; the default collate stacks the
-  samples straight into loans, and any other tensor is copied into one (or, when the heap is
-  full because main holds earlier batches, sent by value: never a wait, never an overwrite);
-* the heap is sized from the worker's first batch, so before its first answer a worker speaks
-  through a second pipe: the group's name and heap size, or an answer that carries no tensors
-  (an exception, the end of an iterable dataset).
+* each worker answers every task exactly once, in order, as one item of a tdshm feed
+  (tdshm::FeedProducer / FeedConsumer, include/tdshm/feed.h): a private two-rank shm group per
+  worker, never the user's default group. An item is a header (the answer pickled with every
+  tensor left out) and the tensors. A tensor in the worker's heap goes by reference and main
+  receives a view of it, no copy; the default collate stacks the samples straight into the heap,
+  and any other tensor is copied into it (or, when main holds the heap, sent by value: never a
+  wait, never an overwrite);
+* the heap is sized from the worker's first batch (the feed grows its group when a batch
+  outgrows it).
 
 A batch's views give their bytes back when the batch is dropped; `list(loader)` or a batch kept
 past the next step only keeps its worker's heap busy (later batches then travel by value).
@@ -36,37 +36,17 @@ from torch.utils.data._utils import collate as _collate
 from torch.utils.data._utils import worker as _worker
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from ._C import ProcessGroupShm
+from ._C import FeedConsumer, FeedProducer
 
 __all__ = ["DataLoader"]
 
-_TAG = 7  # every message of a worker's group uses one tag: they match in order
-_SLICE = 0.1  # seconds between checks for dead workers while main waits on a pipe
 _WATCH = 0.5  # seconds between a worker's checks that main still runs
-_PAGE = 4096
-_LEAF_SLACK = 256  # bytes of heap per tensor beyond its own (the allocator's alignment)
 _HEAP_BATCHES = 4  # batches beyond the prefetched ones a heap holds (batches held, fragmentation)
-_SPIN_US = 20
-_FOREVER = timedelta(days=365)
-
-
-def _group(name, rank, timeout, heap, tickets):
-    """A worker's group with main: its heap, 8 arena slots of 64 KiB a rank (batches travel in
-    loans; a slot carries a header or a tensor sent by value) and a small collective window (none
-    runs), so that 8 workers with batches of 1.5 MiB fit a 64 MiB /dev/shm. A short spin: the
-    workers need the CPUs main would spin on."""
-    return ProcessGroupShm(name, rank, 2, timeout=timeout, loan_bytes=heap, loan_tickets=tickets,
-                           spin=timedelta(microseconds=_SPIN_US), slots_per_rank=8, window_bytes=64 << 10)
+_SPIN = timedelta(microseconds=20)  # a short spin: the workers need the CPUs main would spin on
 
 
 class _MainGone(Exception):
-    """The main process died or left the worker's group: the worker ends."""
-
-
-def _is_timeout(e):
-    # tdshm's TimeoutError reaches Python as a RuntimeError from ProcessGroupShm's own calls.
-    text = str(e)
-    return isinstance(e, TimeoutError) or "timed out" in text or "within the timeout" in text
+    """The main process died or left the worker's feed, or told it to stop: the worker ends."""
 
 
 def _main_left(e):
@@ -114,102 +94,58 @@ def _join(header, leaves):
 
 
 class _Outbox:
-    """A worker's answers to main: through its pipe until the shm group exists, then the group."""
+    """A worker's answers to main: the items of its feed producer."""
 
-    def __init__(self, conn, name, prefetch, timeout, parent):
-        self.conn = conn
-        self.name = name
-        self.prefetch = prefetch
-        self.timeout = timeout
+    def __init__(self, name, index, prefetch, parent, tasks):
         self.parent = parent
-        self.pg = None
-        self.tickets = 0
-        self.works = []  # sends by value and headers, until they are all in the group's slots
-        self.lent = []  # sends of loans not completed: each holds a ticket until main drops its view
+        self.tasks = tasks
+        self.early = []  # tasks read while a put waited (see _check)
+        self.producer = FeedProducer(name, index, items_in_heap=prefetch + _HEAP_BATCHES, spin=_SPIN,
+                                     watch_pid=parent, check=self._check)
 
-    def _open(self, leaves):
-        need = sum(t.numel() * t.element_size() + _LEAF_SLACK for t in leaves)
-        heap = max(1 << 20, (self.prefetch + _HEAP_BATCHES) * need)
-        heap = (heap + _PAGE - 1) // _PAGE * _PAGE
-        tickets = max(64, (self.prefetch + _HEAP_BATCHES) * max(1, len(leaves)) * 2)
-        self.tickets = tickets
-        self.conn.send(("group", self.name, heap, tickets))
-        # Main attaches when it needs this worker's answer, which may be long; it may also die
-        # first. So the rendezvous is tried in slices, and given up once main is gone.
-        while True:
-            try:
-                self.pg = _group(self.name, 1, timedelta(seconds=_WATCH * 4), heap, tickets)
-                break
-            except (TimeoutError, RuntimeError) as e:
-                if not _is_timeout(e):
-                    raise
-                if os.getppid() != self.parent:
-                    raise _MainGone() from None
+    def _check(self):
+        # Run while a put waits for main (its first join, room): a "stop" ends the wait (main shut
+        # the iterator down and will not join); tasks are kept for the loop.
+        while self.tasks.poll():
+            msg = self.tasks.recv()
+            if msg[0] == "stop":
+                raise _MainGone()
+            self.early.append(msg)
+
+    def next_task(self):
+        """The next message from main, or None once main is gone."""
+        if self.early:
+            return self.early.pop(0)
+        # Main gone (killed, or it exited without closing us): end within _WATCH seconds.
+        while not self.tasks.poll(_WATCH):
+            if os.getppid() != self.parent:
+                return None
+        try:
+            return self.tasks.recv()
+        except EOFError:
+            return None
 
     def loan_like(self, shape, dtype):
-        """A tensor in the heap, or None (no group yet, or no room)."""
-        return None if self.pg is None else self.pg.try_loan(list(shape), dtype)
+        """A tensor in the heap, or None (no heap yet, or no room)."""
+        return self.producer.try_loan(list(shape), dtype)
 
     def answer(self, kind, idx, payload):
         """kind: "data" (payload: the batch), "error" (an ExceptionWrapper), "stop", "resumed".
-        Raises _MainGone once main left the group (it shut the iterator down) or died."""
+        Raises _MainGone once main left the feed (it shut the iterator down) or died."""
+        if kind == "data":
+            header, leaves = _split(payload)
+        else:
+            header, leaves = payload, []
+        data = pickle.dumps((kind, idx, header), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self._answer(kind, idx, payload)
+            self.producer.put(data, leaves)
         except RuntimeError as e:
             if _main_left(e) or os.getppid() != self.parent:
                 raise _MainGone() from None
             raise
 
-    def _answer(self, kind, idx, payload):
-        if kind != "data":
-            if self.pg is None:
-                self.conn.send((kind, idx, payload))
-            else:
-                self._send_header(pickle.dumps((kind, idx, payload, 0), protocol=pickle.HIGHEST_PROTOCOL))
-            return
-        header, leaves = _split(payload)
-        if self.pg is None:
-            self._open(leaves)
-        self._send_header(pickle.dumps(("data", idx, header, len(leaves)), protocol=pickle.HIGHEST_PROTOCOL))
-        pg = self.pg
-        # A loan's Work holds its tensor, and so its heap bytes, until dropped: keep only those
-        # whose views main still holds.
-        self.lent = [w for w in self.lent if not w.is_completed()]
-        for t in leaves:
-            # A loan's send waits for a free ticket: with every ticket held by main's views, by
-            # value instead (the heap's bytes are then held too, and try_loan says so).
-            ticket = self._ticket_free()
-            if ticket and t.is_contiguous() and pg.is_loan(t):
-                out = t
-            else:
-                out = pg.try_loan(list(t.shape), t.dtype) if ticket else None
-                if out is None:
-                    out = t.clone() if pg.is_loan(t) or not t.is_contiguous() else t  # by value
-                else:
-                    out.copy_(t)
-            work = pg.send([out], 0, _TAG)
-            (self.lent if pg.is_loan(out) else self.works).append(work)
-        self._flush()
-
-    def _send_header(self, data):
-        self.works.append(self.pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], 0, _TAG))
-        self._flush()
-
-    def _ticket_free(self):
-        return len(self.lent) + 1 < self.tickets
-
-    def _flush(self):
-        # A message sent by value streams through the group's slots only while this process
-        # calls into tdshm: wait until it is all in (at once, unless main holds every slot; then
-        # main takes it when it reaches this batch). Main's death or departure ends the wait.
-        for w in self.works:
-            w.wait(_FOREVER)
-        self.works = []
-
     def close(self):
-        self.works = []
-        self.lent = []
-        self.pg = None
+        self.producer = None
 
 
 def _loan_collate_fn_map(outbox):
@@ -229,8 +165,8 @@ def _loan_collate_fn_map(outbox):
     return fn_map
 
 
-def _worker_main(dataset_kind, dataset, tasks, answers, auto_collation, collate_fn, drop_last, base_seed,
-                 init_fn, worker_id, num_workers, prefetch, name, timeout_s, parent):
+def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_last, base_seed,
+                 init_fn, worker_id, num_workers, prefetch, name, parent):
     """A worker: torch's _worker_loop, answering over tdshm."""
     from torch.utils.data._utils import signal_handling
     try:
@@ -243,7 +179,7 @@ def _worker_main(dataset_kind, dataset, tasks, answers, auto_collation, collate_
             import numpy as np
             np.random.seed(_worker._generate_state(base_seed, worker_id))
         _worker._worker_info = _worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
-        outbox = _Outbox(answers, name, prefetch, timedelta(seconds=timeout_s), parent)
+        outbox = _Outbox(name, worker_id, prefetch, parent, tasks)
         if collate_fn is _collate.default_collate:
             fn_map = _loan_collate_fn_map(outbox)
             collate_fn = lambda batch: _collate.collate(batch, collate_fn_map=fn_map)  # noqa: E731
@@ -261,13 +197,8 @@ def _worker_main(dataset_kind, dataset, tasks, answers, auto_collation, collate_
             init_exception = _utils.ExceptionWrapper(where="in DataLoader worker process {}".format(worker_id))
         iteration_end = False
         while True:
-            # Main gone (killed, or it exited without closing us): end within _WATCH seconds.
-            while not tasks.poll(_WATCH):
-                if os.getppid() != parent:
-                    return
-            try:
-                msg = tasks.recv()
-            except EOFError:
+            msg = outbox.next_task()
+            if msg is None:
                 return
             kind = msg[0]
             if kind == "stop":
@@ -313,15 +244,6 @@ def _worker_main(dataset_kind, dataset, tasks, answers, auto_collation, collate_
 # Main side
 
 
-class _Channel:
-    """Main's end of one worker: its pipes, then its group."""
-
-    def __init__(self, tasks, answers):
-        self.tasks = tasks
-        self.answers = answers
-        self.pg = None
-
-
 class _ShmLoaderIter(_BaseDataLoaderIter):
     """torch's _MultiProcessingDataLoaderIter, receiving over tdshm."""
 
@@ -339,26 +261,25 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                                                      self._world_size, self._rank)
         self._shutdown = False
         self._worker_pids_set = False
-        # The workers' side of each group: its rendezvous waits for main to need that worker,
-        # however long the user's loop takes. Main's side waits `timeout` (torch: 0 = forever).
-        self._group_timeout = timedelta(days=365)
         stem = "dl-{}-{}".format(os.getpid(), uuid.uuid4().hex[:12])
-        self._channels = []
+        # Main's waits: `timeout` (torch: 0 = forever), Ctrl-C and torch's SIGCHLD handler answered
+        # every 100 ms (the feed runs Python's signal handlers while it waits).
+        self._feed = FeedConsumer(stem, self._num_workers, spin=_SPIN,
+                                  timeout=timedelta(seconds=self._timeout) if self._timeout > 0 else None)
+        self._tasks = []
         self._workers = []
         for i in range(self._num_workers):
             task_r, task_w = ctx.Pipe(duplex=False)
-            ans_r, ans_w = ctx.Pipe(duplex=False)
             w = ctx.Process(
                 target=_worker_main,
-                args=(self._dataset_kind, self._dataset, task_r, ans_w, self._auto_collation, self._collate_fn,
+                args=(self._dataset_kind, self._dataset, task_r, self._auto_collation, self._collate_fn,
                       self._drop_last, self._base_seed, self._worker_init_fn, i, self._num_workers,
-                      self._prefetch_factor, "{}-w{}".format(stem, i), self._group_timeout.total_seconds(),
-                      os.getpid()))
+                      self._prefetch_factor, stem, os.getpid()))
             w.daemon = True
             w.start()
             task_r.close()
-            ans_w.close()
-            self._channels.append(_Channel(task_w, ans_r))
+            self._feed.watch(i, w.pid)
+            self._tasks.append(task_w)
             self._workers.append(w)
         _utils.signal_handling._set_worker_pids(id(self), tuple(w.pid for w in self._workers))
         _utils.signal_handling._set_SIGCHLD_handler()
@@ -376,8 +297,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         if not first_iter:
             # Persistent workers: each answers what it was still asked, then acknowledges.
-            for ch in self._channels:
-                ch.tasks.send(("resume",))
+            for tasks in self._tasks:
+                tasks.send(("resume",))
             for w in range(self._num_workers):
                 while self._receive(w)[0] != "resumed":
                     pass
@@ -395,7 +316,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 break
         else:
             return  # no worker left
-        self._channels[worker].tasks.send(("task", self._send_idx, index))
+        self._tasks[worker].send(("task", self._send_idx, index))
         self._task_worker[self._send_idx] = worker
         self._send_idx += 1
 
@@ -430,12 +351,10 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     # ---- receiving ----
 
-    def _deadline(self):
-        return None if self._timeout <= 0 else time.monotonic() + self._timeout
-
-    def _check(self, worker, deadline, cause=None):
-        """Raises torch's errors: a worker killed or gone, or the loader's timeout. A lost worker
-        ends the iterator's workers and groups first (nothing is left in /dev/shm)."""
+    def _lost(self, worker, cause):
+        """Raises torch's error for a worker that died or left (torch's own message when its
+        SIGCHLD handler names it), after ending the iterator's workers (nothing is left in
+        /dev/shm)."""
         try:
             if self._worker_pids_set:
                 _utils.signal_handling._error_if_any_worker_fails()  # "... is killed by signal: ..."
@@ -443,51 +362,36 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             self._shutdown_workers()
             raise
         w = self._workers[worker]
-        if not w.is_alive():
-            self._shutdown_workers()
-            raise RuntimeError("DataLoader worker (pid(s) {}) exited unexpectedly".format(w.pid)) from cause
-        if deadline is not None and time.monotonic() >= deadline:
-            raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout))
-        if cause is not None:
-            raise RuntimeError("DataLoader worker (pid {}): {}".format(w.pid, cause)) from cause
-
-    def _wait(self, receive, worker):
-        # One blocking wait: the group's timeout is the loader's, and tdshm sees a worker that
-        # died (or left) within its peer check (0.1 s). A wait cannot be sliced: a p2p wait that
-        # times out withdraws its receive.
-        try:
-            return receive()
-        except Exception as e:
-            if _is_timeout(e):
-                # The receive was withdrawn: this worker's answers are out of step from here.
-                self._shutdown_workers()
-                raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout)) from None
-            self._check(worker, None, e)
-            raise
+        w.join(0.1)
+        self._shutdown_workers()
+        if not w.is_alive() and w.exitcode is not None and w.exitcode < 0:
+            import signal
+            raise RuntimeError("DataLoader worker (pid {}) is killed by signal: {}".format(
+                w.pid, signal.strsignal(-w.exitcode))) from cause
+        raise RuntimeError("DataLoader worker (pid(s) {}) exited unexpectedly: {}".format(w.pid, cause)) from cause
 
     def _receive(self, worker):
         """The next answer of `worker`: (kind, task index, batch / ExceptionWrapper / worker id)."""
-        ch = self._channels[worker]
-        deadline = self._deadline()
-        if ch.pg is None:
-            while not ch.answers.poll(_SLICE):
-                self._check(worker, deadline)
-            try:
-                msg = ch.answers.recv()
-            except EOFError as e:
-                self._check(worker, None, e)
+        try:
+            item = self._feed.next_from(worker)
+        except TimeoutError:
+            # The receive was withdrawn: this worker's answers are out of step from here.
+            self._shutdown_workers()
+            raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout)) from None
+        except RuntimeError as e:
+            if "DataLoader worker" in str(e):  # torch's SIGCHLD handler, run while main waited
+                self._shutdown_workers()
                 raise
-            if msg[0] != "group":
-                return msg
-            _, name, heap, tickets = msg
-            wait = timedelta(seconds=self._timeout) if self._timeout > 0 else self._group_timeout
-            ch.pg = _group(name, 0, wait, heap, tickets)
-        pg = ch.pg
-        header = self._wait(lambda: pg.recv_view(1, _TAG), worker)
-        kind, idx, body, n = pickle.loads(header.numpy().tobytes())
+            self._lost(worker, e)
+        # Ctrl-C (KeyboardInterrupt, raised within 0.1 s) leaves the workers to the iterator's
+        # end, as torch's does: a terminal's Ctrl-C reaches them too, and they exit at once.
+        if item is None:
+            self._lost(worker, EOFError("the worker closed its feed"))
+        header, tensors = item
+        kind, idx, body = pickle.loads(header)
         if kind != "data":
             return kind, idx, body
-        return kind, idx, _join(body, self._wait(lambda: pg.recv_views(1, _TAG, n), worker))
+        return kind, idx, _join(body, tensors)
 
     # ---- shutting down ----
 
@@ -498,45 +402,25 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if self._worker_pids_set:
             _utils.signal_handling._remove_worker_pids(id(self))
             self._worker_pids_set = False
-        for ch in self._channels:
-            # Leaving the group first ends a worker's wait on main (a send main will never
-            # take); then the pipe tells it to stop.
-            if ch.pg is not None:
-                ch.pg.shutdown()
+        # Leaving the feed first ends a worker's wait on main (a put main will never take); then
+        # the pipe tells it to stop (a worker waiting for main to join reads it in its check).
+        self._feed.shutdown()
+        for tasks in self._tasks:
             try:
-                ch.tasks.send(("stop",))
+                tasks.send(("stop",))
             except (BrokenPipeError, OSError):
                 pass
         give_up = time.monotonic() + _utils.MP_STATUS_CHECK_INTERVAL
-        for worker, w in enumerate(self._workers):
-            ch = self._channels[worker]
-            # A worker that announced its group waits for main in the group's rendezvous:
-            # join it so that the worker can leave (and the segment goes with the last rank).
-            while w.is_alive() and time.monotonic() < give_up:
-                if ch.pg is None and ch.answers.poll(0.01):
-                    try:
-                        msg = ch.answers.recv()
-                    except (EOFError, OSError):
-                        continue
-                    if msg[0] == "group":
-                        _, name, heap, tickets = msg
-                        try:
-                            ch.pg = _group(name, 0, timedelta(seconds=5), heap, tickets)
-                        except Exception:
-                            pass
-                else:
-                    w.join(0.01)
+        for w in self._workers:
+            w.join(max(0.0, give_up - time.monotonic()))
             if w.is_alive():
                 w.terminate()
                 w.join()
-        for ch in self._channels:
-            if ch.pg is not None:
-                # Left the segment above, or joined it meanwhile: leave now, whoever still
-                # refers to the group (a traceback); the views main holds keep their mapping.
-                ch.pg.shutdown()
-            ch.pg = None
-            ch.tasks.close()
-            ch.answers.close()
+        # What a worker that died without leaving its group left behind (the views main holds
+        # keep their mapping).
+        self._feed.shutdown()
+        for tasks in self._tasks:
+            tasks.close()
 
     def __del__(self):
         try:

@@ -95,10 +95,13 @@ class FeedConsumerState {
   }
 
   bool closed(int k) { return end(k).closed; }
+  void watch(int k, pid_t pid) { end(k).pid = pid; }
 
+  // Idempotent: a second call sweeps again (after the caller ended the producers' processes).
   void shutdown() noexcept {
     shut_ = true;
     for (End& e : ends_) leave(e);
+    feed::sweep(joined_);
   }
 
   int producers() const noexcept { return static_cast<int>(ends_.size()); }
@@ -108,6 +111,7 @@ class FeedConsumerState {
     c10::intrusive_ptr<ProcessGroupShm> pg;
     uint32_t gen = 0;
     bool closed = false;
+    pid_t pid = 0;
   };
 
   End& end(int k) {
@@ -119,7 +123,12 @@ class FeedConsumerState {
   }
 
   c10::intrusive_ptr<ProcessGroupShm> join(int k, uint32_t gen, uint64_t heap, uint32_t tickets) {
-    return feed::join_group(feed::group_name(name_, k, gen), 0, o_, heap, tickets, [] { return std::string(); });
+    const pid_t pid = end(k).pid;
+    joined_.push_back(feed::group_name(name_, k, gen));
+    return feed::join_group(feed::group_name(name_, k, gen), 0, o_, heap, tickets, [pid, k] {
+      const std::string why = feed::process_gone(pid);
+      return why.empty() ? why : "producer " + std::to_string(k) + " (" + why + ")";
+    });
   }
 
   at::Tensor wait_one(int k, End& e, const c10::intrusive_ptr<c10d::Work>& work) {
@@ -127,19 +136,22 @@ class FeedConsumerState {
     return work->result().at(0);
   }
 
+  // Any failure of a wait leaves this producer's answers out of step (its receive is withdrawn,
+  // or the group is lost): the producer counts as closed from then on.
   void wait_work(int k, End& e, const c10::intrusive_ptr<c10d::Work>& work) {
     try {
-      work->wait(feed::wait_limit(o_));
-    } catch (const TimeoutError&) {
-      // The receive was withdrawn: this producer's answers are out of step from here.
+      feed::wait_in_slices(work, o_);
+    } catch (...) {
       e.closed = true;
       leave(e);
-      throw TimeoutError("feed '" + name_ + "': producer " + std::to_string(k) + " sent nothing within " +
-                         std::to_string(o_.timeout.count()) + " ms");
-    } catch (const PeerLostError& lost) {
-      e.closed = true;
-      leave(e);
-      throw PeerLostError("feed '" + name_ + "': producer " + std::to_string(k) + ": " + lost.what());
+      try {
+        throw;
+      } catch (const TimeoutError&) {
+        throw TimeoutError("feed '" + name_ + "': producer " + std::to_string(k) + " sent nothing within " +
+                           std::to_string(o_.timeout.count()) + " ms");
+      } catch (const PeerLostError& lost) {
+        throw PeerLostError("feed '" + name_ + "': producer " + std::to_string(k) + ": " + lost.what());
+      }
     }
   }
 
@@ -160,6 +172,7 @@ class FeedConsumerState {
   std::vector<End> ends_;
   int cursor_ = 0;
   bool shut_ = false;
+  std::vector<std::string> joined_;  // every group this consumer joined or tried to (swept at the end)
 };
 
 }  // namespace detail
@@ -173,6 +186,7 @@ FeedConsumer::~FeedConsumer() = default;
 std::optional<FeedItem> FeedConsumer::next_from(int k) { return state_->next_from(k); }
 std::optional<TensorDict> FeedConsumer::next() { return state_->next(); }
 std::optional<TensorDict> FeedConsumer::next_td_from(int k) { return state_->next_td_from(k); }
+void FeedConsumer::watch(int k, pid_t pid) { state_->watch(k, pid); }
 bool FeedConsumer::closed(int k) const { return state_->closed(k); }
 void FeedConsumer::shutdown() noexcept { state_->shutdown(); }
 int FeedConsumer::producers() const noexcept { return state_->producers(); }

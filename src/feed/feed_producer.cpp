@@ -5,6 +5,8 @@
 
 #include "feed/feed_wire.h"
 
+#include "process_group/batch_work.h"
+
 #include <tdshm/errors.h>
 #include <tdshm/feed.h>
 #include <tdshm/schema.h>
@@ -39,6 +41,30 @@ std::string process_gone(pid_t pid) {
     return "process " + std::to_string(pid) + " ended";
   }
   return {};
+}
+
+void wait_in_slices(const c10::intrusive_ptr<c10d::Work>& work, const FeedOptions& o) {
+  using Clock = std::chrono::steady_clock;
+  auto* batch = dynamic_cast<detail::BatchWork*>(work.get());
+  if (batch == nullptr || !o.check) {
+    work->wait(wait_limit(o));
+    return;
+  }
+  const auto deadline = Clock::now() + wait_limit(o);
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) {
+      work->wait(std::chrono::milliseconds(1));  // withdraws it with the transport's TimeoutError
+      return;
+    }
+    if (batch->wait_keeping(std::min(left, std::chrono::milliseconds(100)))) return;
+    try {
+      o.check();
+    } catch (...) {
+      work->abort();
+      throw;
+    }
+  }
 }
 
 namespace detail_producer {
@@ -170,6 +196,7 @@ class FeedProducerState {
   }
 
   void open(uint64_t heap, uint32_t tickets) {
+    joined_.push_back(feed::group_name(name_, index_, gen_));
     pg_ = feed::join_group(feed::group_name(name_, index_, gen_), 1, o_, heap, tickets,
                            [this] { return feed::process_gone(o_.watch_pid); });
     heap_ = heap;
@@ -185,7 +212,7 @@ class FeedProducerState {
   // tdshm: wait until all of it is in (at once, unless the consumer holds every slot). The
   // consumer's death or departure ends the wait with its error.
   void flush() {
-    for (auto& w : pending_) w->wait(feed::wait_limit(o_));
+    for (auto& w : pending_) feed::wait_in_slices(w, o_);
     pending_.clear();
   }
 
@@ -199,6 +226,7 @@ class FeedProducerState {
     lent_.clear();
     if (pg_) pg_->shutdown();
     pg_.reset();
+    feed::sweep(joined_);
   }
 
   static constexpr uint64_t kMinHeap = uint64_t{64} << 10;
@@ -214,6 +242,7 @@ class FeedProducerState {
   bool closed_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;
   std::vector<c10::intrusive_ptr<c10d::Work>> lent_;
+  std::vector<std::string> joined_;  // every group this producer joined or tried to (swept at the end)
 };
 
 }  // namespace detail

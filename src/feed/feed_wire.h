@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace tdshm::feed {
 
@@ -52,7 +53,7 @@ inline std::string group_name(const std::string& feed, int k, uint32_t gen) {
 }
 
 /// Joins (or creates) producer k's group as `rank` (consumer 0, producer 1), waiting in slices of
-/// at most 1 s so that `gone()` (the other side's process ended) and the deadline are checked
+/// at most 200 ms so that `gone()`, FeedOptions::check (the other side's process ended) and the deadline are checked
 /// between them. PeerLostError from `gone`, TimeoutError at the deadline.
 template <class Gone>
 c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank, const FeedOptions& o,
@@ -69,7 +70,7 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
   so.slots_per_rank = 8;
   so.window_bytes = size_t{64} << 10;
   while (true) {
-    auto slice = std::chrono::milliseconds(1000);
+    auto slice = std::chrono::milliseconds(200);
     if (!forever) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) {
@@ -84,6 +85,7 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
       return c10::make_intrusive<ProcessGroupShm>(name, rank, 2, so);
     } catch (const TimeoutError&) {
       if (const std::string why = gone(); !why.empty()) throw PeerLostError("feed group '" + name + "': " + why);
+      if (o.check) o.check();
     }
   }
 }
@@ -95,6 +97,22 @@ inline std::chrono::milliseconds wait_limit(const FeedOptions& o) {
 }
 
 inline uint64_t page_up(uint64_t n) { return (n + 4095) / 4096 * 4096; }
+
+/// Waits for `work` (a ProcessGroupShm work) up to wait_limit(o), in slices of 100 ms with
+/// o.check between them; TimeoutError at the limit (the work withdrawn), and what check throws
+/// (the work withdrawn too). Rethrows the work's error.
+void wait_in_slices(const c10::intrusive_ptr<c10d::Work>& work, const FeedOptions& o);
+
+/// Removes each of `names` whose ranks are all gone (a side that died without leaving leaves its
+/// segment behind); one still in use is left alone.
+inline void sweep(const std::vector<std::string>& names) noexcept {
+  for (const std::string& n : names) {
+    try {
+      remove_stale_segment(n);
+    } catch (...) {
+    }
+  }
+}
 
 /// "" while process `pid` runs (0: not watched), else why it is taken for gone.
 std::string process_gone(pid_t pid);

@@ -30,6 +30,10 @@ class BatchWork : public c10d::Work {
   virtual void abort_message(size_t i) = 0;
   /// Message i's receive failed on a leaf count: the sender's count (else 0).
   virtual uint16_t message_sender_leaves(size_t i) const = 0;
+  /// Waits at most `timeout` and leaves the work pending at the deadline (false), where wait()
+  /// would withdraw it; true once done, rethrowing its error. For callers that wait in slices
+  /// (a loader's main process checking for Ctrl-C).
+  virtual bool wait_keeping(std::chrono::milliseconds timeout) = 0;
   /// One Work per message, each with its own error.
   virtual std::vector<c10::intrusive_ptr<c10d::Work>> messages() const = 0;
 };

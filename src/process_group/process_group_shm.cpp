@@ -119,6 +119,15 @@ class ShmWork final : public detail::BatchWork {
     return true;
   }
 
+  bool wait_keeping(std::chrono::milliseconds timeout) override {
+    if (!all_done()) {
+      engine_->wait(ops_, std::chrono::steady_clock::now() + timeout, /*stop_on_error=*/batch_,
+                    /*keep_at_deadline=*/true);
+    }
+    if (auto e = first_error()) std::rethrow_exception(e);
+    return all_done() || (batch_ && first_error() != nullptr);
+  }
+
   std::vector<c10::intrusive_ptr<c10d::Work>> messages() const override {
     if (!batch_) throw TypeError("shm_batch_messages: the Work is not one of ProcessGroupShm::send_batch / recv_batch");
     std::vector<c10::intrusive_ptr<c10d::Work>> out(batch_size_);

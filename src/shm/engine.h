@@ -88,9 +88,10 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   /// Moves everything pending until every op in `ops` (null ones count as done) is done (or failed), spinning then
   /// sleeping; throws TimeoutError at `deadline`, after withdrawing the ops that are not done
   /// (they fail with that error). Does not rethrow the ops' errors. With `stop_on_error` it also
-  /// returns as soon as one op failed (the others may still be pending).
+  /// returns as soon as one op failed (the others may still be pending). With `keep_at_deadline`
+  /// it returns at `deadline` instead, the ops left pending.
   void wait(std::span<const std::shared_ptr<ShmOp>> ops, std::chrono::steady_clock::time_point deadline,
-            bool stop_on_error = false);
+            bool stop_on_error = false, bool keep_at_deadline = false);
   /// One non-blocking progress pass.
   void poll();
   /// Withdraws every op of `ops` that is not done (a send that started is left to finish); they

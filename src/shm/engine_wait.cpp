@@ -35,7 +35,13 @@ Clock::time_point ShmEngine::sleep_limit(Clock::time_point now, Clock::time_poin
   return std::min({deadline, std::max(next_check, now), now + std::chrono::milliseconds(100)});
 }
 
-void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline, bool stop_on_error) {
+namespace {
+// Thrown by a wait's timed_out hook when its ops are kept at the deadline; caught by the wait.
+struct KeptAtDeadline {};
+}  // namespace
+
+void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline, bool stop_on_error,
+                     bool keep_at_deadline) {
   // A collective this thread issued and left to run may be what a peer waits for before it
   // sends what this wait needs (collective_queue.h).
   shm::urge_queued_collectives();
@@ -44,6 +50,7 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
     std::span<const std::shared_ptr<ShmOp>> ops;
     Clock::time_point deadline;
     bool stop_on_error;
+    bool keep_at_deadline;
     // Ops complete mostly in order (a pair's messages match in order): the first one not known
     // to be done is remembered, so a check does not walk a batch of 100 leaves each time. A
     // failure further on (stop_on_error) is looked for at every clock read.
@@ -96,7 +103,10 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
       e.maybe_check_peers(now);
       return all_done() || failed_later();
     }
-    void timed_out() { e.time_out(ops); }
+    void timed_out() {
+      if (keep_at_deadline) throw KeptAtDeadline{};
+      e.time_out(ops);
+    }
     void sleep(Clock::time_point now, Clock::time_point first_sleep) {
       // Before sleeping, messages from sources nobody waits on are drained into process memory
       // (early messages), so that a sender blocked on room that this rank waits for indirectly
@@ -125,9 +135,12 @@ void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_po
       e.sleep_until_event(until, drain_others);
     }
   };
-  Hooks hooks{*this, ops, deadline, stop_on_error};
+  Hooks hooks{*this, ops, deadline, stop_on_error, keep_at_deadline};
   if (hooks.all_done()) return;
-  shm::spin_then_sleep(spin_budget_, shm::Judge::kSinceProgress, deadline, hooks);
+  try {
+    shm::spin_then_sleep(spin_budget_, shm::Judge::kSinceProgress, deadline, hooks);
+  } catch (const KeptAtDeadline&) {
+  }
 }
 
 // Ends a wait at its deadline: the ops not done are withdrawn and fail with the TimeoutError,

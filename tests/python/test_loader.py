@@ -331,6 +331,67 @@ class LoaderTest(unittest.TestCase):
             if child.poll() is None:
                 child.kill()
 
+    def test_ctrl_c_in_main_ends_the_loop_and_its_workers(self):
+        # Main waits for a batch a worker takes 60 s to make; Ctrl-C (SIGINT to the process
+        # group, as a terminal sends it) raises KeyboardInterrupt in main within a second, and
+        # the workers and segments are gone within a few.
+        script = textwrap.dedent("""
+            import os, sys, time, torch, tdshm
+            from torch.utils.data import Dataset
+            class D(Dataset):
+                def __len__(self): return 100
+                def __getitem__(self, i):
+                    if i >= 8: time.sleep(60)
+                    return torch.full((64,), i)
+            it = iter(tdshm.DataLoader(D(), batch_size=4, num_workers=2))
+            next(it); next(it)
+            print(os.getpid(), *[w.pid for w in it._workers], flush=True)
+            try:
+                next(it)
+                print("returned", flush=True)
+            except KeyboardInterrupt:
+                print("interrupted", time.monotonic(), flush=True)
+                del it
+                print("closed", time.monotonic(), flush=True)
+        """)
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=dict(os.environ),
+                                 start_new_session=True)
+        try:
+            line = child.stdout.readline().decode().split()
+            self.assertEqual(len(line), 3, "the child did not start its loader")
+            main, workers = int(line[0]), [int(p) for p in line[1:]]
+            time.sleep(0.5)  # main waits in the feed now
+            sent = time.monotonic()
+            os.killpg(child.pid, signal.SIGINT)
+            said = child.stdout.readline().decode().split()
+            self.assertEqual(said[0], "interrupted", said)
+            self.assertLess(float(said[1]) - sent, 1.0, "KeyboardInterrupt came late")
+            said = child.stdout.readline().decode().split()
+            self.assertEqual(said[0], "closed", said)
+            self.assertLess(float(said[1]) - sent, 3.0, "the workers took long to end")
+            child.wait(10)
+            for p in workers:
+                alive = os.path.exists("/proc/{}".format(p)) and open("/proc/{}/stat".format(p)).read().split()[2] != "Z"
+                self.assertFalse(alive, "worker {} outlived main's Ctrl-C".format(p))
+            self.assertEqual(glob.glob("/dev/shm/tdshm.dl-{}-*".format(main)), [])
+        finally:
+            if child.poll() is None:
+                child.kill()
+
+    def test_break_ends_the_workers_at_once(self):
+        # Workers 1-3 made their first batch and wait for main to join their feed: leaving the
+        # loop after batch 0 stops them without waiting for torch's 5 s grace.
+        loader = tdshm.DataLoader(Samples(200), batch_size=2, num_workers=4)
+        it = iter(loader)
+        next(it)
+        time.sleep(0.5)  # the other workers reach their first put
+        start = time.monotonic()
+        it._shutdown_workers()
+        self.assertLess(time.monotonic() - start, 2.0)
+        self.assertEqual([w.exitcode for w in it._workers], [0] * 4)
+        self.assertEqual(segments(), set())
+        del it, loader
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -215,6 +215,50 @@ TEST_F(Feed, EitherSideGoneOrLateEndsTheOthersWait) {
   }
 }
 
+// FeedOptions::check ends a wait (Ctrl-C in a Python main), joined or not; watch() ends the
+// consumer's wait for a producer that died before it joined.
+TEST_F(Feed, ACheckOrAWatchedProducerEndsTheConsumersWait) {
+  set_deadline(60s);
+  struct Interrupted {};
+  for (const bool joined : {false, true}) {
+    const std::string name = unique_name();
+    Child producer([&] {
+      FeedProducer p(name, 0, {.timeout = 20s, .watch_pid = getppid()});
+      if (joined) p.put(item(4, 0, 0));
+      std::this_thread::sleep_for(30s);  // never sends (more): killed at the end
+    });
+    int checks = 0;
+    FeedConsumer c(name, 1, {.timeout = 20s, .check = [&] {
+                               if (++checks == 3) throw Interrupted{};
+                             }});
+    if (joined) {
+      ASSERT_TRUE(is_item(*c.next(), 4, 0, 0));
+    }
+    const auto start = Clock::now();
+    EXPECT_THROW((void)c.next_from(0), Interrupted);
+    EXPECT_LT(Clock::now() - start, 3s);
+    EXPECT_EQ(c.closed(0), joined) << "a receive withdrawn closes the producer; an interrupted join does not";
+    producer.kill();
+    ASSERT_TRUE(producer.wait(10s));
+  }
+  {
+    const std::string name = unique_name();
+    Child early([] { ::_exit(0); });  // a producer that died before its first put
+    FeedConsumer c(name, 1, {.timeout = 20s});
+    c.watch(0, early.pid());
+    ASSERT_TRUE(early.wait(10s));
+    const auto start = Clock::now();
+    try {
+      (void)c.next_from(0);
+      ADD_FAILURE() << "a producer that never came gave an item";
+    } catch (const PeerLostError& e) {
+      EXPECT_NE(std::string(e.what()).find("producer 0 (process " + std::to_string(early.pid())), std::string::npos)
+          << e.what();
+    }
+    EXPECT_LT(Clock::now() - start, 2s);
+  }
+}
+
 // Bad arguments, and frames a hostile producer writes: each a typed error naming the producer.
 TEST_F(Feed, BadArgumentsAndHostileFramesAreTypedErrors) {
   set_deadline(60s);
