@@ -11,6 +11,7 @@
 #include "scenario_results.h"
 
 #include <tdshm/distributed.h>
+#include <tdshm/feed.h>
 #include <tdshm/process_group.h>
 #include <tdshm/tensordict.h>
 
@@ -119,7 +120,9 @@ struct Layout {
 };
 
 std::vector<std::string> patterns_of(const std::string& scenario) {
-  if (scenario == "loader") return {"blocking", "irecv-ahead", "consolidated", "loan-copy", "loan-view", "loan-view-c"};
+  if (scenario == "loader") {
+    return {"blocking", "irecv-ahead", "consolidated", "loan-copy", "loan-view", "loan-view-c", "feed"};
+  }
   return {"weights-trajectory", "loan-view"};
 }
 
@@ -129,8 +132,10 @@ bool is_loan_pattern(const std::string& pattern) { return pattern.rfind("loan-",
 
 // Which transports a pattern runs over: shm and gloo every one; the memcpy reference the copying
 // patterns (a loan is the shm transport's); the in-place reference the loader's loan-view, whose
-// hand-written counterpart it is (worker writes in place, main reads in place).
+// hand-written counterpart it is (worker writes in place, main reads in place). The feed
+// (include/tdshm/feed.h) is the shm transport's ready-made loader core.
 bool runs(const std::string& scenario, const std::string& pattern, const std::string& transport) {
+  if (pattern == "feed") return transport == "shm";
   if (transport == "memcpy") return !is_loan_pattern(pattern);
   if (transport == "inplace") return scenario == "loader" && pattern == "loan-view";
   return true;
@@ -214,10 +219,43 @@ struct MainTime {
   double read_seconds = 0;
 };
 
+// The feed pattern's ends: made at its first step and kept for the layout's run (as the groups
+// of the other patterns are), so that every step runs on a warm heap.
+struct FeedEnds {
+  std::optional<FeedConsumer> consumer;
+  std::optional<FeedProducer> producer;
+};
+
+std::string feed_name(const Layout& layout) { return layout.segment + "-feed"; }
+
+// Rank 0 of the feed pattern: a FeedConsumer takes each worker's batches in turn, as views. Each
+// worker's first item (a batch of zeros) is taken before the clock of the first step starts: the
+// groups are joined and grown to the batches' size then (a heap is sized from the first item).
+template <class Check>
+double feed_main(const Layout& layout, const Step& s, int64_t seq0, const std::string& where, FeedEnds& ends,
+                 Check&& check) {
+  if (!ends.consumer) {
+    ends.consumer.emplace(feed_name(layout), layout.peers, FeedOptions{.timeout = kGroupTimeout});
+    for (int w = 1; w <= layout.peers; ++w) {
+      if (!ends.consumer->next_td_from(w - 1)) throw std::runtime_error(where + ": worker " + std::to_string(w) + " closed");
+    }
+  }
+  FeedConsumer& feed = *ends.consumer;
+  const auto start = Clock::now();
+  for (int b = 0; b < s.count; ++b) {
+    for (int w = 1; w <= layout.peers; ++w) {
+      const std::optional<TensorDict> batch = feed.next_td_from(w - 1);
+      if (!batch) throw std::runtime_error(where + ": worker " + std::to_string(w) + " closed early");
+      check(view(*batch), w, seq0 + b, where);
+    }  // each view is dropped here: its worker may fill that loan again
+  }
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
 // Rank 0 of the loader: receives `s.count` batches of every worker.
 // Over the memcpy reference, irecv-ahead is blocking (the reference has no asynchronous receive).
 MainTime loader_main(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0,
-                     std::vector<TensorDict>& plain, std::vector<TensorDict>& consolidated) {
+                     std::vector<TensorDict>& plain, std::vector<TensorDict>& consolidated, FeedEnds& ends) {
   const Group& g = step_group(groups, s);
   const std::string where = "loader " + s.pattern + " " + s.transport + " N=" + std::to_string(layout.peers);
   std::vector<Transfer> pending(static_cast<size_t>(layout.peers) + 1);
@@ -234,6 +272,15 @@ MainTime loader_main(const Layout& layout, const Groups& groups, const Step& s, 
     bench::check_batch(v, w, seq, at);
     reads.push_back(Clock::now() - t0);
   };
+  auto median_reads = [&reads] {
+    if (reads.empty()) return 0.0;
+    std::nth_element(reads.begin(), reads.begin() + static_cast<std::ptrdiff_t>(reads.size() / 2), reads.end());
+    return std::chrono::duration<double>(reads[reads.size() / 2]).count() * static_cast<double>(reads.size());
+  };
+  if (s.pattern == "feed") {
+    const double seconds = feed_main(layout, s, seq0, where, ends, check_batch);
+    return {seconds, median_reads()};
+  }
   const auto start = Clock::now();
   for (int b = 0; b < s.count; ++b) {
     const int64_t seq = seq0 + b;
@@ -280,10 +327,7 @@ MainTime loader_main(const Layout& layout, const Groups& groups, const Step& s, 
     }
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  if (reads.empty()) return {seconds, 0};
-  std::nth_element(reads.begin(), reads.begin() + static_cast<std::ptrdiff_t>(reads.size() / 2), reads.end());
-  const double median_read = std::chrono::duration<double>(reads[reads.size() / 2]).count();
-  return {seconds, median_read * static_cast<double>(reads.size())};
+  return {seconds, median_reads()};
 }
 
 // The test hook of TDSHM_BENCH_FAULT (see Layout::fault), called before batch or step `seq`.
@@ -340,9 +384,26 @@ void loan_worker(const Group& g, const Step& s, Producer& producer) {
   for (const Transfer& t : sent) t.wait();
 }
 
+// A worker of the feed pattern: fills a loan of its feed when there is one (zero copy), else a
+// batch of its own (copied into the heap by put), and puts it; the feed does the rest.
+void feed_worker(const Layout& layout, const Step& s, int w, FeedEnds& ends, Producer& producer) {
+  if (!ends.producer) {
+    ends.producer.emplace(feed_name(layout), w - 1, FeedOptions{.timeout = kGroupTimeout});
+    ends.producer->put(make_batch());  // joins and sizes the heap: main takes it before any clock
+  }
+  FeedProducer& feed = *ends.producer;
+  const TensorDict like = make_batch().consolidate();
+  for (int b = 0; b < s.count; ++b) {
+    std::optional<TensorDict> slot = feed.try_loan(like);
+    const TensorDict batch = slot ? *slot : make_batch();
+    producer.produce(view(batch), b);
+    feed.put(batch);
+  }
+}
+
 // A worker of the loader; returns the median time it took to write a batch.
 double loader_worker(const Layout& layout, const Groups& groups, const Step& s, int64_t seq0, int w,
-                     const TensorDict& batch) {
+                     const TensorDict& batch, FeedEnds& ends) {
   const Group& g = step_group(groups, s);
   Producer producer(layout, w, seq0, s.count);
   if (s.transport == "inplace") {
@@ -357,6 +418,10 @@ double loader_worker(const Layout& layout, const Groups& groups, const Step& s, 
   }
   if (is_loan_pattern(s.pattern)) {
     loan_worker(g, s, producer);
+    return producer.median_seconds();
+  }
+  if (s.pattern == "feed") {
+    feed_worker(layout, s, w, ends, producer);
     return producer.median_seconds();
   }
   const bool by_copy = s.transport == "memcpy";
@@ -491,6 +556,7 @@ int scenario_rank(const Layout& layout, int rank, Control& control, const Report
       }
     }
 
+    FeedEnds feed_ends;  // left after the last barrier below, with the groups
     int64_t seq = 0;
     int done = layout.progress_done;
     for (const Step& s : layout.schedule) {
@@ -499,9 +565,9 @@ int scenario_rank(const Layout& layout, int rank, Control& control, const Report
       MainTime seconds;
       if (loader) {
         if (rank == 0) {
-          seconds = loader_main(layout, groups, s, seq, plain, consolidated);
+          seconds = loader_main(layout, groups, s, seq, plain, consolidated, feed_ends);
         } else {
-          const double write = loader_worker(layout, groups, s, seq, rank, batch);
+          const double write = loader_worker(layout, groups, s, seq, rank, batch, feed_ends);
           if (s.repeat >= 0) {
             char line[256];
             std::snprintf(line, sizeof line, "W %s %s %d %.9g", s.pattern.c_str(), s.transport.c_str(), s.repeat, write);

@@ -46,6 +46,10 @@ struct FeedOptions {
   /// How many items of the first one's size a producer's heap holds: the items in flight plus
   /// those the consumer keeps. Loan tickets follow (two per leaf of each).
   uint32_t items_in_heap = 6;
+  /// A producer whose heap is full waits this long for the consumer to give a loan back before it
+  /// sends by value (once such a wait runs out, it sends by value without waiting until a loan
+  /// comes back: a consumer that keeps its items never slows its producers down for long).
+  std::chrono::milliseconds room_wait{20};
   /// A producer's heap when it has no item yet (its first answer carries no tensors), in bytes.
   size_t first_heap_bytes = size_t{1} << 20;
   /// How long a wait spins before it sleeps: short, since producers need the CPUs.

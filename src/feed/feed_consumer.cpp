@@ -79,9 +79,18 @@ class FeedConsumerState {
                            ": the item was not put as a TensorDict (FeedProducer::put(TensorDict))");
     }
     const at::Tensor& storage = item->tensors[0];
-    Schema schema = decode_schema(std::span<const uint8_t>(h.data() + sizeof magic, h.size() - sizeof magic),
-                                  static_cast<uint64_t>(storage.numel()));
-    return TensorDict::from_consolidated(storage, std::move(schema));
+    // A producer's items share a schema: the same header bytes decode once (the checks against
+    // the storage's size are made again: total_bytes against this item's).
+    End& e = end(k);
+    if (!e.schema || h != e.schema_bytes) {
+      e.schema = decode_schema(std::span<const uint8_t>(h.data() + sizeof magic, h.size() - sizeof magic));
+      e.schema_bytes = h;
+    }
+    if (e.schema->total_bytes > static_cast<uint64_t>(storage.numel())) {
+      bad(k, "a schema of " + std::to_string(e.schema->total_bytes) + " bytes for a storage of " +
+                 std::to_string(storage.numel()));
+    }
+    return TensorDict::from_consolidated(storage, *e.schema);
   }
 
   std::optional<TensorDict> next() {
@@ -112,6 +121,8 @@ class FeedConsumerState {
     uint32_t gen = 0;
     bool closed = false;
     pid_t pid = 0;
+    std::optional<Schema> schema;  // the last TensorDict item's schema, and its header bytes
+    std::vector<uint8_t> schema_bytes;
   };
 
   End& end(int k) {

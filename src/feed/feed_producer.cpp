@@ -101,11 +101,15 @@ class FeedProducerState {
   }
   ~FeedProducerState() { leave(); }
 
+  // A loan, waiting for room while the consumer gives loans back (see room()), else undefined.
   at::Tensor try_loan(at::IntArrayRef sizes, at::ScalarType dtype) {
     if (!pg_ || closed_) return {};
-    prune();
-    if (lent_.size() + 1 >= tickets_) return {};
-    return pg_->try_loan(sizes, dtype);
+    while (true) {
+      if (ticket_free()) {
+        if (at::Tensor t = pg_->try_loan(sizes, dtype); t.defined()) return t;
+      }
+      if (!room()) return {};
+    }
   }
 
   bool is_loan(const at::Tensor& t) const { return pg_ && pg_->is_loan(t); }
@@ -127,12 +131,11 @@ class FeedProducerState {
     send_by_value(feed::detail_producer::frame_tensor(head, header));
     prune();
     for (const auto& t : tensors) {
-      // A loan whose send would wait for a ticket (the consumer holds them all) is cloned: by value.
-      const bool ticket = lent_.size() + 1 < tickets_;
+      // A loan whose send would wait for a ticket the consumer holds is cloned: by value.
       at::Tensor out;
-      if (ticket && t.is_contiguous() && pg_->is_loan(t)) {
+      if (t.is_contiguous() && pg_->is_loan(t) && (ticket_free() || (room() && ticket_free()))) {
         out = t;
-      } else if (ticket && (out = pg_->try_loan(t.sizes(), t.scalar_type())).defined()) {
+      } else if ((out = try_loan(t.sizes(), t.scalar_type())).defined()) {
         out.copy_(t);
       } else {
         send_by_value(pg_->is_loan(t) || !t.is_contiguous() ? t.clone(at::MemoryFormat::Contiguous) : t);
@@ -147,11 +150,15 @@ class FeedProducerState {
 
   void put(const TensorDict& td) {
     const TensorDict c = td.consolidate();  // no copy when td came from try_loan(like)
-    const std::vector<uint8_t> schema = encode_schema(c.schema());
-    std::vector<uint8_t> header(sizeof feed::kTensorDictMagic + schema.size());
-    std::memcpy(header.data(), &feed::kTensorDictMagic, sizeof feed::kTensorDictMagic);
-    std::memcpy(header.data() + sizeof feed::kTensorDictMagic, schema.data(), schema.size());
-    put(header, {c.consolidated_storage()});
+    // Items of one tree share a schema: its encoding is made once (a comparison is cheaper).
+    if (!td_schema_ || !(c.schema() == *td_schema_)) {
+      const std::vector<uint8_t> schema = encode_schema(c.schema());
+      td_header_.resize(sizeof feed::kTensorDictMagic + schema.size());
+      std::memcpy(td_header_.data(), &feed::kTensorDictMagic, sizeof feed::kTensorDictMagic);
+      std::memcpy(td_header_.data() + sizeof feed::kTensorDictMagic, schema.data(), schema.size());
+      td_schema_ = c.schema();
+    }
+    put(td_header_, {c.consolidated_storage()});
   }
 
   void close() {
@@ -218,7 +225,31 @@ class FeedProducerState {
 
   // Keeps only the loans' sends whose views the consumer still holds (each holds a ticket).
   void prune() {
-    std::erase_if(lent_, [](const c10::intrusive_ptr<c10d::Work>& w) { return w->isCompleted(); });
+    if (std::erase_if(lent_, [](const c10::intrusive_ptr<c10d::Work>& w) { return w->isCompleted(); }) > 0) {
+      held_ = false;
+    }
+  }
+
+  bool ticket_free() {
+    prune();
+    return lent_.size() + 1 < tickets_;
+  }
+
+  // The heap (or its tickets) is full: waits up to FeedOptions::room_wait for the consumer to give
+  // the oldest loan back, so that a producer running ahead of a consumer that reads and drops
+  // its items is held back instead of sending by value. Once such a wait ran out (the consumer
+  // holds its items: list(loader)), it does not wait again until a loan comes back by itself.
+  // True when a loan came back.
+  bool room() {
+    prune();
+    if (lent_.empty() || held_) return false;
+    auto* batch = dynamic_cast<BatchWork*>(lent_.front().get());
+    if (batch == nullptr || !batch->wait_keeping(o_.room_wait)) {
+      held_ = true;
+      return false;
+    }
+    prune();
+    return true;
   }
 
   void leave() noexcept {
@@ -240,6 +271,9 @@ class FeedProducerState {
   uint32_t tickets_ = 0;
   uint64_t items_ = 0;
   bool closed_ = false;
+  bool held_ = false;  // a wait for room ran out: the consumer holds what it has
+  std::optional<Schema> td_schema_;  // the last tensordict's schema, and its header
+  std::vector<uint8_t> td_header_;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;
   std::vector<c10::intrusive_ptr<c10d::Work>> lent_;
   std::vector<std::string> joined_;  // every group this producer joined or tried to (swept at the end)

@@ -4,7 +4,7 @@
 #
 #  1. --scenario loader --quick --workers 1,2 --progress --json: exit 0; one row per pattern
 #     (blocking, irecv-ahead, consolidated: shm, gloo, memcpy; loan-copy, loan-view-c: shm,
-#     gloo; loan-view: shm, gloo, inplace) and N with positive
+#     gloo; loan-view: shm, gloo, inplace; feed: shm) and N with positive
 #     batches_per_s, gbps, worker_write_s and main_read_s, batches = 30 N; the ceilings' lines;
 #     the progress lines go to stderr, stdout has no \r;
 #     the oversubscription note for N=2 on a machine with fewer than 3 CPUs.
@@ -92,8 +92,8 @@ endif()
 expect_in("loader: the write-and-read ceiling" "${l_out}" "CPU(s) doing nothing else")
 rows_of("${loader_json}" loader rows)
 list(LENGTH rows n)
-if(NOT n EQUAL 32)
-  message(FATAL_ERROR "loader: ${n} rows in ${loader_json}, expected 32 (16 pattern/transport pairs x 2 N)")
+if(NOT n EQUAL 34)
+  message(FATAL_ERROR "loader: ${n} rows in ${loader_json}, expected 34 (17 pattern/transport pairs x 2 N)")
 endif()
 set(seen "")
 foreach(row IN LISTS rows)
@@ -121,7 +121,7 @@ foreach(pattern blocking irecv-ahead consolidated)
   list(APPEND pairs ${pattern}/shm ${pattern}/gloo ${pattern}/memcpy)
 endforeach()
 list(APPEND pairs loan-copy/shm loan-copy/gloo loan-view/shm loan-view/gloo loan-view/inplace loan-view-c/shm
-     loan-view-c/gloo)
+     loan-view-c/gloo feed/shm)
 foreach(pair IN LISTS pairs)
   foreach(workers 1 2)
     if(NOT "${pair}/${workers}" IN_LIST seen)
@@ -153,7 +153,7 @@ endif()
 # ---- 3. --compare ----
 bench(same --from "${loader_json}" --compare "${loader_json}")
 expect_rc("compare with itself" "${same_rc}" 0)
-expect_in("compare with itself" "${same_out}" "32 matched, 0 regression(s)")
+expect_in("compare with itself" "${same_out}" "34 matched, 0 regression(s)")
 
 # The old run twice as fast: every matched throughput dropped by 50 %.
 file(STRINGS "${loader_json}" lines)
@@ -171,7 +171,7 @@ endforeach()
 bench(worse --from "${loader_json}" --compare "${doctored}")
 expect_rc("compare with a doctored run" "${worse_rc}" 3)
 expect_in("compare with a doctored run" "${worse_out}" "REGRESSION")
-expect_in("compare with a doctored run" "${worse_out}" "32 matched, 32 regression(s)")
+expect_in("compare with a doctored run" "${worse_out}" "34 matched, 34 regression(s)")
 bench(lenient --from "${loader_json}" --compare "${doctored}" --threshold 60)
 expect_rc("compare with --threshold 60" "${lenient_rc}" 0)
 # Runs repeated on one side count by their median: two runs like this one and one twice as fast
@@ -182,7 +182,7 @@ set(three "${DIR}/three_runs.jsonl")
 file(WRITE "${three}" "${like_this}${twice_as_fast}${like_this}")
 bench(median --from "${loader_json}" --compare "${three}")
 expect_rc("compare with the median of three runs" "${median_rc}" 0)
-expect_in("compare with the median of three runs" "${median_out}" "32 matched, 0 regression(s)")
+expect_in("compare with the median of three runs" "${median_out}" "34 matched, 0 regression(s)")
 expect_in("compare with the median of three runs" "${median_out}" "old [3: ")
 bench(disjoint --from "${actor_json}" --compare "${loader_json}")
 expect_rc("compare of disjoint rows" "${disjoint_rc}" 0)
