@@ -50,6 +50,10 @@ struct FeedOptions {
   /// sends by value (once such a wait runs out, it sends by value without waiting until a loan
   /// comes back: a consumer that keeps its items never slows its producers down for long).
   std::chrono::milliseconds room_wait{20};
+  /// The share of /dev/shm's size one producer's group may take when its heap grows (both ranks'
+  /// heaps and the rest of the segment): 1/N for N producers on a small /dev/shm (Docker's 64 MiB).
+  /// A heap never grows past what /dev/shm has free; items that no heap holds twice go by value.
+  double shm_share = 1.0;
   /// A producer's heap when it has no item yet (its first answer carries no tensors), in bytes.
   size_t first_heap_bytes = size_t{1} << 20;
   /// How long a wait spins before it sleeps: short, since producers need the CPUs.

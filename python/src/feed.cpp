@@ -26,7 +26,7 @@ namespace {
 
 tdshm::FeedOptions feed_options(std::optional<std::chrono::milliseconds> timeout, uint32_t items_in_heap,
                                 size_t first_heap_bytes, std::chrono::microseconds spin, pid_t watch_pid,
-                                py::object check = py::none()) {
+                                py::object check = py::none(), double shm_share = 1.0) {
   tdshm::FeedOptions o;
   o.timeout = timeout.value_or(std::chrono::milliseconds(0));
   o.items_in_heap = items_in_heap;
@@ -34,6 +34,7 @@ tdshm::FeedOptions feed_options(std::optional<std::chrono::milliseconds> timeout
   o.spin = spin;
   o.watch_pid = watch_pid;
   o.check = tdshm_python::python_check(std::move(check));
+  o.shm_share = shm_share;
   return o;
 }
 
@@ -50,18 +51,21 @@ void bind_feed(py::module_& m) {
                                   "process in order; tensors in its heap go by reference (docs/loader.md).")
       .def(py::init([](const std::string& name, int index, std::optional<std::chrono::milliseconds> timeout,
                        uint32_t items_in_heap, size_t first_heap_bytes, std::chrono::microseconds spin, pid_t watch_pid,
-                       py::object check) {
+                       py::object check, double shm_share) {
              return tdshm_python::typed([&] {
-               return tdshm::FeedProducer(
-                   name, index, feed_options(timeout, items_in_heap, first_heap_bytes, spin, watch_pid, std::move(check)));
+               return tdshm::FeedProducer(name, index,
+                                          feed_options(timeout, items_in_heap, first_heap_bytes, spin, watch_pid,
+                                                       std::move(check), shm_share));
              });
            }),
            py::arg("name"), py::arg("index"), py::kw_only(), py::arg("timeout") = py::none(),
            py::arg("items_in_heap") = 6, py::arg("first_heap_bytes") = size_t{1} << 20,
            py::arg("spin") = std::chrono::microseconds(20), py::arg("watch_pid") = 0, py::arg("check") = py::none(),
+           py::arg("shm_share") = 1.0,
            "Producer `index` of feed `name`. timeout (a timedelta, None: forever) bounds its waits for the "
            "consumer; watch_pid: the consumer's process (a wait for it ends once it is gone); check: a "
-           "callable run every 100 ms or so while put waits (what it raises ends the wait).")
+           "callable run every 100 ms or so while put waits (what it raises ends the wait); shm_share: the share "
+           "of /dev/shm's size its group may grow to.")
       .def(
           "try_loan",
           [](tdshm::FeedProducer& p, std::vector<int64_t> shape, py::handle dtype) -> std::optional<at::Tensor> {

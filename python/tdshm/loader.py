@@ -96,12 +96,15 @@ def _join(header, leaves):
 class _Outbox:
     """A worker's answers to main: the items of its feed producer."""
 
-    def __init__(self, name, index, prefetch, parent, tasks):
+    def __init__(self, name, index, num_workers, prefetch, parent, tasks):
         self.parent = parent
         self.tasks = tasks
         self.early = []  # tasks read while a put waited (see _check)
+        # Each worker's group may take its share of /dev/shm (8 workers fit Docker's 64 MiB); the
+        # first group is small (a heap sized from the first batch follows).
         self.producer = FeedProducer(name, index, items_in_heap=prefetch + _HEAP_BATCHES, spin=_SPIN,
-                                     watch_pid=parent, check=self._check)
+                                     watch_pid=parent, check=self._check, first_heap_bytes=256 << 10,
+                                     shm_share=1.0 / num_workers)
 
     def _check(self):
         # Run while a put waits for main (its first join, room): a "stop" ends the wait (main shut
@@ -179,7 +182,7 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
             import numpy as np
             np.random.seed(_worker._generate_state(base_seed, worker_id))
         _worker._worker_info = _worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
-        outbox = _Outbox(name, worker_id, prefetch, parent, tasks)
+        outbox = _Outbox(name, worker_id, num_workers, prefetch, parent, tasks)
         if collate_fn is _collate.default_collate:
             fn_map = _loan_collate_fn_map(outbox)
             collate_fn = lambda batch: _collate.collate(batch, collate_fn_map=fn_map)  # noqa: E731
@@ -264,7 +267,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         stem = "dl-{}-{}".format(os.getpid(), uuid.uuid4().hex[:12])
         # Main's waits: `timeout` (torch: 0 = forever), Ctrl-C and torch's SIGCHLD handler answered
         # every 100 ms (the feed runs Python's signal handlers while it waits).
-        self._feed = FeedConsumer(stem, self._num_workers, spin=_SPIN,
+        self._feed = FeedConsumer(stem, self._num_workers, spin=_SPIN, first_heap_bytes=256 << 10,
                                   timeout=timedelta(seconds=self._timeout) if self._timeout > 0 else None)
         self._tasks = []
         self._workers = []

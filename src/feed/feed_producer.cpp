@@ -17,6 +17,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -73,12 +74,15 @@ constexpr uint64_t kLeafSlack = 256;  // heap bytes per tensor beyond its own (t
 
 uint64_t tensor_bytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
-// Half of what /dev/shm has free: a group larger than that is not grown into (its tensors then
-// travel by value), so that growing never fails for want of room.
-uint64_t growth_room() {
+// What /dev/shm holds in all (total) and has free now, in bytes (0, 0 when it cannot be read).
+struct ShmSpace {
+  uint64_t total = 0;
+  uint64_t free = 0;
+};
+ShmSpace shm_space() {
   struct statvfs fs {};
-  if (::statvfs("/dev/shm", &fs) != 0) return kMaxHeapBytes;
-  return static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize / 2;
+  if (::statvfs("/dev/shm", &fs) != 0) return {};
+  return {static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize, static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize};
 }
 
 at::Tensor frame_tensor(const FrameHead& head, std::span<const uint8_t> header) {
@@ -183,10 +187,22 @@ class FeedProducerState {
     const uint32_t tickets = static_cast<uint32_t>(std::min<uint64_t>(
         feed::kMaxTickets, std::max<uint64_t>(feed::kFirstTickets, uint64_t{o_.items_in_heap} * std::max<size_t>(1, leaves) * 2)));
     if (!pg_) open(feed::page_up(o_.first_heap_bytes), feed::kFirstTickets);
-    // Grow when fewer than half of items_in_heap such items fit, if /dev/shm has the room.
+    // Grow when fewer than half of items_in_heap such items fit, within this producer's share of
+    // /dev/shm (both ranks' heaps count: the segment holds one per rank) and what is free now,
+    // and only to a heap that holds two such items: else they go by value.
     if (need * std::max<uint32_t>(2, o_.items_in_heap / 2) <= heap_ && tickets <= tickets_) return;
-    const uint64_t heap = std::max(want, heap_);
-    if (heap > feed::kMaxHeapBytes || heap > feed::detail_producer::growth_room()) return;
+    const feed::detail_producer::ShmSpace space = feed::detail_producer::shm_space();
+    const auto segment = [&](uint64_t heap) {
+      return static_cast<uint64_t>(shm_segment_bytes(2, feed::group_options(o_, heap, tickets)));
+    };
+    uint64_t heap = std::max(want, heap_);
+    if (space.total > 0) {
+      const auto share = static_cast<uint64_t>(static_cast<double>(space.total) * std::clamp(o_.shm_share, 0.0, 1.0));
+      const uint64_t fixed = segment(0);
+      const uint64_t room = std::min(share, space.free);
+      heap = room > fixed ? std::min(heap, feed::page_down((room - fixed) / 2)) : 0;
+    }
+    if (heap > feed::kMaxHeapBytes || heap < 2 * need || (heap <= heap_ && tickets <= tickets_)) return;
     feed::FrameHead head;
     head.kind = feed::FrameKind::kGrow;
     head.generation = gen_ + 1;

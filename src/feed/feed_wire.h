@@ -52,6 +52,19 @@ inline std::string group_name(const std::string& feed, int k, uint32_t gen) {
   return feed + "-" + std::to_string(k) + "-g" + std::to_string(gen);
 }
 
+/// The options of a feed's group: items travel in loans, a slot carries a frame or a tensor sent
+/// by value. Few slots and a small collective window (none runs) keep a group small (8 producers
+/// fit Docker's 64 MiB /dev/shm).
+inline ShmOptions group_options(const FeedOptions& o, uint64_t heap_bytes, uint32_t tickets) {
+  ShmOptions so;
+  so.spin = o.spin;
+  so.loan_bytes = heap_bytes;
+  so.loan_tickets = tickets;
+  so.slots_per_rank = 8;
+  so.window_bytes = size_t{64} << 10;
+  return so;
+}
+
 /// Joins (or creates) producer k's group as `rank` (consumer 0, producer 1), waiting in slices of
 /// at most 200 ms so that `gone()`, FeedOptions::check (the other side's process ended) and the deadline are checked
 /// between them. PeerLostError from `gone`, TimeoutError at the deadline.
@@ -61,14 +74,7 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
   using Clock = std::chrono::steady_clock;
   const bool forever = o.timeout.count() <= 0;
   const auto deadline = Clock::now() + o.timeout;
-  ShmOptions so;
-  so.spin = o.spin;
-  so.loan_bytes = heap_bytes;
-  so.loan_tickets = tickets;
-  // Items travel in loans: a slot carries a frame or a tensor sent by value. Few slots and a
-  // small collective window (none runs) keep a group small (8 producers fit Docker's 64 MiB).
-  so.slots_per_rank = 8;
-  so.window_bytes = size_t{64} << 10;
+  ShmOptions so = group_options(o, heap_bytes, tickets);
   while (true) {
     auto slice = std::chrono::milliseconds(200);
     if (!forever) {
@@ -97,6 +103,7 @@ inline std::chrono::milliseconds wait_limit(const FeedOptions& o) {
 }
 
 inline uint64_t page_up(uint64_t n) { return (n + 4095) / 4096 * 4096; }
+inline uint64_t page_down(uint64_t n) { return n / 4096 * 4096; }
 
 /// Waits for `work` (a ProcessGroupShm work) up to wait_limit(o), in slices of 100 ms with
 /// o.check between them; TimeoutError at the limit (the work withdrawn), and what check throws

@@ -392,6 +392,41 @@ class LoaderTest(unittest.TestCase):
         self.assertEqual(segments(), set())
         del it, loader
 
+    def test_eight_workers_fit_a_64_mib_dev_shm(self):
+        # Docker's default /dev/shm: a private mount namespace with a 64 MiB tmpfs over /dev/shm
+        # (root and unshare needed; skipped otherwise). 8 workers, batches of 1.31 MiB: every batch
+        # arrives intact, the peak stays under 64 MiB, nothing is left.
+        script = textwrap.dedent("""
+            import os, torch, tdshm
+            from torch.utils.data import Dataset
+            class D(Dataset):
+                def __len__(self): return 48 * 64
+                def __getitem__(self, i):
+                    return {"image": torch.full((3, 64, 64), i % 256, dtype=torch.uint8),
+                            "x": torch.full((64, 64), float(i))}
+            def used():
+                st = os.statvfs("/dev/shm")
+                return (st.f_blocks - st.f_bfree) * st.f_frsize
+            peak, n = 0, 0
+            for b in tdshm.DataLoader(D(), batch_size=48, num_workers=8):
+                first = n * 48
+                assert int(b["image"][0, 0, 0, 0]) == first % 256 and float(b["x"][-1, 0, 0]) == first + 47, n
+                n += 1
+                peak = max(peak, used())
+            print(n, peak, len(os.listdir("/dev/shm")))
+        """)
+        probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
+                               capture_output=True)
+        if probe.returncode != 0:
+            self.skipTest("no private mount namespace here: " + probe.stderr.decode().strip())
+        run = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" -c "$1"',
+                              sys.executable, script], capture_output=True, env=dict(os.environ), timeout=120)
+        self.assertEqual(run.returncode, 0, run.stderr.decode()[-2000:])
+        n, peak, left = (int(v) for v in run.stdout.decode().split())
+        self.assertEqual(n, 64)
+        self.assertLess(peak, 64 << 20)
+        self.assertEqual(left, 0)
+
 
 if __name__ == "__main__":
     unittest.main()
