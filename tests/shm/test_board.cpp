@@ -112,6 +112,86 @@ TEST_F(Board, ReadersNeverSeeATornVersionWhileTheWriterRuns) {
   EXPECT_FALSE(std::filesystem::exists(path(name))) << "the board outlived its writer";
 }
 
+// The kill loop: while the writer publishes small versions at full speed and two readers read
+// 10^6 versions between them (copies and views, every element checked), readers that open the
+// board, pin a version (a view) and are killed mid-read come and go every few milliseconds. No
+// read is torn, the writer never stops (a dead reader's pins are taken back), and the killed
+// readers' slots are taken over (more readers are killed than the board has slots).
+TEST_F(Board, NoTornVersionInAMillionReadsUnderTheKillLoop) {
+  set_deadline(240s);
+  const std::string name = board_name();
+  constexpr int64_t kFloats = 1024;  // 4 KiB a version: 10^6 checked reads take seconds
+  constexpr int64_t kReadsEach = 500000;
+  constexpr uint32_t kSlots = 4;     // 2 checkers + 2 for the readers killed in a loop
+  Shared<Counts> counts;
+  Shared<std::atomic<int64_t>> published;
+  std::vector<Child> children;
+  children.emplace_back([&] {
+    auto board = tdshm::Board::create(name, weights(kFloats, 0), {.readers = kSlots});
+    TensorDict td = weights(kFloats, 0);
+    uint64_t v = 0;
+    while (counts->writer_done.load() == 0) {
+      ++v;
+      td.get("w").fill_(static_cast<double>(v));
+      td.get(Key("n") / "step").fill_(static_cast<int64_t>(v));
+      SHM_CHECK(board.publish(td) == v, "publish returned another version");
+      published->store(static_cast<int64_t>(v));
+    }
+    while (counts->readers_ready.load() < 4) std::this_thread::sleep_for(1ms);  // checkers done
+  });
+  for (int r = 0; r < 2; ++r) {
+    children.emplace_back([&, r] {
+      auto board = tdshm::Board::open(name, {.timeout = 20s});
+      counts->readers_ready.fetch_add(1);
+      TensorDict mine = board.like();
+      uint64_t last = 0;
+      for (int64_t i = 0; i < kReadsEach; ++i) {
+        uint64_t v = 0;
+        if (r == 0 || i % 2 == 0) {
+          v = board.read(mine);
+          if (v != 0 && !holds(mine, v)) counts->torn.fetch_add(1);
+        } else if (board.version() != 0) {
+          const TensorDict view = board.view();
+          v = static_cast<uint64_t>(view.get(Key("n") / "step")[0].item<int64_t>());
+          if (!holds(view, v)) counts->torn.fetch_add(1);
+        }
+        if (v < last) counts->backwards.fetch_add(1);
+        last = std::max(last, v);
+        counts->reads.fetch_add(1);
+      }
+      counts->readers_ready.fetch_add(1);
+    });
+  }
+  // The kill loop: a reader that pins a version and reads, killed a few milliseconds in.
+  int64_t killed = 0;
+  while (counts->readers_ready.load() < 4) {
+    Child doomed([&] {
+      auto board = tdshm::Board::open(name, {.timeout = 20s});
+      TensorDict mine = board.like();
+      while (board.version() == 0) std::this_thread::sleep_for(100us);
+      const TensorDict a = board.view();
+      const TensorDict b = board.view();  // every pin this slot has
+      while (true) (void)board.read(mine);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(2 + killed % 7));
+    doomed.kill();
+    ASSERT_TRUE(doomed.wait(10s));
+    ++killed;
+  }
+  counts->writer_done.store(1);
+  ASSERT_TRUE(wait_all(children, 60s));
+  for (const Child& c : children) EXPECT_TRUE(c.ok()) << c.describe();
+  std::fprintf(stderr, "[board] %lld reads checked element by element, %lld versions published, %lld readers killed\n",
+               static_cast<long long>(counts->reads.load()), static_cast<long long>(published->load()),
+               static_cast<long long>(killed));
+  EXPECT_EQ(counts->torn.load(), 0);
+  EXPECT_EQ(counts->backwards.load(), 0);
+  EXPECT_GE(counts->reads.load(), 2 * kReadsEach);
+  EXPECT_GT(killed, static_cast<int64_t>(kSlots)) << "fewer readers killed than slots: no slot was taken over";
+  EXPECT_GT(published->load(), 1000);
+  EXPECT_FALSE(std::filesystem::exists(path(name))) << "the board outlived its writer";
+}
+
 // wait_newer sleeps until a publish wakes it, and throws TimeoutError when none comes.
 TEST_F(Board, WaitNewerWakesOnPublishAndTimesOut) {
   set_deadline(60s);
