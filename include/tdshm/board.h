@@ -58,6 +58,14 @@ class Board {
   /// without waiting for any reader. SchemaError naming the key when `td`'s tree differs from
   /// `like`'s. Returns the new version.
   uint64_t publish(const TensorDict& td);
+  /// Writer, without a copy: the tree of a free buffer (views of the board's bytes, holding
+  /// whatever an earlier version left there) for the caller to write in place, then commit().
+  /// Readers never see it before the commit. Error while a begin() is open (and publish() is one
+  /// then too).
+  TensorDict begin();
+  /// Publishes the tree of the open begin() as the next version and returns it; its views must
+  /// not be written afterwards (a later begin() hands out a buffer no reader holds).
+  uint64_t commit();
   /// The newest published version (0: none yet).
   uint64_t version() const;
   /// Reader: copies the newest version into `td`'s leaves (SchemaError naming the key when `td`'s

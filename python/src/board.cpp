@@ -81,11 +81,13 @@ void bind_board(py::module_& m) {
           "The writer: a board for trees with `like`'s keys, dtypes and shapes.")
       .def_static(
           "open",
-          [](const std::string& name, std::chrono::milliseconds timeout) {
-            return released([&] { return tdshm::Board::open(name, {.timeout = timeout}); });
+          [](const std::string& name, std::chrono::milliseconds timeout, std::chrono::microseconds spin) {
+            return released([&] { return tdshm::Board::open(name, {.timeout = timeout, .spin = spin}); });
           },
           py::arg("name"), py::arg("timeout") = std::chrono::milliseconds(30000),
-          "A reader: waits up to `timeout` (a timedelta) for the board and takes a reader slot.")
+          py::arg("spin") = std::chrono::microseconds(250),
+          "A reader: waits up to `timeout` (a timedelta) for the board and takes a reader slot. `spin` (a "
+          "timedelta): how long wait_newer checks before it sleeps on a futex (a wake-up costs tens of us).")
       .def(
           "publish",
           [](tdshm::Board& b, py::handle tree) {
@@ -114,6 +116,12 @@ void bind_board(py::module_& m) {
           py::arg("version"), py::arg("timeout"),
           "Sleeps until a version newer than `version` is published and returns it (TimeoutError after "
           "`timeout`, a timedelta).")
+      .def(
+          "begin", [](tdshm::Board& b) { return dict_of(released([&] { return b.begin(); })); },
+          "Writer, without a copy: a dict of views of a free buffer to write in place, then commit().")
+      .def(
+          "commit", [](tdshm::Board& b) { return released([&] { return b.commit(); }); },
+          "Publishes the tree of the open begin() as the next version and returns it.")
       .def_property_readonly("version", &tdshm::Board::version, "The newest published version (0: none yet).")
       .def("like", [](const tdshm::Board& b) { return dict_of(b.like()); }, "A dict of zeros shaped like the board's tree.")
       .def_property_readonly("name", &tdshm::Board::name);

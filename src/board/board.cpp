@@ -148,6 +148,7 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   uint64_t next_version = 1;   // the writer's
   std::chrono::microseconds spin{0};  // wait_newer's
   uint32_t last_buffer = 0;    // the writer's last choice (round robin keeps pages warm evenly)
+  int64_t open_buffer = -1;    // the writer's buffer between begin() and commit()
   dev_t dev = 0;
   ino_t ino = 0;
 
@@ -160,6 +161,9 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
       if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev && st.st_ino == ino) ::unlink(path.c_str());
     }
   }
+
+  uint32_t free_buffer(const char* what);
+  uint64_t publish_buffer(uint32_t chosen);
 
   BufferHead& head(uint32_t b) const { return *reinterpret_cast<BufferHead*>(buffers + uint64_t{b} * header->buffer_stride); }
   uint8_t* bytes(uint32_t b) const { return buffers + uint64_t{b} * header->buffer_stride + sizeof(BufferHead); }
@@ -391,30 +395,65 @@ Board Board::open(const std::string& name, BoardOptions options) {
   }
 }
 
+namespace detail {
+
+// A buffer the writer may write: neither the latest nor pinned by a live reader (one always
+// exists: see BoardState).
+uint32_t BoardState::free_buffer(const char* what) {
+  if (!writer) throw Error(std::string("tdshm::Board::") + what + ": this Board is a reader (Board::open); the writer made it with create");
+  if (open_buffer >= 0) throw Error(std::string("tdshm::Board::") + what + ": a begin() is open; commit() it first");
+  const uint64_t latest = header->latest.load(std::memory_order_relaxed);  // only this writer stores it
+  const uint32_t count = header->buffers;
+  for (uint32_t step = 1; step <= count; ++step) {
+    const uint32_t c = (last_buffer + step) % count;
+    if (latest != 0 && c == (latest & 0xff)) continue;
+    if (!pinned(c)) {
+      head(c).stamp.store(kWriting, std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_release);  // the stamp before any byte (copy readers)
+      return c;
+    }
+  }
+  throw Error(std::string("tdshm::Board::") + what + ": every buffer is held (a reader broke the protocol)");
+}
+
+// Publishes buffer `chosen`, written since free_buffer, as the next version.
+uint64_t BoardState::publish_buffer(uint32_t chosen) {
+  const uint64_t version = next_version++;
+  head(chosen).stamp.store(version, std::memory_order_release);
+  header->latest.store(version << 8 | chosen, std::memory_order_seq_cst);
+  last_buffer = chosen;
+  header->wake.store(static_cast<uint32_t>(version), std::memory_order_seq_cst);
+  if (header->sleepers.load(std::memory_order_seq_cst) != 0) shm::futex_wake_all(header->wake);
+  return version;
+}
+
+}  // namespace detail
+
 uint64_t Board::publish(const TensorDict& td) {
   BoardState& s = *state_;
-  if (!s.writer) throw Error("tdshm::Board::publish: this Board is a reader (Board::open); the writer made it with create");
   s.check_tree(td, "publish");
-  const uint64_t latest = s.header->latest.load(std::memory_order_relaxed);  // only this writer stores it
-  const uint32_t buffers = s.header->buffers;
-  uint32_t chosen = buffers;
-  for (uint32_t step = 1; step <= buffers && chosen == buffers; ++step) {
-    const uint32_t c = (s.last_buffer + step) % buffers;
-    if (latest != 0 && c == (latest & 0xff)) continue;
-    if (!s.pinned(c)) chosen = c;
-  }
-  if (chosen == buffers) throw Error("tdshm::Board::publish: every buffer is held (a reader broke the protocol)");
-  const uint64_t version = s.next_version++;
-  detail::BufferHead& head = s.head(chosen);
-  head.stamp.store(detail::kWriting, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);  // the stamp before any byte (copy readers)
+  const uint32_t chosen = s.free_buffer("publish");
   for (const detail::Leaf& l : s.leaves) s.leaf_of(chosen, l).copy_(td.get(l.key));
-  head.stamp.store(version, std::memory_order_release);
-  s.header->latest.store(version << 8 | chosen, std::memory_order_seq_cst);
-  s.last_buffer = chosen;
-  s.header->wake.store(static_cast<uint32_t>(version), std::memory_order_seq_cst);
-  if (s.header->sleepers.load(std::memory_order_seq_cst) != 0) shm::futex_wake_all(s.header->wake);
-  return version;
+  return s.publish_buffer(chosen);
+}
+
+TensorDict Board::begin() {
+  BoardState& s = *state_;
+  const uint32_t chosen = s.free_buffer("begin");
+  s.open_buffer = static_cast<int64_t>(chosen);
+  auto keep = state_;  // the mapping lives as long as the tree
+  at::Tensor storage = at::from_blob(
+      s.bytes(chosen), {static_cast<int64_t>(s.header->tree_bytes)}, [keep](void*) {},
+      at::TensorOptions().dtype(at::kByte));
+  return TensorDict::from_consolidated(storage, s.schema);
+}
+
+uint64_t Board::commit() {
+  BoardState& s = *state_;
+  if (s.open_buffer < 0) throw Error("tdshm::Board::commit: no begin() is open");
+  const auto chosen = static_cast<uint32_t>(s.open_buffer);
+  s.open_buffer = -1;
+  return s.publish_buffer(chosen);
 }
 
 uint64_t Board::version() const { return state_->header->latest.load(std::memory_order_acquire) >> 8; }

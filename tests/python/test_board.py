@@ -118,6 +118,27 @@ class BoardTest(unittest.TestCase):
         reader_board.view()
         del board, reader_board
 
+    def test_a_version_written_in_place(self):
+        # begin() hands the writer a free buffer's tensors (no copy); readers see the version only
+        # once commit() published it.
+        state = policy().state_dict()
+        board = tdshm.Board.create(self.name, state, readers=1)
+        reader_board = tdshm.Board.open(self.name)
+        slot = board.begin()
+        self.assertEqual(set(slot), set(state))
+        for t in slot.values():
+            t.fill_(3.0)
+        with self.assertRaisesRegex(RuntimeError, "commit"):
+            board.publish(state)
+        self.assertEqual(reader_board.version, 0)
+        self.assertEqual(board.commit(), 1)
+        mine = reader_board.like()
+        self.assertEqual(reader_board.read(mine), 1)
+        self.assertTrue(all(bool((t == 3.0).all()) for t in mine.values()))
+        with self.assertRaisesRegex(RuntimeError, "no begin"):
+            board.commit()
+        del slot, board, reader_board, mine
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -192,6 +192,32 @@ TEST_F(Board, NoTornVersionInAMillionReadsUnderTheKillLoop) {
   EXPECT_FALSE(std::filesystem::exists(path(name))) << "the board outlived its writer";
 }
 
+// begin() / commit(): the writer writes a version in place; readers see it only once committed,
+// whole; publish() and a second begin() wait for the commit (Error), a reader cannot begin.
+TEST_F(Board, AVersionWrittenInPlaceIsSeenOnlyOnceCommitted) {
+  set_deadline(60s);
+  const std::string name = board_name();
+  auto writer = tdshm::Board::create(name, weights(64, 0), {.readers = 1});
+  auto reader = tdshm::Board::open(name);
+  EXPECT_THROW((void)reader.begin(), Error);
+  EXPECT_THROW((void)writer.commit(), Error) << "nothing begun";
+  EXPECT_EQ(writer.publish(weights(64, 1)), 1u);
+  for (uint64_t v = 2; v <= 20; ++v) {
+    TensorDict slot = writer.begin();
+    EXPECT_THROW((void)writer.publish(weights(64, 9)), Error);
+    EXPECT_THROW((void)writer.begin(), Error);
+    slot.get("w").fill_(static_cast<double>(v));
+    TensorDict mine = reader.like();
+    EXPECT_EQ(reader.read(mine), v - 1) << "a version not committed is not visible";
+    EXPECT_TRUE(holds(mine, v - 1));
+    slot.get(Key("n") / "step").fill_(static_cast<int64_t>(v));
+    EXPECT_EQ(writer.commit(), v);
+    EXPECT_EQ(reader.read(mine), v);
+    EXPECT_TRUE(holds(mine, v));
+    EXPECT_TRUE(holds(reader.view(), v));
+  }
+}
+
 // wait_newer sleeps until a publish wakes it, and throws TimeoutError when none comes.
 TEST_F(Board, WaitNewerWakesOnPublishAndTimesOut) {
   set_deadline(60s);
