@@ -244,9 +244,9 @@ BenchOptions parse_bench_options(int argc, char** argv, bool& help) {
     throw std::invalid_argument(std::string(workers_given ? "--workers" : "--batches") +
                                 " is an option of --scenario loader");
   }
-  if ((actors_given || steps) && !wants("actor-learner")) {
+  if ((actors_given || steps) && !wants("actor-learner") && !wants("board")) {
     throw std::invalid_argument(std::string(actors_given ? "--actors" : "--steps") +
-                                " is an option of --scenario actor-learner");
+                                " is an option of --scenario actor-learner and board");
   }
   if ((repeat || o.progress) && !scenario) {
     throw std::invalid_argument(std::string(repeat ? "--repeat" : "--progress") +

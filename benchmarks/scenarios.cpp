@@ -5,6 +5,7 @@
 #include "scenarios.h"
 
 #include "bench_ranks.h"
+#include "board_scenario.h"
 #include "collectives.h"
 #include "copy_channel.h"
 #include "loader_batch.h"
@@ -704,7 +705,7 @@ void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
 }  // namespace
 
 const std::vector<std::string>& all_scenarios() {
-  static const std::vector<std::string> names{"loader", "actor-learner"};
+  static const std::vector<std::string> names{"loader", "actor-learner", "board"};
   return names;
 }
 
@@ -714,8 +715,8 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
   const bool progress = options.progress || tty;
   const int cpus = allowed_cpu_count();
   for (const auto& scenario : options.scenarios) {
-    if (scenario == "collectives") {
-      ScenarioRun c = run_collectives(options);
+    if (scenario == "collectives" || scenario == "board") {
+      ScenarioRun c = scenario == "board" ? run_board(options) : run_collectives(options);
       run.rows.insert(run.rows.end(), c.rows.begin(), c.rows.end());
       run.failures.insert(run.failures.end(), c.failures.begin(), c.failures.end());
       continue;

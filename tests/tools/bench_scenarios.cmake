@@ -9,7 +9,8 @@
 #     the progress lines go to stderr, stdout has no \r;
 #     the oversubscription note for N=2 on a machine with fewer than 3 CPUs.
 #  2. --scenario actor-learner --quick --json: exit 0; a row per transport (shm, gloo, memcpy),
-#     positive steps_per_s.
+#     positive steps_per_s; --scenario board --quick: a row per board / TorchRL pattern with a
+#     positive p50_us, and the goal lines.
 #  3. --compare: a file against itself exits 0 with every row matched; against three runs (two
 #     like it, one twice as fast) too, by their median; against a doctored copy
 #     whose throughputs are doubled exits 3 and says REGRESSION, but 0 with --threshold 60; rows
@@ -149,6 +150,26 @@ endforeach()
 if(NOT "shm" IN_LIST seen OR NOT "gloo" IN_LIST seen OR NOT "memcpy" IN_LIST seen)
   message(FATAL_ERROR "actor-learner: rows for shm, gloo and memcpy expected, got: ${seen}")
 endif()
+
+# ---- 2b. board: the board against TorchRL's pattern, 2 readers ----
+set(board_json "${DIR}/board.jsonl")
+bench(b --scenario board --quick --json "${board_json}")
+expect_rc("board" "${b_rc}" 0)
+expect_in("board: the view's goal line" "${b_out}" "goal: view (us)")
+rows_of("${board_json}" board rows)
+set(seen "")
+foreach(row IN LISTS rows)
+  string(JSON pattern GET "${row}" pattern)
+  string(JSON transport GET "${row}" transport)
+  string(JSON p50 GET "${row}" p50_us)
+  expect_positive("board p50_us in ${row}" "${p50}")
+  list(APPEND seen "${transport}/${pattern}")
+endforeach()
+foreach(want board/publish-to-visible board/commit-to-visible torchrl/update-to-visible torchrl/notify-to-visible)
+  if(NOT "${want}" IN_LIST seen)
+    message(FATAL_ERROR "board: no row ${want} (rows: ${seen})")
+  endif()
+endforeach()
 
 # ---- 3. --compare ----
 bench(same --from "${loader_json}" --compare "${loader_json}")

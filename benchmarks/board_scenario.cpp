@@ -1,0 +1,349 @@
+// `tdshm bench --scenario board` (board_scenario.h): the versioned board (include/tdshm/board.h)
+// against TorchRL's shared-buffer pattern, in the same run, with real forked processes: one
+// writer and --readers readers of 4 MiB of weights.
+//
+// Per measurement (--steps updates each; the writer waits until every reader has seen an update
+// before the next, so each latency is measured alone):
+//   board publish   the writer has new weights in its own tree and publish()es them (a copy into a
+//                   free buffer); stamped before the copy
+//   board commit    the writer writes them in place (begin()) and commit()s; stamped at the commit
+//   torchrl update  shared weights updated in place (update_), then a byte down a pipe per reader
+//                   (what mp.Queue does) and an ack back; stamped before the update
+//   torchrl notify  the same, stamped after the update: the doorbell alone
+// A board reader waits in wait_newer (spinning: BoardOptions::spin of 10 ms), a TorchRL reader
+// blocks in read() on its pipe; both then copy the newest weights into their own. Visible = the
+// reader's clock when it learns of the update, minus the stamp (CLOCK_MONOTONIC, one per host).
+// Readers also time their copy of the newest version (read) against a plain 4 MiB copy, and a
+// view (Board::view and drop).
+
+#include "board_scenario.h"
+
+#include "bench_ranks.h"
+
+#include <tdshm/board.h>
+#include <tdshm/tensordict.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+namespace tdshm::bench {
+namespace {
+
+constexpr int kMaxReaders = 8;
+constexpr int kMaxUpdates = 4096;
+constexpr int64_t kLeafFloats = 256 * 1024;  // 1 MiB
+constexpr int kLeaves = 4;
+constexpr size_t kWeightBytes = kLeaves * kLeafFloats * sizeof(float);
+
+const char* const kKinds[] = {"board publish", "board commit", "torchrl update", "torchrl notify"};
+constexpr int kKindCount = 4;
+
+int64_t now_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// Shared by the coordinator and the ranks of one measurement (MAP_SHARED | MAP_ANONYMOUS, zero at
+// first), with the TorchRL pattern's weights after it.
+struct Shared {
+  std::atomic<int> ready;
+  std::atomic<int64_t> seen[kMaxReaders];  // the last update each reader saw
+  int64_t stamp[kMaxUpdates + 1];          // the writer's stamp of update u
+  int notify[kMaxReaders][2];              // torchrl: writer -> reader r
+  int ack[2];                              // torchrl: readers -> writer
+};
+
+template <class Pred>
+void spin_until(Pred&& done, const char* what) {
+  const int64_t give_up = now_ns() + int64_t{60} * 1000000000;
+  while (!done()) {
+    if (now_ns() > give_up) throw std::runtime_error(std::string("board scenario: timed out waiting for ") + what);
+    std::this_thread::yield();
+  }
+}
+
+TensorDict weights(float v) {
+  TensorDict td(std::vector<int64_t>{});
+  for (int i = 0; i < kLeaves; ++i) td.set("l" + std::to_string(i), at::full({kLeafFloats}, v));
+  return td;
+}
+
+void fill(const TensorDict& td, float v) {
+  for (int i = 0; i < kLeaves; ++i) td.get("l" + std::to_string(i)).fill_(v);
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+}
+
+// One rank of one measurement of `kind`; rank 0 writes, the others read. Readers report
+// "L <latency ns>..." lines of up to 40 values, "C <copy ns>" "M <memcpy ns>" "V <view ns>".
+int board_rank(int kind, int readers, int updates, const std::string& name, Shared& sh, uint8_t* shared_weights,
+               int rank, const Reporter& report) {
+  at::set_num_threads(1);
+  const bool board = kind < 2;
+  try {
+    if (rank == 0) {
+      std::optional<tdshm::Board> b;
+      TensorDict mine = weights(0);
+      if (board) b.emplace(tdshm::Board::create(name, weights(0), {.readers = static_cast<uint32_t>(readers)}));
+      spin_until([&] { return sh.ready.load() == readers; }, "the readers");
+      for (int u = 1; u <= updates; ++u) {
+        if (kind == 0) {
+          fill(mine, static_cast<float>(u));  // new weights in the writer's own tree
+          sh.stamp[u] = now_ns();
+          b->publish(mine);
+        } else if (kind == 1) {
+          TensorDict slot = b->begin();
+          fill(slot, static_cast<float>(u));
+          sh.stamp[u] = now_ns();
+          b->commit();
+        } else {
+          fill(mine, static_cast<float>(u));
+          if (kind == 2) sh.stamp[u] = now_ns();
+          for (int i = 0; i < kLeaves; ++i) {
+            std::memcpy(shared_weights + static_cast<size_t>(i) * kLeafFloats * sizeof(float),
+                        mine.get("l" + std::to_string(i)).data_ptr(), kLeafFloats * sizeof(float));
+          }
+          if (kind == 3) sh.stamp[u] = now_ns();
+          for (int r = 0; r < readers; ++r) {
+            const char one = 1;
+            if (::write(sh.notify[r][1], &one, 1) != 1) throw std::system_error(errno, std::generic_category(), "notify");
+          }
+          for (int r = 0; r < readers; ++r) {
+            char got = 0;
+            if (::read(sh.ack[0], &got, 1) != 1) throw std::system_error(errno, std::generic_category(), "ack");
+          }
+        }
+        spin_until([&] {
+          for (int r = 0; r < readers; ++r) {
+            if (sh.seen[r].load() < u) return false;
+          }
+          return true;
+        }, "every reader to see an update");
+      }
+      spin_until([&] { return sh.ready.load() == 2 * readers; }, "the readers' last measurements");
+      return 0;
+    }
+    const int r = rank - 1;
+    std::optional<tdshm::Board> b;
+    if (board) b.emplace(tdshm::Board::open(name, {.timeout = kGroupTimeout, .spin = std::chrono::milliseconds(10)}));
+    TensorDict mine = weights(0);
+    sh.ready.fetch_add(1);
+    std::vector<int64_t> lat;
+    std::vector<double> copies;
+    uint64_t last = 0;
+    for (int u = 1; u <= updates; ++u) {
+      int64_t visible = 0;
+      if (board) {
+        last = b->wait_newer(last, kGroupTimeout);
+        visible = now_ns();
+        const int64_t t0 = now_ns();
+        last = b->read(mine);
+        copies.push_back(static_cast<double>(now_ns() - t0));
+      } else {
+        char got = 0;
+        if (::read(sh.notify[r][0], &got, 1) != 1) throw std::system_error(errno, std::generic_category(), "notify");
+        visible = now_ns();
+        for (int i = 0; i < kLeaves; ++i) {
+          std::memcpy(mine.get("l" + std::to_string(i)).data_ptr(),
+                      shared_weights + static_cast<size_t>(i) * kLeafFloats * sizeof(float), kLeafFloats * sizeof(float));
+        }
+        last = static_cast<uint64_t>(u);
+      }
+      const float first = mine.get("l0").data_ptr<float>()[0];
+      const float end = mine.get("l3").data_ptr<float>()[kLeafFloats - 1];
+      if (first != static_cast<float>(u) || end != static_cast<float>(u)) {
+        throw std::runtime_error("board scenario: reader " + std::to_string(r) + " holds " + std::to_string(first) +
+                                 " / " + std::to_string(end) + " at update " + std::to_string(u));
+      }
+      lat.push_back(visible - sh.stamp[u]);
+      if (!board) {
+        const char one = 1;
+        if (::write(sh.ack[1], &one, 1) != 1) throw std::system_error(errno, std::generic_category(), "ack");
+      }
+      sh.seen[r].store(u);
+    }
+    for (size_t i = 0; i < lat.size(); i += 40) {
+      std::string line = "L";
+      for (size_t j = i; j < std::min(lat.size(), i + 40); ++j) line += " " + std::to_string(lat[j]);
+      report.line(line);
+    }
+    if (board) {
+      // A plain copy of the same bytes, and views, in this process after the updates.
+      const TensorDict other = weights(1);
+      std::vector<double> plain, views;
+      for (int i = 0; i < 30; ++i) {
+        const int64_t t0 = now_ns();
+        for (int k = 0; k < kLeaves; ++k) mine.get("l" + std::to_string(k)).copy_(other.get("l" + std::to_string(k)));
+        plain.push_back(static_cast<double>(now_ns() - t0));
+      }
+      for (int i = 0; i < 200; ++i) {
+        const int64_t t0 = now_ns();
+        { const TensorDict v = b->view(); }
+        views.push_back(static_cast<double>(now_ns() - t0));
+      }
+      report.line("C " + std::to_string(median(copies)));
+      report.line("M " + std::to_string(median(plain)));
+      report.line("V " + std::to_string(median(views)));
+    }
+    sh.ready.fetch_add(1);
+    return 0;
+  } catch (const std::exception& e) {
+    report.line("E " + std::to_string(rank) + " " + e.what());
+    return 1;
+  }
+}
+
+struct KindResult {
+  std::vector<double> lat_us;  // every update's, every reader's, every repeat's
+  std::vector<double> p50s;    // per repeat
+  std::vector<double> copy_us, memcpy_us, view_us;
+};
+
+}  // namespace
+
+ScenarioRun run_board(const BenchOptions& o) {
+  ScenarioRun run;
+  const int readers = std::clamp(o.actors, 1, kMaxReaders);
+  const int updates = std::clamp(o.steps, 10, kMaxUpdates);
+  std::printf("\nscenario board: 1 writer, %d reader process(es), 4 MiB of weights (4 float32 leaves of 1 MiB),\n"
+              "  %d updates per measurement, each seen by every reader before the next\n"
+              "  board publish   the writer publish()es weights of its own (a copy into a free buffer), stamped\n"
+              "                  before that copy\n"
+              "  board commit    the writer writes in place (begin()) and commit()s, stamped at the commit\n"
+              "  torchrl update  TorchRL's pattern: shared weights updated in place, a byte down a pipe per\n"
+              "                  reader (mp.Queue's way) and an ack back; stamped before the update\n"
+              "  torchrl notify  the same, stamped after the update: the doorbell alone\n"
+              "  readers: board ones spin in wait_newer (10 ms before sleeping), TorchRL ones block on their\n"
+              "  pipe; both copy the newest weights into their own and check them. p50 / p90 of every\n"
+              "  update of every reader, median of %d measurement(s) for the p50, min-max beside it\n",
+              readers, updates, o.repeat);
+  if (readers + 1 > allowed_cpu_count()) {
+    std::printf("\nnote: %d processes on %d CPU(s): oversubscribed, so the latencies measure time sharing of the\n"
+                "      CPUs as much as the doorbells\n",
+                readers + 1, allowed_cpu_count());
+  }
+  std::fflush(stdout);
+  KindResult results[kKindCount];
+  const size_t bytes = sizeof(Shared) + kWeightBytes;
+  for (int rep = 0; rep < o.repeat; ++rep) {
+    for (int kind = 0; kind < kKindCount; ++kind) {
+      void* mem = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+      if (mem == MAP_FAILED) throw std::system_error(errno, std::generic_category(), "mmap of the board scenario");
+      auto* sh = new (mem) Shared();
+      std::vector<int> fds;
+      for (int r = 0; r < readers; ++r) {
+        if (::pipe(sh->notify[r]) != 0) throw std::system_error(errno, std::generic_category(), "pipe");
+        fds.insert(fds.end(), {sh->notify[r][0], sh->notify[r][1]});
+      }
+      if (::pipe(sh->ack) != 0) throw std::system_error(errno, std::generic_category(), "pipe");
+      fds.insert(fds.end(), {sh->ack[0], sh->ack[1]});
+      const std::string name = "tdshm-bench-" + std::to_string(::getpid()) + "-board-" + std::to_string(kind);
+      RankJob job;
+      job.world = readers + 1;
+      job.segment = name;
+      uint8_t* weights_mem = static_cast<uint8_t*>(mem) + sizeof(Shared);
+      job.run_rank = [&, kind](int rank, Control&, const Reporter& report) {
+        return board_rank(kind, readers, updates, name, *sh, weights_mem, rank, report);
+      };
+      job.rank_name = [](int rank) { return rank == 0 ? std::string("writer (rank 0)") : "reader " + std::to_string(rank); };
+      RanksResult ranks = run_ranks(job, std::chrono::seconds(120));
+      for (int fd : fds) ::close(fd);
+      ::munmap(mem, bytes);
+      for (auto& f : ranks.failures) run.failures.push_back(std::string("board ") + kKinds[kind] + ": " + f);
+      KindResult& k = results[kind];
+      std::vector<double> lat;
+      for (const std::string& line : ranks.reports) {
+        if (line.empty()) continue;
+        std::vector<double> values;
+        size_t pos = 1;
+        while (pos < line.size()) {
+          char* end = nullptr;
+          const double v = std::strtod(line.c_str() + pos, &end);
+          if (end == line.c_str() + pos) break;
+          values.push_back(v / 1e3);
+          pos = static_cast<size_t>(end - line.c_str());
+        }
+        if (line[0] == 'L') lat.insert(lat.end(), values.begin(), values.end());
+        if (line[0] == 'C' && !values.empty()) k.copy_us.push_back(values[0]);
+        if (line[0] == 'M' && !values.empty()) k.memcpy_us.push_back(values[0]);
+        if (line[0] == 'V' && !values.empty()) k.view_us.push_back(values[0]);
+      }
+      if (!lat.empty()) k.p50s.push_back(percentile(lat, 0.5));
+      k.lat_us.insert(k.lat_us.end(), lat.begin(), lat.end());
+    }
+  }
+  std::printf("\n  %-16s %12s %20s %10s\n", "pattern", "p50 us", "min - max", "p90 us");
+  for (int kind = 0; kind < kKindCount; ++kind) {
+    const KindResult& k = results[kind];
+    if (k.p50s.empty()) continue;
+    const double p50 = median(k.p50s);
+    std::printf("  %-16s %12.1f %9.1f - %-8.1f %10.1f\n", kKinds[kind], p50,
+                *std::min_element(k.p50s.begin(), k.p50s.end()), *std::max_element(k.p50s.begin(), k.p50s.end()),
+                percentile(k.lat_us, 0.9));
+    const std::string kind_name = kKinds[kind];
+    Row row;
+    row.set("scenario", "board")
+        .set("pattern", kind_name.substr(kind_name.find(' ') + 1) + "-to-visible")
+        .set("transport", kind_name.substr(0, kind_name.find(' ')))
+        .set_int("world", readers + 1)
+        .set_int("bytes", static_cast<int64_t>(kWeightBytes))
+        .set_number("p50_us", p50)
+        .set_number("p90_us", percentile(k.lat_us, 0.9))
+        .set_int("repeats", static_cast<int64_t>(k.p50s.size()));
+    run.rows.push_back(row);
+  }
+  std::vector<double> copy, plain, view;
+  for (int kind = 0; kind < 2; ++kind) {
+    copy.insert(copy.end(), results[kind].copy_us.begin(), results[kind].copy_us.end());
+    plain.insert(plain.end(), results[kind].memcpy_us.begin(), results[kind].memcpy_us.end());
+    view.insert(view.end(), results[kind].view_us.begin(), results[kind].view_us.end());
+  }
+  auto ratio = [&](int a, int b) {
+    return results[a].p50s.empty() || results[b].p50s.empty() ? 0.0 : median(results[a].p50s) / median(results[b].p50s);
+  };
+  auto goal = [](const char* what, double v, const char* op, double limit, bool pass) {
+    std::printf("  goal: %-48s %8.2f  %s %.2f  %s\n", what, v, op, limit, pass ? "PASS" : "MISS");
+  };
+  if (!copy.empty() && !plain.empty()) {
+    std::printf("  a reader's copy of the newest version (read): %.1f us; a plain 4 MiB copy in the same process:\n"
+                "  %.1f us; a view (view() and drop): %.2f us (medians over readers and repeats)\n",
+                median(copy), median(plain), median(view));
+    goal("reader copy / plain copy (speed)", median(plain) / median(copy), ">=", 0.8, median(plain) / median(copy) >= 0.8);
+    goal("view (us)", median(view), "<=", 2.0, median(view) <= 2.0);
+  }
+  if (!results[1].p50s.empty()) {
+    goal("board commit-to-visible p50 (us)", median(results[1].p50s), "<=", 5.0, median(results[1].p50s) <= 5.0);
+  }
+  if (ratio(2, 0) > 0) goal("torchrl update / board publish (p50, lower by)", ratio(2, 0), ">=", 10.0, ratio(2, 0) >= 10.0);
+  if (ratio(3, 1) > 0) goal("torchrl notify / board commit (p50, lower by)", ratio(3, 1), ">=", 10.0, ratio(3, 1) >= 10.0);
+  std::fflush(stdout);
+  return run;
+}
+
+}  // namespace tdshm::bench
