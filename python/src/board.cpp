@@ -6,9 +6,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <tdshm/board.h>
+#include <tdshm/board_relay.h>
+#include <tdshm/distributed.h>
 
 #include "typed_errors.h"
 #include <tdshm/errors.h>
@@ -125,4 +128,40 @@ void bind_board(py::module_& m) {
       .def_property_readonly("version", &tdshm::Board::version, "The newest published version (0: none yet).")
       .def("like", [](const tdshm::Board& b) { return dict_of(b.like()); }, "A dict of zeros shaped like the board's tree.")
       .def_property_readonly("name", &tdshm::Board::name);
+
+  py::class_<tdshm::BoardRelay>(m, "BoardRelay",
+                                "A board across hosts: the writer's host sends each newest version to one receiver "
+                                "per other host, which publishes it on that host's board (docs/board.md).")
+      .def_static(
+          "sender",
+          [](const std::string& name, const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> receivers,
+             uint32_t readers) {
+            return released([&] {
+              return tdshm::BoardRelay::sender(name, tdshm::Group(group), std::move(receivers), {.readers = readers});
+            });
+          },
+          py::arg("name"), py::arg("group"), py::arg("receivers"), py::arg("readers") = 8,
+          "On the writer's host: reads board `name` (a reader slot of its own) and sends every newest version "
+          "to the ranks `receivers` of `group` (a torch.distributed group spanning the hosts, e.g. gloo).")
+      .def_static(
+          "receiver",
+          [](const std::string& name, py::handle like, const c10::intrusive_ptr<c10d::ProcessGroup>& group, int src,
+             uint32_t readers) {
+            tdshm::TensorDict td = typed([&] { return tree_of(like); });
+            return released([&] {
+              return tdshm::BoardRelay::receiver(name, td, tdshm::Group(group), src, {.readers = readers});
+            });
+          },
+          py::arg("name"), py::arg("like"), py::arg("group"), py::arg("src"), py::arg("readers") = 8,
+          "On another host: creates this host's board `name` for trees like `like` and publishes every version "
+          "rank `src` of `group` sends.")
+      .def_property_readonly("count", &tdshm::BoardRelay::count, "Versions sent, or received and published.")
+      .def_property_readonly("stopped", &tdshm::BoardRelay::stopped)
+      .def_property_readonly("error", &tdshm::BoardRelay::error, "What ended the relay, if not an orderly stop.")
+      .def(
+          "wait_count",
+          [](const tdshm::BoardRelay& r, uint64_t n, std::chrono::milliseconds timeout) {
+            return released([&] { return r.wait_count(n, timeout); });
+          },
+          py::arg("n"), py::arg("timeout"), "Waits until count >= n, the relay stopped, or `timeout` (a timedelta).");
 }

@@ -51,17 +51,18 @@ of a tensordict (or of nested dicts of tensors) once; its ``send``, ``isend``, `
 workers hand batches to the main process through shared memory, zero copy (docs/loader.md).
 ``tdshm.Board`` is a versioned board: one writer publishes a tree (a dict of tensors, a
 TensorDict, a module's state_dict) as versions that readers in other processes copy or view,
-newest and never torn (docs/board.md).
+newest and never torn (docs/board.md); ``tdshm.BoardRelay`` keeps a copy of it on every other
+host of a torch.distributed group (gloo) that spans them.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed as _dist
 
-from ._C import Board, ProcessGroupShm, __version__
+from ._C import Board, BoardRelay, ProcessGroupShm, __version__
 from . import _C
 from .loader import DataLoader
 
-__all__ = ["Board", "DataLoader", "ProcessGroupShm", "Transfer", "empty", "loan", "recv_view", "release", "__version__",
+__all__ = ["Board", "BoardRelay", "DataLoader", "ProcessGroupShm", "Transfer", "empty", "loan", "recv_view", "release", "__version__",
            "BACKEND"]
 
 #: The name under which the backend is registered with torch.distributed.

@@ -71,6 +71,51 @@ def reader(name, ready, done, out, use_views):
     out.put((reads, torn, last))
 
 
+def relay_rank(rank, init, name, host_name, ready, out):
+    # A gloo world of three processes standing for two hosts: rank 0 the writer and the relay
+    # sender, rank 1 the other host's relay receiver, rank 2 a reader of that host's board.
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)
+    group = dist.group.WORLD
+    state = policy().state_dict()
+    try:
+        if rank == 0:
+            board = tdshm.Board.create(name, state, readers=2)
+            relay = tdshm.BoardRelay.sender(name, group, [1], readers=2)
+            ready.wait(30)
+            for v in range(1, VERSIONS + 1):
+                fill(state, v)
+                board.publish(state)
+            out.put(("sent", relay.count, relay.error))
+            dist.barrier()  # the reader saw the last version
+            del relay  # tells the receiver to stop
+            dist.barrier()
+        elif rank == 1:
+            relay = tdshm.BoardRelay.receiver(host_name, state, group, 0, readers=2)
+            dist.barrier()
+            dist.barrier()  # the sender stopped
+            relay.wait_count(10**9, timedelta(seconds=10))
+            out.put(("received", relay.count, relay.stopped, relay.error))
+            del relay
+        else:
+            board = tdshm.Board.open(host_name, timeout=timedelta(seconds=30))
+            ready.set()
+            mine = board.like()
+            last, torn, back, seen = 0.0, 0, 0, 0
+            while last < VERSIONS:
+                seen = board.wait_newer(seen, timedelta(seconds=30))
+                seen = board.read(mine)
+                v = float(next(iter(mine.values())).flatten()[0])
+                torn += not consistent(mine, v)
+                back += v < last
+                last = v
+            out.put(("read", torn, back, last))
+            dist.barrier()
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 class BoardTest(unittest.TestCase):
     def setUp(self):
         self.name = "py-{}-{}".format(os.getpid(), uuid.uuid4().hex[:8])
@@ -138,6 +183,35 @@ class BoardTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "no begin"):
             board.commit()
         del slot, board, reader_board, mine
+
+    def test_a_board_across_hosts(self):
+        # tdshm.BoardRelay over a gloo world: the other host's reader sees every version whole,
+        # never going back, up to the writer's last.
+        import tempfile
+        ctx = mp.get_context("fork")
+        ready, out = ctx.Event(), ctx.Queue()
+        host_name = self.name + "-h"
+        with tempfile.TemporaryDirectory() as tmp:
+            init = "file://" + os.path.join(tmp, "rendezvous")
+            procs = [ctx.Process(target=relay_rank, args=(r, init, self.name, host_name, ready, out)) for r in range(3)]
+            for p in procs:
+                p.start()
+            results = {}
+            for _ in range(3):
+                got = out.get(timeout=60)
+                results[got[0]] = got[1:]
+            for p in procs:
+                p.join(30)
+                self.assertEqual(p.exitcode, 0)
+        sent, sent_error = results["sent"]
+        received, stopped, received_error = results["received"]
+        torn, back, last = results["read"]
+        self.assertEqual((torn, back, last), (0, 0, VERSIONS))
+        self.assertEqual((sent_error, received_error), ("", ""))
+        self.assertTrue(stopped)
+        self.assertGreaterEqual(received, 1)
+        self.assertLessEqual(received, VERSIONS)
+        self.assertEqual(glob.glob("/dev/shm/tdshm-board.{}*".format(host_name)), [])
 
 
 if __name__ == "__main__":
