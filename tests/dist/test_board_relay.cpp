@@ -11,6 +11,8 @@
 #include <tdshm/distributed.h>
 #include <tdshm/errors.h>
 
+#include <csignal>
+#include <filesystem>
 #include <thread>
 
 #include "dist/dist_support.h"
@@ -76,6 +78,50 @@ TEST_F(BoardRelayTest, AnotherHostsBoardFollowsTheWritersNewestVersion) {
       f.step[1].store(1);
     }
   });
+}
+
+// The writer's host dies (SIGKILL) mid-stream: the other host's receiver stops with the group's
+// error, and its board keeps the last version it had, whole, for its readers.
+TEST_F(BoardRelayTest, AReceiverWhoseSenderDiedStopsWithAnErrorAndKeepsItsBoard) {
+  set_deadline(120s);
+  const std::string writer_board = "b" + unique_name(), host_board = "b" + unique_name();
+  const Rendezvous rv = rendezvous(Method::kGlooTcp);
+  Shared<Flags> flags;
+  Child receiver([&] {
+    init_process_group("gloo", init_options(rv, 0, 2));  // rank 0 serves the store: it stays
+    auto relay = tdshm::BoardRelay::receiver(host_board, tree(1024, 0), default_group(), 1, {.readers = 2});
+    flags->step[0].store(1);
+    SHM_CHECK(relay.wait_count(3, std::chrono::seconds(20)) >= 3, "fewer than 3 versions arrived");
+    flags->step[1].store(1);  // the sender's host dies now
+    const auto start = Clock::now();
+    relay.wait_count(UINT64_MAX, std::chrono::seconds(30));
+    SHM_CHECK(relay.stopped(), "the receiver did not stop when its sender died");
+    SHM_CHECK(!relay.error().empty(), "a sender that died is an error");
+    std::fprintf(stderr, "[relay] the receiver stopped %.2f s after the sender's death: %s\n",
+                 std::chrono::duration<double>(Clock::now() - start).count(), relay.error().c_str());
+    auto reader = tdshm::Board::open(host_board);
+    TensorDict mine = reader.like();
+    SHM_CHECK(reader.read(mine) == relay.count(), "the board's last version is the last received");
+    const double v = mine.get("w")[0].item<double>();
+    SHM_CHECK(v >= 1 && at::all(mine.get("w") == v).item<bool>(), "the last version is whole: w[0] = " << v);
+  });
+  Child sender([&] {
+    init_process_group("gloo", init_options(rv, 1, 2));
+    auto board = tdshm::Board::create(writer_board, tree(1024, 0), {.readers = 2});
+    auto relay = tdshm::BoardRelay::sender(writer_board, default_group(), {0});
+    wait_until(flags->step[0], 1, "the receiver");
+    for (int v = 1; flags->step[1].load() == 0; ++v) {
+      board.publish(tree(1024, v));
+      std::this_thread::sleep_for(1ms);
+    }
+    ::raise(SIGKILL);
+  });
+  ASSERT_TRUE(sender.wait(60s));
+  EXPECT_EQ(sender.signal(), SIGKILL) << sender.describe();
+  ASSERT_TRUE(receiver.wait(60s));
+  EXPECT_TRUE(receiver.ok()) << receiver.describe();
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/tdshm-board." + host_board)) << "the receiver's board outlived it";
+  std::filesystem::remove("/dev/shm/tdshm-board." + writer_board);  // a killed writer's board (replaced by the next)
 }
 
 }  // namespace
