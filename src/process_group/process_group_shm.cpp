@@ -438,13 +438,7 @@ at::Tensor ProcessGroupShm::loan(at::IntArrayRef sizes, at::ScalarType dtype) {
 }
 
 at::Tensor ProcessGroupShm::try_loan(at::IntArrayRef sizes, at::ScalarType dtype) {
-  try {
-    return engine_->loan(sizes, dtype, std::chrono::steady_clock::now());
-  } catch (const TimeoutError&) {  // no room now
-    return {};
-  } catch (const SegmentError&) {  // larger than the heap
-    return {};
-  }
+  return engine_->try_loan(sizes, dtype);
 }
 
 bool ProcessGroupShm::is_loan(const at::Tensor& t) const { return engine_->is_loan(t); }

@@ -192,8 +192,8 @@ OpList ShmEngine::post_recv_views(int src, std::span<const int64_t> tags, std::s
   return ops;
 }
 
-at::Tensor ShmEngine::loan(c10::IntArrayRef sizes, c10::ScalarType dtype, Clock::time_point deadline) {
-  const std::shared_ptr<shm::LoanPool>& pool = loans_;
+// The bytes of a loan of `sizes` and `dtype`; ShapeError for a negative or too large shape.
+static uint64_t engine_loan_bytes(c10::IntArrayRef sizes, c10::ScalarType dtype) {
   uint64_t numel = 1;
   for (const int64_t d : sizes) {
     if (d < 0) throw ShapeError("tdshm loan: negative size in shape " + shape_str(sizes));
@@ -202,7 +202,22 @@ at::Tensor ShmEngine::loan(c10::IntArrayRef sizes, c10::ScalarType dtype, Clock:
     }
     numel *= static_cast<uint64_t>(d);
   }
-  const uint64_t bytes = numel * c10::elementSize(dtype);
+  return numel * c10::elementSize(dtype);
+}
+
+at::Tensor ShmEngine::try_loan(c10::IntArrayRef sizes, c10::ScalarType dtype) {
+  if (engine_loan_bytes(sizes, dtype) > loans_->heap_bytes()) return {};
+  for (;;) {
+    if (at::Tensor t = loans_->allocate(sizes, dtype); t.defined()) return t;
+    std::lock_guard lk(mu_);
+    if (auto e = channel_->unusable()) std::rethrow_exception(e);
+    if (!channel_->progress()) return {};  // no ticket came back: no room now
+  }
+}
+
+at::Tensor ShmEngine::loan(c10::IntArrayRef sizes, c10::ScalarType dtype, Clock::time_point deadline) {
+  const std::shared_ptr<shm::LoanPool>& pool = loans_;
+  const uint64_t bytes = engine_loan_bytes(sizes, dtype);
   if (bytes > pool->heap_bytes()) {
     throw SegmentError("tdshm loan: " + std::to_string(bytes) + " bytes do not fit rank " + std::to_string(rank_) +
                      "'s loan heap of " + std::to_string(pool->heap_bytes()) +

@@ -74,6 +74,10 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   /// receivers give enough back; TimeoutError at `deadline`, SegmentError if it can never fit
   /// (ShapeError: a negative or huge shape).
   at::Tensor loan(c10::IntArrayRef sizes, c10::ScalarType dtype, std::chrono::steady_clock::time_point deadline);
+  /// loan() without waiting or throwing for want of room: an undefined tensor when the heap has
+  /// no room now (after one progress pass) or never will (larger than the heap). ShapeError for a
+  /// bad shape; the channel's error once it is unusable.
+  at::Tensor try_loan(c10::IntArrayRef sizes, c10::ScalarType dtype);
   /// Whether `t` lies wholly inside one live loan of this rank.
   bool is_loan(const at::Tensor& t) const;
   /// Whether this rank and `peer` both offer MemoryMappedTensor leaves by reference in

@@ -330,6 +330,45 @@ TEST_F(ShmLoan, ASendWaitsForAFreeTicket) {
 
 // A receiver killed while it holds a view: the sender's send fails with PeerLostError and the
 // loan's room comes back.
+// try_loan: a loan while there is room; an undefined tensor, at once and without waiting, when
+// the heap is full (a receiver holds its view) or the tensor can never fit; a bad shape is a
+// ShapeError; room comes back once the view is dropped.
+TEST_F(ShmLoan, TryLoanSaysNoRoomWithoutWaiting) {
+  const std::string name = unique_name();
+  Shared<Flags> flags;
+  SHM_EXPECT_RANKS_OK(run_ranks(Peers::kThreads, 2, [&](int r) {
+    ProcessGroupShm pg(name, r, 2, loan_options(size_t{64} << 10));
+    if (r == 1) {
+      {
+        at::Tensor view = pg.recv_view(0, 1);
+        flags->step = 1;
+        wait_step(*flags, 2);
+      }  // dropped: the sender's loan comes back
+      flags->step = 3;
+      return;
+    }
+    at::Tensor loan = filled_loan(pg, 16000, 7);  // 64000 of the 65536 bytes
+    auto work = post_send(pg, loan, 1, 1);
+    loan = at::Tensor();
+    wait_step(*flags, 1);
+    const auto start = Clock::now();
+    SHM_CHECK(!pg.try_loan({1024}, at::kFloat).defined(), "room while the receiver holds the heap");
+    SHM_CHECK(!pg.try_loan({1 << 20}, at::kFloat).defined(), "a loan larger than the heap");
+    SHM_CHECK(Clock::now() - start < 1s, "try_loan waited");
+    SHM_CHECK_THROWS(ShapeError, [&] { (void)pg.try_loan({-1}, at::kFloat); }, "negative");
+    flags->step = 2;
+    wait_step(*flags, 3);
+    work->wait();
+    work.reset();  // a send's Work holds its loan's bytes until dropped
+    at::Tensor again;
+    for (int i = 0; i < 1000 && !again.defined(); ++i) {
+      again = pg.try_loan({1024}, at::kFloat);
+      if (!again.defined()) std::this_thread::sleep_for(1ms);
+    }
+    SHM_CHECK(again.defined() && pg.is_loan(again), "no room after the view was dropped");
+  }));
+}
+
 TEST_F(ShmLoan, AReceiverKilledWhileHoldingAViewGivesTheLoanBack) {
   const std::string name = unique_name();
   Shared<Flags> flags;
