@@ -42,6 +42,13 @@ bool holds(const TensorDict& td, uint64_t v) {
          at::all(td.get(Key("n") / "step") == static_cast<int64_t>(v)).item<bool>();
 }
 
+/// Writes version `v` into `td` (every element `v`) and publishes it as that version.
+void publish_version(tdshm::Board& board, TensorDict& td, uint64_t v) {
+  td.get("w").fill_(static_cast<double>(v));
+  td.get(Key("n") / "step").fill_(static_cast<int64_t>(v));
+  SHM_CHECK(board.publish(td) == v, "publish returned another version");
+}
+
 struct Counts {
   std::atomic<int> writer_done{0};
   std::atomic<int> readers_ready{0};
@@ -69,9 +76,7 @@ TEST_F(Board, ReadersNeverSeeATornVersionWhileTheWriterRuns) {
     }
     TensorDict td = weights(kFloats, 0);
     for (uint64_t v = 1; v <= 3000; ++v) {
-      td.get("w").fill_(static_cast<double>(v));
-      td.get(Key("n") / "step").fill_(static_cast<int64_t>(v));
-      SHM_CHECK(board.publish(td) == v, "publish returned another version");
+      publish_version(board, td, v);
     }
     counts->writer_done.store(1);
     while (counts->readers_ready.load() < 4) std::this_thread::sleep_for(1ms);  // readers done
@@ -132,9 +137,7 @@ TEST_F(Board, NoTornVersionInAMillionReadsUnderTheKillLoop) {
     uint64_t v = 0;
     while (counts->writer_done.load() == 0) {
       ++v;
-      td.get("w").fill_(static_cast<double>(v));
-      td.get(Key("n") / "step").fill_(static_cast<int64_t>(v));
-      SHM_CHECK(board.publish(td) == v, "publish returned another version");
+      publish_version(board, td, v);
       published->store(static_cast<int64_t>(v));
     }
     while (counts->readers_ready.load() < 4) std::this_thread::sleep_for(1ms);  // checkers done
