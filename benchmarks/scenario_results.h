@@ -2,6 +2,9 @@
 /// The scenarios' measurements as rank 0 reports them, their statistics and the tables' fixed
 /// parts (columns, goal lines); scenarios.cpp runs the layouts and prints the rows.
 
+#include "pingpong.h"
+
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -46,5 +49,8 @@ Stats stats_of(const LayoutResult& r, const std::string& pattern, const std::str
 void print_loan_goals(const LayoutResult& r, const std::string& scenario, int items);
 /// The header of a scenario's table.
 void print_columns(const std::string& scenario);
+/// What a scenario measures, printed above its tables (loader or actor-learner; an actor's
+/// trajectory is `trajectory_bytes`).
+void print_scenario_header(const BenchOptions& o, const std::string& scenario, size_t trajectory_bytes);
 
 }  // namespace tdshm::bench

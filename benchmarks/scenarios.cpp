@@ -664,44 +664,6 @@ LayoutResult run_layout(Layout layout, std::chrono::seconds deadline_after) {
   return result;
 }
 
-void print_scenario_header(const BenchOptions& o, const std::string& scenario) {
-  if (scenario == "loader") {
-    std::printf("\nscenario loader: N worker processes -> 1 main process, over shm and gloo in the same processes\n"
-                "  batch: {\"image\": uint8 [32,3,64,64], \"label\": int64 [32], \"meta\": {\"idx\", \"worker\": int64 [32]}},\n"
-                "         batch size [32], %zu bytes of leaves; %d batches per worker per measurement, main checks every batch\n"
-                "  blocking      main: per-leaf recv round-robin over the workers (worker 1's batch, worker 2's, ...)\n"
-                "  irecv-ahead   main: irecv from every worker, then waits for each\n"
-                "  consolidated  workers consolidate() each batch and send it as one message; main receives into\n"
-                "                a consolidated tensordict per worker, round-robin\n"
-                "  loan-copy     workers fill loans (tdshm::loan, four in turn) and isend them by reference; main\n"
-                "                irecvs into its own tensordicts as irecv-ahead does: one copy per byte\n"
-                "  loan-view     the same workers; main takes views (recv_view) round-robin: no copy\n"
-                "  loan-view-c   the same with one consolidated loan per batch: one reference, one view\n"
-                "  memcpy        the same processes and bytes through plain memcpy into shared memory and out\n"
-                "                (the bench's copy_channel.h: no tags, matching or checks), in the copying\n"
-                "                patterns (irecv-ahead is blocking there); what two copies per byte cost here\n"
-                "  inplace       (loan-view) what a user writes by hand: a spin flag over one shared buffer per\n"
-                "                worker, written in place by the worker and read in place by main (rl#3854)\n"
-                "  every transport: the worker writes every byte of every batch once, main reads every byte once\n"
-                "  batches/s = batches main received / seconds of its receive loop; GB/s = batches/s x %zu B;\n"
-                "  median of %d measurement(s), min-max beside it; shm/gloo and shm/ref = ratios of the medians\n"
-                "  (ref: memcpy, or inplace for loan-view)\n",
-                kBatchBytes, o.batches, kBatchBytes, o.repeat);
-  } else {
-    std::printf("\nscenario actor-learner: 1 learner, %d actor process(es), over shm and gloo in the same processes\n"
-                "  per step: the learner isends 4 MiB of weights (consolidated: 4 float leaves of 1 MiB) to every\n"
-                "  actor and irecvs each actor's trajectory {\"obs\": float [64,16], \"action\": int64 [64],\n"
-                "  \"reward\": float [64]} (per-leaf, %zu B); %d steps per measurement, both sides check every step\n"
-                "  loan-view: the weights are a consolidated loan sent by reference; actors take views\n"
-                "  memcpy: the same processes and bytes through plain memcpy into shared memory and out (the\n"
-                "  bench's copy_channel.h: no tags, matching or checks): what two copies per byte cost here\n"
-                "  steps/s = steps / seconds of the learner's loop; GB/s counts both directions;\n"
-                "  median of %d measurement(s), min-max beside it; shm/gloo and shm/ref = ratios of the medians\n",
-                o.actors, kTrajectoryBytes, o.steps, o.repeat);
-  }
-  std::fflush(stdout);
-}
-
 }  // namespace
 
 const std::vector<std::string>& all_scenarios() {
@@ -726,7 +688,7 @@ ScenarioRun run_scenarios(const BenchOptions& options) {
     const int count = loader ? options.batches : options.steps;
     const auto schedule = make_schedule(scenario, options.repeat, count);
     const int total = measured_steps(schedule) * static_cast<int>(counts.size());
-    print_scenario_header(options, scenario);
+    print_scenario_header(options, scenario, kTrajectoryBytes);
     // The oversubscribed layouts, said once above the table.
     std::string crowded, processes;
     for (const int peers : counts) {
