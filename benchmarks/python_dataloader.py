@@ -68,27 +68,32 @@ class Tiny(Dataset):
 
 
 WORKLOADS = {
-    # name: (dataset, loader arguments, batches measured)
-    "whole": (Whole(), {"batch_size": None}, 3000),
-    "sample": (Sample(), {"batch_size": 32}, 400),
-    "tiny": (Tiny(), {"batch_size": 8}, 3000),
-    "compute": (Sample(busy_s=1e-3), {"batch_size": 8}, 60),
+    # name: (dataset, loader arguments)
+    "whole": (Whole(), {"batch_size": None}),
+    "sample": (Sample(), {"batch_size": 32}),
+    "tiny": (Tiny(), {"batch_size": 8}),
+    "compute": (Sample(busy_s=1e-3), {"batch_size": 8}),
 }
 
 
-def rate(cls, dataset, kwargs, workers, batches):
-    """Batches per second of main's loop, after the first batch (workers started)."""
+def rate(cls, dataset, kwargs, workers, seconds):
+    """Batches per second of main's loop over at least `seconds`, once every worker delivered
+    its prefetched batches (a shorter window, or one that starts with the workers, measures
+    their start: at a few thousand batches a second, the first 0.1 s says little)."""
     loader = cls(dataset, num_workers=workers, **kwargs)
     it = iter(loader)
-    next(it)
-    n = max(8, batches if workers else batches // 4)
+    for _ in range(max(1, 2 * workers * (loader.prefetch_factor or 1))):
+        next(it)
+    n = 0
     start = time.perf_counter()
-    for k, _ in enumerate(it, 1):
-        if k >= n:
+    while True:
+        next(it)
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
             break
-    seconds = time.perf_counter() - start
     del it, loader
-    return n / seconds
+    return n / elapsed
 
 
 def main():
@@ -96,18 +101,19 @@ def main():
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--only", default=",".join(WORKLOADS))
+    parser.add_argument("--seconds", type=float, default=1.0, help="each loader's measured window")
     parser.add_argument("--json", help="append one JSON row per workload to this file")
     args = parser.parse_args()
     cpus = len(os.sched_getaffinity(0))
     print("tdshm.DataLoader vs torch.utils.data.DataLoader: {} workers, {} CPUs, {} repeats".format(
         args.workers, cpus, args.repeat))
     for name in args.only.split(","):
-        dataset, kwargs, batches = WORKLOADS[name]
+        dataset, kwargs = WORKLOADS[name]
         runs = {"torch": [], "tdshm": [], "torch0": []}
         for _ in range(args.repeat):
-            runs["torch"].append(rate(TorchLoader, dataset, kwargs, args.workers, batches // 10))
-            runs["tdshm"].append(rate(tdshm.DataLoader, dataset, kwargs, args.workers, batches))
-            runs["torch0"].append(rate(TorchLoader, dataset, kwargs, 0, batches))
+            runs["torch"].append(rate(TorchLoader, dataset, kwargs, args.workers, args.seconds))
+            runs["tdshm"].append(rate(tdshm.DataLoader, dataset, kwargs, args.workers, args.seconds))
+            runs["torch0"].append(rate(TorchLoader, dataset, kwargs, 0, args.seconds))
         med = {k: statistics.median(v) for k, v in runs.items()}
         bound = cpus * med["torch0"]
         spread = {k: "{:.0f}-{:.0f}".format(min(v), max(v)) for k, v in runs.items()}

@@ -37,6 +37,7 @@ namespace tdshm {
 namespace detail {
 class FeedProducerState;
 class FeedConsumerState;
+struct HeapAllocationsState;
 }  // namespace detail
 
 struct FeedOptions {
@@ -93,6 +94,31 @@ class FeedProducer {
   std::optional<TensorDict> try_loan(const TensorDict& like);
   /// Whether `t` lies in a live loan of this producer's current group.
   bool is_loan(const at::Tensor& t) const;
+
+  /// While alive, the tensors that torch allocates on the calling thread, of at least
+  /// `min_bytes`, are carved out of this producer's heap when it has room (and its not-yet-freed
+  /// ones hold at most half of it): the producer's own code (a dataset making a batch) writes
+  /// straight into shared memory, and put() sends such a tensor by reference, no copy. Any other
+  /// allocation, and every one before the first put (no heap yet), is torch's ordinary one.
+  /// Such a tensor behaves as any other; a put of it lends its bytes (do not write into it until
+  /// the consumer dropped it, as with any loan). Scopes nest; end one on the thread that opened
+  /// it, before the producer goes. A child forked inside the scope allocates as usual.
+  class HeapAllocations {
+   public:
+    HeapAllocations(FeedProducer& producer, size_t min_bytes = size_t{64} << 10);
+    HeapAllocations(const HeapAllocations&) = delete;
+    HeapAllocations& operator=(const HeapAllocations&) = delete;
+    ~HeapAllocations();
+    /// Ends the scope now (the destructor's work; once).
+    void end() noexcept;
+    /// False when torch kept another CPU allocator (one registered with a higher priority): no
+    /// allocation is redirected then.
+    bool active() const noexcept { return active_; }
+
+   private:
+    std::unique_ptr<detail::HeapAllocationsState> state_;
+    bool active_ = false;
+  };
 
   /// Hands the next item to the consumer: `header` by value, each tensor by reference when it is
   /// a loan, else copied into one (or sent by value when the heap is held). Returns once every

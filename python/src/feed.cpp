@@ -78,6 +78,15 @@ void bind_feed(py::module_& m) {
           "A tensor in this producer's heap (put() sends it by reference), or None: no heap yet, or no room.")
       .def("is_loan", &tdshm::FeedProducer::is_loan, py::arg("tensor"))
       .def(
+          "heap_allocations",
+          [](tdshm::FeedProducer& p, size_t min_bytes) {
+            return std::make_unique<tdshm::FeedProducer::HeapAllocations>(p, min_bytes);
+          },
+          py::arg("min_bytes") = size_t{64} << 10, py::keep_alive<0, 1>(),
+          "A context manager: inside it, the tensors torch allocates on this thread of at least min_bytes are "
+          "carved out of this producer's heap when it has room, so that put() sends them by reference (no "
+          "copy). Before the first put there is no heap: allocations are torch's ordinary ones.")
+      .def(
           "put",
           [](tdshm::FeedProducer& p, py::bytes header, std::vector<at::Tensor> tensors) {
             std::string h = header;
@@ -94,6 +103,17 @@ void bind_feed(py::module_& m) {
           "Ends this producer's items (the consumer's next_from returns None for it).")
       .def_property_readonly("generation", &tdshm::FeedProducer::generation)
       .def_property_readonly("items", &tdshm::FeedProducer::items);
+
+  using HeapAllocations = tdshm::FeedProducer::HeapAllocations;
+  py::class_<HeapAllocations>(m, "HeapAllocations", "FeedProducer.heap_allocations()'s scope.")
+      .def("__enter__", [](HeapAllocations& h) -> HeapAllocations& { return h; },
+           py::return_value_policy::reference_internal)
+      .def("__exit__", [](HeapAllocations& h, const py::args&) {
+        h.end();
+        return false;
+      })
+      .def("end", &HeapAllocations::end)
+      .def_property_readonly("active", &HeapAllocations::active);
 
   py::class_<tdshm::FeedConsumer>(m, "FeedConsumer",
                                   "The consumer's end of a feed of `producers` producers (docs/loader.md).")

@@ -42,6 +42,7 @@ __all__ = ["DataLoader"]
 
 _WATCH = 0.5  # seconds between a worker's checks that main still runs
 _HEAP_BATCHES = 4  # batches beyond the prefetched ones a heap holds (batches held, fragmentation)
+_HEAP_MIN_BYTES = 64 << 10  # a worker's allocations at least this large are made in its heap
 _SPIN = timedelta(microseconds=20)  # a short spin: the workers need the CPUs main would spin on
 
 
@@ -230,7 +231,9 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
                 outbox.answer("stop", idx, worker_id)
                 continue
             try:
-                data = fetcher.fetch(index)
+                # What the dataset and collate make lies in the heap already: sent by reference.
+                with outbox.producer.heap_allocations(_HEAP_MIN_BYTES):
+                    data = fetcher.fetch(index)
             except Exception as e:
                 if isinstance(e, StopIteration) and dataset_kind == _DatasetKind.Iterable:
                     iteration_end = True

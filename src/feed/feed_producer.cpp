@@ -4,6 +4,7 @@
 // consumer to drop what it holds.
 
 #include "feed/feed_wire.h"
+#include "feed/heap_allocator.h"
 
 #include "process_group/batch_work.h"
 
@@ -117,6 +118,13 @@ class FeedProducerState {
   }
 
   bool is_loan(const at::Tensor& t) const { return pg_ && pg_->is_loan(t); }
+
+  // A loan for an allocation redirected into the heap (FeedProducer::HeapAllocations): never
+  // waits, and leaves half of the heap to the items' own loans.
+  at::Tensor take_for_allocation(uint64_t bytes) {
+    if (!pg_ || closed_ || feed::heap_allocations_live_bytes() + bytes > heap_ / 2) return {};
+    return pg_->try_loan({static_cast<int64_t>(bytes)}, at::kByte);
+  }
 
   void put(std::span<const uint8_t> header, const std::vector<at::Tensor>& tensors) {
     if (closed_) throw Error("FeedProducer '" + name_ + "': put after close()");
@@ -313,6 +321,29 @@ std::optional<TensorDict> FeedProducer::try_loan(const TensorDict& like) {
 }
 
 bool FeedProducer::is_loan(const at::Tensor& t) const { return state_->is_loan(t); }
+
+struct detail::HeapAllocationsState {
+  feed::HeapSource source;
+  const feed::HeapSource* previous = nullptr;
+  bool ended = false;
+};
+
+FeedProducer::HeapAllocations::HeapAllocations(FeedProducer& producer, size_t min_bytes)
+    : state_(std::make_unique<detail::HeapAllocationsState>()) {
+  detail::FeedProducerState* p = producer.state_.get();
+  state_->source.min_bytes = std::max<size_t>(min_bytes, 1);
+  state_->source.pid = ::getpid();
+  state_->source.take = [p](uint64_t bytes) { return p->take_for_allocation(bytes); };
+  state_->previous = feed::set_thread_heap_source(&state_->source, &active_);
+}
+
+FeedProducer::HeapAllocations::~HeapAllocations() { end(); }
+
+void FeedProducer::HeapAllocations::end() noexcept {
+  if (state_->ended) return;
+  state_->ended = true;
+  feed::set_thread_heap_source(state_->previous);
+}
 void FeedProducer::put(std::span<const uint8_t> header, const std::vector<at::Tensor>& tensors) {
   state_->put(header, tensors);
 }

@@ -87,6 +87,25 @@ class Whole(Dataset):
         return {"image": torch.full((4, 3, 16, 16), i, dtype=torch.uint8), "label": torch.arange(4) + 4 * i}
 
 
+class Big(Dataset):
+    """Items of 256 KiB made in the worker (they lie in its heap and go by reference); every
+    fourth comes from a cache the worker keeps and returns again each epoch."""
+
+    def __init__(self, n=40):
+        self.n = n
+        self.cache = {}
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i % 4:
+            return {"x": torch.full((64 << 10,), float(i)), "i": i}
+        if i not in self.cache:
+            self.cache[i] = torch.full((64 << 10,), float(i))
+        return {"x": self.cache[i], "i": i}
+
+
 class Raises(Dataset):
     def __len__(self):
         return 16
@@ -202,6 +221,22 @@ class LoaderTest(unittest.TestCase):
         batches = self.check_same(Whole(), batch_size=None, num_workers=3)
         self.assertEqual(batches[5]["image"].shape, (4, 3, 16, 16))
         self.check_same(Samples(), batch_size=5, num_workers=2, collate_fn=custom_collate)
+
+    def test_tensors_the_workers_make_travel_by_reference(self):
+        # Big items (and cached ones, returned again) kept by the hundred, over epochs, against
+        # torch's loader; then a stream whose views go back as they are dropped.
+        self.check_same(Big(), batch_size=None, num_workers=2)
+        self.check_same(Big(), batch_size=2, shuffle=True, num_workers=3)
+        loader = tdshm.DataLoader(Big(), batch_size=None, num_workers=2, persistent_workers=True)
+        for epoch in range(3):
+            kept = list(loader)
+            for i, b in enumerate(kept):
+                same(b, Big()[i], "epoch {} item {}".format(epoch, i))
+        del kept, b  # the heaps are free again: every item of the stream is a view
+        for i, b in enumerate(loader):
+            same(b, Big()[i], "streamed item {}".format(i))
+            self.assertTrue(tdshm._C._release_view(b["x"]), "item {} is a view of the worker's heap".format(i))
+        del loader
 
     def test_worker_init_fn_and_epochs(self):
         seen = []

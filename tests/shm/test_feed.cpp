@@ -11,11 +11,14 @@
 #include <tdshm/feed.h>
 #include <tdshm/process_group.h>
 
+#include <c10/core/CPUAllocator.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -144,6 +147,73 @@ TEST_F(Feed, RawItemsAndAGrowingHeap) {
   for (size_t i = 0; i < held.size(); ++i) {
     EXPECT_TRUE(at::all(held[i].tensors[0] == static_cast<double>(i + 1)).item<bool>()) << "held item " << i;
   }
+}
+
+// FeedProducer::HeapAllocations: inside the scope, what torch allocates on this thread (large
+// enough, once a heap exists) lies in the heap and travels by reference; smaller allocations,
+// other threads, a forked child, allocations past half the heap and those after the scope are
+// torch's ordinary ones; c10's raw_allocate works; a redirected tensor outlives its producer.
+TEST_F(Feed, AllocationsInTheHeapScopeLieInTheHeap) {
+  set_deadline(90s);
+  const std::string name = unique_name();
+  constexpr int64_t kFloats = 32 << 10;  // 128 KiB
+  Child producer([&] {
+    FeedProducer p(name, 0, {.timeout = 30s, .watch_pid = getppid()});
+    {
+      FeedProducer::HeapAllocations early(p, 16 << 10);
+      SHM_CHECK(early.active(), "torch kept another CPU allocator");
+      SHM_CHECK(!p.is_loan(at::full({kFloats}, 1.0f)), "no heap before the first put");
+    }
+    p.put(item(kFloats, 0, 0));  // the heap: sized from this item
+    at::Tensor kept;
+    {
+      FeedProducer::HeapAllocations scope(p, 16 << 10);
+      at::Tensor big = at::full({kFloats}, 7.0f);
+      SHM_CHECK(p.is_loan(big), "a 128 KiB tensor made in the scope lies in the heap");
+      SHM_CHECK(!p.is_loan(at::full({100}, 1.0f)), "a small one is torch's");
+      c10::Allocator* cpu = c10::GetCPUAllocator();
+      void* raw = cpu->raw_allocate(64 << 10);
+      std::memset(raw, 3, 64 << 10);
+      SHM_CHECK(p.is_loan(at::from_blob(raw, {64 << 10}, at::kByte)), "raw_allocate goes to the heap too");
+      cpu->raw_deallocate(raw);
+      bool thread_in_heap = true;
+      std::thread([&] { thread_in_heap = p.is_loan(at::full({kFloats}, 1.0f)); }).join();
+      SHM_CHECK(!thread_in_heap, "another thread allocates as usual");
+      const pid_t child = ::fork();
+      if (child == 0) ::_exit(p.is_loan(at::full({kFloats}, 1.0f)) ? 1 : 0);
+      int status = 0;
+      SHM_CHECK(::waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                "a child forked in the scope allocates as usual");
+      // Held allocations stop at half the heap: the items' own loans keep room.
+      std::vector<at::Tensor> cache;
+      while (cache.size() < 64) {
+        cache.push_back(at::empty({kFloats}, at::kFloat));
+        if (!p.is_loan(cache.back())) break;
+      }
+      SHM_CHECK(cache.size() > 2 && cache.size() < 64 && !p.is_loan(cache.back()),
+                "held allocations stop short of the whole heap (" << cache.size() << ")");
+      SHM_CHECK(p.try_loan({kFloats}, at::kFloat).defined(), "room for an item's loan remains");
+      cache.clear();
+      p.put(std::vector<uint8_t>{1}, {big, at::full({3}, 2.0f)});
+      kept = at::full({kFloats}, 9.0f);
+    }
+    SHM_CHECK(!p.is_loan(at::full({kFloats}, 1.0f)), "after the scope, torch's allocator");
+    SHM_CHECK(p.is_loan(kept), "a redirected tensor stays a loan after the scope");
+    p.close();
+    p = FeedProducer(name + "-gone", 0);  // the first producer's state is destroyed
+    SHM_CHECK(at::all(kept == 9.0f).item<bool>(), "a redirected tensor outlives its producer");
+  });
+  FeedConsumer c(name, 1, {.timeout = 30s});
+  ASSERT_TRUE(is_item(*c.next(), kFloats, 0, 0));
+  std::optional<FeedItem> it = c.next_from(0);
+  ASSERT_TRUE(it);
+  ASSERT_EQ(it->tensors.size(), 2u);
+  EXPECT_TRUE(at::all(it->tensors[0] == 7.0f).item<bool>());
+  EXPECT_TRUE(at::equal(it->tensors[1], at::full({3}, 2.0f)));
+  EXPECT_TRUE(release_view(it->tensors[0])) << "the heap's tensor arrives as a view of the producer's loan";
+  EXPECT_FALSE(c.next_from(0).has_value());
+  ASSERT_TRUE(producer.wait(60s));
+  EXPECT_TRUE(producer.ok()) << producer.describe();
 }
 
 // A producer killed mid-feed: the consumer gets what it sent, then a PeerLostError within ~1 s.
