@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// LazyStackedTensorDict: tensordicts stacked along a new dimension without copying, as
-/// tensordict's class of that name (tensordict/_lazy.py). Members share a batch size; their keys
+/// tensordict's class of that name (docs/wire.md). Members share a batch size; their keys
 /// and leaf shapes may differ (a heterogeneous stack). Transfers walk the members in order, each
 /// sending its leaves as a TensorDict does, the tag running on from one member to the next:
 /// tensordict's wire, so a Python peer's lazy stack of the same members matches

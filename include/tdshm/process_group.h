@@ -119,7 +119,7 @@ struct ShmOptions {
   /// is posted (back-pressure): nothing is dropped, and no peer can make a rank allocate more.
   size_t max_unexpected_bytes = size_t{1} << 30;
   /// Bytes of each rank's loan heap (rounded up to 4 KiB; memory: world × loan_bytes): the
-  /// tensors tdshm::loan hands out live there and travel by reference (loan.h). 0: no loans.
+  /// tensors tdshm::loan hands out live there and travel by reference (tdshm::loan, distributed.h). 0: no loans.
   size_t loan_bytes = size_t{1} << 20;
   /// Loans one rank may have lent at once (sends of loans not yet handed back), in [1, 2^16].
   uint32_t loan_tickets = 64;

@@ -1,4 +1,4 @@
-// The collectives of tensordict 0.14 (tensordict/base.py, TensorDictBase.reduce / _reduce,
+// The collectives of tensordict 0.14 (TensorDictBase.reduce / _reduce,
 // all_reduce, all_gather, scatter) on TensorDict, with exactly the c10d calls tensordict makes,
 // through the generic c10d::ProcessGroup API of the group's backend (so the same code runs on
 // gloo and on shm, whose ProcessGroupShm implements these collectives).

@@ -7,7 +7,7 @@
 // takes what it needs under the lock, builds unlocked, then records the subgroup (if the world
 // was destroyed meanwhile, the caller still gets its group, it is just not recorded).
 //
-// Store layout: exactly torch 1.13's (torch/distributed/distributed_c10d.py and rendezvous.py),
+// Store layout: exactly torch 1.13's (its distributed_c10d and rendezvous modules),
 // so that tdshm ranks and Python ranks (torch.distributed.init_process_group / new_group) form
 // one world over tcp://, file:// and env://:
 //  - tcp:// and env://: TCPStore(host, port, world_size, is_server = rank 0, timeout,
@@ -264,7 +264,7 @@ constexpr const char* kDefaultPrefix = "default_pg";
 constexpr const char* kBarrierPrefix = "store_based_barrier_key";
 constexpr const char* kCheckedWirePrefix = "tdshm_checked_wire/";
 
-/// The store that torch's rendezvous handler makes for `r` (rendezvous.py), with its timeout set.
+/// The store that torch's rendezvous handler makes for `r`, with its timeout set.
 StorePtr make_rendezvous_store(const GlooRendezvous& r, int rank, int size, std::chrono::milliseconds timeout) {
   StorePtr store;
   if (!r.path.empty()) {

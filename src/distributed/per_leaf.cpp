@@ -96,7 +96,7 @@ Leaves collect(const TensorDict& td, int64_t init_tag, bool pseudo_rand) {
 }
 
 /// The leaves of a lazy stack: each member's in its sorted order, member after member, the tags
-/// running on (tensordict's _lazy.py). Leaf j of member m is named (m, key...) in errors and key
+/// running on (docs/wire.md). Leaf j of member m is named (m, key...) in errors and key
 /// checks. Kept in the stack's cache while every member's own sorted leaves are current.
 Leaves collect(const LazyStackedTensorDict& stack, int64_t init_tag, bool pseudo_rand) {
   Leaves l;

@@ -84,7 +84,7 @@ void seed_pool(uint64_t seed, uint32_t (&pool)[kPoolSize]) {
   }
 }
 
-// PCG64 (numpy's pcg64.h): a 128-bit LCG with the XSL-RR output.
+// PCG64 (numpy's): a 128-bit LCG with the XSL-RR output.
 // __extension__: -Wpedantic (an error under -Werror) rejects the GNU 128-bit type otherwise.
 __extension__ typedef unsigned __int128 u128;
 constexpr u128 kPcgMult = (static_cast<u128>(0x2360ED051FC65DA4ULL) << 64) | 0x4385DF649FCCF645ULL;

@@ -171,7 +171,7 @@ PyValue node_to_metadata(const SchemaNode& node, std::vector<std::string>& path,
   out.set("leaves", std::move(leaves));
   PyValue cls_metadata = PyValue::dict();
   if (node.lazy_stack_dim) {
-    // _lazy.py's _reduce_get_metadata; the batch size follows from the members.
+    // LazyStackedTensorDict._reduce_get_metadata's; the batch size follows from the members.
     cls_metadata.set("stack_dim", PyValue::integer(*node.lazy_stack_dim));
     cls_metadata.set("stack_dim_name", PyValue::none());
   } else {
@@ -365,7 +365,7 @@ class Reader {
     if (is_locked != nullptr) is_locked->as_bool("is_locked of node " + quoted(path_));
   }
 
-  // A LazyStackedTensorDict's cls_metadata (_lazy.py's _reduce_get_metadata).
+  // A LazyStackedTensorDict's cls_metadata (its _reduce_get_metadata).
   void read_lazy_cls_metadata(const PyValue& v, SchemaNode& out) const {
     const std::string where = "\"cls_metadata\" of lazy stack " + quoted(path_);
     const PyValue* stack_dim = nullptr;

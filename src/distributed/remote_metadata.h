@@ -33,7 +33,7 @@
 //     So a Schema whose nodes list non-tensors first survives to_metadata -> from_metadata
 //     unchanged.
 //   - Tensorclasses. A tdshm node's class_name is the type's registered name; a Python
-//     tensorclass's name is f"{cls.__module__}.{cls.__qualname__}" (tensorclass.py,
+//     tensorclass's name is f"{cls.__module__}.{cls.__qualname__}" (tensordict's tensorclass,
 //     _tc_tensorclass_type_str). The rule is: the two are the same string, compared in full
 //     (register a C++ tensorclass that talks to Python under its Python name, e.g.
 //     "my.module.MyData"; a script's class is "__main__.MyData"). At the root, tensordict's
@@ -47,7 +47,7 @@
 //     pickle with metadata_pickle_limits() (class references read as names, never imported).
 //     Other "cls" strings (NonTensorStack, ...) are refused.
 //   - Lazy stacks. A node whose "cls" is the string "LazyStackedTensorDict" (at the root or
-//     nested) is a SchemaNode with lazy_stack_dim: its "cls_metadata" is _lazy.py's
+//     nested) is a SchemaNode with lazy_stack_dim: its "cls_metadata" is LazyStackedTensorDict's
 //     {"stack_dim", "stack_dim_name", "is_locked"} (no batch size: it follows from the members),
 //     its "leaves" and "non_tensors" are empty, its members are the children "0", "1", ...
 //   - Non-tensors. tdshm's str / int64 / double / bool map to Python str / int / float / bool

@@ -23,7 +23,7 @@ template <class... Args>
   throw SchemaError(os.str());
 }
 
-// --- opcodes (CPython Lib/pickle.py) ---------------------------------------------------------
+// --- opcodes (CPython's pickle protocol) ---------------------------------------------------------
 namespace op {
 constexpr uint8_t MARK = '(', STOP = '.', POP = '0', POP_MARK = '1', DUP = '2', BININT = 'J', BININT1 = 'K',
                   BININT2 = 'M', NONE = 'N', BINUNICODE = 'X', APPEND = 'a', DICT = 'd', EMPTY_DICT = '}',

@@ -21,7 +21,7 @@ using detail::bad_utf8_at;
 using detail::fail;
 namespace op = detail::op;
 
-// CPython's framing constants (Modules/_pickle.c, Lib/pickle.py).
+// CPython's framing constants (protocol 4's frames).
 constexpr size_t kFrameHeaderBytes = 9;
 constexpr size_t kFrameSizeMin = 4;
 constexpr size_t kFrameSizeTarget = 64 * 1024;

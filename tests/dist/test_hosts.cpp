@@ -1,5 +1,5 @@
 // One "shm" world across hosts (src/process_group/process_group_hosts.h), on simulated hosts
-// (dist/sim_hosts.h: a private /dev/shm per host, every host named "node"; the network shared,
+// (benchmarks/sim_hosts.h: a private /dev/shm per host, every host named "node"; the network shared,
 // so gloo runs over 127.0.0.1): init_process_group("shm", tcp://...) as on two machines, point to
 // point routed per pair (the tensordict API in every mode, plain c10d calls), the transport's
 // answers per peer (loans and views only inside a host), the collectives against a one-process

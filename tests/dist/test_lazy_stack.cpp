@@ -1,6 +1,6 @@
 // LazyStackedTensorDict's transfers (include/tdshm/lazy_stack.h) between real processes on both
 // backends: per-leaf send / isend / recv / irecv with tensordict's options, heterogeneous
-// members, the tags running on from member to member (as tensordict's _lazy.py sends them: each
+// members, the tags running on from member to member (as tensordict's LazyStackedTensorDict sends them: each
 // member's messages are those of a TensorDict transfer starting where the previous one ended),
 // a subgroup, the refusals (a receiver of another structure), consolidated transfers; and every case
 // of tensordict's distributed tests with a lazy stack, as the root or nested in a TensorDict.
@@ -82,7 +82,7 @@ TEST_P(TransferLazyStack, HeterogeneousMembersBothWays) {
   });
 }
 
-// The tags run on from one member to the next, as tensordict's _lazy.py sends a stack: a stack
+// The tags run on from one member to the next, as tensordict's LazyStackedTensorDict sends a stack: a stack
 // of [m0, m1] sent with init_tag 0 is the messages of m0 sent with init_tag 0 then of m1 sent
 // with init_tag = m0's last tag + 1. Over gloo, speaking tensordict's exact wire, the receiver
 // takes the members one by one with TensorDict::recv (the wire carries nothing else); over shm
@@ -293,7 +293,7 @@ TEST_P(TransferLazyStack, InASubgroup) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The cases of tensordict's test/distributed/test_distributed.py (v0.14) with a lazy stack:
+// The cases of tensordict 0.14's distributed tests with a lazy stack:
 // TestSendLazyStackRoot / Nest, TestiSendLazyStackRoot / Nest (pseudo_rand, group None or
 // [0, 1]) and TestiRecvLazyStackRoot / Nest (pseudo_rand, return_premature), with their trees:
 // rank 1 sends ones, rank 0 receives into zeros and every leaf must be 1.

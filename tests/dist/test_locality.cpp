@@ -1,6 +1,6 @@
 // Which ranks can share memory (src/process_group/locality.h), found the way a world that spans
 // hosts finds it: through the group's store, with probe files that equal host names cannot fool.
-// Hosts are simulated as the OS makes them (dist/sim_hosts.h): a private tmpfs on /dev/shm per
+// Hosts are simulated as the OS makes them (benchmarks/sim_hosts.h): a private tmpfs on /dev/shm per
 // host, every host named "node"; and two PID namespaces sharing one /dev/shm, which must not be
 // taken for one host (neither could judge the other's liveness).
 //

@@ -2,7 +2,7 @@
 """A faithful, self-contained Python peer of tensordict 0.14's distributed protocol.
 
 tensordict itself cannot be installed here, so this file re-implements, with plain
-``torch.distributed`` calls, exactly the messages tensordict 0.14 (``tensordict/base.py``)
+``torch.distributed`` calls, exactly the messages tensordict 0.14 (docs/wire.md)
 sends and expects. The interop tests (tests/interop/test_interop.cpp) run it as one or more
 ranks of a world whose other ranks are tdshm (C++) processes. What it follows, function by
 function of tensordict's source:
