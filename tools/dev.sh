@@ -36,11 +36,11 @@ readonly JOBS=2
 # libtorch_python the module links), its headers (python3-dev), pybind11-dev, and python3-numpy.
 # gnuplot-nox draws `tdshm bench --plot` (and its test tdshm_bench_scenarios) without X11.
 # python3-venv, python3-setuptools and python3-wheel: `pip install .` in a venv (the test
-# python.pip_install; docs/python-install.md).
+# python.pip_install; docs/python-install.md). clang-format-14: tools/format_check.sh.
 readonly PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libspdlog-dev
                    libgtest-dev libbenchmark-dev clang-14 libclang-rt-14-dev llvm-14
                    python3-torch python3-numpy python3-dev pybind11-dev gnuplot-nox
-                   python3-venv python3-setuptools python3-wheel)
+                   python3-venv python3-setuptools python3-wheel clang-format-14)
 
 log() { printf 'dev.sh: %s\n' "$*" >&2; }
 

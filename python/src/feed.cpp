@@ -99,19 +99,27 @@ void bind_feed(py::module_& m) {
           "Hands the next item to the consumer: `header` (bytes) and `tensors` (dense CPU tensors; loans by "
           "reference, others copied into the heap, or by value when the consumer holds it).")
       .def(
-          "close", [](tdshm::FeedProducer& p) { released([&] { p.close(); return true; }); },
+          "close",
+          [](tdshm::FeedProducer& p) {
+            released([&] {
+              p.close();
+              return true;
+            });
+          },
           "Ends this producer's items (the consumer's next_from returns None for it).")
       .def_property_readonly("generation", &tdshm::FeedProducer::generation)
       .def_property_readonly("items", &tdshm::FeedProducer::items);
 
   using HeapAllocations = tdshm::FeedProducer::HeapAllocations;
   py::class_<HeapAllocations>(m, "HeapAllocations", "FeedProducer.heap_allocations()'s scope.")
-      .def("__enter__", [](HeapAllocations& h) -> HeapAllocations& { return h; },
-           py::return_value_policy::reference_internal)
-      .def("__exit__", [](HeapAllocations& h, const py::args&) {
-        h.end();
-        return false;
-      })
+      .def(
+          "__enter__", [](HeapAllocations& h) -> HeapAllocations& { return h; },
+          py::return_value_policy::reference_internal)
+      .def("__exit__",
+           [](HeapAllocations& h, const py::args&) {
+             h.end();
+             return false;
+           })
       .def("end", &HeapAllocations::end)
       .def_property_readonly("active", &HeapAllocations::active);
 
