@@ -40,6 +40,16 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
+        prebuilt = os.environ.get("TDSHM_PREBUILT_MODULE")
+        if prebuilt:
+            # A module this checkout's CMake build made already (tools/dev.sh test passes build/'s,
+            # so that its pip test checks the packaging without compiling everything again).
+            module = Path(prebuilt)
+            if not module.is_file() or not module.name.startswith("_C"):
+                sys.exit(f"setup.py: TDSHM_PREBUILT_MODULE={prebuilt} is not a built tdshm/_C module")
+            print(f"setup.py: packaging the prebuilt module {module}", flush=True)
+            self._install_module(module, ext)
+            return
         cmake = shutil.which("cmake")
         if cmake is None:
             sys.exit("setup.py: cmake not found (Debian: apt-get install cmake)")
@@ -76,10 +86,13 @@ class CMakeBuild(build_ext):
             built = sorted((Path(tmp) / "python" / "tdshm").glob("_C*.so"))
             if len(built) != 1:
                 sys.exit(f"setup.py: expected one tdshm/_C*.so in the build folder, found {built}")
-            # Under the name setuptools expects for this interpreter (its EXT_SUFFIX).
-            target = Path(self.get_ext_fullpath(ext.name))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(built[0], target)  # with its mode bits
+            self._install_module(built[0], ext)
+
+    def _install_module(self, module, ext):
+        # Under the name setuptools expects for this interpreter (its EXT_SUFFIX).
+        target = Path(self.get_ext_fullpath(ext.name))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(module, target)  # with its mode bits
 
 
 setup(

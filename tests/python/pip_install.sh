@@ -8,13 +8,23 @@
 # Everything it makes lives in one temporary folder, removed at exit (not when SIGKILL ends it,
 # as ctest's timeout does).
 #
-#   tests/python/pip_install.sh <python3 with torch> <source dir>
+#   tests/python/pip_install.sh <python3 with torch> <source dir> [<built module>]
+#
+# With <built module> (a tdshm/_C*.so this checkout's build made: what tools/dev.sh test passes)
+# setup.py packages that module instead of compiling the library again (TDSHM_PREBUILT_MODULE):
+# the packaging, the install, the import from outside the tree and the uninstall are checked in
+# seconds. Without it, pip compiles everything as a user's `pip install .` does (CI runs that).
 #
 # Exit code 77 (skipped): no git checkout, or the interpreter lacks torch, venv
 # (Debian: python3-venv), setuptools or wheel.
 set -euo pipefail
 python=$1
 src=$(cd "$2" && pwd)
+prebuilt=${3:-}
+if [[ -n "$prebuilt" ]]; then
+  [[ -f "$prebuilt" ]] || { echo "no built module $prebuilt"; exit 1; }
+  prebuilt=$(cd "$(dirname "$prebuilt")" && pwd)/$(basename "$prebuilt")
+fi
 
 skip() {
   echo "skipped: $*"
@@ -53,7 +63,7 @@ echo "== pip install --no-build-isolation --no-index ."
 # pip's and setup.py's temporary folders (the CMake build) inside ours too.
 mkdir "$work/tmp"
 start=$(date +%s)
-(cd "$work/src" && TMPDIR=$work/tmp CMAKE_BUILD_PARALLEL_LEVEL=2 \
+(cd "$work/src" && TMPDIR=$work/tmp CMAKE_BUILD_PARALLEL_LEVEL=2 TDSHM_PREBUILT_MODULE=$prebuilt \
   "$venv_python" -m pip install --no-build-isolation --no-index --no-cache-dir .)
 echo "pip install took $(($(date +%s) - start)) s"
 
