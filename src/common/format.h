@@ -4,7 +4,9 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <sstream>
 #include <string>
+#include <string_view>
 
 namespace tdshm::detail {
 
@@ -22,6 +24,16 @@ inline std::string shape_str(c10::IntArrayRef shape) {
 inline std::string first_line(std::string message) {
   if (const size_t nl = message.find('\n'); nl != std::string::npos) message.resize(nl);
   return message;
+}
+
+/// Throws E with `prefix` followed by the arguments streamed in order: the layers' `fail(...)`.
+/// Pass integers as int/uint64_t, never as (u)int8_t (they would print as characters).
+template <class E, class... Args>
+[[noreturn]] void throw_streamed(std::string_view prefix, const Args&... args) {
+  std::ostringstream os;
+  os << prefix;
+  (os << ... << args);
+  throw E(os.str());
 }
 
 }  // namespace tdshm::detail

@@ -3,6 +3,7 @@
 
 #include "distributed/remote_metadata.h"
 
+#include "common/format.h"
 #include "schema/schema_internal.h"
 
 #include "tdshm/errors.h"
@@ -14,7 +15,6 @@
 #include <exception>
 #include <limits>
 #include <memory>
-#include <sstream>
 #include <string_view>
 #include <utility>
 #include <variant>
@@ -30,10 +30,7 @@ using pickle::PyValue;
 
 template <class... Args>
 [[noreturn]] void fail(const Args&... args) {
-  std::ostringstream os;
-  os << "tdshm metadata: ";
-  (os << ... << args);
-  throw SchemaError(os.str());
+  tdshm::detail::throw_streamed<SchemaError>("tdshm metadata: ", args...);
 }
 
 struct DtypeName {

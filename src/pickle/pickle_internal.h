@@ -3,12 +3,12 @@
 // pickle_value.cpp holds the value types, pickle_writer.cpp dumps(), pickle_reader.h,
 // pickle_reader.cpp and pickle_reader_graph.cpp loads(). Private to src/pickle.
 
+#include "common/format.h"
 #include "tdshm/errors.h"
 
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <sstream>
 #include <string_view>
 
 namespace tdshm::pickle::detail {
@@ -17,10 +17,7 @@ static_assert(std::numeric_limits<double>::is_iec559 && sizeof(double) == 8, "BI
 
 template <class... Args>
 [[noreturn]] void fail(const Args&... args) {
-  std::ostringstream os;
-  os << "tdshm pickle: ";
-  (os << ... << args);
-  throw SchemaError(os.str());
+  tdshm::detail::throw_streamed<SchemaError>("tdshm pickle: ", args...);
 }
 
 // --- opcodes (CPython's pickle protocol) ---------------------------------------------------------

@@ -5,12 +5,12 @@
 // zigzag LEB128; the reader accepts only the minimal (canonical) encoding, so that every
 // accepted input re-encodes to the same bytes.
 
+#include "common/format.h"
 #include "tdshm/errors.h"
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -22,10 +22,7 @@ namespace tdshm::detail::wire {
 /// order. Pass integers as int/uint64_t, never as (u)int8_t (they would print as characters).
 template <class... Args>
 [[noreturn]] void fail(const Args&... args) {
-  std::ostringstream os;
-  os << "tdshm schema: ";
-  (os << ... << args);
-  throw SchemaError(os.str());
+  tdshm::detail::throw_streamed<SchemaError>("tdshm schema: ", args...);
 }
 
 /// The longest LEB128 encoding of a 64-bit value: ceil(64 / 7) bytes.
