@@ -238,6 +238,12 @@ class LoaderTest(unittest.TestCase):
             self.assertTrue(tdshm._C._release_view(b["x"]), "item {} is a view of the worker's heap".format(i))
         del loader
 
+    def test_spawned_workers(self):
+        # multiprocessing_context="spawn": workers that import everything afresh (the dataset and
+        # the loader's worker pickled), Big's tensors made in their heaps.
+        self.check_same(Samples(), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="spawn")
+        self.check_same(Big(12), batch_size=None, num_workers=2, multiprocessing_context="spawn")
+
     def test_worker_init_fn_and_epochs(self):
         seen = []
 
