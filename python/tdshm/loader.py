@@ -191,6 +191,10 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
             np.random.seed(_worker._generate_state(base_seed, worker_id))
         _worker._worker_info = _worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
         outbox = _Outbox(name, worker_id, num_workers, prefetch, parent, tasks)
+        # For the worker's life, what it makes of 64 KiB or more (the dataset's and the collate's
+        # tensors) lies in its heap once there is one, and travels by reference (a scope per
+        # batch cost more than the rest of the worker's bookkeeping).
+        heap_scope = outbox.producer.heap_allocations(_HEAP_MIN_BYTES)
         if collate_fn is _collate.default_collate:
             fn_map = _loan_collate_fn_map(outbox)
             collate_fn = lambda batch: _collate.collate(batch, collate_fn_map=fn_map)  # noqa: E731
@@ -231,9 +235,7 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
                 outbox.answer("stop", idx, worker_id)
                 continue
             try:
-                # What the dataset and collate make lies in the heap already: sent by reference.
-                with outbox.producer.heap_allocations(_HEAP_MIN_BYTES):
-                    data = fetcher.fetch(index)
+                data = fetcher.fetch(index)
             except Exception as e:
                 if isinstance(e, StopIteration) and dataset_kind == _DatasetKind.Iterable:
                     iteration_end = True
@@ -247,6 +249,10 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
     except (KeyboardInterrupt, _MainGone):
         pass  # main raises the first; the second leaves nobody to tell
     finally:
+        try:
+            heap_scope.end()  # before its producer goes
+        except Exception:
+            pass
         try:
             outbox.close()
         except Exception:
