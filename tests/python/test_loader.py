@@ -244,6 +244,20 @@ class LoaderTest(unittest.TestCase):
         self.check_same(Samples(), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="spawn")
         self.check_same(Big(12), batch_size=None, num_workers=2, multiprocessing_context="spawn")
 
+    def test_a_profiler_sees_each_batch(self):
+        # torch's iterator records each batch for a profiler; ours does too while one runs (and
+        # skips the record otherwise).
+        loader = tdshm.DataLoader(Whole(), batch_size=None, num_workers=2)
+        with torch.autograd.profiler.profile() as prof:
+            batches = list(loader)
+        self.assertEqual(len(batches), len(Whole()))
+        names = [e.name for e in prof.function_events]
+        self.assertGreaterEqual(sum(1 for n in names if n.startswith("enumerate(DataLoader)#_ShmLoaderIter")),
+                                len(batches), names)
+        for i, b in enumerate(batches):
+            same(b, Whole()[i], "batch {}".format(i))
+        del loader
+
     def test_worker_init_fn_and_epochs(self):
         seen = []
 
