@@ -90,6 +90,7 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
   for (;;) {
     check_namespaces();
     if (const int r = segment_->first_abandoned(); r >= 0) {
+      // The feed's join (feed/feed_wire.h) retries on this phrase: keep it.
       give_up(PeerLostError(where + segment_->describe_rank(static_cast<uint32_t>(r)) +
                             " gave up this group's rendezvous (it timed out or failed): construct the group again"));
     }
