@@ -341,7 +341,12 @@ class LoaderTest(unittest.TestCase):
             self.assertIn(pid, message)
             self.assertTrue("killed by signal: Killed" in message or "exited unexpectedly" in message, message)
             self.assertLess(raised - float(killed), 1.0, message)
-            self.assertEqual([int(b[0]) for b in got], list(range(0, 20, 2)))  # every batch before index 20
+            # The batches before the killed one, in order: as with torch's loader, the error may come
+            # while main waits for the other worker's batch (torch's SIGCHLD handler raises at once),
+            # so main has the batches before index 20 or the first of them, never a gap or a later one.
+            firsts = [int(b[0]) for b in got]
+            self.assertEqual(firsts, list(range(0, 2 * len(firsts), 2)))
+            self.assertLessEqual(len(firsts), 10)
             del loader
 
     def test_timeout(self):
