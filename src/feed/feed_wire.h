@@ -79,6 +79,11 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
   const bool forever = o.timeout.count() <= 0;
   const auto deadline = Clock::now() + o.timeout;
   ShmOptions so = group_options(o, heap_bytes, tickets);
+  // Between two tries: PeerLostError once the other side's process is gone; what check throws.
+  const auto before_next_try = [&] {
+    if (const std::string why = gone(); !why.empty()) throw PeerLostError("feed group '" + name + "': " + why);
+    if (o.check) o.check();
+  };
   while (true) {
     auto slice = std::chrono::milliseconds(200);
     if (!forever) {
@@ -94,14 +99,12 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
     try {
       return c10::make_intrusive<ProcessGroupShm>(name, rank, 2, so);
     } catch (const TimeoutError&) {
-      if (const std::string why = gone(); !why.empty()) throw PeerLostError("feed group '" + name + "': " + why);
-      if (o.check) o.check();
+      before_next_try();
     } catch (const PeerLostError& e) {
       // The other side's slice ran out just as this side attached: it gave the rendezvous up and
       // joins again (seen under load: a worker failed its first put). Any other loss is real.
       if (std::string_view(e.what()).find(kRendezvousGivenUp) == std::string_view::npos) throw;
-      if (const std::string why = gone(); !why.empty()) throw PeerLostError("feed group '" + name + "': " + why);
-      if (o.check) o.check();
+      before_next_try();
     }
   }
 }
