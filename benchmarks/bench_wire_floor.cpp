@@ -61,6 +61,8 @@ constexpr uint64_t kRegionBytes = kTableBytes + uint64_t{kSlots} * kSlotBytes;
 // in it. The engine has no such flag: packing did not make it measurably faster (docs/benchmarks.md,
 // "TensorDict").
 constexpr uint32_t kMoreInSlot = 1u << 30;
+// Both rings key their seq words alike (a fixed key: one incarnation).
+constexpr uint64_t kRingKey = tdshm::shm::ring_key(0, 0, 1);
 
 // Spins on `ready` with a deadline and a check that the peer lives: never hangs.
 template <class Ready>
@@ -78,9 +80,11 @@ void spin_until(Ready ready, pid_t peer, int rank) {
 class Rank {
  public:
   Rank(uint8_t* base, int rank, pid_t peer, const Options& o)
-      : rank_(rank), peer_(peer), o_(o),
-        tx_(RingView(base + (1 - rank) * kRingBytes, kEntries)),
-        rx_(RingView(base + rank * kRingBytes, kEntries)),
+      : rank_(rank),
+        peer_(peer),
+        o_(o),
+        tx_(RingView(base + (1 - rank) * kRingBytes, kEntries, kRingKey)),
+        rx_(RingView(base + rank * kRingBytes, kEntries, kRingKey)),
         mine_(base + 2 * kRingBytes + rank * kRegionBytes, kSlots, kTableBytes, kSlotBytes),
         theirs_(base + 2 * kRingBytes + (1 - rank) * kRegionBytes, kSlots, kTableBytes, kSlotBytes),
         alloc_(mine_) {

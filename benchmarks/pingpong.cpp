@@ -31,6 +31,9 @@
 #include "pingpong_td.h"
 #include "pingpong_transport.h"
 #include "pingpong_ucx.h"
+#include "wire_lines.h"
+
+#include <tdshm/process_group.h>
 
 #include <ATen/Parallel.h>
 
@@ -439,6 +442,7 @@ int run_pingpong_bench(const BenchOptions& options, std::vector<std::string>* js
   for (const char* which : {"spin", "blocking", "td", "loan"}) remove_shm_segment(s.segment(which));
 
   print_goals(s.results, options.td);
+  if (!options.td) print_wire_lines(options.sizes, tdshm::ShmOptions{}.ring_entries);
   if (json_lines != nullptr) {
     for (const auto& m : s.results) json_lines->push_back(json_line(m));
   }

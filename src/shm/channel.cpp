@@ -44,8 +44,11 @@ ShmChannel::ShmChannel(shm::Segment& segment, int rank, int size, const ShmOptio
   for (uint32_t p = 0; p < static_cast<uint32_t>(size); ++p) {
     regions_[p] = shm::RegionView(segment_.region_memory(p), options.slots_per_rank, g.slot_table_bytes, g.slot_stride);
     if (p == me) continue;
-    tx_[p] = shm::RingProducer(shm::RingView(segment_.ring_memory(me, p), options.ring_entries));
-    rx_[p] = shm::RingConsumer(shm::RingView(segment_.ring_memory(p, me), options.ring_entries));
+    const uint64_t incarnation = segment_.incarnation();
+    tx_[p] = shm::RingProducer(
+        shm::RingView(segment_.ring_memory(me, p), options.ring_entries, shm::ring_key(incarnation, me, p)));
+    rx_[p] = shm::RingConsumer(
+        shm::RingView(segment_.ring_memory(p, me), options.ring_entries, shm::ring_key(incarnation, p, me)));
   }
   slots_ = shm::SlotAllocator(regions_[me]);
   loans_ = std::make_shared<shm::LoanPool>(segment_, me);
@@ -58,6 +61,7 @@ ShmChannel::ShmChannel(shm::Segment& segment, int rank, int size, const ShmOptio
   consumed_since_wake_.assign(n, 0);
   freed_slot_since_wake_.assign(n, 0);
   wake_batch_ = std::max<uint32_t>(1, std::min(options.slots_per_rank, options.ring_entries) / 4);
+  span_limit_ = shm::span_limit(options.ring_entries);
 }
 
 void ShmChannel::wake_peer(int r) noexcept { shm::wake(segment_.rank_slot(static_cast<uint32_t>(r))); }
@@ -379,17 +383,24 @@ bool ShmChannel::progress_sends(int dst, bool wake) {
 }
 
 // Fills the next entry of the ring towards `dst` (which has room) and publishes it (seq stored
-// last): the chunk inline when it fits, else in an arena slot. False, changing nothing, when the
-// chunk needs a slot and none is free.
+// last): the chunk inline when it fits; a whole message up to the span limit in the entries after
+// it when the ring has room for them (its receiver then reads no slot); else in an arena slot.
+// False, changing nothing, when the chunk needs a slot and none is free.
 bool ShmChannel::write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
                             uint64_t offset, uint64_t chunk, MessageCheck check) {
   const auto to = static_cast<uint32_t>(dst);
   shm::RingProducer& ring = tx_[to];
-  uint8_t* payload;
+  uint8_t* payload = nullptr;
   uint32_t slot = 0;
+  uint64_t span = 0;
+  constexpr uint32_t kWhole = shm::kEntryFirst | shm::kEntryLast;
   if (chunk <= shm::kInlineBytes) {
     flags |= shm::kEntryInline;
     payload = ring.inline_bytes();
+  } else if ((flags & (kWhole | shm::kEntryReference)) == kWhole && chunk <= span_limit_ &&
+             ring.has_room(1 + shm::span_entries(chunk))) {
+    flags |= shm::kEntrySpan;
+    span = shm::span_entries(chunk);
   } else {
     const auto taken = slots_.take(to);
     if (!taken) return false;
@@ -411,9 +422,13 @@ bool ShmChannel::write_entry(int dst, uint32_t flags, int64_t tag, const at::Ten
   e.chunk_bytes = static_cast<uint32_t>(chunk);  // slot_bytes <= 2^30
   // The tail's fields only where the entry has them: a whole small message writes line 0 alone.
   if (!(flags & shm::kEntryFirst)) ring.tail().chunk_offset = offset;
-  if (!(flags & shm::kEntryInline)) ring.tail().slot = slot;
-  if (chunk != 0) std::memcpy(payload, chunk_data, chunk);
-  ring.publish();
+  if (!(flags & (shm::kEntryInline | shm::kEntrySpan))) ring.tail().slot = slot;
+  if (span != 0) {
+    ring.write_span(chunk_data, chunk);
+  } else if (chunk != 0) {
+    std::memcpy(payload, chunk_data, chunk);
+  }
+  ring.publish(span);
   return true;
 }
 

@@ -57,6 +57,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/SmallVector.h>
 
+#include <array>
 #include <atomic>
 #include <deque>
 #include <exception>
@@ -252,12 +253,19 @@ class ShmChannel {
 
   // Receiving (channel_receive.cpp)
   bool progress_receives(int src, bool drain_all);
-  // The chunk of `e`, the next entry of `src`'s ring: in the entry, or in the sender's slot if
-  // that slot is handed to this rank (else null: the entry is corrupt, or the slot was taken
-  // back). Inline: every entry read asks, twice.
+  // The chunk of `e`, the next entry of `src`'s ring: in the entry, in the entries after it (a
+  // span the ring can hold), or in the sender's slot if that slot is handed to this rank (else
+  // null: the entry is corrupt, or the slot was taken back). Inline: every entry
+  // read asks, twice.
   const uint8_t* chunk_of(int src, const shm::EntryFields& e) const {
     const auto s = static_cast<size_t>(src);
     if (e.flags & shm::kEntryInline) return rx_[s].inline_bytes();
+    if (e.flags & shm::kEntrySpan) {
+      // Bounded here: this runs before check_entry (which then refuses such an entry).
+      if (e.chunk_bytes > shm::kMaxSpanBytes || shm::span_entries(e.chunk_bytes) >= options_.ring_entries)
+        return nullptr;
+      return rx_[s].span(e.chunk_bytes, span_stage_.data());
+    }
     return shm::claimed_chunk(regions_[s], e.slot, static_cast<uint32_t>(rank_));
   }
   void entry_taken(int src, const shm::EntryFields& e);
@@ -288,6 +296,7 @@ class ShmChannel {
   ShmOptions options_;
   std::vector<shm::RegionView> regions_;  // per rank: its arena region
   uint32_t wake_batch_ = 1;               // wake a source after this many entries (progress_receives)
+  uint64_t span_limit_ = 0;               // the largest message sent in a span (shm::span_limit)
 
   std::vector<std::deque<std::shared_ptr<ShmOp>>> send_queues_;  // per destination, FIFO
   std::vector<shm::RingProducer> tx_;                            // per destination: its ring's producer end
@@ -309,6 +318,8 @@ class ShmChannel {
   std::vector<uint8_t> freed_slot_since_wake_;  // per source: 1 once one of its slots was freed since then
   uint64_t unexpected_bytes_ = 0;     // process memory held by unexpected messages
   shm::BufferPool unexpected_pool_;   // their buffers, kept for reuse (buffer_pool.h)
+  // A received span that wraps around its ring's end, copied out in one piece (chunk_of).
+  mutable std::array<uint8_t, shm::kMaxSpanBytes> span_stage_{};
   std::exception_ptr closed_;         // set by close(): the error of later posts
   std::exception_ptr poisoned_;       // set once the segment's mapping was lost (bus_guard.h)
 };

@@ -36,7 +36,7 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
     if (!ring.peek(fields)) break;  // read once: only this copy is used below
     // The chunk: in the entry, or in the sender's slot if that slot was handed to this rank (else
     // null, and handle_entry refuses the entry as corrupt).
-    const bool in_slot = (fields.flags & shm::kEntryInline) == 0;
+    const bool in_slot = (fields.flags & (shm::kEntryInline | shm::kEntrySpan)) == 0;
     const uint8_t* payload = chunk_of(src, fields);
     Taken taken;
     try {
@@ -67,15 +67,17 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
   return moved;
 }
 
-// `e`, the next entry of `src`'s ring, has landed: its slot goes back to the sender, then the entry.
+// `e`, the next entry of `src`'s ring, has landed: its slot goes back to the sender, then the entry
+// (with its span).
 void ShmChannel::entry_taken(int src, const shm::EntryFields& e) {
   const auto s = static_cast<size_t>(src);
-  if ((e.flags & shm::kEntryInline) == 0) {
+  const uint64_t span = (e.flags & shm::kEntrySpan) ? shm::span_entries(e.chunk_bytes) : 0;
+  if ((e.flags & (shm::kEntryInline | shm::kEntrySpan)) == 0) {
     shm::release_slot(regions_[s], e.slot);
     freed_slot_since_wake_[s] = 1;
   }
-  rx_[s].consume();
-  ++consumed_since_wake_[s];
+  rx_[s].consume(span);
+  consumed_since_wake_[s] += static_cast<uint32_t>(1 + span);
 }
 
 // After entries of `src` were taken. The sender may sleep waiting for room: wake it once a
@@ -107,7 +109,7 @@ const uint8_t* ShmChannel::whole_entry(int src, int64_t tag, bool control, shm::
       ((e.flags & shm::kEntryControl) != 0) != control) {
     return nullptr;
   }
-  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank};
+  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank, options_.ring_entries};
   if (!shm::check_entry(e, shm::RxProgress{}, arena, kMaxMessageBytes).empty()) return nullptr;
   return chunk_of(src, e);
 }
@@ -247,7 +249,7 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
   auto& cur = current_[static_cast<size_t>(src)];
   shm::RxProgress rx;
   if (cur) rx = {true, cur->control, cur->total, cur->received};
-  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank};
+  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank, options_.ring_entries};
   if (std::string problem = shm::check_entry(e, rx, arena, kMaxMessageBytes); !problem.empty()) {
     throw corrupt(problem);
   }

@@ -1,4 +1,4 @@
-// The reader of the layout-specific part of layout versions 5 to 8: metadata rings, slot arenas,
+// The reader of the layout-specific part of layout versions 5 to 9: metadata rings, slot arenas,
 // collective windows (and version 8's loan regions, whose size it checks).
 
 #include "shm/file_read.h"
@@ -24,8 +24,14 @@ namespace tdshm::shm::reader {
 // is version 6 with another entry header (40 bytes, 24 inline bytes on line 0; chunk offset and
 // slot after the inline bytes): only the entry's field offsets differ. Version 8 is version 7 plus
 // one loan region per rank after the windows (its offset rounded up to a page; loan_offset,
-// loan_region_bytes, loan_bytes and loan_tickets in the header).
+// loan_region_bytes, loan_bytes and loan_tickets in the header). Version 9 is version 8 with keyed
+// seq words (shm::seq_word: position + 1 mixed with the ring's key, from the incarnation and the
+// pair) and spans: an entry with flag 256 is followed by ceil(chunk_bytes / 192) entries of raw
+// payload, which are not entries.
 namespace v5 {
+constexpr size_t kIncarnationAt = 88;
+constexpr uint32_t kSpanFlag = 256;
+constexpr uint64_t kMaxSpanChunkBytes = 8192;
 constexpr size_t kLoanAt = 136;
 constexpr size_t kLoanRegionBytesAt = 144;
 constexpr size_t kLoanBytesAt = 152;
@@ -115,7 +121,7 @@ bool geometry(uint32_t world, uint64_t slot_bytes, uint32_t ring_entries, uint32
 }
 
 // While this build's layout is version 5, the constants above are its structs.
-static_assert((kLayoutVersion < 5 || kLayoutVersion > 8) ||
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 9) ||
                   (sizeof(SegmentHeader) == kHeaderBytes && offsetof(SegmentHeader, ring_entries) == kRingEntriesAt &&
                    offsetof(SegmentHeader, slot_bytes) == kSlotBytesAt &&
                    offsetof(SegmentHeader, rank_table_offset) == kRankTableAt &&
@@ -126,14 +132,14 @@ static_assert((kLayoutVersion < 5 || kLayoutVersion > 8) ||
                    offsetof(SegmentHeader, region_bytes) == kRegionBytesAt &&
                    offsetof(SegmentHeader, slots_per_rank) == kSlotsPerRankAt),
               "version 5 header constants");
-static_assert((kLayoutVersion < 5 || kLayoutVersion > 8) ||
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 9) ||
                   (sizeof(RankSlot) == kRankSlotBytes && offsetof(RankSlot, wake_seq) == kWakeSeqAt &&
                    offsetof(RankSlot, sleepers) == kSleepersAt && sizeof(RingControl) == kRingControlBytes &&
                    offsetof(RingControl, head) == kHeadAt && offsetof(RingControl, tail) == kTailAt),
               "version 5 rank slot and ring control constants");
 // Versions 5 and 6's entry constants above were checked against EntryHeader by a static_assert
 // while this build was version 6; they stay fixed now that EntryHeader is version 7's.
-static_assert((kLayoutVersion != 7 && kLayoutVersion != 8) ||
+static_assert((kLayoutVersion < 7 || kLayoutVersion > 9) ||
                   (kEntryBytes == shm::kEntryBytes && offsetof(EntryHeader, seq) == kSeqAt &&
                    offsetof(EntryHeader, chunk_bytes) == kChunkBytesAt7 && offsetof(EntryHeader, flags) == kFlagsAt7 &&
                    kEntryTailOffset + offsetof(EntryTail, slot) == kSlotAt7 && kSlotAt7 + 4 <= kEntryReadBytes &&
@@ -141,8 +147,15 @@ static_assert((kLayoutVersion != 7 && kLayoutVersion != 8) ||
                    kInlineChunkBytes == shm::kInlineBytes && sizeof(ArenaSlot) == kArenaSlotBytes &&
                    offsetof(ArenaSlot, state) == 0 && kFree == kSlotFree),
               "version 7 entry and arena constants");
-static_assert((kLayoutVersion < 5 || kLayoutVersion > 8) || (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
-                                      kMaxSlotsPerRank == shm::kMaxSlotsPerRank && kMaxWorldSize == shm::kMaxWorld),
+// Version 9's seq words: the key of a pair, pinned by a value (a change of ring_key is a new version).
+static_assert(kLayoutVersion != 9 || (offsetof(SegmentHeader, incarnation) == kIncarnationAt &&
+                                      kSpanFlag == shm::kEntrySpan && kMaxSpanChunkBytes == shm::kMaxSpanBytes &&
+                                      shm::ring_key(0x0123456789abcdefull, 2, 5) == 0x96f5076973a02b13ull &&
+                                      shm::seq_word(shm::ring_key(7, 0, 1), 41) == (42 ^ shm::ring_key(7, 0, 1))),
+              "version 9 seq words");
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 9) ||
+                  (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
+                   kMaxSlotsPerRank == shm::kMaxSlotsPerRank && kMaxWorldSize == shm::kMaxWorld),
               "version 5 limits");
 constexpr bool same_geometry(uint32_t world, uint64_t slot_bytes, uint32_t entries, uint32_t slots, uint64_t window) {
   const SegmentGeometry want = segment_geometry(world, slot_bytes, entries, slots, window, 1, 0);
@@ -159,15 +172,16 @@ constexpr bool same_loans(uint32_t world, uint32_t tickets, uint64_t loan_bytes)
   const uint64_t region = round_up_to(tickets * kArenaSlotBytes, kPage) + round_up_to(loan_bytes, kPage);
   return want.loan_region_bytes == region && want.segment_bytes == want.loan_offset + region * world;
 }
-static_assert(kLayoutVersion != 8 || (same_loans(3, 64, 1 << 20) && same_loans(5, 1000, 12345) &&
-                                      offsetof(SegmentHeader, loan_offset) == kLoanAt &&
-                                      offsetof(SegmentHeader, loan_region_bytes) == kLoanRegionBytesAt &&
-                                      offsetof(SegmentHeader, loan_bytes) == kLoanBytesAt &&
-                                      offsetof(SegmentHeader, loan_tickets) == kLoanTicketsAt &&
-                                      kPage == shm::kLoanPage && kMaxLoanTickets == shm::kMaxLoanTickets &&
-                                      kMaxLoanBytes == shm::kMaxLoanBytes),
+static_assert((kLayoutVersion != 8 && kLayoutVersion != 9) ||
+                  (same_loans(3, 64, 1 << 20) && same_loans(5, 1000, 12345) &&
+                   offsetof(SegmentHeader, loan_offset) == kLoanAt &&
+                   offsetof(SegmentHeader, loan_region_bytes) == kLoanRegionBytesAt &&
+                   offsetof(SegmentHeader, loan_bytes) == kLoanBytesAt &&
+                   offsetof(SegmentHeader, loan_tickets) == kLoanTicketsAt && kPage == shm::kLoanPage &&
+                   kMaxLoanTickets == shm::kMaxLoanTickets && kMaxLoanBytes == shm::kMaxLoanBytes),
               "version 8 loan constants");
-static_assert((kLayoutVersion < 6 || kLayoutVersion > 8) || (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 256)),
+static_assert((kLayoutVersion < 6 || kLayoutVersion > 9) ||
+                  (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 256)),
               "version 6 geometry");
 static_assert((kLayoutVersion != 6 && kLayoutVersion != 7) || (offsetof(SegmentHeader, window_offset) == kWindowAt &&
                                       offsetof(SegmentHeader, window_bytes) == kWindowBytesAt &&
@@ -225,8 +239,10 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
   const uint64_t arena = load<uint64_t>(header + kArenaAt);
   const uint64_t region_bytes = load<uint64_t>(header + kRegionBytesAt);
   const uint32_t slots = load<uint32_t>(header + kSlotsPerRankAt);
-  const bool has_window = version != kVersion;  // 6, 7 and 8
-  const bool has_loans = version == kVersion8;
+  const bool has_window = version != kVersion;  // 6 to 9
+  const bool has_loans = version >= kVersion8;
+  const bool keyed = version >= kVersion9;  // seq words and spans
+  const uint64_t incarnation = keyed ? load<uint64_t>(header + kIncarnationAt) : 0;
   const uint64_t loan_at = has_loans ? load<uint64_t>(header + kLoanAt) : 0;
   const uint64_t loan_region_bytes = has_loans ? load<uint64_t>(header + kLoanRegionBytesAt) : 0;
   const uint64_t loan_bytes = has_loans ? load<uint64_t>(header + kLoanBytesAt) : 0;
@@ -302,17 +318,23 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
         return;  // its entries are not read: which ones are in the ring is unknown
       }
       uint64_t pair_changed = 0, pair_malformed = 0;
+      const uint64_t key = keyed ? shm::ring_key(incarnation, p.src, p.dst) : 0;
+      uint64_t payload_until = 0;  // version 9: the entries before it hold a span's payload
       read_entries(fd, file_bytes, base, entries_at, entry, "entries beyond the end of the file", budget, p,
                    [&](uint64_t pos, const uint8_t* e) {
-                     if (load<uint64_t>(e + kSeqAt) != pos + 1) {  // taken and reused meanwhile
-                       ++pair_changed;
+                     if (pos < payload_until) return;
+                     if (load<uint64_t>(e + kSeqAt) != (keyed ? shm::seq_word(key, pos) : pos + 1)) {
+                       ++pair_changed;  // taken and reused meanwhile
                        return;
                      }
                      const uint32_t chunk = load<uint32_t>(e + chunk_at);
                      const uint32_t flags = load<uint32_t>(e + flags_at);
                      const uint32_t slot = load<uint32_t>(e + slot_at);
-                     const bool well_formed =
-                         (flags & kInlineFlag) ? chunk <= kInlineChunkBytes : chunk <= slot_bytes && slot < slots;
+                     const bool span = keyed && (flags & kSpanFlag) != 0;
+                     if (span) payload_until = pos + 1 + (uint64_t{chunk} + kEntryBytes - 1) / kEntryBytes;
+                     const bool well_formed = span                    ? chunk <= kMaxSpanChunkBytes
+                                              : (flags & kInlineFlag) ? chunk <= kInlineChunkBytes
+                                                                      : chunk <= slot_bytes && slot < slots;
                      if (!well_formed) {
                        ++pair_malformed;
                        return;

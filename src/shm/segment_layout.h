@@ -5,16 +5,17 @@
 //
 //   0                 256                 rings_offset                      arena_offset               window_offset
 //   +-----------------+-------------------+---------------------------------+--------------------------+-----------------+
-//   | SegmentHeader   | RankSlot[world]   | Ring[src*world + dst] ...       | Region[owner] ...        | Window[owner]...|
-//   | magic, version, | pid, start time,  |  RingControl (128 B)            |  ArenaSlot[slots] (state)|  four parts of  |
-//   | sizes, creator  | state, collective |  Entry[ring_entries] (192 B):   |  slot 0 | slot 1 | ...   |  window_bytes/4 |
-//   |                 | steps, futex word |   header, inline bytes, shape   |                          |                 |
+//   | SegmentHeader   | RankSlot[world]   | Ring[src*world + dst] ...       | Region[owner] ...        |
+//   Window[owner]...| | magic, version, | pid, start time,  |  RingControl (128 B)            |  ArenaSlot[slots]
+//   (state)|  four parts of  | | sizes, creator  | state, collective |  Entry[ring_entries] (192 B):   |  slot 0 | slot
+//   1 | ...   |  window_bytes/4 | |                 | steps, futex word |   header, inline bytes, shape   | | |
 //   +-----------------+-------------------+---------------------------------+--------------------------+-----------------+
 //
-// Memory grows with the world, not its square: the per-pair rings hold only small metadata
-// entries (tag, sizes, dtype, shape, check; a payload of up to kInlineBytes travels inline), and
-// payload bytes go through an arena of fixed-size slots, one region of `slots_per_rank` slots
-// per rank. A rank writes only into its own region (it is the one allocator of its slots, so
+// Memory grows with the world, not its square: the per-pair rings hold small metadata entries
+// (tag, sizes, dtype, shape, check; a payload of up to kInlineBytes travels inline, a whole
+// message of up to span_limit() in the entries after its own when the ring has room: a span),
+// and other payload bytes go through an arena of fixed-size slots, one region of
+// `slots_per_rank` slots per rank. A rank writes only into its own region (it is the one allocator of its slots, so
 // allocation needs no atomic read-modify-write and one sender can never starve another); each
 // slot carries its state, the rank it was handed to, which the receiver resets once it has
 // copied the chunk out. Collectives go through each rank's collective window (window_bytes,
@@ -39,6 +40,7 @@
 // reads every field once into a local copy and validates it (validate.h) before use; a slot is
 // read only from the sending rank's own region and only while its state names the reader.
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -49,10 +51,11 @@ namespace tdshm::shm {
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
 inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
-inline constexpr uint32_t kLayoutVersion = 8;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
+inline constexpr uint32_t kLayoutVersion = 9;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
                                                // 5: metadata rings + slot arena; 6: collective windows;
                                                // 7: a 40-byte entry header (24 inline bytes on line 0);
-                                               // 8: loan regions (kEntryLoan)
+                                               // 8: loan regions (kEntryLoan); 9: keyed seq words and
+                                               // spans (kEntrySpan)
 inline constexpr size_t kMaxDims = 8;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words and states must be lock-free");
@@ -166,9 +169,9 @@ static_assert(sizeof(RingControl) == 128);
 static_assert(offsetof(RingControl, tail) == 64);
 
 enum EntryFlags : uint32_t {
-  kEntryFirst = 1,    // first chunk of a message: tag, total size, dtype and shape are valid
-  kEntryLast = 2,     // last chunk of a message
-  kEntryControl = 4,  // a collective's message (barrier, broadcast), matched apart from user tags
+  kEntryFirst = 1,      // first chunk of a message: tag, total size, dtype and shape are valid
+  kEntryLast = 2,       // last chunk of a message
+  kEntryControl = 4,    // a collective's message (barrier, broadcast), matched apart from user tags
   kEntryReference = 8,  // the message's bytes are in a file: the payload is a MemmapReference
   // First entry only, at most one of the two: `check` holds what tdshm's transfer layer knows of
   // the message (tensordict's wire has no room for it, so it rides here): a 32-bit hash of the
@@ -182,6 +185,9 @@ enum EntryFlags : uint32_t {
   // The message's bytes are in the sender's loan heap: the inline payload is a LoanReference
   // (always a whole message: kEntryFirst | kEntryLast | kEntryInline).
   kEntryLoan = 128,
+  // The message's bytes fill the ring entries right after this one (a span, see EntryHeader):
+  // always a whole message, kEntryFirst | kEntryLast, never with kEntryInline.
+  kEntrySpan = 256,
 };
 
 /// Payload of a kEntryLoan entry: the message's total_bytes are at `offset` in the sender's loan
@@ -204,16 +210,24 @@ struct MemmapReference {
 };
 static_assert(sizeof(MemmapReference) == 16);
 
-/// The header of one ring entry; `seq` is stored last (release): position + 1 once the entry is
-/// complete. The consumer polls `seq` in the entry's first cache line, which also holds every
-/// field a whole small message needs and its first 24 inline bytes: a message of up to 24 bytes
-/// moves one cache line (the seed tree's 8- and 24-byte leaves), one of up to kInlineBytes two,
-/// and needs no slot; a larger chunk is in the sending rank's arena slot. The fields only some
-/// entries need (EntryTail: a continuation's offset, a slot) follow the inline bytes, and the
-/// shape of a tensor of 2 or more dimensions comes last (EntryShape); each is read only then.
+/// The header of one ring entry; `seq` is stored last (release): seq_word(key, position) once the
+/// entry is complete. The consumer polls `seq` in the entry's first cache line, which also holds
+/// every field a whole small message needs and its first 24 inline bytes: a message of up to 24
+/// bytes moves one cache line (the seed tree's 8- and 24-byte leaves), one of up to kInlineBytes
+/// two. The fields only some entries need (EntryTail: a continuation's offset, a slot) follow the
+/// inline bytes, and the shape of a tensor of 2 or more dimensions comes last (EntryShape); each is
+/// read only then.
 ///
 ///   entry (kEntryBytes):  | EntryHeader (40 B) | inline payload (72 B) | EntryTail (16 B) | EntryShape (64 B) |
 ///                         |<---------------- line 0 ------------>|<------ line 1 ------------->|<-- line 2 -->|
+///
+/// Spans (layout 9). A whole message of up to span_limit() bytes that is too large to be inline
+/// travels in the entries right after its header entry, as raw bytes from the first byte of the
+/// next entry on (ceil(bytes / kEntryBytes) entries; at the ring's end they go on at entry 0): the
+/// consumer reads the header's line, then the payload's lines, all at once, and no slot state,
+/// slot index or tail line. The header entry's lines 1 and 2 are read only for a shape. Because a
+/// span leaves payload bytes where a later lap expects a header, an entry's seq is not position + 1
+/// but that mixed with the ring's random key (seq_word): payload never reads as published.
 struct EntryHeader {
   std::atomic<uint64_t> seq;  // 0
   int64_t tag;                // 8   first entry only
@@ -255,6 +269,32 @@ inline constexpr uint64_t kEntryBytes = kEntryShapeOffset + sizeof(EntryShape);
 static_assert(kEntryShapeOffset == 128 && kEntryBytes == 192, "an entry is three cache lines");
 
 inline constexpr uint8_t kShapeNotSent = 255;
+
+/// A span's payload: at most this many bytes (a receiver refuses more, and stages a span that
+/// wraps around the ring's end in a buffer of this size).
+inline constexpr uint64_t kMaxSpanBytes = 8192;
+
+/// The entries a span of `bytes` fills after its header entry.
+constexpr uint64_t span_entries(uint64_t bytes) { return (bytes + kEntryBytes - 1) / kEntryBytes; }
+
+/// The largest message a sender puts in a span of a ring of `ring_entries`: one that, with its
+/// header, takes at most half the ring (the other half keeps room for what follows).
+constexpr uint64_t span_limit(uint32_t ring_entries) {
+  const uint64_t half = ring_entries / 2;
+  return half < 2 ? 0 : std::min<uint64_t>(kMaxSpanBytes, (half - 1) * kEntryBytes);
+}
+
+/// The random key of the ring src -> dst in the incarnation `incarnation` (SegmentHeader): a
+/// splitmix64 of the two, with the top bit set so that no seq word of a position below 2^63 is 0.
+constexpr uint64_t ring_key(uint64_t incarnation, uint32_t src, uint32_t dst) {
+  uint64_t z = incarnation + 0x9e3779b97f4a7c15ull * (1 + (uint64_t{src} << 32 | dst));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return (z ^ (z >> 31)) | (uint64_t{1} << 63);
+}
+
+/// What `seq` holds once the entry of `position` is published in a ring of key `key`.
+constexpr uint64_t seq_word(uint64_t key, uint64_t position) { return (position + 1) ^ key; }
 
 /// The state of one arena slot, at the start of its owner's region (ArenaSlot[slots_per_rank],
 /// padded to a cache line). Only the owner moves a slot from free to taken (before it writes

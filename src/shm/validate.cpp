@@ -114,20 +114,27 @@ void read_entry(const EntryHeader& shared, const EntryTail& tail, EntryFields& e
   // flags was read once above; the decisions use that copy.
   const void* t = &tail;
   e.chunk_offset = (e.flags & kEntryFirst) ? 0 : load_field<uint64_t>(t, offsetof(EntryTail, chunk_offset));
-  e.slot = (e.flags & kEntryInline) ? 0 : load_field<uint32_t>(t, offsetof(EntryTail, slot));
+  e.slot = (e.flags & (kEntryInline | kEntrySpan)) ? 0 : load_field<uint32_t>(t, offsetof(EntryTail, slot));
 }
 
 std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaShape& arena, uint64_t max_message_bytes) {
   constexpr uint32_t kChecks = kEntryKeyCheck | kEntrySchemaCheck;
   constexpr uint32_t kKnown =
-      kEntryFirst | kEntryLast | kEntryControl | kEntryReference | kChecks | kEntryInline | kEntryLoan;
+      kEntryFirst | kEntryLast | kEntryControl | kEntryReference | kChecks | kEntryInline | kEntryLoan | kEntrySpan;
   if (e.flags & ~kKnown) return "unknown flags " + std::to_string(e.flags);
   const bool first = (e.flags & kEntryFirst) != 0, last = (e.flags & kEntryLast) != 0;
   if ((e.flags & kChecks) == kChecks) return "both a key check and a schema check";
   if ((e.flags & kChecks) != 0 && !first) return "a check on a continuation entry";
   if (e.leaves != 0 && (e.flags & kEntryKeyCheck) == 0) return "a leaf count without a key check";
   const bool control = (e.flags & kEntryControl) != 0;
-  if (e.flags & kEntryInline) {
+  if (e.flags & kEntrySpan) {
+    if (e.flags & (kEntryInline | kEntryReference | kEntryLoan)) return "a span that is inline, a reference or a loan";
+    if (!first || !last) return "a span that is not a whole message";
+    if (e.chunk_bytes > kMaxSpanBytes || 1 + span_entries(e.chunk_bytes) > arena.ring_entries) {
+      return "span of " + std::to_string(e.chunk_bytes) + " bytes in a ring of " + std::to_string(arena.ring_entries) +
+             " entries";
+    }
+  } else if (e.flags & kEntryInline) {
     if (e.chunk_bytes > kInlineBytes) return "inline chunk of " + std::to_string(e.chunk_bytes) + " bytes";
   } else {
     if (e.slot >= arena.slots_per_rank) {

@@ -84,7 +84,7 @@ struct EntryFields {
 
 /// Copies the fields of the entry `shared` with tail `tail` (call after the acquire load of its
 /// seq). The tail is read only where the flags say the entry has it: a first entry's chunk offset
-/// is 0, an inline chunk's slot 0. Written into `out` in place (the caller's copy): a returned
+/// is 0, an inline or span chunk's slot 0. Written into `out` in place (the caller's copy): a returned
 /// struct, stored field by field and then copied whole, stalled the copy's wide loads.
 void read_entry(const EntryHeader& shared, const EntryTail& tail, EntryFields& out) noexcept;
 
@@ -100,6 +100,7 @@ struct RxProgress {
 struct ArenaShape {
   uint64_t slot_bytes = 0;
   uint32_t slots_per_rank = 0;
+  uint32_t ring_entries = 0;  // of the ring the entry came from: bounds a span
 };
 
 /// Checks one entry against the ring's state, the arena's shape and the largest message the

@@ -16,7 +16,7 @@
 //
 // The raw entries are laid out with the structs and segment_geometry of shm/segment_layout.h,
 // offsets computed from the header, never hard-coded. The ring protocol: the producer fills the
-// entry at position p (entry p % ring_entries), stores seq = p + 1 (release), then head = p + 1;
+// entry at position p (entry p % ring_entries), stores seq = seq_word(p) (release), then head = p + 1;
 // a fresh group's rings start at position 0, and the hostile rank sends nothing through its
 // engine, so its raw entries start at 0.
 
@@ -147,7 +147,11 @@ class RingWriter {
     SHM_CHECK(src >= 0 && dst >= 0 && static_cast<uint32_t>(src) < world_ && static_cast<uint32_t>(dst) < world_);
     ring_ = seg_.data() + geo_.rings_offset +
             (uint64_t{static_cast<uint32_t>(src)} * world_ + static_cast<uint32_t>(dst)) * geo_.ring_bytes;
+    key_ = shm::ring_key(h.incarnation, static_cast<uint32_t>(src), static_cast<uint32_t>(dst));
   }
+
+  /// What the entry of `pos` holds in seq once published (segment_layout.h: seq_word).
+  uint64_t seq_word(uint64_t pos) const { return shm::seq_word(key_, pos); }
 
   uint64_t slot_bytes() const { return slot_; }
   uint32_t ring_entries() const { return entries_; }
@@ -219,7 +223,7 @@ class RingWriter {
 
   /// Publishes the entry at `pos`: seq (release), head, then wakes the consumer.
   void publish(uint64_t pos) const {
-    header(pos).seq.store(pos + 1, std::memory_order_release);
+    header(pos).seq.store(seq_word(pos), std::memory_order_release);
     control().head.store(pos + 1, std::memory_order_release);
     wake();
   }
@@ -228,6 +232,29 @@ class RingWriter {
   void put(uint64_t pos, const Fields& f, const void* data = nullptr, size_t bytes = 0) const {
     write(pos, f, data, bytes);
     publish(pos);
+  }
+
+  /// Writes and publishes a span at `pos` (segment_layout.h): the entry with kEntrySpan added to
+  /// the flags, then up to `bytes` of `data` in the entries after it (on at entry 0 past the
+  /// ring's end; at most what the rest of the ring holds), head past them.
+  void put_span(uint64_t pos, const Fields& f, const void* data, size_t bytes) const {
+    EntryHeader& e = header(pos);
+    store_relaxed(e.tag, f.tag);
+    store_relaxed(e.total_bytes, f.total);
+    store_relaxed(e.chunk_bytes, f.chunk);
+    store_relaxed(e.flags, f.flags | uint32_t{shm::kEntrySpan});
+    store_relaxed(e.dtype, f.dtype);
+    store_relaxed(e.ndim, f.ndim);
+    const size_t room = (entries_ - 1) * shm::kEntryBytes;
+    const auto* from = static_cast<const uint8_t*>(data);
+    for (size_t off = 0; off < std::min(bytes, room); off += shm::kEntryBytes) {
+      std::memcpy(entry_base(pos + 1 + off / shm::kEntryBytes), from + off,
+                  std::min<size_t>(shm::kEntryBytes, bytes - off));
+    }
+    header(pos).seq.store(seq_word(pos), std::memory_order_release);
+    control().head.store(pos + 1 + std::min<uint64_t>(shm::span_entries(f.chunk), entries_ - 1),
+                         std::memory_order_release);
+    wake();
   }
 
   void wake() const {
@@ -252,6 +279,7 @@ class RingWriter {
   uint32_t slots_ = 0;
   shm::SegmentGeometry geo_{};
   std::byte* ring_ = nullptr;
+  uint64_t key_ = 0;  // the ring's seq key
 };
 
 /// The payload of a kEntryReference entry naming `path` at `offset`.
@@ -459,8 +487,30 @@ std::vector<Garbage> garbage_cases(uint64_t slot) {
   const uint8_t* data = kPayload.data();
   std::vector<Garbage> out;
   out.push_back({"unknown flag bits", "unknown flags", 64, [=](const RingWriter& r, int64_t tag) {
-                   r.put(0, {.tag = tag, .total = 64, .chunk = 64, .flags = kFirst | kLast | 0x100}, data, 64);
+                   r.put(0, {.tag = tag, .total = 64, .chunk = 64, .flags = kFirst | kLast | 0x10000}, data, 64);
                  }});
+  // Spans (layout 9): the message's bytes in the ring entries after its header.
+  out.push_back({"a span larger than the ring", "bytes in a ring of", 4096, [=](const RingWriter& r, int64_t tag) {
+                   const auto chunk = static_cast<uint32_t>(r.ring_entries() * shm::kEntryBytes);
+                   r.put_span(0, {.tag = tag, .total = chunk, .chunk = chunk, .flags = kFirst | kLast}, data, chunk);
+                 }});
+  out.push_back({"a span of 2^32 - 1 bytes", "span of 4294967295 bytes", 4096, [=](const RingWriter& r, int64_t tag) {
+                   r.put_span(0, {.tag = tag, .total = 0xFFFFFFFFu, .chunk = 0xFFFFFFFFu, .flags = kFirst | kLast},
+                              data, 4096);
+                 }});
+  out.push_back({"a span that is half a message", "a span that is not a whole message", 1000,
+                 [=](const RingWriter& r, int64_t tag) {
+                   r.put_span(0, {.tag = tag, .total = 1000, .chunk = 500, .flags = kFirst}, data, 500);
+                 }});
+  out.push_back({"a span that is also inline", "a span that is inline", 50, [=](const RingWriter& r, int64_t tag) {
+                   r.put_span(0, {.tag = tag, .total = 50, .chunk = 50, .flags = kFirst | kLast | shm::kEntryInline},
+                              data, 50);
+                 }});
+  out.push_back({"a span of garbage bytes", "", 500,
+                 [=](const RingWriter& r, int64_t tag) {
+                   r.put_span(0, {.tag = tag, .total = 500, .chunk = 500, .flags = kFirst | kLast}, data, 500);
+                 },
+                 Verdict::kReceived});
   out.push_back({"a continuation without a first entry", "continuation without a first entry", 64,
                  [=](const RingWriter& r, int64_t tag) {
                    r.put(0, {.tag = tag, .total = 64, .chunk = 64, .flags = kLast}, data, 64);

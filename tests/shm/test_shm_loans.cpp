@@ -446,7 +446,7 @@ TEST_F(ShmLoan, AForgedLoanReferenceIsRefused) {
     e->ndim = 1;
     const shm::LoanReference ref{h.loan_bytes - 8, 0, 0};  // ticket 0 is free, the bytes run past the heap
     std::memcpy(reinterpret_cast<std::byte*>(e) + sizeof(shm::EntryHeader), &ref, sizeof ref);
-    e->seq.store(1, std::memory_order_release);
+    e->seq.store(shm::seq_word(shm::ring_key(h.incarnation, 1, 0), 0), std::memory_order_release);
     reinterpret_cast<shm::RingControl*>(ring)->head.store(1, std::memory_order_release);
     shm::wake(seg.rank_slot(0));
     wait_step(*flags, 1);

@@ -14,12 +14,24 @@ namespace {
 using namespace tdshm::shm;
 
 TEST(ShmLayout, VersionAndMagicArePinned) {
-  EXPECT_EQ(kLayoutVersion, 8u);
+  EXPECT_EQ(kLayoutVersion, 9u);
   char magic[8];
   std::memcpy(magic, &kSegmentMagic, 8);
   EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");
   EXPECT_EQ(kCacheLine, 64u);
   EXPECT_EQ(kMaxDims, 8u);
+}
+
+TEST(ShmLayout, SpansAndSeqWordsArePinned) {
+  // Layout 9: the flag, the limits and the seq word a peer of the same layout computes.
+  EXPECT_EQ(uint32_t{kEntrySpan}, 256u);
+  EXPECT_EQ(kMaxSpanBytes, 8192u);
+  EXPECT_EQ(span_entries(4096), 22u);
+  EXPECT_EQ(span_limit(64), 31u * 192u);
+  EXPECT_EQ(ring_key(0x0123456789abcdefull, 2, 5), 0x96f5076973a02b13ull);
+  EXPECT_NE(ring_key(1, 0, 1), ring_key(1, 1, 0));
+  EXPECT_EQ(seq_word(0x8000000000000000ull, 0), 0x8000000000000001ull);
+  for (uint64_t pos : {uint64_t{0}, uint64_t{1}, uint64_t{1} << 40}) EXPECT_NE(seq_word(ring_key(9, 3, 4), pos), 0u);
 }
 
 TEST(ShmLayout, SegmentHeaderV3) {

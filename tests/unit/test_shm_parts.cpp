@@ -107,9 +107,13 @@ std::string mismatch(const EntryFields& f, const RingConsumer& c, uint64_t i) {
   return {};
 }
 
+/// The key of the test rings' seq words (any ring_key).
+constexpr uint64_t kTestKey = ring_key(0x1234, 0, 1);
+
 /// A zeroed ring of `entries` entries with both ends.
 struct TestRing {
-  explicit TestRing(uint32_t n) : buffer(ring_bytes(n)), view(buffer.data(), n), producer(view), consumer(view) {}
+  explicit TestRing(uint32_t n)
+      : buffer(ring_bytes(n)), view(buffer.data(), n, kTestKey), producer(view), consumer(view) {}
   AlignedBuffer buffer;
   RingView view;
   RingProducer producer;
@@ -225,7 +229,7 @@ TEST(ShmRing, PeekIsFalseForAnEntryNotPublished) {
   EXPECT_FALSE(r.consumer.peek(f));
 }
 
-TEST(ShmRing, ConsumerSeesOnlyASeqOfExactlyPositionPlusOne) {
+TEST(ShmRing, ConsumerSeesOnlyTheSeqWordOfItsPosition) {
   constexpr uint32_t n = 4;
   TestRing r(n);
   // Move both ends past a lap and a half: the consumer's entry (position 6, entry 2) holds the
@@ -236,13 +240,15 @@ TEST(ShmRing, ConsumerSeesOnlyASeqOfExactlyPositionPlusOne) {
   }
   ASSERT_EQ(r.consumer.position(), 6u);
   std::atomic<uint64_t>& seq = r.view.header(6).seq;
-  EXPECT_EQ(seq.load(), 3u);  // the older lap's
+  EXPECT_EQ(seq.load(), seq_word(kTestKey, 2));  // the older lap's
 
   EntryFields sentinel;
   sentinel.tag = -42;
   sentinel.slot = 12345;
-  for (uint64_t hostile : {uint64_t{3}, uint64_t{0}, uint64_t{6}, uint64_t{8}, uint64_t{7 + n}, uint64_t{7 - n},
-                           uint64_t{UINT64_MAX}, uint64_t{7} << 32 | 7}) {
+  // Unkeyed values (position + 1, what a span's payload may hold) and other positions' words.
+  for (uint64_t hostile : {uint64_t{3}, uint64_t{0}, uint64_t{7}, uint64_t{8}, seq_word(kTestKey, 5),
+                           seq_word(kTestKey, 7), seq_word(kTestKey, 6 + n), seq_word(kTestKey, 6 - n),
+                           seq_word(ring_key(0x1234, 1, 0), 6), uint64_t{UINT64_MAX}, uint64_t{7} << 32 | 7}) {
     SCOPED_TRACE("seq " + std::to_string(hostile));
     seq.store(hostile);
     EntryFields f = sentinel;
@@ -253,7 +259,7 @@ TEST(ShmRing, ConsumerSeesOnlyASeqOfExactlyPositionPlusOne) {
   }
   // The right seq (as the producer would store it) is seen.
   fill_entry(r.producer, 6);
-  seq.store(7);
+  seq.store(seq_word(kTestKey, 6));
   EntryFields f;
   ASSERT_TRUE(r.consumer.peek(f));
   EXPECT_EQ(mismatch(f, r.consumer, 6), "");
@@ -345,7 +351,7 @@ TEST(ShmRing, ReadEntryCopiesTheFields) {
 // check_entry on copies of entries a peer wrote into the ring: the peer's values, read once.
 class ShmRingCheck : public ::testing::Test {
  protected:
-  static constexpr ArenaShape kArena{65536, 64};
+  static constexpr ArenaShape kArena{65536, 64, 4};
   static constexpr uint64_t kMaxMessage = uint64_t{1} << 30;
 
   /// Publishes an entry with these fields at the ring's next position and returns the
@@ -409,7 +415,7 @@ TEST_F(ShmRingCheck, HostileEntriesAreRefused) {
   EXPECT_EQ(check(through_ring(whole, 65537, 0, 65537, 0)), "chunk of 65537 bytes in a slot of 65536");
   EXPECT_EQ(check(through_ring(whole, 1u << 31, 0, 0xffffffffu, 0)), "chunk of 4294967295 bytes in a slot of 65536");
   // Flags tdshm does not know.
-  EXPECT_EQ(check(through_ring(whole | 256, 8, 0, 8, 0)), "unknown flags 259");
+  EXPECT_EQ(check(through_ring(whole | 512, 8, 0, 8, 0)), "unknown flags 515");
   // A loan is one whole inline entry whose chunk is a LoanReference.
   EXPECT_EQ(check(through_ring(whole | kEntryInline | kEntryLoan, 100, 0, 16, 0)), "");
   EXPECT_EQ(check(through_ring(whole | kEntryInline | kEntryLoan, 100, 0, 8, 0)), "loan reference of 8 bytes");
@@ -428,6 +434,117 @@ TEST_F(ShmRingCheck, HostileEntriesAreRefused) {
   EXPECT_EQ(check(through_ring(0, 0, 65536, 65536, 64), rx), "arena slot 64 of 64");
   EXPECT_EQ(check(through_ring(kEntryInline, 0, 65536, 100, 0), rx), "inline chunk of 100 bytes");
   EXPECT_EQ(check(through_ring(0, 0, 65536, 65537, 1), rx), "chunk of 65537 bytes in a slot of 65536");
+}
+
+TEST_F(ShmRingCheck, SpansAreWholeMessagesTheRingCanHold) {
+  constexpr uint32_t whole = kEntryFirst | kEntryLast;
+  // The test ring has 4 entries: a span of up to 3 entries (576 bytes) after its header.
+  EXPECT_EQ(check(through_ring(whole | kEntrySpan, 500, 0, 500, 0xffffffffu)), "");  // no slot read
+  EXPECT_EQ(check(through_ring(whole | kEntrySpan, 576, 0, 576, 0)), "");
+  EXPECT_EQ(check(through_ring(whole | kEntrySpan, 577, 0, 577, 0)), "span of 577 bytes in a ring of 4 entries");
+  EXPECT_EQ(check(through_ring(whole | kEntrySpan, 1u << 31, 0, 0xffffffffu, 0)),
+            "span of 4294967295 bytes in a ring of 4 entries");
+  EXPECT_EQ(check(through_ring(kEntryFirst | kEntrySpan, 1000, 0, 500, 0)), "a span that is not a whole message");
+  EXPECT_EQ(check(through_ring(whole | kEntrySpan | kEntryInline, 50, 0, 50, 0)),
+            "a span that is inline, a reference or a loan");
+  EXPECT_EQ(check(through_ring(whole | kEntrySpan | kEntryLoan, 100, 0, 16, 0)),
+            "a span that is inline, a reference or a loan");
+  EXPECT_EQ(check(through_ring(whole | kEntrySpan | kEntryReference, 100, 0, 100, 0)),
+            "a span that is inline, a reference or a loan");
+  EXPECT_EQ(check(through_ring(whole | kEntrySpan, 600, 0, 500, 0)), "last-entry flag disagrees with the size");
+  // Beyond kMaxSpanBytes even in a ring that could hold it.
+  const ArenaShape big{65536, 64, 1024};
+  const EntryFields f = through_ring(whole | kEntrySpan, kMaxSpanBytes + 1, 0, kMaxSpanBytes + 1, 0);
+  EXPECT_EQ(check_entry(f, {}, big, kMaxMessage), "span of 8193 bytes in a ring of 1024 entries");
+  const EntryFields g = through_ring(whole | kEntrySpan, kMaxSpanBytes, 0, kMaxSpanBytes, 0);
+  EXPECT_EQ(check_entry(g, {}, big, kMaxMessage), "");
+}
+
+TEST(ShmRing, SpansFillTheEntriesAfterTheirHeaderAndWrap) {
+  constexpr uint32_t n = 8;
+  TestRing r(n);
+  std::vector<uint8_t> stage(kMaxSpanBytes);
+  uint64_t published = 0;
+  // Spans of 1 to 3 entries at every start position, through many laps: the bytes read are the
+  // bytes written, contiguous in the ring or staged where they wrap around its end.
+  for (uint64_t i = 0; i < 200; ++i) {
+    const uint64_t bytes = 73 + (i * 97) % (3 * kEntryBytes - 72);
+    const uint64_t span = span_entries(bytes);
+    ASSERT_LE(span, 3u);
+    std::vector<uint8_t> payload(bytes);
+    for (uint64_t k = 0; k < bytes; ++k) payload[k] = static_cast<uint8_t>(i * 31 + k);
+    ASSERT_TRUE(r.producer.has_room(1 + span));
+    fill_entry(r.producer, i);
+    r.producer.write_span(payload.data(), bytes);
+    r.producer.publish(span);
+    published += 1 + span;
+    EXPECT_EQ(r.producer.position(), published);
+    EntryFields f;
+    ASSERT_TRUE(r.consumer.peek(f)) << i;
+    EXPECT_EQ(f.tag, static_cast<int64_t>(i) * 3 - 1000000007);
+    const uint8_t* got = r.consumer.span(bytes, stage.data());
+    const bool wraps = (r.consumer.position() + 1) % n + span > n;
+    EXPECT_EQ(got == stage.data(), wraps) << i;
+    EXPECT_EQ(std::memcmp(got, payload.data(), bytes), 0) << i;
+    r.consumer.consume(span);
+    EXPECT_EQ(r.consumer.position(), published);
+    EXPECT_EQ(r.view.control().tail.load(), published);
+  }
+}
+
+TEST(ShmRing, APayloadThatHoldsPositionsNeverReadsAsPublished) {
+  // A span leaves payload where a later lap expects headers. A payload of position + 1 values
+  // (what seq held before layout 9) at every entry's start is not a publication.
+  constexpr uint32_t n = 8;
+  TestRing r(n);
+  std::vector<uint8_t> payload(7 * kEntryBytes);
+  for (uint64_t e = 0; e < 7; ++e) {
+    // Entry 1 + e holds, at its start, position + 1 for the position it has in the next lap.
+    const uint64_t old_seq = n + 1 + e + 1;
+    std::memcpy(payload.data() + e * kEntryBytes, &old_seq, sizeof old_seq);
+  }
+  ASSERT_TRUE(r.producer.has_room(8));
+  fill_entry(r.producer, 0);
+  r.producer.write_span(payload.data(), payload.size());
+  r.producer.publish(7);
+  EntryFields f;
+  ASSERT_TRUE(r.consumer.peek(f));
+  r.consumer.consume(7);
+  // Position 8 (entry 0): not published yet. Then positions 9.. (entries 1..): payload, never
+  // published, whatever the consumer's position.
+  EXPECT_FALSE(r.consumer.peek(f));
+  TestRing other(n);
+  std::memcpy(other.buffer.data(), r.buffer.data(), ring_bytes(n));
+  for (uint64_t pos = n + 1; pos < 2 * n; ++pos) {
+    RingConsumer c(other.view);
+    for (uint64_t k = 0; k < pos; ++k) c.consume();  // move to `pos`
+    EXPECT_FALSE(c.peek(f)) << pos;
+    EXPECT_FALSE(c.ready_hint()) << pos;
+    EXPECT_TRUE(c.empty()) << pos;
+  }
+}
+
+TEST(ShmRing, RoomForASpanCountsEveryEntryItFills) {
+  constexpr uint32_t n = 8;
+  TestRing r(n);
+  EXPECT_TRUE(r.producer.has_room(8));
+  EXPECT_FALSE(r.producer.has_room(9));
+  fill_entry(r.producer, 0);
+  r.producer.write_span(std::vector<uint8_t>(2 * kEntryBytes, 1).data(), 2 * kEntryBytes);
+  r.producer.publish(2);  // 3 entries
+  EXPECT_TRUE(r.producer.has_room(5));
+  EXPECT_FALSE(r.producer.has_room(6));
+  EntryFields f;
+  ASSERT_TRUE(r.consumer.peek(f));
+  r.consumer.consume(2);
+  EXPECT_TRUE(r.producer.has_room(8));  // reads the tail once its cached copy says full
+  EXPECT_EQ(span_entries(1), 1u);
+  EXPECT_EQ(span_entries(kEntryBytes), 1u);
+  EXPECT_EQ(span_entries(kEntryBytes + 1), 2u);
+  EXPECT_EQ(span_limit(64), std::min<uint64_t>(kMaxSpanBytes, 31 * kEntryBytes));
+  EXPECT_EQ(span_limit(2), 0u);
+  EXPECT_EQ(span_limit(4), kEntryBytes);
+  EXPECT_EQ(span_limit(1u << 20), kMaxSpanBytes);
 }
 
 // ---- two threads -----------------------------------------------------------------------------
