@@ -51,10 +51,11 @@ WireLines wire_lines(int version, size_t bytes, unsigned ring_entries) {
 }
 
 void print_wire_lines(const std::vector<size_t>& sizes, unsigned ring_entries) {
-  std::printf("\ncache lines crossing between the two cores per message (a model from the segment layout, a\n"
-              "%u-entry ring; forward: written by the sender, read by the receiver; back: the other way;\n"
-              "steps: the receiver's fetches that wait for the one before)\n",
-              ring_entries);
+  std::printf(
+      "\ncache lines crossing between the two cores per message (a model from the segment layout, a\n"
+      "%u-entry ring; forward: written by the sender, read by the receiver; back: the other way;\n"
+      "steps: the receiver's fetches that wait for the one before)\n",
+      ring_entries);
   std::printf("%9s  %23s  %23s  %s\n", "size", "layout 8 fwd/back/steps", "this build (9)", "this build, in order");
   auto row = [&](const std::string& label, const std::vector<size_t>& messages) {
     WireLines old, now;

@@ -277,11 +277,18 @@ inline constexpr uint64_t kMaxSpanBytes = 8192;
 /// The entries a span of `bytes` fills after its header entry.
 constexpr uint64_t span_entries(uint64_t bytes) { return (bytes + kEntryBytes - 1) / kEntryBytes; }
 
-/// The largest message a sender puts in a span of a ring of `ring_entries`: one that, with its
-/// header, takes at most half the ring (the other half keeps room for what follows).
+/// The largest span this build's senders write (a sender's choice, not the layout's: receivers
+/// take up to kMaxSpanBytes). Measured here in minutes when lines cross cores slowly, a span
+/// against a slot: 1 KiB 0.75-0.95 against 1.58-1.67 us, 2 KiB about even, 4 KiB 5-10 % slower
+/// (a growing share of span messages pays ~0.9 us more, not yet understood: docs/transport.md).
+inline constexpr uint64_t kSpanSendBytes = 1536;
+
+/// The largest message a sender puts in a span of a ring of `ring_entries`: at most
+/// kSpanSendBytes, and one that with its header takes at most half the ring (the other half keeps
+/// room for what follows).
 constexpr uint64_t span_limit(uint32_t ring_entries) {
   const uint64_t half = ring_entries / 2;
-  return half < 2 ? 0 : std::min<uint64_t>(kMaxSpanBytes, (half - 1) * kEntryBytes);
+  return half < 2 ? 0 : std::min<uint64_t>(kSpanSendBytes, (half - 1) * kEntryBytes);
 }
 
 /// The random key of the ring src -> dst in the incarnation `incarnation` (SegmentHeader): a

@@ -231,7 +231,7 @@ Footprint footprint(uint64_t bytes, uint64_t slot_bytes, uint32_t ring_entries) 
 
 /// A group of three forked ranks of ProcessGroupShm on `name` with the default slot geometry
 /// (64 KiB slots, 64 per rank, 64-entry rings) and messages in flight: rank 0 sends to rank 1
-/// three messages of kBytes01 (8 B inline, 100 KiB in two slots, 4 KiB in a span), rank 2 sends
+/// three messages of kBytes01 (8 B inline, 100 KiB in two slots, 4 KiB in one), rank 2 sends
 /// rank 1 one of kBytes21; rank 1 receives them only in receive(). Every rank stays attached
 /// until release(), so the segment can be inspected before and after the receives. Each wait has
 /// a deadline; a group not released cleanly is killed and its segment removed by the destructor.
@@ -702,8 +702,8 @@ TEST_F(ShmTools, LayoutVersion5DetailsOfMessagesInFlight) {
   const uint64_t slot = group.slot_bytes();
 
   // What the layout says the messages take: 8 B inline is 1 entry and no slot, 100 KiB is 2
-  // entries and 2 slots of 64 KiB, 4 KiB is a span of 1 + 22 entries; rank 2's 1000 B a span of
-  // 1 + 6 entries.
+  // entries and 2 slots of 64 KiB, 4 KiB (past the span limit) 1 entry and 1 slot; rank 2's
+  // 1000 B a span of 1 + 6 entries.
   uint64_t entries01 = 0, slots01 = 0, bytes01 = 0;
   for (const uint64_t bytes : InFlightGroup::kBytes01) {
     const Footprint f = footprint(bytes, slot, 64);
@@ -712,8 +712,8 @@ TEST_F(ShmTools, LayoutVersion5DetailsOfMessagesInFlight) {
     bytes01 += bytes;
   }
   ASSERT_EQ(slot, uint64_t{64} << 10);
-  ASSERT_EQ(entries01, 26u);
-  ASSERT_EQ(slots01, 2u);
+  ASSERT_EQ(entries01, 4u);
+  ASSERT_EQ(slots01, 3u);
   ASSERT_EQ(bytes01, 8u + 102400u + 4096u);
   const Footprint f21 = footprint(InFlightGroup::kBytes21, slot, 64);
   ASSERT_EQ(f21.entries, 7u);
@@ -973,9 +973,7 @@ TEST_F(ShmTools, AWaiterLeavesOtherSourcesInTheRingWhileTheRankItWaitsForRuns) {
                                    [](const shm::PairInfo& p) { return p.src == 1 && p.dst == 0; });
     SHM_CHECK(pair != info.details->pairs.end(), "no pair 1 -> 0");
     if (waited < 15ms) {
-      // Two 4 KiB messages in spans (1 + 22 entries each), the third in a slot (the ring of 64 has
-      // no room for a third span).
-      SHM_CHECK(pair->depth == 2 * 23 + 1 && pair->messages == 3 && pair->bytes_in_flight == 3 * 4096,
+      SHM_CHECK(pair->depth == 3 && pair->messages == 3 && pair->bytes_in_flight == 3 * 4096,
                 "rank 1's messages left the ring while rank 0 waited for a running rank 2: depth "
                     << pair->depth << ", messages " << pair->messages << ", " << pair->bytes_in_flight << " bytes");
     } else {
@@ -1464,18 +1462,18 @@ TEST_F(ShmCli, InspectShowsMessagesAndArenaSlotsInFlight) {
   InFlightGroup group(name);
   ASSERT_TRUE(group.ready()) << group.describe();
 
-  // 0->1: 8 B inline (1 entry) + 100 KiB in 2 entries and 2 slots of rank 0's arena (128 KiB)
-  // handed to rank 1 + 4 KiB in a span (1 + 22 entries) = 26 entries, 3 messages, 106504 bytes;
-  // 2->1: 1000 B in a span, 1 + 6 entries, no slot.
+  // 0->1: 8 B inline + 100 KiB in 2 entries + 4 KiB = 4 entries, 3 messages, 106504 bytes, 3
+  // slots of rank 0's arena (192 KiB) handed to rank 1; 2->1: 1000 B in a span, 1 + 6 entries,
+  // no slot.
   ToolRun in = run_tool({"inspect", name});
   EXPECT_EQ(in.rc, 0) << in.describe("inspect");
-  EXPECT_EQ(row_words(in.out, "0->1"), (Words{"0->1", "26", "0", "26", "3", "106504"})) << in.describe("inspect");
+  EXPECT_EQ(row_words(in.out, "0->1"), (Words{"0->1", "4", "0", "4", "3", "106504"})) << in.describe("inspect");
   EXPECT_EQ(row_words(in.out, "2->1"), (Words{"2->1", "7", "0", "7", "1", "1000"})) << in.describe("inspect");
   EXPECT_EQ(row_words(in.out, "1->0"), (Words{"1->0", "0", "0", "0", "0", "0"})) << in.describe("inspect");
   const std::string version_line = "layout version " + std::to_string(shm::kLayoutVersion) + " details";
   for (const char* needle :
        {version_line.c_str(), "slots_per_rank 64",
-        "arena of rank 0: 2 of 64 slots in use, 128.0 KiB reserved (2 for rank 1)",
+        "arena of rank 0: 3 of 64 slots in use, 192.0 KiB reserved (3 for rank 1)",
         "arena of rank 1: 0 of 64 slots in use\n", "arena of rank 2: 0 of 64 slots in use\n", "WAKE_SEQ"}) {
     EXPECT_TRUE(has(in.out, needle)) << "no '" << needle << "' in\n" << in.describe("inspect " + name);
   }
@@ -1483,11 +1481,11 @@ TEST_F(ShmCli, InspectShowsMessagesAndArenaSlotsInFlight) {
   ToolRun inj = run_tool({"inspect", "--json", name});
   EXPECT_EQ(inj.rc, 0) << inj.describe("inspect --json");
   for (const char* needle :
-       {"\"src\": 0, \"dst\": 1, \"head\": 26, \"tail\": 0, \"depth\": 26, \"messages\": 3, \"bytes_in_flight\": "
+       {"\"src\": 0, \"dst\": 1, \"head\": 4, \"tail\": 0, \"depth\": 4, \"messages\": 3, \"bytes_in_flight\": "
         "106504, "
         "\"inconsistent\": false",
-        "\"owner\": 0, \"slots\": 64, \"slots_taken\": 2, \"bytes_taken\": 131072, \"taken_by_dst\": [{\"dst\": 1, "
-        "\"slots\": 2}], \"invalid_states\": 0, \"read\": true",
+        "\"owner\": 0, \"slots\": 64, \"slots_taken\": 3, \"bytes_taken\": 196608, \"taken_by_dst\": [{\"dst\": 1, "
+        "\"slots\": 3}], \"invalid_states\": 0, \"read\": true",
         "\"src\": 2, \"dst\": 1, \"head\": 7, \"tail\": 0, \"depth\": 7, \"messages\": 1, \"bytes_in_flight\": 1000",
         "\"owner\": 2, \"slots\": 64, \"slots_taken\": 0, \"bytes_taken\": 0"}) {
     EXPECT_TRUE(has(inj.out, needle)) << "no '" << needle << "' in\n" << inj.describe("inspect --json");
@@ -1496,7 +1494,7 @@ TEST_F(ShmCli, InspectShowsMessagesAndArenaSlotsInFlight) {
   ASSERT_TRUE(group.receive()) << group.describe();
   in = run_tool({"inspect", name});
   EXPECT_EQ(in.rc, 0) << in.describe("inspect (received)");
-  EXPECT_EQ(row_words(in.out, "0->1"), (Words{"0->1", "26", "26", "0", "0", "0"})) << in.describe("inspect (received)");
+  EXPECT_EQ(row_words(in.out, "0->1"), (Words{"0->1", "4", "4", "0", "0", "0"})) << in.describe("inspect (received)");
   EXPECT_EQ(row_words(in.out, "2->1"), (Words{"2->1", "7", "7", "0", "0", "0"})) << in.describe("inspect (received)");
   for (const char* needle : {"arena of rank 0: 0 of 64 slots in use\n", "arena of rank 2: 0 of 64 slots in use\n"}) {
     EXPECT_TRUE(has(in.out, needle)) << "no '" << needle << "' in\n" << in.describe("inspect (received)");

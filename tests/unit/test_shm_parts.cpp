@@ -541,10 +541,12 @@ TEST(ShmRing, RoomForASpanCountsEveryEntryItFills) {
   EXPECT_EQ(span_entries(1), 1u);
   EXPECT_EQ(span_entries(kEntryBytes), 1u);
   EXPECT_EQ(span_entries(kEntryBytes + 1), 2u);
-  EXPECT_EQ(span_limit(64), std::min<uint64_t>(kMaxSpanBytes, 31 * kEntryBytes));
+  EXPECT_EQ(span_limit(64), kSpanSendBytes);  // 31 entries would hold 5,952 bytes
   EXPECT_EQ(span_limit(2), 0u);
   EXPECT_EQ(span_limit(4), kEntryBytes);
-  EXPECT_EQ(span_limit(1u << 20), kMaxSpanBytes);
+  EXPECT_EQ(span_limit(8), 3 * kEntryBytes);
+  EXPECT_EQ(span_limit(1u << 20), kSpanSendBytes);
+  EXPECT_LE(kSpanSendBytes, kMaxSpanBytes);
 }
 
 // ---- two threads -----------------------------------------------------------------------------
