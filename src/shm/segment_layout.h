@@ -280,7 +280,7 @@ constexpr uint64_t span_entries(uint64_t bytes) { return (bytes + kEntryBytes - 
 /// The largest span this build's senders write (a sender's choice, not the layout's: receivers
 /// take up to kMaxSpanBytes). Measured here in minutes when lines cross cores slowly, a span
 /// against a slot: 1 KiB 0.75-0.95 against 1.58-1.67 us, 2 KiB about even, 4 KiB 5-10 % slower
-/// (a growing share of span messages pays ~0.9 us more, not yet understood: docs/transport.md).
+/// (a growing share of span messages pays ~0.9 us more, not yet understood: docs/benchmarks.md).
 inline constexpr uint64_t kSpanSendBytes = 1536;
 
 /// The largest message a sender puts in a span of a ring of `ring_entries`: at most
