@@ -255,8 +255,8 @@ class ShmChannel {
   bool progress_receives(int src, bool drain_all);
   // The chunk of `e`, the next entry of `src`'s ring: in the entry, in the entries after it (a
   // span the ring can hold), or in the sender's slot if that slot is handed to this rank (else
-  // null: the entry is corrupt, or the slot was taken back). Inline: every entry
-  // read asks, twice.
+  // null: the entry is corrupt, or the slot was taken back). Inline: every entry read asks,
+  // twice.
   const uint8_t* chunk_of(int src, const shm::EntryFields& e) const {
     const auto s = static_cast<size_t>(src);
     if (e.flags & shm::kEntryInline) return rx_[s].inline_bytes();

@@ -34,8 +34,8 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
   for (;;) {
     shm::EntryFields fields;
     if (!ring.peek(fields)) break;  // read once: only this copy is used below
-    // The chunk: in the entry, or in the sender's slot if that slot was handed to this rank (else
-    // null, and handle_entry refuses the entry as corrupt).
+    // The chunk: in the entry, in its span, or in the sender's slot if that slot was handed to
+    // this rank (else null, and handle_entry refuses the entry as corrupt).
     const bool in_slot = (fields.flags & (shm::kEntryInline | shm::kEntrySpan)) == 0;
     const uint8_t* payload = chunk_of(src, fields);
     Taken taken;

@@ -5,8 +5,8 @@
 // of position p is p % entries.
 //
 //  * The producer fills the entry at its position, then publishes it: seq = seq_word(key,
-//    position) (release), then head. It reads the consumer's tail only when its cached copy says the ring
-//    is full, so in the common case it never touches the consumer's cache line.
+//    position) (release), then head. It reads the consumer's tail only when its cached copy says
+//    the ring is full, so in the common case it never touches the consumer's cache line.
 //  * The consumer polls seq of the entry at its position (acquire), copies the fields out once
 //    (validate.h: only the copy is used), and consumes it by storing tail (release), which hands
 //    the entry back to the producer.
@@ -19,6 +19,7 @@
 #include "shm/segment_layout.h"
 #include "shm/validate.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
