@@ -41,10 +41,10 @@ ShmChannel::ShmChannel(shm::Segment& segment, int rank, int size, const ShmOptio
   tx_.resize(n);
   rx_.resize(n);
   regions_.resize(n);
+  const uint64_t incarnation = segment_.incarnation();
   for (uint32_t p = 0; p < static_cast<uint32_t>(size); ++p) {
     regions_[p] = shm::RegionView(segment_.region_memory(p), options.slots_per_rank, g.slot_table_bytes, g.slot_stride);
     if (p == me) continue;
-    const uint64_t incarnation = segment_.incarnation();
     tx_[p] = shm::RingProducer(
         shm::RingView(segment_.ring_memory(me, p), options.ring_entries, shm::ring_key(incarnation, me, p)));
     rx_[p] = shm::RingConsumer(
@@ -422,7 +422,7 @@ bool ShmChannel::write_entry(int dst, uint32_t flags, int64_t tag, const at::Ten
   e.chunk_bytes = static_cast<uint32_t>(chunk);  // slot_bytes <= 2^30
   // The tail's fields only where the entry has them: a whole small message writes line 0 alone.
   if (!(flags & shm::kEntryFirst)) ring.tail().chunk_offset = offset;
-  if (!(flags & (shm::kEntryInline | shm::kEntrySpan))) ring.tail().slot = slot;
+  if (!shm::chunk_in_ring(flags)) ring.tail().slot = slot;
   if (span != 0) {
     ring.write_span(chunk_data, chunk);
   } else if (chunk != 0) {

@@ -262,9 +262,8 @@ class ShmChannel {
     if (e.flags & shm::kEntryInline) return rx_[s].inline_bytes();
     if (e.flags & shm::kEntrySpan) {
       // Bounded here: this runs before check_entry (which then refuses such an entry).
-      if (e.chunk_bytes > shm::kMaxSpanBytes || shm::span_entries(e.chunk_bytes) >= options_.ring_entries)
-        return nullptr;
-      return rx_[s].span(e.chunk_bytes, span_stage_.data());
+      return shm::span_fits(e.chunk_bytes, options_.ring_entries) ? rx_[s].span(e.chunk_bytes, span_stage_.data())
+                                                                  : nullptr;
     }
     return shm::claimed_chunk(regions_[s], e.slot, static_cast<uint32_t>(rank_));
   }

@@ -36,7 +36,7 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
     if (!ring.peek(fields)) break;  // read once: only this copy is used below
     // The chunk: in the entry, in its span, or in the sender's slot if that slot was handed to
     // this rank (else null, and handle_entry refuses the entry as corrupt).
-    const bool in_slot = (fields.flags & (shm::kEntryInline | shm::kEntrySpan)) == 0;
+    const bool in_slot = !shm::chunk_in_ring(fields.flags);
     const uint8_t* payload = chunk_of(src, fields);
     Taken taken;
     try {
@@ -72,7 +72,7 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
 void ShmChannel::entry_taken(int src, const shm::EntryFields& e) {
   const auto s = static_cast<size_t>(src);
   const uint64_t span = (e.flags & shm::kEntrySpan) ? shm::span_entries(e.chunk_bytes) : 0;
-  if ((e.flags & (shm::kEntryInline | shm::kEntrySpan)) == 0) {
+  if (!shm::chunk_in_ring(e.flags)) {
     shm::release_slot(regions_[s], e.slot);
     freed_slot_since_wake_[s] = 1;
   }

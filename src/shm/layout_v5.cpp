@@ -323,7 +323,8 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
       read_entries(fd, file_bytes, base, entries_at, entry, "entries beyond the end of the file", budget, p,
                    [&](uint64_t pos, const uint8_t* e) {
                      if (pos < payload_until) return;
-                     if (load<uint64_t>(e + kSeqAt) != (keyed ? shm::seq_word(key, pos) : pos + 1)) {
+                     // Key 0 (versions 5 to 8) gives their word, position + 1.
+                     if (load<uint64_t>(e + kSeqAt) != shm::seq_word(key, pos)) {
                        ++pair_changed;  // taken and reused meanwhile
                        return;
                      }

@@ -277,6 +277,15 @@ inline constexpr uint64_t kMaxSpanBytes = 8192;
 /// The entries a span of `bytes` fills after its header entry.
 constexpr uint64_t span_entries(uint64_t bytes) { return (bytes + kEntryBytes - 1) / kEntryBytes; }
 
+/// Whether a receiver takes a span of `bytes` from a ring of `ring_entries` (at most
+/// kMaxSpanBytes, and room for its header entry besides).
+constexpr bool span_fits(uint64_t bytes, uint32_t ring_entries) {
+  return bytes <= kMaxSpanBytes && 1 + span_entries(bytes) <= ring_entries;
+}
+
+/// Whether an entry's chunk lies in the ring (inline or a span) rather than in an arena slot.
+constexpr bool chunk_in_ring(uint32_t flags) { return (flags & (kEntryInline | kEntrySpan)) != 0; }
+
 /// The largest span this build's senders write (a sender's choice, not the layout's: receivers
 /// take up to kMaxSpanBytes). Measured here in minutes when lines cross cores slowly, a span
 /// against a slot: 1 KiB 0.75-0.95 against 1.58-1.67 us, 2 KiB about even, 4 KiB 5-10 % slower

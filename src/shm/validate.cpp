@@ -114,7 +114,7 @@ void read_entry(const EntryHeader& shared, const EntryTail& tail, EntryFields& e
   // flags was read once above; the decisions use that copy.
   const void* t = &tail;
   e.chunk_offset = (e.flags & kEntryFirst) ? 0 : load_field<uint64_t>(t, offsetof(EntryTail, chunk_offset));
-  e.slot = (e.flags & (kEntryInline | kEntrySpan)) ? 0 : load_field<uint32_t>(t, offsetof(EntryTail, slot));
+  e.slot = chunk_in_ring(e.flags) ? 0 : load_field<uint32_t>(t, offsetof(EntryTail, slot));
 }
 
 std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaShape& arena, uint64_t max_message_bytes) {
@@ -130,7 +130,7 @@ std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaS
   if (e.flags & kEntrySpan) {
     if (e.flags & (kEntryInline | kEntryReference | kEntryLoan)) return "a span that is inline, a reference or a loan";
     if (!first || !last) return "a span that is not a whole message";
-    if (e.chunk_bytes > kMaxSpanBytes || 1 + span_entries(e.chunk_bytes) > arena.ring_entries) {
+    if (!span_fits(e.chunk_bytes, arena.ring_entries)) {
       return "span of " + std::to_string(e.chunk_bytes) + " bytes in a ring of " + std::to_string(arena.ring_entries) +
              " entries";
     }
