@@ -5,6 +5,7 @@
 #include "pingpong_table.h"
 #include "shm/segment_layout.h"
 
+#include <algorithm>
 #include <cstdio>
 
 namespace tdshm::bench {
@@ -20,7 +21,7 @@ uint64_t lines_of(uint64_t bytes) { return (bytes + kLine - 1) / kLine; }
 
 }  // namespace
 
-WireLines wire_lines(int version, size_t bytes, unsigned ring_entries) {
+WireLines wire_lines(int version, size_t bytes, unsigned ring_entries, int ndim) {
   WireLines w;
   uint64_t entries = 1;  // ring entries the message takes
   if (bytes <= kInlineOnLine0) {
@@ -45,8 +46,38 @@ WireLines wire_lines(int version, size_t bytes, unsigned ring_entries) {
     w.order = "entry line 0, then line 1 (slot index), then the slot's state and its " +
               std::to_string(lines_of(bytes)) + " lines; back: the slot's state";
   }
+  if (ndim >= 2 && ndim <= static_cast<int>(shm::kMaxDims)) {
+    // The shape on the header entry's third line, fetched once line 0 says how many dimensions
+    // (with the entry's other lines, not after them).
+    w.forward += 1;
+    w.steps = std::max(w.steps, 2);
+    w.order += " + line 2 (the shape)";
+  }
   // The sender reads the tail's line once a ring's worth of entries went by.
   w.back += static_cast<double>(entries) / ring_entries;
+  return w;
+}
+
+WireLines batch_lines(int version, const std::vector<Leaf>& leaves, unsigned ring_entries) {
+  uint64_t records = 0;
+  for (const Leaf& l : leaves) {
+    records += shm::batch_record_bytes(
+        l.ndim <= static_cast<int>(shm::kMaxDims) ? static_cast<uint8_t>(l.ndim) : shm::kShapeNotSent, l.bytes);
+  }
+  WireLines w;
+  if (version >= 10 && leaves.size() >= 2 && records <= shm::span_limit(ring_entries)) {
+    w.forward = 1 + static_cast<double>(lines_of(records));
+    w.steps = 2;
+    w.back = static_cast<double>(1 + shm::span_entries(records)) / ring_entries;
+    w.order = "one batch: entry line 0, then its " + std::to_string(lines_of(records)) + " lines of " +
+              std::to_string(leaves.size()) + " records together";
+    return w;
+  }
+  for (const Leaf& l : leaves) {
+    const WireLines one = wire_lines(version, l.bytes, ring_entries, l.ndim);
+    w.forward += one.forward, w.back += one.back, w.steps += one.steps;
+    w.order += (w.order.empty() ? "" : "; ") + one.order;
+  }
   return w;
 }
 
@@ -56,22 +87,18 @@ void print_wire_lines(const std::vector<size_t>& sizes, unsigned ring_entries) {
       "%u-entry ring; forward: written by the sender, read by the receiver; back: the other way;\n"
       "steps: the receiver's fetches that wait for the one before)\n",
       ring_entries);
-  std::printf("%9s  %23s  %23s  %s\n", "size", "layout 8 fwd/back/steps", "this build (9)", "this build, in order");
-  auto row = [&](const std::string& label, const std::vector<size_t>& messages) {
-    WireLines old, now;
-    for (const size_t bytes : messages) {
-      const WireLines o = wire_lines(8, bytes, ring_entries), n = wire_lines(shm::kLayoutVersion, bytes, ring_entries);
-      old.forward += o.forward, old.back += o.back, old.steps += o.steps;
-      now.forward += n.forward, now.back += n.back, now.steps += n.steps;
-      now.order += (now.order.empty() ? "" : "; ") + n.order;
-    }
+  const std::string build = "this build (" + std::to_string(shm::kLayoutVersion) + ")";
+  std::printf("%9s  %23s  %23s  %s\n", "size", "layout 8 fwd/back/steps", build.c_str(), "this build, in order");
+  auto row = [&](const std::string& label, const std::vector<Leaf>& messages) {
+    const WireLines old = batch_lines(8, messages, ring_entries);
+    const WireLines now = batch_lines(shm::kLayoutVersion, messages, ring_entries);
     std::printf("%9s  %9.1f %6.2f %6d  %9.1f %6.2f %6d  %s\n", label.c_str(), old.forward, old.back, old.steps,
                 now.forward, now.back, now.steps, now.order.c_str());
   };
   for (const size_t bytes : sizes) {
-    if (bytes <= (size_t{64} << 10)) row(detail::size_label(bytes), {bytes});
+    if (bytes <= (size_t{64} << 10)) row(detail::size_label(bytes), {{bytes, 1}});
   }
-  row("seed tree", {8, 24, 40});  // its three leaves, one message each
+  row("seed tree", {{8, 1}, {24, 2}, {40, 3}});  // its three leaves, one message each
   std::fflush(stdout);
 }
 

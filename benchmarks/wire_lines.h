@@ -11,7 +11,7 @@
 
 namespace tdshm::bench {
 
-/// One message's lines. Counts are per message in a ping-pong (a ring with room, a 1-D tensor,
+/// One message's lines (or a batch's). Counts are per message in a ping-pong (a ring with room,
 /// the message no larger than a slot); `back` includes the ring's tail, which the sender reads
 /// once its cached copy says the ring is full (a fraction a message).
 struct WireLines {
@@ -21,12 +21,23 @@ struct WireLines {
   std::string order;   // what crosses, step by step
 };
 
-/// The lines of a message of `bytes` in layout `version` (8: the arena for every message past
-/// 72 bytes; 9: spans) with rings of `ring_entries` entries.
-WireLines wire_lines(int version, size_t bytes, unsigned ring_entries);
+/// The lines of a message of `bytes` and `ndim` dimensions (2 or more: the entry's shape line) in
+/// layout `version` (8: the arena for every message past 72 bytes; 9: spans) with rings of
+/// `ring_entries` entries.
+WireLines wire_lines(int version, size_t bytes, unsigned ring_entries, int ndim = 1);
 
-/// Prints the model for `sizes` (up to 64 KiB) and for the seed tree's three leaves (8, 24 and
-/// 40 bytes) sent per leaf, layout 8 beside this build's.
+/// A message of a per-leaf transfer: its bytes and dimensions.
+struct Leaf {
+  size_t bytes;
+  int ndim;
+};
+
+/// The lines of `leaves` sent together to one receiver (a per-leaf transfer's send_batch): from
+/// layout 10 on, one batch entry when two or more fit a span, else one message each.
+WireLines batch_lines(int version, const std::vector<Leaf>& leaves, unsigned ring_entries);
+
+/// Prints the model for `sizes` (up to 64 KiB, 1-D) and for the seed tree's three leaves (8 bytes
+/// [2], 24 bytes [2, 3], 40 bytes [2, 1, 5]) sent per leaf, layout 8 beside this build's.
 void print_wire_lines(const std::vector<size_t>& sizes, unsigned ring_entries);
 
 }  // namespace tdshm::bench

@@ -217,6 +217,8 @@ class ShmChannel {
   void check_destination(int dst) const;
   bool send_whole(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check, bool control,
                   const std::string& reference);
+  size_t send_batched(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
+                      std::span<const MessageCheck> checks, bool control);
   std::shared_ptr<ShmOp> queue_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
                                     bool control, std::string reference, bool& published);
   bool progress_sends(int dst, bool wake = true);
@@ -260,7 +262,7 @@ class ShmChannel {
   const uint8_t* chunk_of(int src, const shm::EntryFields& e) const {
     const auto s = static_cast<size_t>(src);
     if (e.flags & shm::kEntryInline) return rx_[s].inline_bytes();
-    if (e.flags & shm::kEntrySpan) {
+    if (shm::has_span(e.flags)) {
       // Bounded here: this runs before check_entry (which then refuses such an entry).
       return shm::span_fits(e.chunk_bytes, options_.ring_entries) ? rx_[s].span(e.chunk_bytes, span_stage_.data())
                                                                   : nullptr;
@@ -273,6 +275,13 @@ class ShmChannel {
   void wake_sender_if_due(int src);
   Taken handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
                      ReceivePass& pass);
+  // Lands the messages of a batch entry `e` (checked) from its records, resuming where a pass
+  // before left it (batch_cursor_); kHeld when a record must stay in the ring.
+  Taken handle_batch(int src, const shm::EntryFields& e, const uint8_t* records, ReceivePass& pass);
+  // handle_entry's landing of a checked entry (a message's first or later chunk, not a loan) whose
+  // payload is at `payload`; `ref`: the decoded reference of a kEntryReference entry, else null.
+  Taken land_entry(int src, const shm::EntryFields& e, const uint8_t* payload, const shm::EntryShape& shape,
+                   const shm::ReferenceFields* ref, ReceivePass& pass);
   // Out of line: inlined into handle_entry it made the common path's matcher call out of line
   // (+2 % instructions per small message).
   [[gnu::noinline]] Taken handle_loan(int src, const shm::EntryFields& e, const uint8_t* payload,
@@ -315,10 +324,19 @@ class ShmChannel {
   std::vector<uint64_t> held_bytes_;  // per source: size of a first entry left in the ring (budget), else 0
   std::vector<uint32_t> consumed_since_wake_;  // per source: entries taken since it was last woken
   std::vector<uint8_t> freed_slot_since_wake_;  // per source: 1 once one of its slots was freed since then
+  // Per source: how far the batch entry at its ring's head was taken (handle_batch): the byte
+  // offset of its next record and the records taken; zeros when no batch was begun.
+  struct BatchCursor {
+    uint64_t offset = 0;
+    uint32_t records = 0;
+  };
+  std::vector<BatchCursor> batch_cursor_;
   uint64_t unexpected_bytes_ = 0;     // process memory held by unexpected messages
   shm::BufferPool unexpected_pool_;   // their buffers, kept for reuse (buffer_pool.h)
   // A received span that wraps around its ring's end, copied out in one piece (chunk_of).
   mutable std::array<uint8_t, shm::kMaxSpanBytes> span_stage_{};
+  // A batch's records, written here before they go into the ring in one piece (send_batched).
+  std::array<uint8_t, shm::kSpanSendBytes> batch_stage_{};
   std::exception_ptr closed_;         // set by close(): the error of later posts
   std::exception_ptr poisoned_;       // set once the segment's mapping was lost (bus_guard.h)
 };

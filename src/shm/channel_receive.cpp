@@ -40,7 +40,8 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
     const uint8_t* payload = chunk_of(src, fields);
     Taken taken;
     try {
-      taken = handle_entry(src, fields, payload, ring.shape(), pass);
+      taken = fields.flags == shm::kEntryBatch ? handle_batch(src, fields, payload, pass)
+                                               : handle_entry(src, fields, payload, ring.shape(), pass);
       // The sender's region is written only by the sender, and only in free slots: a slot that is
       // no longer handed to this rank after the copy was rewritten while it was read.
       if (taken == Taken::kYes && in_slot && chunk_of(src, fields) == nullptr) {
@@ -71,7 +72,7 @@ bool ShmChannel::progress_receives(int src, bool drain_all) {
 // (with its span).
 void ShmChannel::entry_taken(int src, const shm::EntryFields& e) {
   const auto s = static_cast<size_t>(src);
-  const uint64_t span = (e.flags & shm::kEntrySpan) ? shm::span_entries(e.chunk_bytes) : 0;
+  const uint64_t span = shm::has_span(e.flags) ? shm::span_entries(e.chunk_bytes) : 0;
   if (!shm::chunk_in_ring(e.flags)) {
     shm::release_slot(regions_[s], e.slot);
     freed_slot_since_wake_[s] = 1;
@@ -264,6 +265,53 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
     }
   }
   if (e.flags & shm::kEntryLoan) return handle_loan(src, e, payload, shape, pass);
+  return land_entry(src, e, payload, shape, reference ? &ref : nullptr, pass);
+}
+
+// The records of a batch are read one at a time (read once, checked, then landed as the whole
+// message each stands for); one that must stay in the ring (start_message) leaves the cursor on
+// it, and the entry is taken once its last record is.
+ShmChannel::Taken ShmChannel::handle_batch(int src, const shm::EntryFields& e, const uint8_t* records,
+                                           ReceivePass& pass) {
+  auto corrupt = [&](const std::string& what) {
+    return TransportError("corrupted entry from " + segment_.describe_rank(static_cast<uint32_t>(src)) + ": " + what);
+  };
+  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank, options_.ring_entries};
+  // (No message is in progress between two records: each is whole.)
+  if (std::string problem =
+          shm::check_entry(e, shm::RxProgress{current_[static_cast<size_t>(src)] != nullptr}, arena, kMaxMessageBytes);
+      !problem.empty()) {
+    throw corrupt(problem);
+  }
+  BatchCursor& cursor = batch_cursor_[static_cast<size_t>(src)];
+  // Every line of the records asked for at once: read record by record, each line would be
+  // fetched only once the record before it has landed.
+  for (uint64_t at = cursor.offset; at < e.chunk_bytes; at += shm::kCacheLine) __builtin_prefetch(records + at);
+  while (cursor.offset < e.chunk_bytes) {
+    shm::EntryFields record;
+    shm::EntryShape shape;
+    uint64_t next = cursor.offset, payload_at = 0;
+    if (std::string problem = shm::read_batch_record(records, e.chunk_bytes, next, record, shape, payload_at);
+        !problem.empty()) {
+      throw corrupt("batch: " + problem);
+    }
+    if (cursor.records == e.leaves) throw corrupt("a batch of more records than its " + std::to_string(e.leaves));
+    if (land_entry(src, record, records + payload_at, shape, nullptr, pass) == Taken::kHeld) return Taken::kHeld;
+    cursor.offset = next;
+    ++cursor.records;
+  }
+  if (cursor.records != e.leaves) {
+    throw corrupt("a batch of " + std::to_string(cursor.records) + " records that says " + std::to_string(e.leaves));
+  }
+  cursor = BatchCursor{};
+  return Taken::kYes;
+}
+
+ShmChannel::Taken ShmChannel::land_entry(int src, const shm::EntryFields& e, const uint8_t* payload,
+                                         const shm::EntryShape& shape, const shm::ReferenceFields* ref,
+                                         ReceivePass& pass) {
+  auto& cur = current_[static_cast<size_t>(src)];
+  const bool reference = ref != nullptr;
   if (e.flags & shm::kEntryFirst) {
     MessageHead head = message_head(src, e, shape);
     const auto found = matcher_.find_posted(src, head.tag, head.control);
@@ -285,7 +333,7 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
   if (reference) {
     std::exception_ptr error;
     if (msg.op) {
-      error = resolve_reference(*msg.op, ref);
+      error = resolve_reference(*msg.op, *ref);
     } else if (!msg.discard) {
       std::memcpy(msg.heap.get(), payload, e.chunk_bytes);  // checked again when a recv takes it
     }

@@ -187,7 +187,8 @@ inline constexpr uint32_t kVersion6 = 6;
 inline constexpr uint32_t kVersion7 = 7;
 inline constexpr uint32_t kVersion8 = 8;
 inline constexpr uint32_t kVersion9 = 9;
-/// Layout version 5's to 9's details (layout_v5.cpp).
+inline constexpr uint32_t kVersion10 = 10;
+/// Layout version 5's to 10's details (layout_v5.cpp).
 LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len,
                    uint32_t world, const InspectOptions& options);
 }  // namespace v5

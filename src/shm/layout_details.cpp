@@ -126,6 +126,7 @@ LayoutDetails read_layout_details(int fd, uint64_t file_bytes, const uint8_t* he
     case reader::v5::kVersion7:
     case reader::v5::kVersion8:
     case reader::v5::kVersion9:
+    case reader::v5::kVersion10:
       return reader::v5::read(layout_version, fd, file_bytes, header, header_len, world_size, options);
     default: {
       LayoutDetails d;

@@ -1,4 +1,4 @@
-// The reader of the layout-specific part of layout versions 5 to 9: metadata rings, slot arenas,
+// The reader of the layout-specific part of layout versions 5 to 10: metadata rings, slot arenas,
 // collective windows (and version 8's loan regions, whose size it checks).
 
 #include "shm/file_read.h"
@@ -27,10 +27,13 @@ namespace tdshm::shm::reader {
 // loan_region_bytes, loan_bytes and loan_tickets in the header). Version 9 is version 8 with keyed
 // seq words (shm::seq_word: position + 1 mixed with the ring's key, from the incarnation and the
 // pair) and spans: an entry with flag 256 is followed by ceil(chunk_bytes / 192) entries of raw
-// payload, which are not entries.
+// payload, which are not entries. Version 10 is version 9 with batches: an entry whose flags are
+// 512 alone is followed by a span as well, which holds `leaves` (at 34) whole messages.
 namespace v5 {
 constexpr size_t kIncarnationAt = 88;
 constexpr uint32_t kSpanFlag = 256;
+constexpr uint32_t kBatchFlag = 512;
+constexpr size_t kLeavesAt7 = 34;
 constexpr uint64_t kMaxSpanChunkBytes = 8192;
 constexpr size_t kLoanAt = 136;
 constexpr size_t kLoanRegionBytesAt = 144;
@@ -121,7 +124,7 @@ bool geometry(uint32_t world, uint64_t slot_bytes, uint32_t ring_entries, uint32
 }
 
 // While this build's layout is version 5, the constants above are its structs.
-static_assert((kLayoutVersion < 5 || kLayoutVersion > 9) ||
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 10) ||
                   (sizeof(SegmentHeader) == kHeaderBytes && offsetof(SegmentHeader, ring_entries) == kRingEntriesAt &&
                    offsetof(SegmentHeader, slot_bytes) == kSlotBytesAt &&
                    offsetof(SegmentHeader, rank_table_offset) == kRankTableAt &&
@@ -132,14 +135,14 @@ static_assert((kLayoutVersion < 5 || kLayoutVersion > 9) ||
                    offsetof(SegmentHeader, region_bytes) == kRegionBytesAt &&
                    offsetof(SegmentHeader, slots_per_rank) == kSlotsPerRankAt),
               "version 5 header constants");
-static_assert((kLayoutVersion < 5 || kLayoutVersion > 9) ||
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 10) ||
                   (sizeof(RankSlot) == kRankSlotBytes && offsetof(RankSlot, wake_seq) == kWakeSeqAt &&
                    offsetof(RankSlot, sleepers) == kSleepersAt && sizeof(RingControl) == kRingControlBytes &&
                    offsetof(RingControl, head) == kHeadAt && offsetof(RingControl, tail) == kTailAt),
               "version 5 rank slot and ring control constants");
 // Versions 5 and 6's entry constants above were checked against EntryHeader by a static_assert
 // while this build was version 6; they stay fixed now that EntryHeader is version 7's.
-static_assert((kLayoutVersion < 7 || kLayoutVersion > 9) ||
+static_assert((kLayoutVersion < 7 || kLayoutVersion > 10) ||
                   (kEntryBytes == shm::kEntryBytes && offsetof(EntryHeader, seq) == kSeqAt &&
                    offsetof(EntryHeader, chunk_bytes) == kChunkBytesAt7 && offsetof(EntryHeader, flags) == kFlagsAt7 &&
                    kEntryTailOffset + offsetof(EntryTail, slot) == kSlotAt7 && kSlotAt7 + 4 <= kEntryReadBytes &&
@@ -148,12 +151,15 @@ static_assert((kLayoutVersion < 7 || kLayoutVersion > 9) ||
                    offsetof(ArenaSlot, state) == 0 && kFree == kSlotFree),
               "version 7 entry and arena constants");
 // Version 9's seq words: the key of a pair, pinned by a value (a change of ring_key is a new version).
-static_assert(kLayoutVersion != 9 || (offsetof(SegmentHeader, incarnation) == kIncarnationAt &&
-                                      kSpanFlag == shm::kEntrySpan && kMaxSpanChunkBytes == shm::kMaxSpanBytes &&
-                                      shm::ring_key(0x0123456789abcdefull, 2, 5) == 0x96f5076973a02b13ull &&
-                                      shm::seq_word(shm::ring_key(7, 0, 1), 41) == (42 ^ shm::ring_key(7, 0, 1))),
+static_assert((kLayoutVersion != 9 && kLayoutVersion != 10) ||
+                  (offsetof(SegmentHeader, incarnation) == kIncarnationAt && kSpanFlag == shm::kEntrySpan &&
+                   kMaxSpanChunkBytes == shm::kMaxSpanBytes &&
+                   shm::ring_key(0x0123456789abcdefull, 2, 5) == 0x96f5076973a02b13ull &&
+                   shm::seq_word(shm::ring_key(7, 0, 1), 41) == (42 ^ shm::ring_key(7, 0, 1))),
               "version 9 seq words");
-static_assert((kLayoutVersion < 5 || kLayoutVersion > 9) ||
+static_assert(kLayoutVersion != 10 || (kBatchFlag == shm::kEntryBatch && offsetof(EntryHeader, leaves) == kLeavesAt7),
+              "version 10 batches");
+static_assert((kLayoutVersion < 5 || kLayoutVersion > 10) ||
                   (kMaxRingEntries == shm::kMaxRingEntries && kMaxSlotBytes == shm::kMaxSlotBytes &&
                    kMaxSlotsPerRank == shm::kMaxSlotsPerRank && kMaxWorldSize == shm::kMaxWorld),
               "version 5 limits");
@@ -172,7 +178,7 @@ constexpr bool same_loans(uint32_t world, uint32_t tickets, uint64_t loan_bytes)
   const uint64_t region = round_up_to(tickets * kArenaSlotBytes, kPage) + round_up_to(loan_bytes, kPage);
   return want.loan_region_bytes == region && want.segment_bytes == want.loan_offset + region * world;
 }
-static_assert((kLayoutVersion != 8 && kLayoutVersion != 9) ||
+static_assert((kLayoutVersion < 8 || kLayoutVersion > 10) ||
                   (same_loans(3, 64, 1 << 20) && same_loans(5, 1000, 12345) &&
                    offsetof(SegmentHeader, loan_offset) == kLoanAt &&
                    offsetof(SegmentHeader, loan_region_bytes) == kLoanRegionBytesAt &&
@@ -180,7 +186,7 @@ static_assert((kLayoutVersion != 8 && kLayoutVersion != 9) ||
                    offsetof(SegmentHeader, loan_tickets) == kLoanTicketsAt && kPage == shm::kLoanPage &&
                    kMaxLoanTickets == shm::kMaxLoanTickets && kMaxLoanBytes == shm::kMaxLoanBytes),
               "version 8 loan constants");
-static_assert((kLayoutVersion < 6 || kLayoutVersion > 9) ||
+static_assert((kLayoutVersion < 6 || kLayoutVersion > 10) ||
                   (same_geometry(3, 65536, 64, 64, 1 << 20) && same_geometry(9, 100, 5, 3, 256)),
               "version 6 geometry");
 static_assert((kLayoutVersion != 6 && kLayoutVersion != 7) || (offsetof(SegmentHeader, window_offset) == kWindowAt &&
@@ -239,9 +245,10 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
   const uint64_t arena = load<uint64_t>(header + kArenaAt);
   const uint64_t region_bytes = load<uint64_t>(header + kRegionBytesAt);
   const uint32_t slots = load<uint32_t>(header + kSlotsPerRankAt);
-  const bool has_window = version != kVersion;  // 6 to 9
+  const bool has_window = version != kVersion;  // 6 to 10
   const bool has_loans = version >= kVersion8;
   const bool keyed = version >= kVersion9;  // seq words and spans
+  const bool batches = version >= kVersion10;
   const uint64_t incarnation = keyed ? load<uint64_t>(header + kIncarnationAt) : 0;
   const uint64_t loan_at = has_loans ? load<uint64_t>(header + kLoanAt) : 0;
   const uint64_t loan_region_bytes = has_loans ? load<uint64_t>(header + kLoanRegionBytesAt) : 0;
@@ -319,7 +326,7 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
       }
       uint64_t pair_changed = 0, pair_malformed = 0;
       const uint64_t key = keyed ? shm::ring_key(incarnation, p.src, p.dst) : 0;
-      uint64_t payload_until = 0;  // version 9: the entries before it hold a span's payload
+      uint64_t payload_until = 0;  // versions 9 and 10: the entries before it hold a span's payload
       read_entries(fd, file_bytes, base, entries_at, entry, "entries beyond the end of the file", budget, p,
                    [&](uint64_t pos, const uint8_t* e) {
                      if (pos < payload_until) return;
@@ -331,7 +338,8 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
                      const uint32_t chunk = load<uint32_t>(e + chunk_at);
                      const uint32_t flags = load<uint32_t>(e + flags_at);
                      const uint32_t slot = load<uint32_t>(e + slot_at);
-                     const bool span = keyed && (flags & kSpanFlag) != 0;
+                     const bool batch = batches && flags == kBatchFlag;
+                     const bool span = batch || (keyed && (flags & kSpanFlag) != 0);
                      if (span) payload_until = pos + 1 + (uint64_t{chunk} + kEntryBytes - 1) / kEntryBytes;
                      const bool well_formed = span                    ? chunk <= kMaxSpanChunkBytes
                                               : (flags & kInlineFlag) ? chunk <= kInlineChunkBytes
@@ -340,8 +348,12 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
                        ++pair_malformed;
                        return;
                      }
-                     p.bytes_in_flight += chunk;
-                     if (flags & kFirstFlag) ++p.messages;
+                     p.bytes_in_flight += chunk;  // (a batch's: its records, with their headers)
+                     if (batch) {
+                       p.messages += load<uint16_t>(e + kLeavesAt7);
+                     } else if (flags & kFirstFlag) {
+                       ++p.messages;
+                     }
                    });
       if (pair_changed != 0 || pair_malformed != 0) {
         std::string n;

@@ -51,11 +51,11 @@ namespace tdshm::shm {
 inline constexpr size_t kCacheLine = 64;
 /// "TDSHMSG1" little-endian.
 inline constexpr uint64_t kSegmentMagic = 0x3147534d48534454ull;
-inline constexpr uint32_t kLayoutVersion = 9;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
-                                               // 5: metadata rings + slot arena; 6: collective windows;
-                                               // 7: a 40-byte entry header (24 inline bytes on line 0);
-                                               // 8: loan regions (kEntryLoan); 9: keyed seq words and
-                                               // spans (kEntrySpan)
+inline constexpr uint32_t kLayoutVersion = 10;  // 2: kEntryReference; 3: incarnations; 4: entry checks;
+                                                // 5: metadata rings + slot arena; 6: collective windows;
+                                                // 7: a 40-byte entry header (24 inline bytes on line 0);
+                                                // 8: loan regions (kEntryLoan); 9: keyed seq words and
+                                                // spans (kEntrySpan); 10: batches (kEntryBatch)
 inline constexpr size_t kMaxDims = 8;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words and states must be lock-free");
@@ -188,6 +188,9 @@ enum EntryFlags : uint32_t {
   // The message's bytes fill the ring entries right after this one (a span, see EntryHeader):
   // always a whole message, kEntryFirst | kEntryLast, never with kEntryInline.
   kEntrySpan = 256,
+  // The entry's span holds several whole messages, one BatchRecord each (a batch, see
+  // BatchRecord): always alone (no other flag); `leaves` is the number of records.
+  kEntryBatch = 512,
 };
 
 /// Payload of a kEntryLoan entry: the message's total_bytes are at `offset` in the sender's loan
@@ -283,8 +286,36 @@ constexpr bool span_fits(uint64_t bytes, uint32_t ring_entries) {
   return bytes <= kMaxSpanBytes && 1 + span_entries(bytes) <= ring_entries;
 }
 
-/// Whether an entry's chunk lies in the ring (inline or a span) rather than in an arena slot.
-constexpr bool chunk_in_ring(uint32_t flags) { return (flags & (kEntryInline | kEntrySpan)) != 0; }
+/// Whether an entry's chunk lies in the ring (inline, a span or a batch) rather than in an arena
+/// slot.
+constexpr bool chunk_in_ring(uint32_t flags) { return (flags & (kEntryInline | kEntrySpan | kEntryBatch)) != 0; }
+
+/// Whether an entry is followed by a span (of its chunk_bytes): a span's or a batch's.
+constexpr bool has_span(uint32_t flags) { return (flags & (kEntrySpan | kEntryBatch)) != 0; }
+
+/// Batches (layout 10). Small whole messages that a sender posts together to one receiver (a
+/// tensordict's leaves, sent per leaf) travel as one entry whose span holds them all, one record
+/// each, back to back from the span's first byte to its last: the receiver reads one header line,
+/// then every message's lines at once, instead of one entry (and its dependent line fetches) per
+/// message. A record: this struct, then the shape's sizes when ndim is 2 to kMaxDims (int64 each),
+/// then the message's bytes, then zeros up to a multiple of 8. The batch entry's chunk_bytes and
+/// total_bytes are the records' bytes; each record is received as the whole message it stands for.
+struct BatchRecord {
+  int64_t tag;      // 0
+  uint32_t bytes;   // 8   the message's size
+  uint32_t flags;   // 12  kEntryControl, kEntryKeyCheck or kEntrySchemaCheck only
+  uint8_t dtype;    // 16
+  uint8_t ndim;     // 17  <= kMaxDims, or kShapeNotSent
+  uint16_t leaves;  // 18  with kEntryKeyCheck, as EntryHeader's
+  uint32_t check;   // 20  with a check flag, as EntryHeader's
+};
+static_assert(sizeof(BatchRecord) == 24 && offsetof(BatchRecord, dtype) == 16 && offsetof(BatchRecord, check) == 20);
+
+/// The bytes of a record of a message of `bytes` bytes and `ndim` dimensions.
+constexpr uint64_t batch_record_bytes(uint8_t ndim, uint64_t bytes) {
+  const uint64_t dims = ndim >= 2 && ndim <= kMaxDims ? ndim * sizeof(int64_t) : 0;
+  return sizeof(BatchRecord) + dims + (bytes + 7) / 8 * 8;
+}
 
 /// The largest span this build's senders write (a sender's choice, not the layout's: receivers
 /// take up to kMaxSpanBytes). Measured here in minutes when lines cross cores slowly, a span

@@ -113,7 +113,8 @@ void read_entry(const EntryHeader& shared, const EntryTail& tail, EntryFields& e
   e.leaves = load_field<uint16_t>(b, offsetof(EntryHeader, leaves));
   // flags was read once above; the decisions use that copy.
   const void* t = &tail;
-  e.chunk_offset = (e.flags & kEntryFirst) ? 0 : load_field<uint64_t>(t, offsetof(EntryTail, chunk_offset));
+  e.chunk_offset =
+      (e.flags & (kEntryFirst | kEntryBatch)) ? 0 : load_field<uint64_t>(t, offsetof(EntryTail, chunk_offset));
   e.slot = chunk_in_ring(e.flags) ? 0 : load_field<uint32_t>(t, offsetof(EntryTail, slot));
 }
 
@@ -121,6 +122,19 @@ std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaS
   constexpr uint32_t kChecks = kEntryKeyCheck | kEntrySchemaCheck;
   constexpr uint32_t kKnown =
       kEntryFirst | kEntryLast | kEntryControl | kEntryReference | kChecks | kEntryInline | kEntryLoan | kEntrySpan;
+  if (e.flags == kEntryBatch) {
+    // Its records are checked one by one as they are read (read_batch_record).
+    if (rx.in_message) return "a batch before the previous message ended";
+    if (e.leaves == 0) return "a batch of no records";
+    if (e.total_bytes != e.chunk_bytes) {
+      return "a batch of " + std::to_string(e.chunk_bytes) + " bytes that says " + std::to_string(e.total_bytes);
+    }
+    if (!span_fits(e.chunk_bytes, arena.ring_entries)) {
+      return "batch of " + std::to_string(e.chunk_bytes) + " bytes in a ring of " + std::to_string(arena.ring_entries) +
+             " entries";
+    }
+    return {};
+  }
   if (e.flags & ~kKnown) return "unknown flags " + std::to_string(e.flags);
   const bool first = (e.flags & kEntryFirst) != 0, last = (e.flags & kEntryLast) != 0;
   if ((e.flags & kChecks) == kChecks) return "both a key check and a schema check";
@@ -173,6 +187,39 @@ std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaS
     return "chunk of " + std::to_string(e.chunk_bytes) + " bytes past the message's " + std::to_string(total);
   }
   if (last != (received + e.chunk_bytes == total)) return "last-entry flag disagrees with the size";
+  return {};
+}
+
+std::string read_batch_record(const uint8_t* records, uint64_t bytes, uint64_t& offset, EntryFields& out,
+                              EntryShape& shape, uint64_t& payload_at) {
+  if (offset > bytes || bytes - offset < sizeof(BatchRecord)) {
+    return "a record at byte " + std::to_string(offset) + " past the batch's " + std::to_string(bytes);
+  }
+  BatchRecord r;
+  std::memcpy(&r, records + offset, sizeof r);
+  constexpr uint32_t kChecks = kEntryKeyCheck | kEntrySchemaCheck;
+  if (r.flags & ~(kEntryControl | kChecks)) return "a record with flags " + std::to_string(r.flags);
+  if ((r.flags & kChecks) == kChecks) return "a record with both a key check and a schema check";
+  if (r.leaves != 0 && (r.flags & kEntryKeyCheck) == 0) return "a record with a leaf count without a key check";
+  if (r.ndim != kShapeNotSent && r.ndim > kMaxDims) return "a record of ndim " + std::to_string(r.ndim);
+  const uint64_t record = batch_record_bytes(r.ndim, r.bytes);
+  if (record > bytes - offset) {
+    return "a record of " + std::to_string(r.bytes) + " bytes at byte " + std::to_string(offset) +
+           " past the batch's " + std::to_string(bytes);
+  }
+  const uint64_t dims = r.ndim >= 2 && r.ndim <= kMaxDims ? r.ndim : 0;
+  std::memcpy(shape.dims, records + offset + sizeof r, dims * sizeof(int64_t));
+  out = EntryFields{};
+  out.tag = r.tag;
+  out.total_bytes = r.bytes;
+  out.chunk_bytes = r.bytes;
+  out.flags = kEntryFirst | kEntryLast | kEntryBatch | r.flags;
+  out.dtype = r.dtype;
+  out.ndim = r.ndim;
+  out.check = r.check;
+  out.leaves = r.leaves;
+  payload_at = offset + sizeof r + dims * sizeof(int64_t);
+  offset += record;
   return {};
 }
 

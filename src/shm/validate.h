@@ -108,6 +108,15 @@ struct ArenaShape {
 /// slot it names was handed to the receiver is the arena's state, checked by the caller.)
 std::string check_entry(const EntryFields& e, const RxProgress& rx, const ArenaShape& arena, uint64_t max_message_bytes);
 
+/// Reads the batch record at `offset` of a batch's `bytes` of `records` (segment_layout.h's
+/// BatchRecord; records may be the ring's bytes: the record is copied once, then checked): the
+/// message it stands for as a whole message's entry into `out` (flags kEntryFirst | kEntryLast |
+/// kEntryBatch and the record's), its sizes into `shape` (2 to kMaxDims dimensions), where its
+/// bytes start into `payload_at`, and `offset` past the record. Returns "" when the record is well
+/// formed and within the batch, else what is wrong (nothing is then used).
+std::string read_batch_record(const uint8_t* records, uint64_t bytes, uint64_t& offset, EntryFields& out,
+                              EntryShape& shape, uint64_t& payload_at);
+
 /// A MemmapReference payload, decoded and checked.
 struct ReferenceFields {
   uint64_t offset = 0;

@@ -1,6 +1,7 @@
 // libFuzzer target: the checks of what another process writes into the shared-memory segment
 // (src/shm/validate.h): check_header on a header copy, check_entry over a ring's sequence of
-// entries, and check_reference on a memmap reference payload. Torch-free: it compiles
+// entries, read_batch_record over a batch's records, and check_reference on a memmap reference
+// payload. Torch-free: it compiles
 // src/shm/validate.cpp and nothing else of tdshm. The input format is in shm_entry_format.h.
 //
 // The contract checked: the functions return a verdict for any input, without crashing,
@@ -13,11 +14,15 @@
 //   - entries: a consumer that starts idle and follows every accepted entry as the engine does
 //     (a first entry opens a message of total_bytes, a chunk adds its bytes, a last entry or a
 //     reference closes it; the first refused entry ends the ring) only ever accepts known flags,
-//     chunks of at most kInlineBytes inline or at most a slot in an arena slot of the region, a first entry only when idle with total_bytes within the
-//     receiver's limit and ndim <= kMaxDims or kShapeNotSent, a continuation only mid-message
-//     with the same control flag, a chunk at exactly the bytes received so far and within the
-//     message, the last flag exactly when the message is then complete, and a reference only as
-//     a whole message of at least a MemmapReference;
+//     chunks of at most kInlineBytes inline or at most a slot in an arena slot of the region, a first entry only when
+//     idle with total_bytes within the receiver's limit and ndim <= kMaxDims or kShapeNotSent, a continuation only
+//     mid-message with the same control flag, a chunk at exactly the bytes received so far and within the message, the
+//     last flag exactly when the message is then complete, and a reference only as a whole message of at least a
+//     MemmapReference;
+//   - batch: records read one after the other from offset 0 (the first refused one ends the
+//     batch) each lie wholly within the batch, start where the one before ended, are whole
+//     messages (first, last, batch flags, plus control and at most one check), and have
+//     ndim <= kMaxDims or kShapeNotSent; their bytes end within the batch;
 //   - reference: an accepted payload is a MemmapReference followed by exactly path_bytes bytes of
 //     an absolute path of 1 to 4095 bytes without NUL and without "." or ".." parts, and its
 //     offset plus the message's size fits in int64; the returned fields are the payload's.
@@ -109,6 +114,35 @@ void fuzz_reference(std::span<const uint8_t> payload, uint64_t total_bytes) {
          "check_reference accepted an offset + size past int64");
 }
 
+void fuzz_batch(std::span<const uint8_t> records) {
+  // A copy of exactly the batch's bytes: a read past them is a sanitizer report.
+  const std::vector<uint8_t> batch(records.begin(), records.end());
+  constexpr uint32_t kWhole = shm::kEntryFirst | shm::kEntryLast | shm::kEntryBatch;
+  constexpr uint32_t kChecks = shm::kEntryKeyCheck | shm::kEntrySchemaCheck;
+  uint64_t offset = 0;
+  while (offset < batch.size()) {
+    shm::EntryFields e;
+    shm::EntryShape shape{};
+    uint64_t next = offset, payload_at = 0;
+    if (!shm::read_batch_record(batch.data(), batch.size(), next, e, shape, payload_at).empty()) {
+      expect(next == offset, "read_batch_record moved the offset past a refused record");
+      return;
+    }
+    expect(next > offset && next <= batch.size(), "read_batch_record accepted a record outside the batch");
+    expect(payload_at >= offset + sizeof(shm::BatchRecord) && payload_at <= next &&
+               e.total_bytes <= next - payload_at && e.chunk_bytes == e.total_bytes,
+           "read_batch_record accepted bytes outside their record");
+    expect((e.flags & kWhole) == kWhole && (e.flags & ~(kWhole | shm::kEntryControl | kChecks)) == 0,
+           "read_batch_record returned flags of another kind of entry", std::to_string(e.flags));
+    expect((e.flags & kChecks) != kChecks, "read_batch_record accepted a key check and a schema check at once");
+    expect(e.leaves == 0 || (e.flags & shm::kEntryKeyCheck) != 0,
+           "read_batch_record accepted a leaf count without a key check");
+    expect(e.ndim <= shm::kMaxDims || e.ndim == shm::kShapeNotSent, "read_batch_record accepted ndim > kMaxDims",
+           std::to_string(e.ndim));
+    offset = next;
+  }
+}
+
 void fuzz_entries(InputReader& r) {
   const uint64_t slot_bytes = 1 + r.u32() % tdshm::fuzz::kMaxFuzzSlotBytes;
   const uint32_t slots = 1u + r.u16();
@@ -177,13 +211,14 @@ void fuzz_entries(InputReader& r) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   InputReader r(std::span<const uint8_t>(data, size));
   try {
-    switch (static_cast<tdshm::fuzz::ShmFuzzMode>(r.u8() % 3)) {
+    switch (static_cast<tdshm::fuzz::ShmFuzzMode>(r.u8() % 4)) {
       case tdshm::fuzz::ShmFuzzMode::kHeader:
         fuzz_header(r);
         break;
       case tdshm::fuzz::ShmFuzzMode::kEntries:
         fuzz_entries(r);
         break;
+      case tdshm::fuzz::ShmFuzzMode::kBatch: fuzz_batch(r.rest()); break;
       case tdshm::fuzz::ShmFuzzMode::kReference: {
         const uint64_t total_bytes = r.u64();
         fuzz_reference(r.rest(), total_bytes);

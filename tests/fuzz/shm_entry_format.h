@@ -20,7 +20,7 @@
 
 namespace tdshm::fuzz {
 
-enum class ShmFuzzMode : uint8_t { kHeader = 0, kEntries = 1, kReference = 2 };
+enum class ShmFuzzMode : uint8_t { kHeader = 0, kEntries = 1, kReference = 2, kBatch = 3 };
 
 /// Slots are at most this large in the fuzz target (a payload buffer of one slot is allocated).
 inline constexpr uint32_t kMaxFuzzSlotBytes = 1u << 16;

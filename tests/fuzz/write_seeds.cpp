@@ -378,6 +378,33 @@ std::vector<uint8_t> entries_input(uint32_t slot, uint64_t max_message, const st
   return w.data();
 }
 
+// A batch of three records as a sender writes them (1-, 2- and 3-dimensional, a key check on
+// one), then `tail` garbage bytes.
+std::vector<uint8_t> batch_input(size_t tail) {
+  InputWriter w;
+  w.u8(static_cast<uint8_t>(ShmFuzzMode::kBatch));
+  std::vector<uint8_t> out;
+  auto add = [&](int64_t tag, uint32_t bytes, uint32_t flags, std::vector<int64_t> sizes) {
+    shm::BatchRecord r{};
+    r.tag = tag;
+    r.bytes = bytes;
+    r.flags = flags;
+    r.dtype = 6;
+    r.ndim = static_cast<uint8_t>(sizes.size());
+    r.leaves = (flags & shm::kEntryKeyCheck) ? 3 : 0;
+    const size_t at = out.size();
+    out.resize(at + shm::batch_record_bytes(r.ndim, bytes), 0x11);
+    std::memcpy(out.data() + at, &r, sizeof r);
+    if (sizes.size() >= 2) std::memcpy(out.data() + at + sizeof r, sizes.data(), sizes.size() * sizeof(int64_t));
+  };
+  add(1, 8, 0, {2});
+  add(2, 24, shm::kEntryKeyCheck, {2, 3});
+  add(3, 40, shm::kEntryControl, {2, 1, 5});
+  for (size_t i = 0; i < tail; ++i) out.push_back(static_cast<uint8_t>(0xA5 ^ i));
+  w.bytes(out);
+  return w.data();
+}
+
 std::vector<uint8_t> reference_input(uint64_t total_bytes, const std::vector<uint8_t>& payload) {
   InputWriter w;
   w.u8(static_cast<uint8_t>(ShmFuzzMode::kReference));
@@ -433,6 +460,8 @@ void write_shm_entry_seeds(const fs::path& dir) {
   const auto good = reference_payload(4096, "/tmp/weights.bin");
   shm::ReferenceFields out;
   check(shm::check_reference(good.data(), good.size(), 1 << 20, out).empty(), "reference");
+  write(dir, "batch-valid", batch_input(0));
+  write(dir, "batch-then-garbage", batch_input(30));
   write(dir, "reference-valid", reference_input(1 << 20, good));
   write(dir, "reference-dot-dot", reference_input(1 << 20, reference_payload(0, "/tmp/../etc/passwd")));
   write(dir, "reference-relative", reference_input(8, reference_payload(0, "tmp/x")));

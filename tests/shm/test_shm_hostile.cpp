@@ -42,6 +42,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -237,14 +238,18 @@ class RingWriter {
   /// Writes and publishes a span at `pos` (segment_layout.h): the entry with kEntrySpan added to
   /// the flags, then up to `bytes` of `data` in the entries after it (on at entry 0 past the
   /// ring's end; at most what the rest of the ring holds), head past them.
-  void put_span(uint64_t pos, const Fields& f, const void* data, size_t bytes) const {
+  /// `kind`: kEntryBatch for a batch, whose `leaves` is its number of records (f.flags 0 for
+  /// an honest one).
+  void put_span(uint64_t pos, const Fields& f, const void* data, size_t bytes, uint32_t kind = shm::kEntrySpan,
+                uint16_t leaves = 0) const {
     EntryHeader& e = header(pos);
     store_relaxed(e.tag, f.tag);
     store_relaxed(e.total_bytes, f.total);
     store_relaxed(e.chunk_bytes, f.chunk);
-    store_relaxed(e.flags, f.flags | uint32_t{shm::kEntrySpan});
+    store_relaxed(e.flags, f.flags | kind);
     store_relaxed(e.dtype, f.dtype);
     store_relaxed(e.ndim, f.ndim);
+    store_relaxed(e.leaves, leaves);
     const size_t room = (entries_ - 1) * shm::kEntryBytes;
     const auto* from = static_cast<const uint8_t*>(data);
     for (size_t off = 0; off < std::min(bytes, room); off += shm::kEntryBytes) {
@@ -479,12 +484,44 @@ struct Garbage {
 
 constexpr uint8_t kGarbagePayload = 0x5C;
 
+/// A record of a batch (segment_layout.h's BatchRecord) of `bytes` 1-byte elements.
+shm::BatchRecord record(int64_t tag, uint32_t bytes, uint32_t flags = 0, uint8_t ndim = 1) {
+  shm::BatchRecord r{};
+  r.tag = tag;
+  r.bytes = bytes;
+  r.flags = flags;
+  r.dtype = kByteDtype;
+  r.ndim = ndim;
+  return r;
+}
+
+/// The bytes of a batch of `records`: each record, its sizes (`dims`, for every record of 2 to 8
+/// dimensions), kGarbagePayload bytes, zeros up to a multiple of 8.
+std::vector<uint8_t> batch_of(const std::vector<shm::BatchRecord>& records, const int64_t* dims = nullptr) {
+  std::vector<uint8_t> out;
+  for (const shm::BatchRecord& r : records) {
+    const size_t at = out.size();
+    out.resize(at + shm::batch_record_bytes(r.ndim, r.bytes), 0);
+    std::memcpy(out.data() + at, &r, sizeof r);
+    size_t payload = at + sizeof r;
+    if (r.ndim >= 2 && r.ndim <= shm::kMaxDims) {
+      std::memcpy(out.data() + payload, dims, r.ndim * sizeof(int64_t));
+      payload += r.ndim * sizeof(int64_t);
+    }
+    std::memset(out.data() + payload, kGarbagePayload, r.bytes);
+  }
+  return out;
+}
+
 std::vector<Garbage> garbage_cases(uint64_t slot) {
   constexpr uint32_t kFirst = shm::kEntryFirst, kLast = shm::kEntryLast;
   // Payload bytes for any slot of these tests (static: the lambdas outlive this function).
   static const std::vector<uint8_t> kPayload(size_t{1} << 20, kGarbagePayload);
   SHM_CHECK(slot <= kPayload.size());
   const uint8_t* data = kPayload.data();
+  // Sizes of 8 dimensions that make no shape of any size.
+  static const int64_t garbage_dims[shm::kMaxDims] = {
+      -1, std::numeric_limits<int64_t>::max(), 0, 7, std::numeric_limits<int64_t>::min(), 3, int64_t{1} << 40, -5};
   std::vector<Garbage> out;
   out.push_back({"unknown flag bits", "unknown flags", 64, [=](const RingWriter& r, int64_t tag) {
                    r.put(0, {.tag = tag, .total = 64, .chunk = 64, .flags = kFirst | kLast | 0x10000}, data, 64);
@@ -511,6 +548,51 @@ std::vector<Garbage> garbage_cases(uint64_t slot) {
                    r.put_span(0, {.tag = tag, .total = 500, .chunk = 500, .flags = kFirst | kLast}, data, 500);
                  },
                  Verdict::kReceived});
+  // Batches (layout 10): whole messages as records in the span of one entry.
+  auto put_batch = [](const RingWriter& r, const std::vector<uint8_t>& records, uint16_t leaves,
+                      std::optional<uint32_t> chunk = std::nullopt, uint32_t flags = 0) {
+    const uint32_t bytes = chunk.value_or(static_cast<uint32_t>(records.size()));
+    r.put_span(0, {.total = bytes, .chunk = bytes, .flags = flags, .ndim = 0}, records.data(),
+               std::min<size_t>(records.size(), bytes), shm::kEntryBatch, leaves);
+  };
+  out.push_back({"a batch of one record", "", 64,
+                 [=](const RingWriter& r, int64_t tag) { put_batch(r, batch_of({record(tag, 64)}), 1); },
+                 Verdict::kReceived});
+  out.push_back({"a batch record that runs past the batch", "past the batch's 80", 64,
+                 [=](const RingWriter& r, int64_t tag) { put_batch(r, batch_of({record(tag, 64)}), 1, 80); }});
+  out.push_back({"a batch that says more records than it holds", "a batch of 1 records that says 3", 64,
+                 [=](const RingWriter& r, int64_t tag) { put_batch(r, batch_of({record(tag + 1000, 8)}), 3); }});
+  out.push_back({"a batch that holds more records than it says", "more records than its 1", 64,
+                 [=](const RingWriter& r, int64_t tag) {
+                   put_batch(r, batch_of({record(tag + 1000, 8), record(tag, 64)}), 1);
+                 }});
+  out.push_back(
+      {"a batch record flagged as a loan", "a record with flags 128", 64,
+       [=](const RingWriter& r, int64_t tag) { put_batch(r, batch_of({record(tag, 64, shm::kEntryLoan)}), 1); }});
+  out.push_back({"a batch larger than the ring", "bytes in a ring of", 64, [=](const RingWriter& r, int64_t tag) {
+                   const auto chunk = static_cast<uint32_t>(r.ring_entries() * shm::kEntryBytes);
+                   put_batch(r, batch_of({record(tag, 64)}), 1, chunk);
+                 }});
+  out.push_back({"a batch of 2^32 - 1 bytes", "batch of 4294967295 bytes", 64,
+                 [=](const RingWriter& r, int64_t tag) { put_batch(r, batch_of({record(tag, 64)}), 1, 0xFFFFFFFFu); }});
+  out.push_back({"a batch of no records", "a batch of no records", 64,
+                 [=](const RingWriter& r, int64_t tag) { put_batch(r, batch_of({record(tag, 64)}), 0); }});
+  out.push_back({"a batch flagged as a whole message too", "unknown flags", 64, [=](const RingWriter& r, int64_t tag) {
+                   put_batch(r, batch_of({record(tag, 64)}), 1, std::nullopt, kFirst | kLast);
+                 }});
+  out.push_back(
+      {"a batch record of 8 garbage dims", "shape", 64,
+       [=](const RingWriter& r, int64_t tag) { put_batch(r, batch_of({record(tag, 64, 0, 8)}, garbage_dims), 1); },
+       Verdict::kMismatch});
+  for (uint64_t seed : {1, 2, 3}) {
+    out.push_back(
+        {"a batch of random bytes, seed " + std::to_string(seed), "batch", 64, [=](const RingWriter& r, int64_t) {
+           std::mt19937_64 rng(seed * 104729);
+           std::vector<uint8_t> noise(200);
+           for (auto& b : noise) b = static_cast<uint8_t>(rng());
+           put_batch(r, noise, 2);
+         }});
+  }
   out.push_back({"a continuation without a first entry", "continuation without a first entry", 64,
                  [=](const RingWriter& r, int64_t tag) {
                    r.put(0, {.tag = tag, .total = 64, .chunk = 64, .flags = kLast}, data, 64);
@@ -588,8 +670,6 @@ std::vector<Garbage> garbage_cases(uint64_t slot) {
          r.put(0, {.tag = tag, .total = 64, .chunk = 3, .flags = kFirst | kLast | shm::kEntryReference}, data, 3);
        }});
   // Garbage in the shape, dtype and dims of a message whose size matches the receive.
-  const int64_t garbage_dims[shm::kMaxDims] = {
-      -1, std::numeric_limits<int64_t>::max(), 0, 7, std::numeric_limits<int64_t>::min(), 3, int64_t{1} << 40, -5};
   out.push_back({"8 garbage dims", "shape", 64,
                  [=](const RingWriter& r, int64_t tag) {
                    std::copy(garbage_dims, garbage_dims + shm::kMaxDims, r.shape(0).dims);

@@ -14,12 +14,35 @@ namespace {
 using namespace tdshm::shm;
 
 TEST(ShmLayout, VersionAndMagicArePinned) {
-  EXPECT_EQ(kLayoutVersion, 9u);
+  EXPECT_EQ(kLayoutVersion, 10u);
   char magic[8];
   std::memcpy(magic, &kSegmentMagic, 8);
   EXPECT_EQ(std::string(magic, 8), "TDSHMSG1");
   EXPECT_EQ(kCacheLine, 64u);
   EXPECT_EQ(kMaxDims, 8u);
+}
+
+TEST(ShmLayout, BatchesArePinned) {
+  // Layout 10: the flag and a record's bytes (its struct, the sizes of 2 to 8 dimensions, the
+  // message padded to 8 bytes).
+  EXPECT_EQ(uint32_t{kEntryBatch}, 512u);
+  EXPECT_EQ(sizeof(BatchRecord), 24u);
+  EXPECT_EQ(offsetof(BatchRecord, tag), 0u);
+  EXPECT_EQ(offsetof(BatchRecord, bytes), 8u);
+  EXPECT_EQ(offsetof(BatchRecord, flags), 12u);
+  EXPECT_EQ(offsetof(BatchRecord, dtype), 16u);
+  EXPECT_EQ(offsetof(BatchRecord, ndim), 17u);
+  EXPECT_EQ(offsetof(BatchRecord, leaves), 18u);
+  EXPECT_EQ(offsetof(BatchRecord, check), 20u);
+  EXPECT_EQ(batch_record_bytes(1, 8), 32u);
+  EXPECT_EQ(batch_record_bytes(2, 24), 24u + 16u + 24u);
+  EXPECT_EQ(batch_record_bytes(3, 41), 24u + 24u + 48u);
+  EXPECT_EQ(batch_record_bytes(0, 0), 24u);
+  EXPECT_EQ(batch_record_bytes(kShapeNotSent, 4), 32u);  // no sizes sent past 8 dimensions
+  EXPECT_TRUE(chunk_in_ring(kEntryBatch));
+  EXPECT_TRUE(has_span(kEntryBatch));
+  EXPECT_TRUE(has_span(kEntrySpan | kEntryFirst | kEntryLast));
+  EXPECT_FALSE(has_span(kEntryInline | kEntryFirst | kEntryLast));
 }
 
 TEST(ShmLayout, SpansAndSeqWordsArePinned) {

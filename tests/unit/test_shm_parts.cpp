@@ -460,6 +460,150 @@ TEST_F(ShmRingCheck, SpansAreWholeMessagesTheRingCanHold) {
   EXPECT_EQ(check_entry(g, {}, big, kMaxMessage), "");
 }
 
+TEST_F(ShmRingCheck, BatchesAreAloneAndFitTheRing) {
+  // A batch header: flags kEntryBatch alone, its records' bytes in chunk_bytes and total_bytes,
+  // the number of records in `leaves`, a span the ring can hold (576 bytes in the 4-entry ring).
+  auto batch = [&](uint32_t flags, uint64_t total, uint32_t chunk, uint16_t records) {
+    EntryFields f = through_ring(flags, total, 0, chunk, 0xffffffffu, 0);
+    f.leaves = records;
+    return f;
+  };
+  EXPECT_EQ(check(batch(kEntryBatch, 184, 184, 3)), "");
+  EXPECT_EQ(batch(kEntryBatch, 184, 184, 3).slot, 0u) << "no slot read";
+  EXPECT_EQ(batch(kEntryBatch, 184, 184, 3).chunk_offset, 0u) << "no tail read";
+  EXPECT_EQ(check(batch(kEntryBatch, 576, 576, 2)), "");
+  EXPECT_EQ(check(batch(kEntryBatch, 577, 577, 2)), "batch of 577 bytes in a ring of 4 entries");
+  EXPECT_EQ(check(batch(kEntryBatch, 0xffffffffu, 0xffffffffu, 2)), "batch of 4294967295 bytes in a ring of 4 entries");
+  EXPECT_EQ(check(batch(kEntryBatch, 200, 184, 3)), "a batch of 184 bytes that says 200");
+  EXPECT_EQ(check(batch(kEntryBatch, 184, 184, 0)), "a batch of no records");
+  EXPECT_EQ(check(batch(kEntryBatch | kEntryFirst | kEntryLast, 184, 184, 3)),
+            "unknown flags " + std::to_string(kEntryBatch | kEntryFirst | kEntryLast));
+  EXPECT_EQ(check(batch(kEntryBatch | kEntryInline, 48, 48, 1)),
+            "unknown flags " + std::to_string(kEntryBatch | kEntryInline));
+  RxProgress rx;
+  rx.in_message = true;
+  rx.total = 100000;
+  rx.received = 65536;
+  EXPECT_EQ(check(batch(kEntryBatch, 184, 184, 3), rx), "a batch before the previous message ended");
+}
+
+namespace {
+
+// Appends a batch record (segment_layout.h's BatchRecord, sizes, bytes, padding) to `out`.
+void add_record(std::vector<uint8_t>& out, const BatchRecord& r, const std::vector<int64_t>& sizes,
+                const std::vector<uint8_t>& bytes, size_t padding) {
+  const size_t at = out.size();
+  out.resize(at + sizeof r);
+  std::memcpy(out.data() + at, &r, sizeof r);
+  for (const int64_t d : sizes) {
+    const size_t k = out.size();
+    out.resize(k + sizeof d);
+    std::memcpy(out.data() + k, &d, sizeof d);
+  }
+  out.insert(out.end(), bytes.begin(), bytes.end());
+  out.insert(out.end(), padding, 0);
+}
+
+BatchRecord record(int64_t tag, uint32_t bytes, uint32_t flags, uint8_t ndim) {
+  BatchRecord r{};
+  r.tag = tag;
+  r.bytes = bytes;
+  r.flags = flags;
+  r.dtype = 6;
+  r.ndim = ndim;
+  return r;
+}
+
+}  // namespace
+
+TEST(ShmBatchRecord, RecordsReadBackAsWholeMessages) {
+  std::vector<uint8_t> records;
+  BatchRecord a = record(7, 8, 0, 1);
+  add_record(records, a, {}, std::vector<uint8_t>(8, 0xa1), 0);
+  BatchRecord b = record(-3, 24, kEntryKeyCheck | kEntryControl, 2);
+  b.leaves = 3;
+  b.check = 0xdeadbeef;
+  add_record(records, b, {2, 3}, std::vector<uint8_t>(24, 0xb2), 0);
+  BatchRecord c = record(9, 5, kEntrySchemaCheck, 3);
+  c.check = 42;
+  add_record(records, c, {1, 1, 5}, std::vector<uint8_t>(5, 0xc3), 3);
+  ASSERT_EQ(records.size(), batch_record_bytes(1, 8) + batch_record_bytes(2, 24) + batch_record_bytes(3, 5));
+
+  uint64_t offset = 0, payload_at = 0;
+  EntryFields f;
+  EntryShape shape{};
+  ASSERT_EQ(read_batch_record(records.data(), records.size(), offset, f, shape, payload_at), "");
+  EXPECT_EQ(f.tag, 7);
+  EXPECT_EQ(f.total_bytes, 8u);
+  EXPECT_EQ(f.chunk_bytes, 8u);
+  EXPECT_EQ(f.flags, kEntryFirst | kEntryLast | kEntryBatch);
+  EXPECT_EQ(f.ndim, 1u);
+  EXPECT_EQ(payload_at, sizeof(BatchRecord));
+  EXPECT_EQ(records[payload_at], 0xa1);
+  EXPECT_EQ(offset, 32u);
+
+  ASSERT_EQ(read_batch_record(records.data(), records.size(), offset, f, shape, payload_at), "");
+  EXPECT_EQ(f.tag, -3);
+  EXPECT_EQ(f.flags, kEntryFirst | kEntryLast | kEntryBatch | kEntryKeyCheck | kEntryControl);
+  EXPECT_EQ(f.leaves, 3u);
+  EXPECT_EQ(f.check, 0xdeadbeefu);
+  EXPECT_EQ(f.ndim, 2u);
+  EXPECT_EQ(shape.dims[0], 2);
+  EXPECT_EQ(shape.dims[1], 3);
+  EXPECT_EQ(payload_at, 32u + sizeof(BatchRecord) + 16u);
+  EXPECT_EQ(records[payload_at + 23], 0xb2);
+
+  ASSERT_EQ(read_batch_record(records.data(), records.size(), offset, f, shape, payload_at), "");
+  EXPECT_EQ(f.total_bytes, 5u);
+  EXPECT_EQ(f.check, 42u);
+  EXPECT_EQ(shape.dims[2], 5);
+  EXPECT_EQ(records[payload_at + 4], 0xc3);
+  EXPECT_EQ(offset, records.size());
+  // Past the last record: refused, nothing read.
+  EXPECT_EQ(
+      read_batch_record(records.data(), records.size(), offset, f, shape, payload_at),
+      "a record at byte " + std::to_string(records.size()) + " past the batch's " + std::to_string(records.size()));
+}
+
+TEST(ShmBatchRecord, HostileRecordsAreRefused) {
+  auto read = [](const std::vector<uint8_t>& records) {
+    uint64_t offset = 0, payload_at = 0;
+    EntryFields f;
+    EntryShape shape{};
+    std::string problem = read_batch_record(records.data(), records.size(), offset, f, shape, payload_at);
+    if (problem.empty()) {
+      EXPECT_LE(offset, records.size());
+    }
+    return problem;
+  };
+  auto one = [](const BatchRecord& r, const std::vector<int64_t>& sizes, size_t bytes, size_t padding = 0) {
+    std::vector<uint8_t> out;
+    add_record(out, r, sizes, std::vector<uint8_t>(bytes, 1), padding);
+    return out;
+  };
+  EXPECT_EQ(read(std::vector<uint8_t>(23, 0)), "a record at byte 0 past the batch's 23");
+  EXPECT_EQ(read(one(record(1, 8, kEntryFirst, 1), {}, 8)), "a record with flags 1");
+  EXPECT_EQ(read(one(record(1, 8, kEntryInline, 1), {}, 8)), "a record with flags 64");
+  EXPECT_EQ(read(one(record(1, 8, kEntryLoan, 1), {}, 8)), "a record with flags 128");
+  EXPECT_EQ(read(one(record(1, 8, kEntryBatch, 1), {}, 8)), "a record with flags 512");
+  EXPECT_EQ(read(one(record(1, 8, kEntryKeyCheck | kEntrySchemaCheck, 1), {}, 8)),
+            "a record with both a key check and a schema check");
+  BatchRecord leaves = record(1, 8, 0, 1);
+  leaves.leaves = 2;
+  EXPECT_EQ(read(one(leaves, {}, 8)), "a record with a leaf count without a key check");
+  EXPECT_EQ(read(one(record(1, 8, 0, 9), {}, 8)), "a record of ndim 9");
+  // Sizes or bytes that run past the batch (the bytes field at its largest, too).
+  EXPECT_EQ(read(one(record(1, 16, 0, 1), {}, 8)), "a record of 16 bytes at byte 0 past the batch's 32");
+  EXPECT_EQ(read(one(record(1, 8, 0, 3), {2, 2}, 8)), "a record of 8 bytes at byte 0 past the batch's 48");
+  EXPECT_EQ(read(one(record(1, 0xffffffffu, 0, 1), {}, 8)),
+            "a record of 4294967295 bytes at byte 0 past the batch's 32");
+  // The padding belongs to the record: a record whose bytes end the batch unpadded is refused.
+  EXPECT_EQ(read(one(record(1, 5, 0, 1), {}, 5)), "a record of 5 bytes at byte 0 past the batch's 29");
+  EXPECT_EQ(read(one(record(1, 5, 0, 1), {}, 5, 3)), "");
+  // More than 8 dimensions: no sizes sent, the bytes follow the record at once.
+  EXPECT_EQ(read(one(record(1, 8, 0, kShapeNotSent), {}, 8)), "");
+}
+
 TEST(ShmRing, SpansFillTheEntriesAfterTheirHeaderAndWrap) {
   constexpr uint32_t n = 8;
   TestRing r(n);
