@@ -25,7 +25,8 @@ inline void cpu_relax() noexcept {
 // data loader's workers), the rank a waiter waits for often runs on the waiter's own core, and
 // spinning without yielding left it queued for the whole spin (4 workers: 48k batches/s when
 // waiters yielded every ~30 us, 80-88k when every ~250 ns after the first ~1 us, in the same
-// run; ping-pong unchanged).
+// run; ping-pong unchanged). Whether a clock read also yields is SpinBudget's call (waiter.h): not
+// while yields keep returning at once, each a system call the waiter spends blind.
 struct SpinChecks {
   static constexpr unsigned kQuietChecks = 32, kYieldEvery = 8;
   static_assert((kQuietChecks & (kQuietChecks - 1)) == 0 && (kYieldEvery & (kYieldEvery - 1)) == 0,

@@ -118,6 +118,23 @@ TEST(ShmWaiter, SpinBudgetDoublesOnShortWaitsHalvesOnLongOnesAndStaysInBounds) {
   EXPECT_EQ(none.get(), 0ns) << "a blocking-only budget stays 0";
 }
 
+TEST(ShmWaiter, YieldsStopWhileTheyRunNobodyElseAndComeBackWhenOneDoes) {
+  SpinBudget b(std::chrono::microseconds(256));
+  for (uint32_t read = 1; read <= 10; ++read) EXPECT_TRUE(b.yields_at(read)) << "at first every clock read yields";
+  for (uint32_t i = 0; i + 1 < SpinBudget::kUselessYields; ++i) b.yielded(1us);
+  EXPECT_TRUE(b.yields_at(1)) << "one useless yield short of the limit";
+  b.yielded(1us);
+  uint32_t probes = 0;
+  for (uint32_t read = 1; read <= 4 * SpinBudget::kProbeEvery; ++read) probes += b.yields_at(read) ? 1 : 0;
+  EXPECT_EQ(probes, 4u) << "past the limit, one clock read in kProbeEvery yields";
+  b.yielded(1us);
+  EXPECT_FALSE(b.yields_at(1)) << "more useless yields keep it so";
+  b.yielded(SpinBudget::kRanAnother);  // a probe that let another thread run
+  EXPECT_TRUE(b.yields_at(1)) << "a yield that ran another thread: every clock read yields again";
+  for (uint32_t i = 0; i + 1 < SpinBudget::kUselessYields; ++i) b.yielded(0us);
+  EXPECT_TRUE(b.yields_at(1)) << "the count starts again from 0";
+}
+
 /// Hooks that record what spin_then_sleep asked of them.
 struct Recorder {
   std::vector<Poll> script;  // what poll() answers, in turn (then kIdle)
