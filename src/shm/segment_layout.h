@@ -318,10 +318,10 @@ constexpr uint64_t batch_record_bytes(uint8_t ndim, uint64_t bytes) {
 }
 
 /// The largest span this build's senders write (a sender's choice, not the layout's: receivers
-/// take up to kMaxSpanBytes). Measured here in minutes when lines cross cores slowly, a span
-/// against a slot: 1 KiB 0.75-0.95 against 1.58-1.67 us, 2 KiB about even, 4 KiB 5-10 % slower
-/// (a growing share of span messages pays ~0.9 us more, not yet understood: docs/benchmarks.md).
-inline constexpr uint64_t kSpanSendBytes = 1536;
+/// take up to kMaxSpanBytes). Measured here in minutes when lines cross cores slowly (three
+/// alternating pairs, one-way against UCX's in the same run): a span against a slot 2 KiB 0.87x
+/// against 1.02x, 3 KiB 0.89x against 0.94x, 4 KiB 0.96x against 0.92x (docs/benchmarks.md).
+inline constexpr uint64_t kSpanSendBytes = 3072;
 
 /// The largest message a sender puts in a span of a ring of `ring_entries`: at most
 /// kSpanSendBytes, and one that with its header takes at most half the ring (the other half keeps
