@@ -194,12 +194,14 @@ void Attacher::read_creator_record() {
   record_ = lock_.record();
   // `creating` still set while we hold the lock: that creation was interrupted (see the recovery
   // model), whatever /proc says. Its creator is normally dead, but the kernel drops a killed
-  // process's flock before /proc shows it as exited, so give it a moment to finish dying; one
-  // that truly lives (it threw mid-way) is not recorded as a dead member.
+  // process's flock before /proc shows it as exited, so give it a moment to finish dying (up to
+  // a second: with 200 ms, a waiting peer in a loaded test run once waited out its whole timeout
+  // instead of failing at once); one that truly lives (it threw mid-way) is not recorded as a
+  // dead member.
   interrupted_ = record_ && record_->creating != 0;
   // A creator already dead when this rank arrived is stale, not a member (the recovery model).
   if (!interrupted_ || lock_.dead_on_arrival(*record_)) return;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   while (creator_alive(record_) && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
