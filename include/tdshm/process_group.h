@@ -166,11 +166,6 @@ struct MessageCheck {
   uint16_t leaves = 0;
 };
 
-/// For a receive of ProcessGroupShm::recv_checked that failed because its message's leaf count
-/// differed from its own: the sender's count. 0 otherwise, while the work is pending, and for the
-/// works of other backends.
-uint16_t shm_sender_leaf_count(const c10d::Work& work);
-
 /// For a Work of ProcessGroupShm::send_batch / recv_batch: one Work per message of the batch (each
 /// with its own error), for callers that handle a failure message by message. Throws TypeError
 /// for another Work.

@@ -203,14 +203,6 @@ class ShmWork final : public detail::BatchWork {
     return done(op) && op != nullptr ? op->sender_leaves : 0;
   }
 
-  /// What shm_sender_leaf_count returns.
-  uint16_t sender_leaves() const {
-    for (const auto& op : ops_) {
-      if (op->done.load(std::memory_order_acquire) && op->sender_leaves != 0) return op->sender_leaves;
-    }
-    return 0;
-  }
-
  private:
   /// Message j of a batch: its op, or null when it completed as it was posted.
   const std::shared_ptr<ShmOp>* message(size_t j) const {
@@ -351,11 +343,6 @@ void ProcessGroupShm::shutdown(std::exception_ptr reason) noexcept {
 
 const std::string& ProcessGroupShm::segment_name() const noexcept { return engine_->name(); }
 const ShmOptions& ProcessGroupShm::options() const noexcept { return engine_->options(); }
-
-uint16_t shm_sender_leaf_count(const c10d::Work& work) {
-  const auto* shm = dynamic_cast<const ShmWork*>(&work);
-  return shm ? shm->sender_leaves() : 0;
-}
 
 std::vector<c10::intrusive_ptr<c10d::Work>> shm_batch_messages(const c10d::Work& work) {
   const auto* shm = dynamic_cast<const ShmWork*>(&work);
