@@ -268,45 +268,6 @@ ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, c
   return land_entry(src, e, payload, shape, reference ? &ref : nullptr, pass);
 }
 
-// The records of a batch are read one at a time (read once, checked, then landed as the whole
-// message each stands for); one that must stay in the ring (start_message) leaves the cursor on
-// it, and the entry is taken once its last record is.
-ShmChannel::Taken ShmChannel::handle_batch(int src, const shm::EntryFields& e, const uint8_t* records,
-                                           ReceivePass& pass) {
-  auto corrupt = [&](const std::string& what) {
-    return TransportError("corrupted entry from " + segment_.describe_rank(static_cast<uint32_t>(src)) + ": " + what);
-  };
-  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank, options_.ring_entries};
-  // (No message is in progress between two records: each is whole.)
-  if (std::string problem =
-          shm::check_entry(e, shm::RxProgress{current_[static_cast<size_t>(src)] != nullptr}, arena, kMaxMessageBytes);
-      !problem.empty()) {
-    throw corrupt(problem);
-  }
-  BatchCursor& cursor = batch_cursor_[static_cast<size_t>(src)];
-  // Every line of the records asked for at once: read record by record, each line would be
-  // fetched only once the record before it has landed.
-  for (uint64_t at = cursor.offset; at < e.chunk_bytes; at += shm::kCacheLine) __builtin_prefetch(records + at);
-  while (cursor.offset < e.chunk_bytes) {
-    shm::EntryFields record;
-    shm::EntryShape shape;
-    uint64_t next = cursor.offset, payload_at = 0;
-    if (std::string problem = shm::read_batch_record(records, e.chunk_bytes, next, record, shape, payload_at);
-        !problem.empty()) {
-      throw corrupt("batch: " + problem);
-    }
-    if (cursor.records == e.leaves) throw corrupt("a batch of more records than its " + std::to_string(e.leaves));
-    if (land_entry(src, record, records + payload_at, shape, nullptr, pass) == Taken::kHeld) return Taken::kHeld;
-    cursor.offset = next;
-    ++cursor.records;
-  }
-  if (cursor.records != e.leaves) {
-    throw corrupt("a batch of " + std::to_string(cursor.records) + " records that says " + std::to_string(e.leaves));
-  }
-  cursor = BatchCursor{};
-  return Taken::kYes;
-}
-
 ShmChannel::Taken ShmChannel::land_entry(int src, const shm::EntryFields& e, const uint8_t* payload,
                                          const shm::EntryShape& shape, const shm::ReferenceFields* ref,
                                          ReceivePass& pass) {
