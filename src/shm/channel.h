@@ -255,6 +255,8 @@ class ShmChannel {
 
   // Receiving (channel_receive.cpp)
   bool progress_receives(int src, bool drain_all);
+  // The error of a malformed entry (or record) from `src`: "corrupted entry from <rank>: what".
+  TransportError corrupted(int src, const std::string& what) const;
   // The chunk of `e`, the next entry of `src`'s ring: in the entry, in the entries after it (a
   // span the ring can hold), or in the sender's slot if that slot is handed to this rank (else
   // null: the entry is corrupt, or the slot was taken back). Inline: every entry read asks,

@@ -79,9 +79,7 @@ size_t ShmChannel::send_batched(std::span<const at::Tensor> tensors, int dst, st
 // it, and the entry is taken once its last record is.
 ShmChannel::Taken ShmChannel::handle_batch(int src, const shm::EntryFields& e, const uint8_t* records,
                                            ReceivePass& pass) {
-  auto corrupt = [&](const std::string& what) {
-    return TransportError("corrupted entry from " + segment_.describe_rank(static_cast<uint32_t>(src)) + ": " + what);
-  };
+  auto corrupt = [&](const std::string& what) { return corrupted(src, what); };
   const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank, options_.ring_entries};
   // (No message is in progress between two records: each is whole.)
   if (std::string problem =

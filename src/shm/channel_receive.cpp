@@ -20,6 +20,10 @@ namespace tdshm::detail {
 
 using shm::EntryHeader;
 
+TransportError ShmChannel::corrupted(int src, const std::string& what) const {
+  return TransportError("corrupted entry from " + segment_.describe_rank(static_cast<uint32_t>(src)) + ": " + what);
+}
+
 bool ShmChannel::progress_receives(int src, bool drain_all) {
   const auto s = static_cast<size_t>(src);
   if (peer_error_[s] && !current_[s]) {
@@ -244,9 +248,7 @@ MessageHead ShmChannel::message_head(int src, const shm::EntryFields& e, const s
 // Validates one entry (a copy of what another process wrote) and moves its payload.
 ShmChannel::Taken ShmChannel::handle_entry(int src, const shm::EntryFields& e, const uint8_t* payload,
                                          const shm::EntryShape& shape, ReceivePass& pass) {
-  auto corrupt = [&](const std::string& what) {
-    return TransportError("corrupted entry from " + segment_.describe_rank(static_cast<uint32_t>(src)) + ": " + what);
-  };
+  auto corrupt = [&](const std::string& what) { return corrupted(src, what); };
   auto& cur = current_[static_cast<size_t>(src)];
   shm::RxProgress rx;
   if (cur) rx = {true, cur->control, cur->total, cur->received};
