@@ -160,13 +160,27 @@ std::vector<std::pair<std::string, std::unique_ptr<PingPong>>> set_up(Session& s
   return live;
 }
 
+// Where unpinned ranks ran while a transport was timed: rank 0 samples, after every 16th timed
+// round trip (outside the timed part), whether it runs on the CPU rank 1 last published.
+struct Placement {
+  int samples = 0;
+  int shared = 0;  // samples that found both ranks on one CPU
+};
+
 // One round of one transport at one size: `warmup` round trips, then `iters` timed ones whose
-// times are appended to `elapsed_ns` (rank 0; rank 1 only answers).
-void run_round(Session& s, PingPong& transport, int warmup, int iters, std::vector<int64_t>& elapsed_ns) {
+// times are appended to `elapsed_ns` (rank 0; rank 1 only answers). Unpinned runs also count
+// where the ranks ran (`placement`, rank 0); a figure then depends on it: on one CPU, every
+// message waits for the scheduler.
+void run_round(Session& s, PingPong& transport, int warmup, int iters, std::vector<int64_t>& elapsed_ns,
+               Placement& placement) {
+  const bool unpinned = s.cpus.empty() && !transport.single_process();
   if (!transport.single_process()) {
     s.link.sync(true);  // both ranks ready: the first warm-up ping meets a waiting pong
     if (s.link.rank() == 1) {
-      for (int i = 0; i < warmup + iters; ++i) transport.pong();
+      for (int i = 0; i < warmup + iters; ++i) {
+        transport.pong();
+        if (unpinned) s.link.publish_cpu();
+      }
       return;
     }
   }
@@ -175,6 +189,10 @@ void run_round(Session& s, PingPong& transport, int warmup, int iters, std::vect
     const auto start = Clock::now();
     transport.ping();
     elapsed_ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+    if (unpinned && i % 16 == 0) {
+      ++placement.samples;
+      placement.shared += s.link.on_peer_cpu() ? 1 : 0;
+    }
   }
 }
 
@@ -234,6 +252,7 @@ void measure_row(Session& s, Live& live, Workload w) {
   }
   const int rounds = std::min(s.options.rounds, most);
   std::vector<std::vector<int64_t>> elapsed(live.size());
+  std::vector<Placement> placement(live.size());
   std::vector<std::vector<ExternalRound>> external(live.size());
   std::vector<char> external_failed(live.size(), 0);
   for (auto& [name, transport] : live) {
@@ -257,7 +276,7 @@ void measure_row(Session& s, Live& live, Workload w) {
         }
         continue;
       }
-      run_round(s, transport, (warmups[t] + rounds - 1) / rounds, n, elapsed[t]);
+      run_round(s, transport, (warmups[t] + rounds - 1) / rounds, n, elapsed[t], placement[t]);
     }
   }
   if (rank != 0) return;
@@ -274,6 +293,9 @@ void measure_row(Session& s, Live& live, Workload w) {
     s.results.push_back(transport->external()
                             ? summarize_external(name, w, warmup, iters[t], external[t])
                             : summarize(name, w, warmup, rounds, elapsed[t], !transport->single_process()));
+    if (placement[t].samples > 0) {
+      s.results.back().one_cpu = static_cast<double>(placement[t].shared) / placement[t].samples;
+    }
     print_row(s.results.back(), t == 0);
   }
   std::printf("\n");

@@ -41,6 +41,8 @@ static_assert(std::atomic_ref<uint32_t>::is_always_lock_free, "futex words must 
 ///   +576   gloo_port               TCPStore port chosen by rank 0
 ///   +640   c10d_seq[0..1]          the spin floor through c10d (c10d-spin), same roles
 ///   +768   error[2][1024]          last error message of each rank, NUL-terminated
+///   +2816  cpu[2]                  unpinned runs: the CPU each rank last ran on, plus one (0: not
+///                                  known yet), written when it changes (Link::publish_cpu)
 ///   ...    (page aligned) payload buffers of the floors: [0] rank 0 -> 1, [1] rank 1 -> 0
 struct ControlBlock {
   SharedWord arrived[2][2];
@@ -50,10 +52,12 @@ struct ControlBlock {
   SharedWord gloo_port;
   SharedWord c10d_seq[2];
   char error[2][1024];
+  SharedWord cpu[2];
 };
 static_assert(offsetof(ControlBlock, aborted) == 256 && offsetof(ControlBlock, spin_seq) == 320 &&
                   offsetof(ControlBlock, futex_seq) == 448 && offsetof(ControlBlock, gloo_port) == 576 &&
-                  offsetof(ControlBlock, c10d_seq) == 640 && offsetof(ControlBlock, error) == 768,
+                  offsetof(ControlBlock, c10d_seq) == 640 && offsetof(ControlBlock, error) == 768 &&
+                  offsetof(ControlBlock, cpu) == 2816,
               "ControlBlock layout as drawn above");
 static_assert(std::is_trivially_copyable_v<ControlBlock> && std::is_standard_layout_v<ControlBlock>,
               "ControlBlock lives in a mapping both processes use");
@@ -89,6 +93,11 @@ class Link {
   std::string peer_error() const;
   /// Records this rank's error message without aborting (the peer reads it after a sync).
   void set_error(const std::string& why) noexcept;
+  /// Records the CPU this rank runs on, writing the shared word only when it changed (so that
+  /// a rank that stays put adds no cache-line traffic to what is measured).
+  void publish_cpu() noexcept;
+  /// True if this rank now runs on the CPU the peer last published.
+  bool on_peer_cpu() const noexcept;
 
  private:
   ControlBlock* block_;
@@ -97,6 +106,7 @@ class Link {
   bool peer_on_own_cpu_;
   const std::atomic<int>* peer_exit_status_;
   uint32_t generation_ = 0;
+  uint32_t published_cpu_ = 0;  // what publish_cpu last wrote (CPU + 1)
 };
 
 /// How a floor waits for its sequence word.

@@ -93,7 +93,8 @@ std::string json_line(const Measurement& m) {
          ",\"iters\":" + std::to_string(m.iters) + ",\"warmup\":" + std::to_string(m.warmup) +
          ",\"rounds\":" + std::to_string(m.rounds) + ",\"p50_us\":" + json_number(m.p50_us) +
          ",\"p99_us\":" + json_number(m.p99_us) + ",\"min_us\":" + json_number(m.min_us) +
-         ",\"mean_us\":" + json_number(m.mean_us) + ",\"gbps\":" + json_number(m.gbps) + "}";
+         ",\"mean_us\":" + json_number(m.mean_us) + ",\"gbps\":" + json_number(m.gbps) +
+         ",\"one_cpu\":" + json_number(m.one_cpu) + "}";
 }
 
 void write_json(const std::string& path, const std::vector<Measurement>& results) {

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,9 @@ struct Measurement {
   int rounds = 0;
   double p50_us = 0, p99_us = 0, min_us = 0, mean_us = 0;
   double gbps = 0;  // decimal GB/s: bytes / p50 one-way time
+  // Unpinned runs: the share of rank 0's samples that found both ranks on one CPU (NaN: pinned,
+  // or one process).
+  double one_cpu = std::numeric_limits<double>::quiet_NaN();
 };
 
 /// The measurement of `transport` on `workload` from the recorded times (`round_trips`: each is a

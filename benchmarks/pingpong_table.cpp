@@ -103,8 +103,15 @@ std::string size_label(size_t bytes) {
 
 void print_header(const std::vector<std::string>& transports, bool td, const std::string& pinning) {
   std::printf("tdshm bench: two-process ping-pong; %s\n", pinning.c_str());
-  std::printf("one-way latency = round trip / 2 (memcpy: one copy in one process); p50/p99 over the recorded\n"
-              "round trips after warm-up; GB/s = 10^9 bytes/s = bytes / p50 one-way time\n\n");
+  std::printf(
+      "one-way latency = round trip / 2 (memcpy: one copy in one process); p50/p99 over the recorded\n"
+      "round trips after warm-up; GB/s = 10^9 bytes/s = bytes / p50 one-way time\n");
+  if (pinning.rfind("ranks not pinned", 0) == 0) {
+    std::printf(
+        "one CPU = share of samples (every 16th round trip) that found both ranks on one CPU: there\n"
+        "a message waits for the scheduler, whatever the transport\n");
+  }
+  std::printf("\n");
   for (const auto& name : transports) std::printf("  %-13s %s\n", name.c_str(), transport_info(name).what);
   if (td) {
     std::printf("\nrows are TensorDict workloads: td-* move the tensordict (per-leaf: one message per leaf;\n"
@@ -128,8 +135,11 @@ void print_row(const Measurement& m, bool first_of_row) {
   }
   char p99[32] = "n/a";  // a transport measured by another program reports no p99
   if (std::isfinite(m.p99_us)) std::snprintf(p99, sizeof p99, "%.3f", m.p99_us);
-  std::printf("%-13s %-15s %7d %11.3f %11s %10.3f\n", m.transport.c_str(), m.mode.c_str(), m.iters, m.p50_us, p99,
+  std::printf("%-13s %-15s %7d %11.3f %11s %10.3f", m.transport.c_str(), m.mode.c_str(), m.iters, m.p50_us, p99,
               m.gbps);
+  // Unpinned: how often the ranks shared a CPU (then every message waits for the scheduler).
+  if (std::isfinite(m.one_cpu)) std::printf("  one CPU %3.0f%%", 100.0 * m.one_cpu);
+  std::printf("\n");
   std::fflush(stdout);
 }
 
