@@ -77,6 +77,14 @@ class PeerLostError : public Error {
   using Error::Error;
 };
 
+/// A rank gave up a group's rendezvous (its construction timed out or failed) before the group
+/// formed: the other ranks' constructions fail with this. Nobody died: constructing the group
+/// again, on every rank, may succeed.
+class RendezvousAbandonedError : public PeerLostError {
+ public:
+  using PeerLostError::PeerLostError;
+};
+
 /// A wait reached its deadline (the group's timeout, or the one given to wait()).
 class TimeoutError : public Error {
  public:

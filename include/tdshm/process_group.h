@@ -73,7 +73,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -82,9 +81,8 @@ namespace tdshm {
 namespace detail {
 class ShmEngine;
 class RecvWorkPool;
-}
-namespace shm {
 class CollectiveQueue;
+struct ShmGroupSeam;  // what tdshm's own layers ask of a group beyond this API (not public)
 }
 
 /// Options of a ProcessGroupShm. All ranks of a group must use the same slot_bytes,
@@ -150,27 +148,6 @@ void validate_segment_name(const std::string& name);
 /// if something was removed. Throws SegmentError if live ranks still use it.
 bool remove_stale_segment(const std::string& name);
 
-/// What tdshm's transfer layer tells the shm transport about one message, so that the receiver
-/// can check it although tensordict's wire has no room for it: it rides in the ring entry's own
-/// header (no extra message). A receive with a check of the same kind as the message's compares
-/// the values before any byte is written: a key check that differs fails the receive with a
-/// TransportError, a schema check with a SchemaError (the message is dropped, as on any mismatch).
-/// A message or receive without a check (kNone: plain c10d calls, Python ranks) is not compared.
-/// A key check may also carry the number of leaves of the transfer (0: unknown); when both
-/// sides give one and they differ, the receive fails with a TransportError whose message says
-/// "the sender's tree has N leaves".
-struct MessageCheck {
-  enum class Kind : uint8_t { kNone, kKey, kSchema };
-  Kind kind = Kind::kNone;
-  uint32_t value = 0;
-  uint16_t leaves = 0;
-};
-
-/// For a Work of ProcessGroupShm::send_batch / recv_batch: one Work per message of the batch (each
-/// with its own error), for callers that handle a failure message by message. Throws TypeError
-/// for another Work.
-std::vector<c10::intrusive_ptr<c10d::Work>> shm_batch_messages(const c10d::Work& work);
-
 class ProcessGroupShm : public c10d::ProcessGroup {
  public:
   /// Attaches rank `rank` of `size` to the segment `name`, creating it if needed (any rank may),
@@ -196,20 +173,6 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// Receives into tensors[0]; the message must have its byte size (TransportError otherwise;
   /// dtype and shape are checked too when the sender's are known).
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
-  /// send / recv with a MessageCheck (tdshm's transfer layer uses them; the wire is the same).
-  c10::intrusive_ptr<c10d::Work> send_checked(std::vector<at::Tensor>& tensors, int dstRank, int tag, MessageCheck check);
-  c10::intrusive_ptr<c10d::Work> recv_checked(std::vector<at::Tensor>& tensors, int srcRank, int tag, MessageCheck check);
-  /// A per-leaf transfer's messages to one peer in one call: exactly the messages of one
-  /// send_checked per tensor (tensors[i] with tags[i] and checks[i], in order), posted under one
-  /// lock, and the peer woken once. Returns null when every message is already in the segment,
-  /// else one Work for all of them (shm_batch_messages splits it).
-  c10::intrusive_ptr<c10d::Work> send_batch(std::span<const at::Tensor> tensors, int dstRank,
-                                            const std::vector<int>& tags, const std::vector<MessageCheck>& checks);
-  /// The receiving side: one recv_checked per tensor, posted under one lock. The returned Work's
-  /// wait() returns once every message is in, or throws the first error as soon as one receive
-  /// failed (the others may then still be pending: see shm_batch_messages).
-  c10::intrusive_ptr<c10d::Work> recv_batch(std::span<const at::Tensor> tensors, int srcRank,
-                                            const std::vector<int>& tags, const std::vector<MessageCheck>& checks);
   /// Receives the first matching message from any rank; Work::sourceRank() tells which.
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
@@ -230,14 +193,13 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// Receives whatever tensor `srcRank` sends with `tag`, in a tensor of the sender's shape and
   /// dtype (Work::result()): when the sender's tensor is a loan, a view of its bytes (no copy;
   /// they go back to the sender when the view's last reference is dropped), else a fresh tensor.
-  c10::intrusive_ptr<c10d::Work> irecv_view(int srcRank, int tag, MessageCheck check = {});
+  c10::intrusive_ptr<c10d::Work> irecv_view(int srcRank, int tag);
   /// irecv_view, waited for: the received tensor.
-  at::Tensor recv_view(int srcRank, int tag, MessageCheck check = {});
-  /// One irecv_view per tags[i] (with checks[i]) from `srcRank`, posted under one lock (a tree's
-  /// views): one Work whose result() is the received tensors in order once wait() returned;
-  /// wait() throws the first error as soon as one receive failed (shm_batch_messages splits it).
-  c10::intrusive_ptr<c10d::Work> irecv_view_batch(int srcRank, const std::vector<int>& tags,
-                                                  const std::vector<MessageCheck>& checks);
+  at::Tensor recv_view(int srcRank, int tag);
+  /// The next `n` messages `srcRank` sends with `tag`, each received as irecv_view receives it,
+  /// posted at once: one Work whose result() is the n tensors in order once wait() returned;
+  /// wait() throws the first error as soon as one receive failed.
+  c10::intrusive_ptr<c10d::Work> irecv_views(int srcRank, int tag, size_t n);
   /// Whether this rank and `peer` both set ShmOptions::memmap_by_reference: their
   /// init_remote / from_remote_init then pass MemoryMappedTensor leaves as files, not bytes.
   bool memmap_by_reference_with(int peer) const noexcept;
@@ -307,14 +269,16 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   const ShmOptions& options() const noexcept;
 
  private:
+  friend struct detail::ShmGroupSeam;
+
   // Issues `body(deadline)` as the group's next collective (process_group_shm_collectives.cpp).
   template <class Body>
   c10::intrusive_ptr<c10d::Work> run_collective(c10d::OpType type, std::chrono::milliseconds timeout, Body&& body,
                                                 std::vector<at::Tensor> outputs);
 
   std::shared_ptr<detail::ShmEngine> engine_;
-  // The collectives issued and not yet run, in order (shm/collective_queue.h).
-  std::shared_ptr<shm::CollectiveQueue> collectives_;
+  // The collectives issued and not yet run, in order (process_group/collective_queue.h).
+  std::shared_ptr<detail::CollectiveQueue> collectives_;
   // What every send that completed as it was posted returns (its bytes are in the segment): one
   // completed Work, shared, rather than one allocated and destroyed per message.
   c10::intrusive_ptr<c10d::Work> sent_;

@@ -148,7 +148,7 @@ PYBIND11_MODULE(_C, m) {
           [](tdshm::ProcessGroupShm& pg, int src, int tag, size_t n) {
             py::gil_scoped_release nogil;
             if (n == 0) return std::vector<at::Tensor>{};
-            auto work = pg.irecv_view_batch(src, std::vector<int>(n, tag), std::vector<tdshm::MessageCheck>(n));
+            auto work = pg.irecv_views(src, tag, n);
             work->wait();
             return work->result();
           },

@@ -27,8 +27,9 @@
 // storage messages are unknown); the error says so through its type (SchemaError) and message.
 
 #include <tdshm/lazy_stack.h>
+#include "distributed/messages.h"
 #include "distributed/remote_metadata.h"
-#include "distributed/transfer_common.h"
+#include "distributed/transfer_work.h"
 #include "tensordict/impl.h"
 
 #include <ATen/ops/zeros.h>

@@ -10,7 +10,9 @@
 // storage can take bytes in place) before it posts the storage's receive; on a mismatch it
 // drains the storage into a scratch buffer and throws.
 
-#include "distributed/transfer_common.h"
+#include "distributed/protocols.h"
+#include "distributed/staged_receives.h"
+#include "distributed/transfer_work.h"
 
 namespace tdshm::detail {
 

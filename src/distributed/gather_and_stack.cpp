@@ -12,7 +12,8 @@
 //     wire with tdshm's checks); dst receives rank r's leaves into entry j of its own (the j-th
 //     rank other than itself) along the first batch dimension: views, no staging copy.
 
-#include "distributed/transfer_common.h"
+#include "distributed/messages.h"
+#include "distributed/transfer_work.h"
 #include "tensordict/impl.h"
 
 namespace tdshm {
@@ -24,11 +25,9 @@ namespace {
 // Tags of gather_and_stack's messages: apart from the per-leaf transfers' usual small tags.
 constexpr int kGatherTag = 1 << 24;
 
-// Per peer, whichever source knows: the checked wire it advertised (gloo, or a rank of another
-// host), or the transport (shared memory: the segment says so).
 bool every_member_runs_tdshm(const Group& g) {
   for (int r = 0; r < g.size(); ++r) {
-    if (!g.checked_wire_with(r) && !g.transport().peer_runs_tdshm(r)) return false;
+    if (!peer_runs_tdshm(g, r)) return false;
   }
   return true;
 }

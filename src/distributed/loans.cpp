@@ -6,7 +6,8 @@
 // the consolidated storage with its schema check, then rebuilt around the received tensors. Over
 // a transport without views it is recv into fresh tensors.
 
-#include "distributed/transfer_common.h"
+#include "distributed/protocols.h"
+#include "distributed/transfer_work.h"
 #include "tensordict/impl.h"
 
 namespace tdshm {

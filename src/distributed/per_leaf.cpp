@@ -21,7 +21,9 @@
 // leaves, into scratch tensors, before its error is raised, so the next transfer is in step.
 
 #include "distributed/layout_descriptor.h"
-#include "distributed/transfer_common.h"
+#include "distributed/protocols.h"
+#include "distributed/staged_receives.h"
+#include "distributed/transfer_work.h"
 
 #include <c10/util/SmallVector.h>
 

@@ -17,9 +17,10 @@
 // both pass memmaps by reference (remote_memmaps.h: one message more, and the storage without
 // those leaves' bytes).
 
+#include "distributed/protocols.h"
 #include "distributed/remote_memmaps.h"
 #include "distributed/remote_metadata.h"
-#include "distributed/transfer_common.h"
+#include "distributed/transfer_work.h"
 #include "pickle/pickle.h"
 
 #include <cstring>

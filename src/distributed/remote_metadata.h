@@ -117,7 +117,7 @@ pickle::Limits metadata_pickle_limits();
 // Pickled metadata on the wire, shared by remote_init.cpp (which defines them) and
 // collectives.cpp: what a peer may announce is bounded (a corrupt or hostile peer makes the
 // transfer fail, never an absurd allocation; a storage's bound, kMaxStorageBytes, is in
-// transfer_common.h).
+// messages.h).
 
 /// Metadata is never this large.
 inline constexpr int64_t kMaxPickleBytes = int64_t{1} << 30;

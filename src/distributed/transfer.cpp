@@ -1,9 +1,11 @@
 // The tensordict transfer API's entry points (TensorDict::isend, irecv, send, recv): resolve the
 // peer, then hand over to the protocol (per_leaf.cpp, consolidated.cpp; init_remote,
 // from_remote_init and broadcast are in remote_init.cpp). What the protocols share is in
-// transfer_common.h; the wire is described there and at the top of each protocol's file.
+// messages.h (peers, messages, the wire), staged_receives.h and transfer_work.h; each protocol's
+// file describes its wire at the top.
 
-#include "distributed/transfer_common.h"
+#include "distributed/protocols.h"
+#include "distributed/transfer_work.h"
 
 namespace tdshm {
 

@@ -24,8 +24,8 @@ namespace tdshm::detail {
 
 /// Every exception class of <tdshm/errors.h>, the base Error included. Keep in step with that
 /// file (the test above enforces it).
-using KnownErrors = std::tuple<Error, KeyError, ShapeError, TypeError, LockedError, SchemaError, MemmapError, SegmentError,
-                               TransportError, PeerLostError, TimeoutError>;
+using KnownErrors = std::tuple<Error, KeyError, ShapeError, TypeError, LockedError, SchemaError, MemmapError,
+                               SegmentError, TransportError, PeerLostError, RendezvousAbandonedError, TimeoutError>;
 
 /// Throws an exception of e's dynamic type with `message`, when that type is in the tuple
 /// `Errors`; returns otherwise.

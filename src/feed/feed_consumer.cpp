@@ -58,8 +58,7 @@ class FeedConsumerState {
       FeedItem item;
       item.header.assign(frame.data_ptr<uint8_t>() + sizeof head, frame.data_ptr<uint8_t>() + bytes);
       if (head.tensors > 0) {
-        auto work = e.pg->irecv_view_batch(1, std::vector<int>(head.tensors, feed::kFrameTag),
-                                           std::vector<MessageCheck>(head.tensors));
+        auto work = e.pg->irecv_views(1, feed::kFrameTag, head.tensors);
         wait_work(k, e, work);
         item.tensors = work->result();
       }

@@ -20,7 +20,6 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
-#include <string_view>
 #include <vector>
 
 namespace tdshm::feed {
@@ -66,9 +65,6 @@ inline ShmOptions group_options(const FeedOptions& o, uint64_t heap_bytes, uint3
   return so;
 }
 
-/// What the transport's rendezvous says when a rank gave it up (src/shm/engine.cpp).
-inline constexpr std::string_view kRendezvousGivenUp = "gave up this group's rendezvous";
-
 /// Joins (or creates) producer k's group as `rank` (consumer 0, producer 1), waiting in slices of
 /// at most 200 ms so that `gone()`, FeedOptions::check (the other side's process ended) and the deadline are checked
 /// between them. PeerLostError from `gone`, TimeoutError at the deadline.
@@ -100,10 +96,9 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
       return c10::make_intrusive<ProcessGroupShm>(name, rank, 2, so);
     } catch (const TimeoutError&) {
       before_next_try();
-    } catch (const PeerLostError& e) {
+    } catch (const RendezvousAbandonedError&) {
       // The other side's slice ran out just as this side attached: it gave the rendezvous up and
       // joins again (seen under load: a worker failed its first put). Any other loss is real.
-      if (std::string_view(e.what()).find(kRendezvousGivenUp) == std::string_view::npos) throw;
       before_next_try();
     }
   }

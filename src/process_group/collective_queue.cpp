@@ -1,7 +1,7 @@
 // CollectiveQueue: a group's collectives in issue order, run by their waiter or by a helper
 // thread (collective_queue.h).
 
-#include "shm/collective_queue.h"
+#include "process_group/collective_queue.h"
 
 #include "common/log.h"
 
@@ -9,44 +9,12 @@
 
 #include <algorithm>
 
-namespace tdshm::shm {
-
-namespace {
-
-// Every queue of the process, for urge_queued_collectives; and how many collectives nobody
-// started, in all of them (the one load a wait pays when nothing is queued).
-struct Registry {
-  std::mutex mu;
-  std::vector<CollectiveQueue*> queues;
-};
-Registry& registry() {
-  static Registry* r = new Registry;  // never destroyed: queues may outlive static destruction
-  return *r;
-}
-std::atomic<size_t> g_queued{0};
-
-}  // namespace
-
-void urge_queued_collectives() noexcept {
-  if (g_queued.load(std::memory_order_relaxed) == 0) return;
-  Registry& r = registry();
-  std::lock_guard lk(r.mu);
-  for (CollectiveQueue* q : r.queues) q->urge();
-}
+namespace tdshm::detail {
 
 CollectiveQueue::CollectiveQueue(std::string name, std::mutex& run_mutex)
-    : name_(std::move(name)), run_mutex_(run_mutex) {
-  Registry& r = registry();
-  std::lock_guard lk(r.mu);
-  r.queues.push_back(this);
-}
+    : name_(std::move(name)), run_mutex_(run_mutex) {}
 
 CollectiveQueue::~CollectiveQueue() {
-  {
-    Registry& r = registry();
-    std::lock_guard lk(r.mu);
-    r.queues.erase(std::remove(r.queues.begin(), r.queues.end(), this), r.queues.end());
-  }
   close(std::make_exception_ptr(Error("the process group was destroyed before this collective ran")));
 }
 
@@ -58,7 +26,7 @@ void CollectiveQueue::push(QueuedCollective& c) {
     ++submits_;  // no clock read here: the helper thread stamps what it finds (seen_)
     c.retain();
     queued_.push_back(&c);
-    g_queued.fetch_add(1, std::memory_order_relaxed);
+    unstarted_.fetch_add(1, std::memory_order_relaxed);
     if (!helper_.joinable()) start_helper();
     wake = helper_idle_;
   }
@@ -71,7 +39,7 @@ void CollectiveQueue::push(QueuedCollective& c) {
 void CollectiveQueue::run_one(std::unique_lock<std::mutex>& lk) {
   QueuedCollective* c = queued_.front();  // with the queue's reference, released below
   queued_.pop_front();
-  g_queued.fetch_sub(1, std::memory_order_relaxed);
+  unstarted_.fetch_sub(1, std::memory_order_relaxed);
   running_.store(true, std::memory_order_relaxed);  // read under mu_, or seq_cst after a waiter counted itself
   c->state_.store(QueuedCollective::kRunning, std::memory_order_relaxed);
   lk.unlock();
@@ -116,9 +84,9 @@ void CollectiveQueue::call_back(QueuedCollective& c) {
     try {
       fn();
     } catch (const std::exception& e) {
-      detail::log().error("group '{}': a collective's completion callback threw: {}", name_, e.what());
+      log().error("group '{}': a collective's completion callback threw: {}", name_, e.what());
     } catch (...) {
-      detail::log().error("group '{}': a collective's completion callback threw", name_);
+      log().error("group '{}': a collective's completion callback threw", name_);
     }
   }
 }
@@ -160,7 +128,7 @@ bool CollectiveQueue::cancel(QueuedCollective& c, std::exception_ptr error) {
     auto it = std::find(queued_.begin(), queued_.end(), &c);
     if (it == queued_.end()) return false;
     queued_.erase(it);
-    g_queued.fetch_sub(1, std::memory_order_relaxed);
+    unstarted_.fetch_sub(1, std::memory_order_relaxed);
   }
   c.drop_body();
   settle(c, std::move(error), false);
@@ -183,7 +151,7 @@ void CollectiveQueue::on_done(QueuedCollective& c, std::function<void()> fn) {
 }
 
 void CollectiveQueue::urge() noexcept {
-  if (g_queued.load(std::memory_order_relaxed) == 0) return;
+  if (unstarted_.load(std::memory_order_relaxed) == 0) return;
   bool wake = false;
   {
     std::lock_guard lk(mu_);
@@ -202,7 +170,7 @@ void CollectiveQueue::close(std::exception_ptr error) noexcept {
     closed_ = std::move(error);
     std::deque<QueuedCollective*> failed;
     failed.swap(queued_);
-    g_queued.fetch_sub(failed.size(), std::memory_order_relaxed);
+    unstarted_.fetch_sub(failed.size(), std::memory_order_relaxed);
     lk.unlock();
     helper_cv_.notify_all();
     for (QueuedCollective* c : failed) {
@@ -275,4 +243,4 @@ bool CollectiveQueue::helper_round() {
   return true;
 }
 
-}  // namespace tdshm::shm
+}  // namespace tdshm::detail

@@ -1,18 +1,21 @@
 #pragma once
-// The order and the thread in which one group's collectives run. A collective is issued
+// The order and the thread in which one process group's collectives run. A collective is issued
 // (submit) and returns at once; it runs later, in issue order, one at a time, on one of two
 // threads:
 //  * the thread that waits for it (wait): it runs every collective issued before it that no
 //    thread has started, then its own. A blocking collective (issue, then wait at once) thus
 //    runs in its caller's thread, as if it had never been queued: no hand-off, no system call;
 //  * the queue's helper thread, for a collective nobody waits for: it starts what was issued
-//    more than kGrace ago, or at once when urged (urge). Every thread of this process that is
-//    about to block in a tdshm wait urges every queue (urge_queued_collectives), so a rank that
-//    issued a collective asynchronously and then waits for a message a peer sends only after
-//    that collective never deadlocks; kGrace covers a caller busy outside tdshm.
+//    more than kGrace ago, or at once when urged (urge). The queue is its group's wait hook
+//    (shm/wait_hook.h): every wait of the group's transport that may block urges it first, so a
+//    rank that issued a collective asynchronously and then waits for a message a peer sends only
+//    after that collective never deadlocks; kGrace covers a caller busy outside the group (in
+//    another group's wait, or outside tdshm).
 // The helper thread starts with the first collective, checks the queue every kGrace while
 // collectives are issued, and sleeps without a timeout once none was issued for kIdleAfter
 // (the next submit wakes it). Torch-free: a collective is a function of its deadline.
+
+#include "shm/wait_hook.h"
 
 #include <atomic>
 #include <chrono>
@@ -28,7 +31,7 @@
 #include <thread>
 #include <vector>
 
-namespace tdshm::shm {
+namespace tdshm::detail {
 
 class CollectiveQueue;
 
@@ -60,14 +63,14 @@ class QueuedCollective {
   virtual void release() noexcept = 0;
 
   std::chrono::milliseconds limit_;  // its deadline is this long after it starts
-  Clock::time_point seen_{};  // when the helper thread first saw it queued (under the queue's mutex)
+  Clock::time_point seen_{};         // when the helper thread first saw it queued (under the queue's mutex)
   std::atomic<int> state_{kQueued};
   std::exception_ptr error_;
   std::atomic<bool> has_callbacks_{false};
   std::vector<std::function<void()>> on_done_;  // under the queue's mutex
 };
 
-class CollectiveQueue : public std::enable_shared_from_this<CollectiveQueue> {
+class CollectiveQueue final : public shm::WaitHook, public std::enable_shared_from_this<CollectiveQueue> {
  public:
   using Clock = QueuedCollective::Clock;
   /// How long a collective the helper thread finds queued waits for its caller before the helper
@@ -102,6 +105,8 @@ class CollectiveQueue : public std::enable_shared_from_this<CollectiveQueue> {
   /// Asks the helper thread to start what is queued now (a thread is about to wait on a result
   /// that may need it). One relaxed load when nothing is queued.
   void urge() noexcept;
+  /// The group's transport is about to wait: urge().
+  void before_wait() noexcept override { urge(); }
   /// Fails every collective not started with `error`, waits for the one running, ends the helper
   /// thread; later submits throw `error`. Idempotent.
   void close(std::exception_ptr error) noexcept;
@@ -115,28 +120,25 @@ class CollectiveQueue : public std::enable_shared_from_this<CollectiveQueue> {
 
   const std::string name_;
   std::mutex& run_mutex_;
-  std::mutex mu_;  // never held while a collective runs
-  std::condition_variable done_cv_;    // a collective finished (waiters_ > 0)
-  std::condition_variable helper_cv_;  // something for the helper thread
+  std::mutex mu_;                         // never held while a collective runs
+  std::condition_variable done_cv_;       // a collective finished (waiters_ > 0)
+  std::condition_variable helper_cv_;     // something for the helper thread
   std::deque<QueuedCollective*> queued_;  // each holds a reference (retain)
+  std::atomic<size_t> unstarted_{0};      // queued_.size(), for urge() to read without mu_
   // A collective runs. Set under mu_; cleared without it by whoever ran it, who then looks at
   // waiters_ and helper_waits_running_ (seq_cst on both sides: a thread that counts itself as a
   // waiter and then sees running_ set is woken), so that a blocking collective takes mu_ once.
   std::atomic<bool> running_{false};
-  std::atomic<int> waiters_{0};                     // threads on done_cv_
+  std::atomic<int> waiters_{0};                    // threads on done_cv_
   std::atomic<bool> helper_waits_running_{false};  // the helper waits for running_ to clear
   bool urged_ = false;
   bool helper_idle_ = false;  // it sleeps without a timeout: a submit must wake it
   bool helper_busy_ = false;  // it runs a collective: urge() need not wake it
   std::exception_ptr closed_;
-  uint64_t submits_ = 0;              // collectives issued, ever
-  uint64_t submits_seen_ = 0;         // submits_ at the helper's last round
+  uint64_t submits_ = 0;               // collectives issued, ever
+  uint64_t submits_seen_ = 0;          // submits_ at the helper's last round
   Clock::time_point last_activity_{};  // the helper's round that saw submits_ change
   std::thread helper_;
 };
 
-/// urge()s every queue of this process that holds a collective nobody started: a thread calls it
-/// before it blocks in a tdshm wait. One relaxed load when nothing is queued anywhere.
-void urge_queued_collectives() noexcept;
-
-}  // namespace tdshm::shm
+}  // namespace tdshm::detail

@@ -4,7 +4,8 @@
 #include "process_group/process_group_hosts.h"
 
 #include "common/format.h"
-#include "shm/collective_queue.h"
+#include "process_group/collective_queue.h"
+#include "process_group/shm_group_seam.h"
 
 #include <tdshm/errors.h>
 
@@ -28,7 +29,10 @@ bool mentions_timeout(const std::string& s) {
 
 ProcessGroupHosts::ProcessGroupHosts(int rank, int size, Parts parts)
     : c10d::ProcessGroup(rank, size), parts_(std::move(parts)) {
-  collectives_ = std::make_shared<shm::CollectiveQueue>("across hosts, rank " + std::to_string(rank), run_mutex_);
+  collectives_ = std::make_shared<CollectiveQueue>("across hosts, rank " + std::to_string(rank), run_mutex_);
+  // A wait on this host's transport (a point-to-point transfer to a rank of this host, a step of
+  // a hierarchical collective's local part) starts what this group left queued.
+  if (parts_.local) ShmGroupSeam::add_wait_hook(*parts_.local, collectives_);
   watch_ = std::make_unique<WorldWatch>(
       parts_.store, rank, size,
       [this](int r) { return describe(r); },

@@ -28,11 +28,9 @@
 #include <string>
 #include <vector>
 
-namespace tdshm::shm {
-class CollectiveQueue;
-}
-
 namespace tdshm::detail {
+
+class CollectiveQueue;
 
 class ProcessGroupHosts final : public c10d::ProcessGroup {
  public:
@@ -137,7 +135,7 @@ class ProcessGroupHosts final : public c10d::ProcessGroup {
 
   Parts parts_;
   std::mutex run_mutex_;  // held while a collective runs (the queue's contract)
-  std::shared_ptr<shm::CollectiveQueue> collectives_;
+  std::shared_ptr<CollectiveQueue> collectives_;
   mutable std::mutex lost_mu_;
   std::optional<std::string> lost_;
   std::atomic<bool> is_lost_{false};

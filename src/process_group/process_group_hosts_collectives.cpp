@@ -4,8 +4,9 @@
 
 #include "process_group/process_group_hosts.h"
 
+#include "process_group/collective_queue.h"
 #include "process_group/queued_work.h"
-#include "shm/collective_queue.h"
+#include "process_group/tensor_checks.h"
 
 #include <tdshm/errors.h>
 
@@ -19,30 +20,9 @@ namespace tdshm::detail {
 
 namespace {
 
+// The checks both process groups share (tensor_checks.h), in this group's name.
 const at::Tensor& only_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
-  if (tensors.size() != 1) {
-    throw Error(std::string("the shm backend across hosts: ") + op + " takes exactly one tensor, got " +
-                std::to_string(tensors.size()));
-  }
-  if (!tensors[0].defined() || !tensors[0].device().is_cpu()) {
-    throw Error(std::string("the shm backend across hosts: ") + op + " takes a defined CPU tensor");
-  }
-  return tensors[0];
-}
-
-/// The root's one list of world-size tensors of a gather (`what` "output") or scatter ("input");
-/// none outside the root. Throws Error otherwise.
-std::vector<at::Tensor> root_list(const std::vector<std::vector<at::Tensor>>& lists, bool root, int world,
-                                  const char* op, const char* what) {
-  const std::string prefix = std::string("the shm backend across hosts: ") + op + " takes ";
-  if (root) {
-    if (lists.size() != 1 || lists[0].size() != static_cast<size_t>(world)) {
-      throw Error(prefix + "one list of world-size " + what + " tensors on the root");
-    }
-    return lists[0];
-  }
-  if (!lists.empty()) throw Error(prefix + "no " + what + " tensors outside the root");
-  return {};
+  return one_collective_tensor(tensors, op, kHostsGroup);
 }
 
 bool is_avg(const c10d::ReduceOp& op) { return static_cast<c10d::ReduceOp::RedOpType>(op) == c10d::ReduceOp::AVG; }
@@ -162,7 +142,7 @@ at::Tensor ProcessGroupHosts::gather_blocks(const at::Tensor& t, Deadline d, boo
 c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::broadcast(std::vector<at::Tensor>& tensors,
                                                             const c10d::BroadcastOptions& opts) {
   const at::Tensor t = only_tensor(tensors, "broadcast");
-  if (opts.rootRank < 0 || opts.rootRank >= getSize()) throw Error("broadcast: root rank outside the world");
+  check_root(opts.rootRank, getSize(), "broadcast", kHostsGroup);
   const int root = static_cast<int>(opts.rootRank);
   return issue(
       c10d::OpType::BROADCAST, opts.timeout,
@@ -192,7 +172,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::allreduce(std::vector<at::Tens
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                       const c10d::AllreduceCoalescedOptions& opts) {
-  for (const at::Tensor& t : tensors) only_tensor({t}, "all_reduce_coalesced");
+  for (const at::Tensor& t : tensors) check_collective_tensor(t, "all_reduce_coalesced", kHostsGroup);
   const bool avg = is_avg(opts.reduceOp);
   const c10d::ReduceOp op = tensors.empty() ? opts.reduceOp : summed(opts.reduceOp, tensors[0], "all_reduce_coalesced");
   return issue(
@@ -210,7 +190,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::allreduce_coalesced(std::vecto
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   const at::Tensor t = only_tensor(tensors, "reduce");
-  if (opts.rootRank < 0 || opts.rootRank >= getSize()) throw Error("reduce: root rank outside the world");
+  check_root(opts.rootRank, getSize(), "reduce", kHostsGroup);
   const c10d::ReduceOp op = summed(opts.reduceOp, t, "reduce");
   const bool avg = is_avg(opts.reduceOp);
   const int dst = static_cast<int>(opts.rootRank);
@@ -247,14 +227,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::allgather(std::vector<std::vec
                                                             std::vector<at::Tensor>& inputTensors,
                                                             const c10d::AllgatherOptions& opts) {
   const at::Tensor t = only_tensor(inputTensors, "all_gather");
-  if (outputTensors.size() != 1 || outputTensors[0].size() != static_cast<size_t>(getSize())) {
-    throw Error("the shm backend across hosts: all_gather takes one list of world-size output tensors");
-  }
-  for (const at::Tensor& o : outputTensors[0]) {
-    if (o.numel() != t.numel() || o.scalar_type() != t.scalar_type()) {
-      throw Error("the shm backend across hosts: all_gather's outputs must have the input's dtype and size");
-    }
-  }
+  check_list(outputTensors, getSize(), t, "all_gather", "output", kHostsGroup);
   std::vector<at::Tensor> outs = outputTensors[0];
   return issue(
       c10d::OpType::ALLGATHER, opts.timeout,
@@ -267,10 +240,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::allgather(std::vector<std::vec
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::_allgather_base(at::Tensor& outputBuffer, at::Tensor& inputBuffer,
                                                                   const c10d::AllgatherOptions& opts) {
-  if (outputBuffer.numel() != inputBuffer.numel() * getSize() || outputBuffer.scalar_type() != inputBuffer.scalar_type() ||
-      !outputBuffer.is_contiguous()) {
-    throw Error("the shm backend across hosts: _allgather_base's output must be contiguous and world size times the input");
-  }
+  check_collective_tensor(inputBuffer, "_allgather_base", kHostsGroup);
+  check_collective_tensor(outputBuffer, "_allgather_base", kHostsGroup);
+  TORCH_CHECK(outputBuffer.numel() == inputBuffer.numel() * getSize() &&
+                  outputBuffer.scalar_type() == inputBuffer.scalar_type() && outputBuffer.is_contiguous(),
+              kHostsGroup,
+              "_allgather_base: the output must be contiguous, of the input's dtype and world size times "
+              "its elements");
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (const at::Tensor& chunk : outputBuffer.reshape({getSize(), -1}).unbind(0)) outputs[0].push_back(chunk);
   std::vector<at::Tensor> inputs{inputBuffer.reshape({-1})};
@@ -281,9 +257,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::gather(std::vector<std::vector
                                                          std::vector<at::Tensor>& inputTensors,
                                                          const c10d::GatherOptions& opts) {
   const at::Tensor t = only_tensor(inputTensors, "gather");
-  if (opts.rootRank < 0 || opts.rootRank >= getSize()) throw Error("gather: root rank outside the world");
+  check_root(opts.rootRank, getSize(), "gather", kHostsGroup);
   const int dst = static_cast<int>(opts.rootRank);
-  const std::vector<at::Tensor> outs = root_list(outputTensors, getRank() == dst, getSize(), "gather", "output");
+  check_root_list(outputTensors, getRank() == dst, getSize(), t, "gather", "output", kHostsGroup);
+  const std::vector<at::Tensor> outs = getRank() == dst ? outputTensors[0] : std::vector<at::Tensor>{};
   return issue(
       c10d::OpType::GATHER, opts.timeout,
       [this, t, outs, dst](Deadline d) {
@@ -300,9 +277,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::scatter(std::vector<at::Tensor
                                                           std::vector<std::vector<at::Tensor>>& inputTensors,
                                                           const c10d::ScatterOptions& opts) {
   const at::Tensor t = only_tensor(outputTensors, "scatter");
-  if (opts.rootRank < 0 || opts.rootRank >= getSize()) throw Error("scatter: root rank outside the world");
+  check_root(opts.rootRank, getSize(), "scatter", kHostsGroup);
   const int src = static_cast<int>(opts.rootRank);
-  const std::vector<at::Tensor> ins = root_list(inputTensors, getRank() == src, getSize(), "scatter", "input");
+  check_root_list(inputTensors, getRank() == src, getSize(), t, "scatter", "input", kHostsGroup);
+  const std::vector<at::Tensor> ins = getRank() == src ? inputTensors[0] : std::vector<at::Tensor>{};
   return issue(
       c10d::OpType::SCATTER, opts.timeout,
       [this, t, ins, src](Deadline d) {
@@ -354,9 +332,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHosts::reduce_scatter(std::vector<at:
                                                                  std::vector<std::vector<at::Tensor>>& inputTensors,
                                                                  const c10d::ReduceScatterOptions& opts) {
   const at::Tensor t = only_tensor(outputTensors, "reduce_scatter");
-  if (inputTensors.size() != 1 || inputTensors[0].size() != static_cast<size_t>(getSize())) {
-    throw Error("the shm backend across hosts: reduce_scatter takes one list of world-size input tensors");
-  }
+  check_list(inputTensors, getSize(), t, "reduce_scatter", "input", kHostsGroup);
   const std::vector<at::Tensor> ins = inputTensors[0];
   const c10d::ReduceOp op = summed(opts.reduceOp, t, "reduce_scatter");
   const bool avg = is_avg(opts.reduceOp);

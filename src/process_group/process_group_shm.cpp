@@ -4,8 +4,9 @@
 
 #include "common/recycle.h"
 #include "process_group/batch_work.h"
+#include "process_group/collective_queue.h"
+#include "process_group/shm_group_seam.h"
 #include "process_group/tensor_checks.h"
-#include "shm/collective_queue.h"
 #include "shm/engine.h"
 
 #include <ATen/core/ivalue.h>
@@ -24,13 +25,12 @@ using detail::ShmOp;
 namespace {
 
 const at::Tensor& single_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
-  TORCH_CHECK(tensors.size() == 1, "ProcessGroupShm::", op, " takes exactly one tensor, got ", tensors.size());
-  detail::check_cpu_dense(tensors[0], op);
+  detail::check_cpu_dense(detail::one_tensor(tensors, op), op);
   return tensors[0];
 }
 
 /// A c10d Work over one or more engine ops; completes when all of them are done. A batch's
-/// (send_batch, recv_batch) answers for each of its messages too (batch_work.h).
+/// (ShmGroupSeam's send_batch, recv_batch, recv_views) answers for each of its messages too (batch_work.h).
 class ShmWork final : public detail::BatchWork {
  public:
   // One per receive: its block is recycled by the thread (common/recycle.h).
@@ -96,7 +96,7 @@ class ShmWork final : public detail::BatchWork {
     if (output_.defined()) return {output_};
     // A recv's result is its tensor, which its op holds already (no second reference to keep).
     if (!batch_ && ops_.size() == 1 && ops_[0]->kind == ShmOp::Kind::kRecv) return {ops_[0]->user};
-    // A batch of receives whose ops are all there (recv_batch, irecv_view_batch): their tensors.
+    // A batch of receives whose ops are all there (recv_batch, recv_views): their tensors.
     if (batch_ && positions_.empty() && ops_.size() == batch_size_ &&
         std::all_of(ops_.begin(), ops_.end(), [](const auto& op) { return op->kind == ShmOp::Kind::kRecv; })) {
       std::vector<at::Tensor> out;
@@ -113,7 +113,7 @@ class ShmWork final : public detail::BatchWork {
       return true;
     }
     const auto limit = timeout == kNoTimeout ? engine_->options().timeout : timeout;
-    // A batch stops at its first failure: its other messages may never come (shm_batch_messages).
+    // A batch stops at its first failure: its other messages may never come (messages()).
     engine_->wait(ops_, std::chrono::steady_clock::now() + limit, /*stop_on_error=*/batch_);
     if (auto e = first_error()) std::rethrow_exception(e);
     return true;
@@ -129,7 +129,7 @@ class ShmWork final : public detail::BatchWork {
   }
 
   std::vector<c10::intrusive_ptr<c10d::Work>> messages() const override {
-    if (!batch_) throw TypeError("shm_batch_messages: the Work is not one of ProcessGroupShm::send_batch / recv_batch");
+    if (!batch_) throw TypeError("messages(): the Work is not a batch's");
     std::vector<c10::intrusive_ptr<c10d::Work>> out(batch_size_);
     for (size_t j = 0; j < ops_.size(); ++j) {
       const auto& op = ops_[j];
@@ -234,7 +234,7 @@ class ShmWork final : public detail::BatchWork {
   OpList ops_;
   at::Tensor output_;  // what result() returns: the received or broadcast tensor
   int source_ = -1;    // a receive that completed as it was posted: its source (it has no op)
-  bool batch_ = false;  // send_batch / recv_batch: wait() stops at the first failure
+  bool batch_ = false;  // a batch (shm_group_seam.h): wait() stops at the first failure
   size_t batch_size_ = 0;
   c10::SmallVector<uint32_t, 4> positions_;
   std::mutex future_mu_;
@@ -268,20 +268,20 @@ class RecvWorkPool {
   static constexpr uint64_t kMaxBytes = uint64_t{64} << 10;
 
   /// One receive's Work: over `op`, or (op null) into `tensor` from `source`, complete.
-  c10::intrusive_ptr<c10d::Work> take(const std::shared_ptr<ShmEngine>& engine, std::shared_ptr<ShmOp>&& op,
-                                      const at::Tensor& tensor, int source) {
+  c10::intrusive_ptr<BatchWork> take(const std::shared_ptr<ShmEngine>& engine, std::shared_ptr<ShmOp>&& op,
+                                     const at::Tensor& tensor, int source) {
     OpList ops;
     if (op) ops.push_back(std::move(op));
     return take(engine, std::move(ops), tensor, source, /*batch=*/false, tensor.nbytes());
   }
   /// A batch's Work over `ops`, one per message (recv_batch), receiving `bytes` in all.
-  c10::intrusive_ptr<c10d::Work> take_batch(const std::shared_ptr<ShmEngine>& engine, OpList&& ops, uint64_t bytes) {
+  c10::intrusive_ptr<BatchWork> take_batch(const std::shared_ptr<ShmEngine>& engine, OpList&& ops, uint64_t bytes) {
     return take(engine, std::move(ops), at::Tensor(), -1, /*batch=*/true, bytes);
   }
 
  private:
-  c10::intrusive_ptr<c10d::Work> take(const std::shared_ptr<ShmEngine>& engine, OpList&& ops, const at::Tensor& tensor,
-                                      int source, bool batch, uint64_t bytes) {
+  c10::intrusive_ptr<BatchWork> take(const std::shared_ptr<ShmEngine>& engine, OpList&& ops, const at::Tensor& tensor,
+                                     int source, bool batch, uint64_t bytes) {
     if (bytes <= kMaxBytes && !claimed_.exchange(true, std::memory_order_acquire)) {
       struct Unclaim {
         std::atomic<bool>& flag;
@@ -326,7 +326,8 @@ ProcessGroupShm::ProcessGroupShm(const std::string& name, int rank, int size, Sh
   engine_ = std::make_shared<ShmEngine>(name, rank, size, options);
   sent_ = make_work(engine_, OpList{}, c10d::OpType::SEND);
   recv_works_ = std::make_unique<detail::RecvWorkPool>();
-  collectives_ = std::make_shared<shm::CollectiveQueue>(name, engine_->steps().mutex());
+  collectives_ = std::make_shared<detail::CollectiveQueue>(name, engine_->steps().mutex());
+  engine_->add_wait_hook(collectives_);
   init();
 }
 
@@ -344,78 +345,12 @@ void ProcessGroupShm::shutdown(std::exception_ptr reason) noexcept {
 const std::string& ProcessGroupShm::segment_name() const noexcept { return engine_->name(); }
 const ShmOptions& ProcessGroupShm::options() const noexcept { return engine_->options(); }
 
-std::vector<c10::intrusive_ptr<c10d::Work>> shm_batch_messages(const c10d::Work& work) {
-  const auto* shm = dynamic_cast<const ShmWork*>(&work);
-  if (!shm) throw TypeError("shm_batch_messages: the Work is not one of ProcessGroupShm::send_batch / recv_batch");
-  return shm->messages();  // throws the same for a Work that is not a batch
-}
-
-namespace {
-
-// Checks a batch's arguments as single_tensor does each tensor (without building a vector per
-// tensor: this runs for every leaf of every per-leaf transfer); the tags as c10d's int.
-void check_batch(std::span<const at::Tensor> tensors, const std::vector<int>& tags,
-                 const std::vector<MessageCheck>& checks, const char* op) {
-  TORCH_CHECK(tags.size() == tensors.size() && checks.size() == tensors.size(), "ProcessGroupShm::", op, ": ",
-              tensors.size(), " tensors, ", tags.size(), " tags and ", checks.size(), " checks");
-  for (const auto& t : tensors) detail::check_cpu_dense(t, op);
-}
-
-}  // namespace
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_batch(std::span<const at::Tensor> tensors, int dstRank,
-                                                           const std::vector<int>& tags,
-                                                           const std::vector<MessageCheck>& checks) {
-  check_batch(tensors, tags, checks, "send_batch");
-  const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
-  OpList ops = engine_->post_sends(tensors, dstRank, wide, checks);
-  if (ops.empty()) return {};  // every message is in the segment
-  OpList pending;
-  c10::SmallVector<uint32_t, 4> positions;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    if (!ops[i]) continue;
-    pending.push_back(std::move(ops[i]));
-    positions.push_back(static_cast<uint32_t>(i));
-  }
-  auto work = c10::make_intrusive<ShmWork>(engine_, std::move(pending), c10d::OpType::SEND);
-  work->set_batch(tensors.size(), std::move(positions));
-  return work;
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_batch(std::span<const at::Tensor> tensors, int srcRank,
-                                                           const std::vector<int>& tags,
-                                                           const std::vector<MessageCheck>& checks) {
-  check_batch(tensors, tags, checks, "recv_batch");
-  TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv_batch: source rank must be >= 0");
-  const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
-  OpList ops = engine_->post_recvs(tensors, srcRank, wide, checks);
-  uint64_t bytes = 0;
-  for (const auto& t : tensors) bytes += t.nbytes();
-  return recv_works_->take_batch(engine_, std::move(ops), bytes);
-}
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  return send_checked(tensors, dstRank, tag, {});
+  return detail::ShmGroupSeam::send(*this, detail::one_tensor(tensors, "send"), dstRank, tag, {});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  return recv_checked(tensors, srcRank, tag, {});
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send_checked(std::vector<at::Tensor>& tensors, int dstRank, int tag,
-                                                             MessageCheck check) {
-  const at::Tensor& t = single_tensor(tensors, "send");
-  auto op = engine_->post_send(t, dstRank, tag, /*control=*/false, check);
-  if (!op) return sent_;
-  return make_work(engine_, std::move(op), c10d::OpType::SEND);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv_checked(std::vector<at::Tensor>& tensors, int srcRank, int tag,
-                                                             MessageCheck check) {
-  const at::Tensor& t = single_tensor(tensors, "recv");
-  TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::recv: source rank must be >= 0 (use recvAnysource)");
-  auto op = engine_->post_recv(t, srcRank, tag, /*control=*/false, check);
-  return recv_works_->take(engine_, std::move(op), t, srcRank);  // (op null: its message was waiting)
+  return detail::ShmGroupSeam::recv(*this, detail::one_tensor(tensors, "recv"), srcRank, tag, {});
 }
 
 bool release_view(const at::Tensor& view) noexcept { return shm::release_view(view); }
@@ -437,26 +372,19 @@ bool ProcessGroupShm::memmap_by_reference_with(int peer) const noexcept {
   return engine_->memmap_by_reference_with(peer);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::irecv_view(int srcRank, int tag, MessageCheck check) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::irecv_view(int srcRank, int tag) {
   TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::irecv_view: source rank must be >= 0");
-  return make_work(engine_, engine_->post_recv_view(srcRank, tag, check), c10d::OpType::RECV);
+  return make_work(engine_, engine_->post_recv_view(srcRank, tag), c10d::OpType::RECV);
 }
 
-at::Tensor ProcessGroupShm::recv_view(int srcRank, int tag, MessageCheck check) {
-  auto work = irecv_view(srcRank, tag, check);
+at::Tensor ProcessGroupShm::recv_view(int srcRank, int tag) {
+  auto work = irecv_view(srcRank, tag);
   work->wait();
   return work->result().at(0);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::irecv_view_batch(int srcRank, const std::vector<int>& tags,
-                                                                 const std::vector<MessageCheck>& checks) {
-  TORCH_CHECK(srcRank >= 0, "ProcessGroupShm::irecv_view_batch: source rank must be >= 0");
-  TORCH_CHECK(tags.size() == checks.size(), "ProcessGroupShm::irecv_view_batch: ", tags.size(), " tags and ",
-              checks.size(), " checks");
-  const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
-  auto work = c10::make_intrusive<ShmWork>(engine_, engine_->post_recv_views(srcRank, wide, checks), c10d::OpType::RECV);
-  work->set_batch(tags.size(), {});
-  return work;
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::irecv_views(int srcRank, int tag, size_t n) {
+  return detail::ShmGroupSeam::recv_views(*this, srcRank, std::vector<int>(n, tag), std::vector<MessageCheck>(n));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
@@ -465,3 +393,83 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Te
 }
 
 }  // namespace tdshm
+
+namespace tdshm::detail {
+
+namespace {
+
+// Checks a batch's arguments as single_tensor does each tensor (without building a vector per
+// tensor: this runs for every leaf of every per-leaf transfer); the tags as c10d's int.
+void check_batch(std::span<const at::Tensor> tensors, const std::vector<int>& tags,
+                 const std::vector<MessageCheck>& checks, const char* op) {
+  TORCH_CHECK(tags.size() == tensors.size() && checks.size() == tensors.size(), "ProcessGroupShm::", op, ": ",
+              tensors.size(), " tensors, ", tags.size(), " tags and ", checks.size(), " checks");
+  for (const auto& t : tensors) check_cpu_dense(t, op);
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ShmGroupSeam::send(ProcessGroupShm& pg, const at::Tensor& t, int dst, int tag,
+                                                  MessageCheck check) {
+  check_cpu_dense(t, "send");
+  auto op = pg.engine_->post_send(t, dst, tag, /*control=*/false, check);
+  if (!op) return pg.sent_;
+  return make_work(pg.engine_, std::move(op), c10d::OpType::SEND);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmGroupSeam::recv(ProcessGroupShm& pg, const at::Tensor& t, int src, int tag,
+                                                  MessageCheck check) {
+  check_cpu_dense(t, "recv");
+  TORCH_CHECK(src >= 0, "ProcessGroupShm::recv: source rank must be >= 0 (use recvAnysource)");
+  auto op = pg.engine_->post_recv(t, src, tag, /*control=*/false, check);
+  return pg.recv_works_->take(pg.engine_, std::move(op), t, src);  // (op null: its message was waiting)
+}
+
+c10::intrusive_ptr<BatchWork> ShmGroupSeam::send_batch(ProcessGroupShm& pg, std::span<const at::Tensor> tensors,
+                                                       int dst, const std::vector<int>& tags,
+                                                       const std::vector<MessageCheck>& checks) {
+  check_batch(tensors, tags, checks, "send_batch");
+  const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
+  OpList ops = pg.engine_->post_sends(tensors, dst, wide, checks);
+  if (ops.empty()) return {};  // every message is in the segment
+  OpList pending;
+  c10::SmallVector<uint32_t, 4> positions;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (!ops[i]) continue;
+    pending.push_back(std::move(ops[i]));
+    positions.push_back(static_cast<uint32_t>(i));
+  }
+  auto work = c10::make_intrusive<ShmWork>(pg.engine_, std::move(pending), c10d::OpType::SEND);
+  work->set_batch(tensors.size(), std::move(positions));
+  return work;
+}
+
+c10::intrusive_ptr<BatchWork> ShmGroupSeam::recv_batch(ProcessGroupShm& pg, std::span<const at::Tensor> tensors,
+                                                       int src, const std::vector<int>& tags,
+                                                       const std::vector<MessageCheck>& checks) {
+  check_batch(tensors, tags, checks, "recv_batch");
+  TORCH_CHECK(src >= 0, "ProcessGroupShm::recv_batch: source rank must be >= 0");
+  const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
+  OpList ops = pg.engine_->post_recvs(tensors, src, wide, checks);
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) bytes += t.nbytes();
+  return pg.recv_works_->take_batch(pg.engine_, std::move(ops), bytes);
+}
+
+c10::intrusive_ptr<BatchWork> ShmGroupSeam::recv_views(ProcessGroupShm& pg, int src, const std::vector<int>& tags,
+                                                       const std::vector<MessageCheck>& checks) {
+  TORCH_CHECK(src >= 0, "ProcessGroupShm::irecv_views: source rank must be >= 0");
+  TORCH_CHECK(tags.size() == checks.size(), "ProcessGroupShm::irecv_views: ", tags.size(), " tags and ", checks.size(),
+              " checks");
+  const c10::SmallVector<int64_t, 8> wide(tags.begin(), tags.end());
+  auto work =
+      c10::make_intrusive<ShmWork>(pg.engine_, pg.engine_->post_recv_views(src, wide, checks), c10d::OpType::RECV);
+  work->set_batch(tags.size(), {});
+  return work;
+}
+
+void ShmGroupSeam::add_wait_hook(ProcessGroupShm& pg, std::shared_ptr<shm::WaitHook> hook) {
+  pg.engine_->add_wait_hook(std::move(hook));
+}
+
+}  // namespace tdshm::detail

@@ -1,14 +1,14 @@
 // ProcessGroupShm's collectives: c10d's arguments checked at the call, then issued to the group's
-// queue (shm/collective_queue.h) as a function that turns them into byte buffers and runs over the
+// queue (process_group/collective_queue.h) as a function that turns them into byte buffers and runs over the
 // segment's collective windows (shm/collective.h). The Work returns at once; the collective runs
 // in the thread that waits for it, or on the queue's helper thread; its error is raised by wait().
 
 #include <tdshm/process_group.h>
 
+#include "process_group/collective_queue.h"
 #include "process_group/queued_work.h"
 #include "process_group/tensor_checks.h"
 #include "shm/collective.h"
-#include "shm/collective_queue.h"
 #include "shm/engine.h"
 
 #include <ATen/core/ivalue.h>
@@ -26,30 +26,13 @@ using detail::ReduceKind;
 
 namespace {
 
-// Collectives also refuse a tensor whose elements overlap: most of them write their tensors in place.
-void check_tensor(const at::Tensor& t, const char* op) {
-  detail::check_cpu_dense(t, op);
-  if (t.numel() > 1) {
-    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "ProcessGroupShm::", op,
-                ": a tensor's elements overlap in memory (an expanded view); pass a tensor of its own");
-  }
-}
+using detail::check_collective_tensor;
+using detail::check_list;
+using detail::check_root;
+using detail::check_root_list;
 
 const at::Tensor& only_tensor(const std::vector<at::Tensor>& tensors, const char* op) {
-  TORCH_CHECK(tensors.size() == 1, "ProcessGroupShm::", op, " takes exactly one tensor, got ", tensors.size());
-  check_tensor(tensors[0], op);
-  return tensors[0];
-}
-
-void check_like(const at::Tensor& t, const at::Tensor& like, const char* op, const char* what) {
-  check_tensor(t, op);
-  TORCH_CHECK(t.scalar_type() == like.scalar_type() && t.numel() == like.numel(), "ProcessGroupShm::", op, ": ", what,
-              " must have the input's dtype and number of elements (", like.scalar_type(), ", ", like.numel(), "), got ",
-              t.scalar_type(), ", ", t.numel());
-}
-
-void check_root(int64_t root, int size, const char* op) {
-  TORCH_CHECK(root >= 0 && root < size, "ProcessGroupShm::", op, ": root rank ", root, " is outside [0, ", size, ")");
+  return detail::one_collective_tensor(tensors, op);
 }
 
 ReduceKind reduce_kind(const c10d::ReduceOp& op, at::ScalarType dtype, const char* name) {
@@ -146,7 +129,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
                                                                     const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "ProcessGroupShm::allreduce_coalesced: no tensors");
   for (const auto& t : tensors) {
-    check_tensor(t, "allreduce_coalesced");
+    check_collective_tensor(t, "allreduce_coalesced");
     TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(),
                 "ProcessGroupShm::allreduce_coalesced: all tensors must have one dtype, got ", tensors[0].scalar_type(),
                 " and ", t.scalar_type());
@@ -195,9 +178,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(std::vector<std::vecto
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
   const at::Tensor& in = only_tensor(inputs, "allgather");
-  TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(getSize()),
-              "ProcessGroupShm::allgather: expected one list of ", getSize(), " output tensors");
-  for (const auto& o : outputs[0]) check_like(o, in, "allgather", "every output");
+  check_list(outputs, getSize(), in, "allgather", "output");
   return run_collective(
       c10d::OpType::ALLGATHER, opts.timeout,
       [this, in, outputs = outputs[0]](detail::Deadline d) {
@@ -216,8 +197,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(std::vector<std::vecto
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::AllgatherOptions& opts) {
-  check_tensor(input, "_allgather_base");
-  check_tensor(output, "_allgather_base");
+  check_collective_tensor(input, "_allgather_base");
+  check_collective_tensor(output, "_allgather_base");
   TORCH_CHECK(output.scalar_type() == input.scalar_type() && output.numel() == input.numel() * getSize(),
               "ProcessGroupShm::_allgather_base: the output must have the input's dtype and world size (", getSize(),
               ") times its elements");
@@ -239,13 +220,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(std::vector<std::vector<a
   const at::Tensor& in = only_tensor(inputs, "gather");
   check_root(opts.rootRank, getSize(), "gather");
   const int root = static_cast<int>(opts.rootRank);
-  if (getRank() == root) {
-    TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(getSize()),
-                "ProcessGroupShm::gather: the root expects one list of ", getSize(), " output tensors");
-    for (const auto& o : outputs[0]) check_like(o, in, "gather", "every output");
-  } else {
-    TORCH_CHECK(outputs.empty(), "ProcessGroupShm::gather: only the root passes output tensors");
-  }
+  check_root_list(outputs, getRank() == root, getSize(), in, "gather", "output");
   return run_collective(
       c10d::OpType::GATHER, opts.timeout,
       [this, in, root, outputs](detail::Deadline d) {
@@ -270,13 +245,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>&
   const at::Tensor& out = only_tensor(outputs, "scatter");
   check_root(opts.rootRank, getSize(), "scatter");
   const int root = static_cast<int>(opts.rootRank);
-  if (getRank() == root) {
-    TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(getSize()),
-                "ProcessGroupShm::scatter: the root expects one list of ", getSize(), " input tensors");
-    for (const auto& i : inputs[0]) check_like(i, out, "scatter", "every input");
-  } else {
-    TORCH_CHECK(inputs.empty(), "ProcessGroupShm::scatter: only the root passes input tensors");
-  }
+  check_root_list(inputs, getRank() == root, getSize(), out, "scatter", "input");
   return run_collective(
       c10d::OpType::SCATTER, opts.timeout,
       [this, out, root, inputs](detail::Deadline d) {
@@ -299,9 +268,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::T
                                                                std::vector<std::vector<at::Tensor>>& inputs,
                                                                const c10d::ReduceScatterOptions& opts) {
   const at::Tensor& out = only_tensor(outputs, "reduce_scatter");
-  TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(getSize()),
-              "ProcessGroupShm::reduce_scatter: expected one list of ", getSize(), " input tensors");
-  for (const auto& i : inputs[0]) check_like(i, out, "reduce_scatter", "every input");
+  check_list(inputs, getSize(), out, "reduce_scatter", "input");
   const ReduceKind op = reduce_kind(opts.reduceOp, out.scalar_type(), "reduce_scatter");
   return run_collective(
       c10d::OpType::REDUCE_SCATTER, opts.timeout,
@@ -324,8 +291,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(at::Tensor&
                                                                     const c10d::ReduceScatterOptions& opts) {
   // torch's reduce_scatter_tensor: rank r's share of the input is its r-th block of
   // output.numel() elements, which is reduce_scatter over views of one buffer.
-  check_tensor(input, "_reduce_scatter_base");
-  check_tensor(output, "_reduce_scatter_base");
+  check_collective_tensor(input, "_reduce_scatter_base");
+  check_collective_tensor(output, "_reduce_scatter_base");
   TORCH_CHECK(output.scalar_type() == input.scalar_type() && input.numel() == output.numel() * getSize(),
               "ProcessGroupShm::_reduce_scatter_base: the input must have the output's dtype and world size (",
               getSize(), ") times its elements");
@@ -348,8 +315,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(at::Tensor& output
                                                               std::vector<int64_t>& outputSplitSizes,
                                                               std::vector<int64_t>& inputSplitSizes,
                                                               const c10d::AllToAllOptions& opts) {
-  check_tensor(input, "alltoall_base");
-  check_tensor(output, "alltoall_base");
+  check_collective_tensor(input, "alltoall_base");
+  check_collective_tensor(output, "alltoall_base");
   TORCH_CHECK(input.scalar_type() == output.scalar_type(), "ProcessGroupShm::alltoall_base: input and output dtypes differ (",
               input.scalar_type(), ", ", output.scalar_type(), ")");
   const auto w = static_cast<size_t>(getSize());

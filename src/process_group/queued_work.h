@@ -1,12 +1,12 @@
 #pragma once
 // Internal: a c10d Work that is also its collective's entry in a CollectiveQueue
-// (shm/collective_queue.h): one object per collective, issued at once and run later in issue
+// (process_group/collective_queue.h): one object per collective, issued at once and run later in issue
 // order, by the thread that waits for it or by the queue's helper thread. Shared by the groups
 // whose collectives queue (ProcessGroupShm, and the world across hosts).
 
 #include <tdshm/errors.h>
 
-#include "shm/collective_queue.h"
+#include "process_group/collective_queue.h"
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -20,16 +20,16 @@
 
 namespace tdshm::detail {
 
-/// A collective issued to the group's queue (shm/collective_queue.h), and the queue's entry for
+/// A collective issued to the group's queue (collective_queue.h), and the queue's entry for
 /// it: one object per collective. wait() runs it (and those issued before it) in the caller's
 /// thread unless the helper thread has started them, then raises its error; isCompleted() and
 /// getFuture() ask the helper thread to start it now.
-class QueuedWork : public c10d::Work, public shm::QueuedCollective {
+class QueuedWork : public c10d::Work, public QueuedCollective {
  public:
-  QueuedWork(int rank, c10d::OpType type, std::shared_ptr<shm::CollectiveQueue> queue, std::chrono::milliseconds limit,
+  QueuedWork(int rank, c10d::OpType type, std::shared_ptr<CollectiveQueue> queue, std::chrono::milliseconds limit,
              std::vector<at::Tensor> outputs, const char* backend)
       : c10d::Work(rank, type),
-        shm::QueuedCollective(limit),
+        QueuedCollective(limit),
         queue_(std::move(queue)),
         outputs_(std::move(outputs)),
         backend_(backend) {}
@@ -44,8 +44,8 @@ class QueuedWork : public c10d::Work, public shm::QueuedCollective {
   std::vector<at::Tensor> result() override { return outputs_; }
 
   bool wait(std::chrono::milliseconds timeout) override {
-    std::optional<shm::CollectiveQueue::Clock::time_point> until;
-    if (timeout != kNoTimeout) until = shm::CollectiveQueue::Clock::now() + timeout;
+    std::optional<CollectiveQueue::Clock::time_point> until;
+    if (timeout != kNoTimeout) until = CollectiveQueue::Clock::now() + timeout;
     if (!queue_->wait(*this, until)) {
       throw TimeoutError(std::string(backend_) + ": the collective did not complete within the wait's timeout of " +
                          std::to_string(timeout.count()) + " ms (it goes on)");
@@ -81,7 +81,7 @@ class QueuedWork : public c10d::Work, public shm::QueuedCollective {
   void retain() noexcept override { c10::raw::intrusive_ptr::incref(this); }
   void release() noexcept override { c10::raw::intrusive_ptr::decref(this); }
 
-  std::shared_ptr<shm::CollectiveQueue> queue_;
+  std::shared_ptr<CollectiveQueue> queue_;
   std::vector<at::Tensor> outputs_;
   const char* backend_;  // names the group in messages
   std::mutex future_mu_;
@@ -92,12 +92,12 @@ class QueuedWork : public c10d::Work, public shm::QueuedCollective {
 template <class Body>
 class QueuedWorkOf final : public QueuedWork {
  public:
-  QueuedWorkOf(int rank, c10d::OpType type, std::shared_ptr<shm::CollectiveQueue> queue, std::chrono::milliseconds limit,
+  QueuedWorkOf(int rank, c10d::OpType type, std::shared_ptr<CollectiveQueue> queue, std::chrono::milliseconds limit,
                std::vector<at::Tensor> outputs, Body body, const char* backend)
       : QueuedWork(rank, type, std::move(queue), limit, std::move(outputs), backend), body_(std::move(body)) {}
 
  private:
-  void run(shm::QueuedCollective::Clock::time_point deadline) override { (*body_)(deadline); }
+  void run(QueuedCollective::Clock::time_point deadline) override { (*body_)(deadline); }
   void drop_body() noexcept override { body_.reset(); }
   std::optional<Body> body_;
 };

@@ -6,6 +6,7 @@
 #include "process_group/transport.h"
 
 #include "process_group/process_group_hosts.h"
+#include "process_group/shm_group_seam.h"
 
 #include <tdshm/errors.h>
 
@@ -19,13 +20,6 @@ namespace tdshm::detail {
 namespace {
 
 [[noreturn]] void no_batches() { throw Error("this group's backend does not post batches of messages"); }
-
-// ProcessGroupShm's batches are BatchWorks (process_group_shm.cpp); null stays null. The
-// reference moves over (no count changes: this runs for every per-leaf transfer).
-c10::intrusive_ptr<BatchWork> as_batch(c10::intrusive_ptr<c10d::Work> work) {
-  if (!work) return {};
-  return c10::intrusive_ptr<BatchWork>::reclaim(static_cast<BatchWork*>(work.release()));
-}
 
 /// Any c10d backend: c10d's send and recv, nothing more.
 class C10dTransport final : public Transport {
@@ -54,27 +48,25 @@ class ShmTransport final : public Transport {
         backend_(std::move(backend)) {}
 
   TransportWork send(at::Tensor t, int peer, int tag, MessageCheck check) const override {
-    std::vector<at::Tensor> v{std::move(t)};
-    return backend_->send_checked(v, peer, tag, check);
+    return ShmGroupSeam::send(*backend_, t, peer, tag, check);
   }
   TransportWork recv(at::Tensor t, int peer, int tag, MessageCheck check) const override {
-    std::vector<at::Tensor> v{std::move(t)};
-    return backend_->recv_checked(v, peer, tag, check);
+    return ShmGroupSeam::recv(*backend_, t, peer, tag, check);
   }
   c10::intrusive_ptr<BatchWork> send_batch(std::span<const at::Tensor> tensors, int peer,
                                            const std::vector<int>& tags,
                                            const std::vector<MessageCheck>& checks) const override {
-    return as_batch(backend_->send_batch(tensors, peer, tags, checks));
+    return ShmGroupSeam::send_batch(*backend_, tensors, peer, tags, checks);
   }
   c10::intrusive_ptr<BatchWork> recv_batch(std::span<const at::Tensor> tensors, int peer,
                                            const std::vector<int>& tags,
                                            const std::vector<MessageCheck>& checks) const override {
-    return as_batch(backend_->recv_batch(tensors, peer, tags, checks));
+    return ShmGroupSeam::recv_batch(*backend_, tensors, peer, tags, checks);
   }
   at::Tensor loan(at::IntArrayRef sizes, at::ScalarType dtype) const override { return backend_->loan(sizes, dtype); }
   c10::intrusive_ptr<BatchWork> recv_views(int peer, const std::vector<int>& tags,
                                            const std::vector<MessageCheck>& checks) const override {
-    return as_batch(backend_->irecv_view_batch(peer, tags, checks));
+    return ShmGroupSeam::recv_views(*backend_, peer, tags, checks);
   }
   bool memmap_by_reference_with(int peer) const noexcept override { return backend_->memmap_by_reference_with(peer); }
   bool peer_runs_tdshm(int peer) const noexcept override { return backend_->runs_tdshm_transfers(peer); }

@@ -50,6 +50,7 @@
 #include "shm/buffer_pool.h"
 #include "shm/loan_pool.h"
 #include "shm/matcher.h"
+#include "shm/message_check.h"
 #include "shm/ring.h"
 #include "shm/segment.h"
 #include "shm/validate.h"

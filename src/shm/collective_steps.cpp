@@ -1,7 +1,6 @@
 // The collective steps of one rank (see collective_steps.h; the protocol is in collective.h).
 
 #include "shm/collective_steps.h"
-#include "shm/collective_queue.h"
 
 #include <tdshm/errors.h>
 
@@ -132,7 +131,7 @@ void CollectiveSteps::wake_peers() noexcept {
 template <class Pending>
 void CollectiveSteps::wait_for(Pending pending, WaitClock::time_point deadline, uint64_t step, const char* what) {
   if (pending() < 0) return;
-  urge_queued_collectives();  // another group's collective left to run may be what a peer awaits
+  peers_.before_wait();  // a collective the group left to run may be what a peer awaits (wait_hook.h)
   struct Hooks {
     CollectiveSteps& s;
     Pending& pending;

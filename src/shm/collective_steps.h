@@ -33,6 +33,8 @@ class StepPeers {
   virtual void check_due(WaitClock::time_point now) = 0;
   /// The latest a step's waiter may sleep before it checks again.
   virtual WaitClock::time_point sleep_limit(WaitClock::time_point now, WaitClock::time_point deadline) const = 0;
+  /// Runs the group's wait hooks (wait_hook.h): a step is about to wait.
+  virtual void before_wait() noexcept = 0;
 
  protected:
   virtual ~StepPeers() = default;

@@ -90,9 +90,9 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
   for (;;) {
     check_namespaces();
     if (const int r = segment_->first_abandoned(); r >= 0) {
-      // The feed's join (feed/feed_wire.h) retries on this phrase: keep it.
-      give_up(PeerLostError(where + segment_->describe_rank(static_cast<uint32_t>(r)) +
-                            " gave up this group's rendezvous (it timed out or failed): construct the group again"));
+      give_up(RendezvousAbandonedError(
+          where + segment_->describe_rank(static_cast<uint32_t>(r)) +
+          " gave up this group's rendezvous (it timed out or failed): construct the group again"));
     }
     if (segment_->all_arrived()) {
       check_alive();  // once more: a member may have died before this rank looked
@@ -177,6 +177,16 @@ OpList ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src, std::
   std::lock_guard lk(mu_);
   channel_->post_recvs(ops, src);
   return ops;
+}
+
+void ShmEngine::add_wait_hook(std::shared_ptr<shm::WaitHook> hook) {
+  if (!hook) throw Error("ShmEngine::add_wait_hook: a null hook");
+  std::lock_guard lk(mu_);  // adders take turns; waits read without it
+  const int n = wait_hook_count_.load(std::memory_order_relaxed);
+  if (n == kMaxWaitHooks)
+    throw Error("ShmEngine::add_wait_hook: the engine holds " + std::to_string(n) + " hooks already");
+  wait_hooks_[static_cast<size_t>(n)] = std::move(hook);
+  wait_hook_count_.store(n + 1, std::memory_order_release);
 }
 
 std::shared_ptr<ShmOp> ShmEngine::post_recv_view(int src, int64_t tag, MessageCheck check) {

@@ -23,10 +23,12 @@
 #include "shm/collective_steps.h"
 #include "shm/light_mutex.h"
 #include "shm/segment.h"
+#include "shm/wait_hook.h"
 #include "shm/waiter.h"
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <functional>
@@ -106,6 +108,12 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   /// `on_done` or from progress is logged. The engine must be owned by a shared_ptr.
   void watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<void()> on_done);
 
+  /// Adds `hook` to what every wait of this engine runs before it may block (wait_hook.h); the
+  /// engine holds it until it is destroyed. At most kMaxWaitHooks, added while the group is
+  /// built (waits that run meanwhile may miss the new hook, never read a torn one).
+  void add_wait_hook(std::shared_ptr<shm::WaitHook> hook);
+  static constexpr int kMaxWaitHooks = 2;  // the group's collectives, and a world across hosts'
+
   /// The collective steps (collective_steps.h; the protocol is in collective.h), over this
   /// engine's segment, liveness and spin budget.
   shm::CollectiveSteps& steps() noexcept { return *steps_; }
@@ -140,12 +148,27 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   std::exception_ptr unusable() override;           // takes mu_
   std::exception_ptr lost(int awaited) override;    // takes mu_
   void check_due(std::chrono::steady_clock::time_point now) override { maybe_check_peers(now); }
+  void before_wait() noexcept override {
+    const int n = wait_hook_count_.load(std::memory_order_acquire);
+    for (int i = 0; i < n; ++i) wait_hooks_[static_cast<size_t>(i)]->before_wait();
+  }
 
-  // Locks. Three mutexes, never more than two held, always in this order: the steps' mutex (a
-  // whole collective, taken by its caller: steps().mutex()) before mu_ (the channel, taken by
-  // the StepPeers calls); watch_mu_ (the helper thread's list) is never held with another. mu_
-  // is taken on every message, so it is a LightMutex (one futex word, inline), not std::mutex.
-  // Fields are grouped below by what guards them.
+  // Locks: the one place that lists every mutex of a ProcessGroupShm and how they nest. A
+  // thread takes them only in this order (outer first), and sleeps in a wait holding none of
+  // its group's but the steps' mutex (a collective's steps wait under it):
+  //  1. a Work's future mutex (process_group_shm.cpp, queued_work.h), only to make its future;
+  //     it then takes watch_mu_ (watch) or the collective queue's mutex (on_done).
+  //  2. the steps' mutex (steps().mutex()): a whole collective, by the thread that runs it (the
+  //     queue's run mutex). Across hosts, ProcessGroupHosts' run mutex comes before it.
+  //  3. the collective queue's mutex (process_group/collective_queue.h): never held while the
+  //     queue's collective runs, taken inside one by its waits (before_wait urges the queue);
+  //     never held with mu_.
+  //  4. mu_: the channel, and the group's failure state; the StepPeers calls take it inside a
+  //     collective. Taken on every message, so a LightMutex (one futex word, inline).
+  //  5. the loan pool's mutex (loan_pool.h): under mu_ (the channel's loans) or alone (a loan
+  //     made or dropped on any thread); innermost.
+  // watch_mu_ (the helper thread's list) is held with none of 2 to 5. Fields are grouped below
+  // by what guards them.
 
   // Set in the constructor, then only read (any thread, no lock).
   std::string name_;
@@ -164,6 +187,10 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   // Atomics, any thread, no lock (relaxed: hints, re-checked under mu_ where it matters).
   shm::SpinBudget spin_budget_;  // how long a waiter spins before it sleeps (waiter.h)
   std::atomic<std::chrono::steady_clock::rep> next_peer_check_{0};  // next liveness check, in ticks
+
+  // The wait hooks (add_wait_hook): a slot is written once, before the count that publishes it.
+  std::array<std::shared_ptr<shm::WaitHook>, kMaxWaitHooks> wait_hooks_;
+  std::atomic<int> wait_hook_count_{0};
 
   // The collective steps; their state is under their own mutex (collective_steps.h).
   std::unique_ptr<shm::CollectiveSteps> steps_;

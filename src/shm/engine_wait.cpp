@@ -2,7 +2,6 @@
 // thread that completes futures (see engine.h).
 
 #include "shm/engine_internal.h"
-#include "shm/collective_queue.h"
 
 #include "common/log.h"
 
@@ -42,9 +41,9 @@ struct KeptAtDeadline {};
 
 void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline, bool stop_on_error,
                      bool keep_at_deadline) {
-  // A collective this thread issued and left to run may be what a peer waits for before it
-  // sends what this wait needs (collective_queue.h).
-  shm::urge_queued_collectives();
+  // A collective the group issued and left to run may be what a peer waits for before it sends
+  // what this wait needs (shm/wait_hook.h).
+  before_wait();
   struct Hooks {
     ShmEngine& e;
     std::span<const std::shared_ptr<ShmOp>> ops;

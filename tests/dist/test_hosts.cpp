@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -348,6 +349,85 @@ TEST_F(DistHosts, AFutureAskedForAfterWaitCompletes) {
     late(pg.allgather(outs, in), "all_gather");
     for (int r = 0; r < kWorld; ++r) SHM_CHECK(at::equal(outs[0][r], at::full({2}, static_cast<float>(r))), "all_gather");
     late(pg.barrier(), "barrier");
+  });
+}
+
+// One set of argument checks for both process groups (src/process_group/tensor_checks.h): each
+// bad call below fails at the call with a c10::Error saying the same thing in a world across
+// hosts and on a ProcessGroupShm of one host, and sends nothing (the world stays in step).
+TEST_F(DistHosts, BadArgumentsFailAtTheCallAsOnOneHost) {
+  const std::string base = unique_name();
+  run_world(two_hosts(), [&](int rank) {
+    c10d::ProcessGroup& world = default_group().backend();
+    ProcessGroupShm alone(base + "-" + std::to_string(rank), 0, 1);
+    struct Case {
+      const char* says;
+      std::function<void(c10d::ProcessGroup&)> call;
+    };
+    const std::vector<Case> cases = {
+        {"takes exactly one tensor",
+         [](c10d::ProcessGroup& pg) {
+           std::vector<at::Tensor> two{at::zeros({2}), at::zeros({2})};
+           pg.broadcast(two);
+         }},
+        {"is outside [0, ",
+         [](c10d::ProcessGroup& pg) {
+           std::vector<at::Tensor> t{at::zeros({2})};
+           c10d::BroadcastOptions o;
+           o.rootRank = pg.getSize();
+           pg.broadcast(t, o);
+         }},
+        {"a tensor is undefined",
+         [](c10d::ProcessGroup& pg) {
+           std::vector<at::Tensor> t{at::Tensor()};
+           pg.allreduce(t);
+         }},
+        {"elements overlap in memory",
+         [](c10d::ProcessGroup& pg) {
+           std::vector<at::Tensor> t{at::zeros({1}).expand({4})};
+           pg.allreduce(t);
+         }},
+        {"expected one list of",
+         [](c10d::ProcessGroup& pg) {
+           std::vector<at::Tensor> in{at::zeros({2})};
+           std::vector<std::vector<at::Tensor>> outs(1, std::vector<at::Tensor>(pg.getSize() + 1, at::zeros({2})));
+           pg.allgather(outs, in);
+         }},
+        {"every output must match the call's one tensor",
+         [](c10d::ProcessGroup& pg) {
+           std::vector<at::Tensor> in{at::zeros({2})};
+           std::vector<std::vector<at::Tensor>> outs(1);
+           for (int r = 0; r < pg.getSize(); ++r) outs[0].push_back(at::zeros({2}, at::kInt));
+           pg.allgather(outs, in);
+         }},
+        {"every input must match the call's one tensor",
+         [](c10d::ProcessGroup& pg) {
+           std::vector<at::Tensor> out{at::zeros({2})};
+           std::vector<std::vector<at::Tensor>> ins(1);
+           for (int r = 0; r < pg.getSize(); ++r) ins[0].push_back(at::zeros({3}));
+           pg.reduce_scatter(out, ins);
+         }},
+    };
+    for (const Case& c : cases) {
+      for (c10d::ProcessGroup* pg : {&world, static_cast<c10d::ProcessGroup*>(&alone)}) {
+        const char* which = pg == &world ? "the world across hosts" : "a ProcessGroupShm";
+        const Caught e = catch_any([&] { c.call(*pg); });
+        SHM_CHECK(e.is<c10::Error>() && !e.is<tdshm::Error>(),
+                  "rank " << rank << ", " << which << ", '" << c.says << "': " << e.describe());
+        SHM_CHECK(e.what.find(c.says) != std::string::npos,
+                  "rank " << rank << ", " << which << ": '" << e.what << "' does not say '" << c.says << "'");
+      }
+    }
+    if (rank != 0) {  // a gather's outputs on a rank that is not its root
+      std::vector<at::Tensor> in{at::zeros({2})};
+      std::vector<std::vector<at::Tensor>> outs(1, std::vector<at::Tensor>(kWorld, at::zeros({2})));
+      const Caught e = catch_any([&] { world.gather(outs, in); });
+      SHM_CHECK(e.is<c10::Error>() && e.what.find("only the root passes output tensors") != std::string::npos,
+                "rank " << rank << ": gather's outputs off the root: " << e.describe());
+    }
+    std::vector<at::Tensor> t{at::full({3}, static_cast<float>(rank))};
+    world.allreduce(t)->wait();
+    SHM_CHECK(at::equal(t[0], at::full({3}, 15.0f)), "rank " << rank << ": the all_reduce after the refused calls");
   });
 }
 

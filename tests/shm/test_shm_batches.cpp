@@ -21,11 +21,14 @@
 #include <thread>
 #include <vector>
 
+#include "process_group/shm_group_seam.h"
 #include "shm/inspect.h"
 #include "shm/segment_layout.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {
+
+using detail::ShmGroupSeam;
 namespace {
 
 /// The leaves of a round: 0-d, empty, 1-d with padding, 2- and 3-d, more than 8 dimensions, several
@@ -124,7 +127,8 @@ void rounds_scenario(const std::string& name, int rank, const ShmOptions& opts, 
     for (int round = 0; round < kRounds; ++round) {
       await_step(steps.ready, round + 1);
       const auto leaves = leaves_of(round);
-      auto work = pg.send_batch(leaves, 1, tags_from(100 * round, leaves.size()), key_checks(leaves.size()));
+      auto work =
+          ShmGroupSeam::send_batch(pg, leaves, 1, tags_from(100 * round, leaves.size()), key_checks(leaves.size()));
       steps.sent.store(round + 1);
       SHM_CHECK(!work || work->wait(), "round " << round << ": the batch's send");
     }
@@ -137,10 +141,10 @@ void rounds_scenario(const std::string& name, int rank, const ShmOptions& opts, 
     const std::vector<int> tags = tags_from(100 * round, want.size());
     const std::vector<MessageCheck> checks = key_checks(want.size());
     auto recv_one = [&](size_t i, const at::Tensor& into, MessageCheck check) {
-      return pg.recv_batch(std::span<const at::Tensor>(&into, 1), 0, {tags[i]}, {check});
+      return ShmGroupSeam::recv_batch(pg, std::span<const at::Tensor>(&into, 1), 0, {tags[i]}, {check});
     };
     if (round == 0) {
-      auto work = pg.recv_batch(got, 0, tags, checks);
+      auto work = ShmGroupSeam::recv_batch(pg, got, 0, tags, checks);
       steps.ready.store(1);
       SHM_CHECK(work->wait(), "round 0");
     } else {
@@ -192,7 +196,8 @@ void budget_scenario(const std::string& name, int rank, ShmOptions opts, std::at
   std::vector<at::Tensor> want;
   for (int i = 0; i < 6; ++i) want.push_back(pattern(at::kFloat, 4, static_cast<uint64_t>(40 + i)));
   if (rank == 0) {
-    auto work = pg.send_batch(want, 1, tags_from(1, want.size()), std::vector<MessageCheck>(want.size()));
+    auto work =
+        ShmGroupSeam::send_batch(pg, want, 1, tags_from(1, want.size()), std::vector<MessageCheck>(want.size()));
     SHM_CHECK(!work, "a batch of six 16-byte messages did not go into the ring at once");
     step.store(1);
     await_step(step, 2);

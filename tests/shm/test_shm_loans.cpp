@@ -20,12 +20,15 @@
 #include <unistd.h>
 #include <vector>
 
+#include "process_group/shm_group_seam.h"
 #include "shm/inspect.h"
 #include "shm/segment_layout.h"
 #include "shm/waiter.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {
+
+using detail::ShmGroupSeam;
 namespace {
 
 class ShmLoan : public ShmTest {};
@@ -194,7 +197,7 @@ TEST_F(ShmLoan, AViewHoldsTheLoanUntilDroppedBetweenProcesses) {
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) { view_scenario(name, r, *flags); }));
 }
 
-// A tree's views in one call (ProcessGroupShm::irecv_view_batch): loans and an ordinary tensor
+// A tree's views in one call (ShmGroupSeam::recv_views): loans and an ordinary tensor
 // arrive in order as views or fresh tensors, the loans come back when the views are dropped;
 // a message whose key check differs fails its receive alone (the batch's wait throws it, the
 // other messages arrive); bad arguments are refused before anything is posted.
@@ -213,13 +216,17 @@ void view_batch_scenario(const std::string& name, int rank, Flags& f) {
     SHM_CHECK(f.dropped.load() == 1, "a loan's send completed before its view was dropped");
     std::vector<at::Tensor> one{at::full({4}, 7.0f)}, two{at::full({4}, 8.0f)}, three{at::full({4}, 9.0f)};
     SHM_CHECK(pg.send(one, 1, 4)->wait(), "send 4");
-    SHM_CHECK(pg.send_checked(two, 1, 5, theirs)->wait(), "send 5");
+    SHM_CHECK(ShmGroupSeam::send(pg, two[0], 1, 5, theirs)->wait(), "send 5");
     SHM_CHECK(pg.send(three, 1, 6)->wait(), "send 6");
   } else {
-    SHM_CHECK_THROWS(c10::Error, [&] { pg.irecv_view_batch(0, {1, 2}, {MessageCheck{}}); }, {"2 tags and 1 checks"});
-    SHM_CHECK_THROWS(c10::Error, [&] { pg.irecv_view_batch(-1, {1}, {MessageCheck{}}); }, {"source rank"});
+    SHM_CHECK_THROWS(c10::Error,
+                     [&] {
+                       ShmGroupSeam::recv_views(pg, 0, {1, 2}, {MessageCheck{}});
+                     },
+                     {"2 tags and 1 checks"});
+    SHM_CHECK_THROWS(c10::Error, [&] { ShmGroupSeam::recv_views(pg, -1, {1}, {MessageCheck{}}); }, {"source rank"});
     {
-      auto work = pg.irecv_view_batch(0, {1, 2, 3}, {MessageCheck{}, MessageCheck{}, MessageCheck{}});
+      auto work = ShmGroupSeam::recv_views(pg, 0, {1, 2, 3}, {MessageCheck{}, MessageCheck{}, MessageCheck{}});
       SHM_CHECK(work->wait(), "the batch of views");
       const std::vector<at::Tensor> got = work->result();
       SHM_CHECK(got.size() == 3, "one tensor per message, got " << got.size());
@@ -230,10 +237,10 @@ void view_batch_scenario(const std::string& name, int rank, Flags& f) {
       SHM_CHECK(at::equal(got[2], at::arange(4, at::kDouble).reshape({2, 2})), "the second loan's view");
       f.dropped = 1;
     }  // the views are dropped: both loans go back
-    auto work = pg.irecv_view_batch(0, {4, 5, 6}, {MessageCheck{}, MessageCheck{MessageCheck::Kind::kKey, 0x9999, 3},
-                                                  MessageCheck{}});
+    auto work = ShmGroupSeam::recv_views(
+        pg, 0, {4, 5, 6}, {MessageCheck{}, MessageCheck{MessageCheck::Kind::kKey, 0x9999, 3}, MessageCheck{}});
     SHM_CHECK_THROWS(TransportError, [&] { work->wait(); }, {"key"});
-    const auto messages = shm_batch_messages(*work);
+    const auto messages = work->messages();
     SHM_CHECK(messages.size() == 3, "three messages");
     SHM_CHECK(messages[0]->wait() && at::equal(messages[0]->result().at(0), at::full({4}, 7.0f)), "message 4");
     SHM_CHECK_THROWS(TransportError, [&] { messages[1]->wait(); }, {"key"});

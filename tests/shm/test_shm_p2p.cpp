@@ -24,9 +24,12 @@
 
 #include <unistd.h>
 
+#include "process_group/shm_group_seam.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {
+
+using detail::ShmGroupSeam;
 namespace {
 
 #if defined(__SANITIZE_THREAD__)
@@ -450,9 +453,9 @@ void reused_works_scenario(const std::string& name, int rank, const ShmOptions& 
   SHM_CHECK(same_bytes(held_tensor, value(0)), "message 0 differs");
   for (int b = 0; b < 2; ++b) {  // batches (recv_batch) share the kept Works
     std::vector<at::Tensor> leaves{at::zeros({4}, at::kInt), at::zeros({4}, at::kInt), at::zeros({4}, at::kInt)};
-    auto work = pg.recv_batch(leaves, 0, {20, 21, 22}, std::vector<MessageCheck>(3));
+    auto work = ShmGroupSeam::recv_batch(pg, leaves, 0, {20, 21, 22}, std::vector<MessageCheck>(3));
     SHM_CHECK(work->wait() && work->isSuccess(), "batch " << b);
-    const auto messages = shm_batch_messages(*work);
+    const auto messages = work->messages();
     SHM_CHECK(messages.size() == 3, "batch " << b << " has " << messages.size() << " messages");
     for (int j = 0; j < 3; ++j) {
       SHM_CHECK(messages[j]->isSuccess() && same_bytes(leaves[j], value(10 * b + j)), "batch " << b << ", message " << j);
@@ -463,7 +466,9 @@ void reused_works_scenario(const std::string& name, int rank, const ShmOptions& 
     auto work = recv(single, 23);
     SHM_CHECK(work->wait() && same_bytes(single, value(30)) && work->result().at(0).data_ptr() == single.data_ptr(),
               "the receive after the batches");
-    const Caught c = catch_any([&] { shm_batch_messages(*work); });
+    auto* as_batch = dynamic_cast<detail::BatchWork*>(work.get());  // every Work of the group is one
+    SHM_CHECK(as_batch != nullptr, "a receive's Work is not the group's own");
+    const Caught c = catch_any([&] { as_batch->messages(); });
     SHM_CHECK(c.is<TypeError>(), "a single receive's Work (maybe a batch's, reused) answered as a batch: " << c.describe());
   }
   {  // a failed receive's Work, once dropped, passes nothing of its failure on

@@ -778,7 +778,8 @@ TEST_F(ShmSegmentProcs, ARankThatDiedWhileJoiningEndsTheRendezvousAtOnce) {
 }
 
 // A rank whose rendezvous timed out marks its slot abandoned: a peer still waiting in that
-// rendezvous fails at once instead of completing it with a member that is gone.
+// rendezvous fails at once (RendezvousAbandonedError) instead of completing it with a member that
+// is gone.
 TEST_F(ShmSegmentThreads, APeerThatGaveUpEndsTheRendezvousAtOnce) {
   const std::string name = unique_name();
   ShmOptions opts = small_options();
@@ -791,7 +792,8 @@ TEST_F(ShmSegmentThreads, APeerThatGaveUpEndsTheRendezvousAtOnce) {
   const Caught gave_up = catch_any([&] { ProcessGroupShm pg(name, 0, 3, quick); });
   ASSERT_TRUE(gave_up.is<TimeoutError>()) << gave_up.describe();
   const Caught& c = rank1.join();
-  EXPECT_TRUE(c.is<PeerLostError>()) << c.describe();
+  // Typed, so that a caller can tell it from a death and construct the group again.
+  EXPECT_TRUE(c.is<RendezvousAbandonedError>() && c.is<PeerLostError>()) << c.describe();
   EXPECT_TRUE(contains_nocase(c.what, "gave up")) << c.what;
   EXPECT_LT(Clock::now() - start, 10s);
   // And the name works again for a complete group.

@@ -52,12 +52,14 @@
 #include <thread>
 #include <vector>
 
-#include "process_group/batch_work.h"
+#include "process_group/shm_group_seam.h"
 #include "shm/inspect.h"
 #include "shm/segment_layout.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {
+
+using detail::ShmGroupSeam;
 namespace {
 
 using shm::SegmentInfo;
@@ -897,9 +899,7 @@ TEST_F(ShmTools, ReceivingPassTakesEveryPostedMessageAndLeavesTheRest) {
     while (!state->sent.load() && Clock::now() < deadline) std::this_thread::sleep_for(2ms);
     SHM_CHECK(state->sent.load(), "rank 1 never sent");
     const std::vector<at::Tensor> got{at::zeros({kFloats}), at::zeros({kFloats})};
-    const auto work = pg.recv_batch(got, 1, {1, 2}, {MessageCheck{}, MessageCheck{}});
-    auto* batch = dynamic_cast<detail::BatchWork*>(work.get());
-    SHM_CHECK(batch != nullptr, "recv_batch did not return a batch");
+    const auto batch = ShmGroupSeam::recv_batch(pg, got, 1, {1, 2}, {MessageCheck{}, MessageCheck{}});
     SHM_CHECK(batch->message_succeeded(0), "message 1 did not land when its receive was posted");
     SHM_CHECK(batch->message_succeeded(1), "the pass stopped after message 1: message 2 is still in the ring");
     const SegmentInfo info = shm::inspect_segment(name, {.details = true});

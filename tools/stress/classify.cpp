@@ -45,7 +45,9 @@ Survivor classify(const Proc& p, int64_t kill_ns, double hang_s) {
     s.type = err->type;
     s.text = err->text;
     s.latency_ms = static_cast<double>(err->ns - kill_ns) / 1e6;
-    s.outcome = err->type == "tdshm::PeerLostError" ? Outcome::kPeerLost
+    // (RendezvousAbandonedError is a PeerLostError: a peer that gave the rendezvous up.)
+    const bool lost = err->type == "tdshm::PeerLostError" || err->type == "tdshm::RendezvousAbandonedError";
+    s.outcome = lost                                 ? Outcome::kPeerLost
                 : err->type == "tdshm::TimeoutError" ? Outcome::kTimeout
                                                      : Outcome::kUnexpected;
     if (destroy_err != nullptr && s.outcome != Outcome::kUnexpected) {
