@@ -39,7 +39,8 @@ bool peer_runs_tdshm(const Group& g, int peer) {
 
 int c10d_tag(int64_t tag) {
   if (tag < 0 || tag > INT_MAX) {
-    throw Error("tag " + std::to_string(tag) + " is outside [0, " + std::to_string(INT_MAX) + "] (init_tag too large?)");
+    throw Error("tag " + std::to_string(tag) + " is outside [0, " + std::to_string(INT_MAX) +
+                "] (init_tag too large?)");
   }
   return static_cast<int>(tag);
 }
@@ -68,7 +69,6 @@ at::Tensor int64_tensor(std::vector<int64_t> values) {
 
 at::Tensor bytes_tensor(int64_t n) { return at::empty({n}, at::TensorOptions().dtype(at::kByte)); }
 
-
 Group group_or_default(const Group& g) {
   if (g.is_non_member()) throw Error("this rank is not a member of `group` (new_group did not include it)");
   return g.defined() ? g : default_group();
@@ -79,7 +79,6 @@ int root_in_group(const Group& g, int src) {
   if (root < 0 || root >= g.size()) throw Error("`src` = " + std::to_string(src) + " is not a rank of the group");
   return root;
 }
-
 
 MessageCheck key_check_of_hash(uint64_t hash, size_t leaves) noexcept {
   return {MessageCheck::Kind::kKey, fold32(hash), leaves <= 0xFFFF ? static_cast<uint16_t>(leaves) : uint16_t{0}};

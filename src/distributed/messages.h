@@ -125,7 +125,8 @@ void check_receive_target(const at::Tensor& t, const Name& what) {
   // leaf costs two inline checks, not a call into ATen and a copy of the mapping's file name.)
   if (!t.is_contiguous() && at::has_internal_overlap(t) == at::MemOverlap::Yes) {
     throw TypeError(what() + ": its elements overlap in memory (shape " + detail::shape_str(t.sizes()) + ", strides " +
-                    detail::shape_str(t.strides()) + ", an expanded tensor?), so it cannot receive in place; give the "
+                    detail::shape_str(t.strides()) +
+                    ", an expanded tensor?), so it cannot receive in place; give the "
                     "receiver a tensor of its own (clone() or contiguous()); nothing was received");
   }
   if (!MemoryMappedTensor::is_mapped(t)) return;

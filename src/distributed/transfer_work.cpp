@@ -17,7 +17,8 @@ void wait_keyed(const std::vector<WorkPtr>& works, const std::function<Key(size_
 }
 
 void wait_keyed(const std::vector<WorkPtr>& works, const std::vector<Key>& keys, const char* verb) {
-  wait_keyed(works, [&keys](size_t i) { return keys[i]; }, verb);
+  wait_keyed(
+      works, [&keys](size_t i) { return keys[i]; }, verb);
 }
 
 /// Waits for every work (all of them) and rethrows the first error.

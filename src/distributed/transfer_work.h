@@ -90,7 +90,8 @@ class TransferWork final : public c10d::Work {
     for (auto& w : inner) w->abort();
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    TORCH_CHECK(inner_.size() == 1 && !deferred_ && !on_success_, "this tdshm transfer work has no future; call wait()");
+    TORCH_CHECK(inner_.size() == 1 && !deferred_ && !on_success_,
+                "this tdshm transfer work has no future; call wait()");
     return inner_[0]->getFuture();
   }
 
@@ -152,7 +153,6 @@ class TransferWork final : public c10d::Work {
   bool finished_ = false;
   std::exception_ptr error_;
 };
-
 
 /// Waits for every work (all of them) and rethrows the first error, its message prefixed with
 /// `verb` and the key of its leaf (works[i] moves keys[i]; the strings are built only on error).

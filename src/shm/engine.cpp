@@ -251,6 +251,7 @@ at::Tensor ShmEngine::loan(c10::IntArrayRef sizes, c10::ScalarType dtype, Clock:
                          }());
     }
     maybe_check_peers(now);
+    before_wait();  // a receiver may give its tickets back only after a collective left queued here
     // A receiver that gives a ticket back wakes this rank; a loan dropped by another thread of
     // this process does not, hence the short sleeps.
     sleep_until_event(std::min(deadline, now + std::chrono::milliseconds(1)));
