@@ -50,7 +50,7 @@ py::object children_of(py::handle node, bool& tensordict) {
 // Runs `f` without the GIL: a transfer may wait for its peer, which may be a thread of this
 // interpreter.
 template <class F>
-auto released(F&& f) {
+auto without_gil(F&& f) {
   py::gil_scoped_release nogil;
   return f();
 }
@@ -71,29 +71,29 @@ class PreparedTransfer {
 
   void send(std::optional<int> dst, std::optional<int> group_dst) {
     const tdshm::SendOptions& options = send_options(dst, group_dst, false);
-    released([&] { td_.send(options); });
+    without_gil([&] { td_.send(options); });
   }
 
   py::object isend(std::optional<int> dst, std::optional<int> group_dst, bool return_early) {
     const tdshm::SendOptions& options = send_options(dst, group_dst, return_early);
-    return to_python(released([&] { return td_.isend(options); }));
+    return to_python(without_gil([&] { return td_.isend(options); }));
   }
 
   int64_t recv(std::optional<int> src, std::optional<int> group_src) {
     const tdshm::RecvOptions& options = recv_options(src, group_src, false);
-    return released([&] { return td_.recv(options); });
+    return without_gil([&] { return td_.recv(options); });
   }
 
   py::object irecv(std::optional<int> src, std::optional<int> group_src, bool return_premature) {
     const tdshm::RecvOptions& options = recv_options(src, group_src, return_premature);
-    return to_python(released([&] { return td_.irecv(options); }));
+    return to_python(without_gil([&] { return td_.irecv(options); }));
   }
 
   /// recv into a new tree (see TensorDict::recv_view): nested dicts of the received tensors, views
   /// of the sender's loans over shm (no copy), fresh tensors otherwise.
   py::dict recv_view(std::optional<int> src, std::optional<int> group_src) {
     const tdshm::RecvOptions& options = recv_options(src, group_src, false);
-    const tdshm::TensorDict got = released([&] { return td_.recv_view(options); });
+    const tdshm::TensorDict got = without_gil([&] { return td_.recv_view(options); });
     py::dict out;
     for (const auto& key : got.sorted_leaf_keys()) {
       const auto& parts = key.parts();

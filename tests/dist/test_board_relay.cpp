@@ -22,7 +22,7 @@ namespace {
 
 class BoardRelayTest : public DistTest {};
 
-TensorDict tree(int64_t n, double v) {
+TensorDict relay_tree(int64_t n, double v) {
   return TensorDict({{"w", at::full({n}, v)}, {{"b", "bias"}, at::full({16}, v)}}, {});
 }
 
@@ -34,11 +34,11 @@ TEST_F(BoardRelayTest, AnotherHostsBoardFollowsTheWritersNewestVersion) {
   run_default_world(Method::kGlooTcp, 3, [&](int rank, Flags& f) {
     const Group g = default_group();
     if (rank == 0) {
-      auto board = tdshm::Board::create(writer_board, tree(kFloats, 0), {.readers = 2});
+      auto board = tdshm::Board::create(writer_board, relay_tree(kFloats, 0), {.readers = 2});
       {
         auto relay = tdshm::BoardRelay::sender(writer_board, g, {1});
         wait_until(f.step[0], 1, "the reader on the other host opened its board", &f.failed);
-        for (int v = 1; v <= kVersions; ++v) board.publish(tree(kFloats, v));  // at full speed
+        for (int v = 1; v <= kVersions; ++v) board.publish(relay_tree(kFloats, v));  // at full speed
         wait_until(f.step[1], 1, "the other host saw the last version", &f.failed);
         SHM_CHECK(relay.error().empty(), "the sender failed: " << relay.error());
         SHM_CHECK(relay.count() >= 1 && relay.count() <= static_cast<uint64_t>(kVersions),
@@ -49,7 +49,7 @@ TEST_F(BoardRelayTest, AnotherHostsBoardFollowsTheWritersNewestVersion) {
       }  // the sender stops and tells the receiver
       f.step[3].store(1);
     } else if (rank == 1) {
-      auto relay = tdshm::BoardRelay::receiver(host_board, tree(kFloats, 0), g, 0, {.readers = 2});
+      auto relay = tdshm::BoardRelay::receiver(host_board, relay_tree(kFloats, 0), g, 0, {.readers = 2});
       f.step[2].store(1);
       wait_until(f.step[3], 1, "the sender stopped", &f.failed);
       relay.wait_count(UINT64_MAX, std::chrono::seconds(10));
@@ -89,7 +89,7 @@ TEST_F(BoardRelayTest, AReceiverWhoseSenderDiedStopsWithAnErrorAndKeepsItsBoard)
   Shared<Flags> flags;
   Child receiver([&] {
     init_process_group("gloo", init_options(rv, 0, 2));  // rank 0 serves the store: it stays
-    auto relay = tdshm::BoardRelay::receiver(host_board, tree(1024, 0), default_group(), 1, {.readers = 2});
+    auto relay = tdshm::BoardRelay::receiver(host_board, relay_tree(1024, 0), default_group(), 1, {.readers = 2});
     flags->step[0].store(1);
     SHM_CHECK(relay.wait_count(3, std::chrono::seconds(20)) >= 3, "fewer than 3 versions arrived");
     flags->step[1].store(1);  // the sender's host dies now
@@ -107,11 +107,11 @@ TEST_F(BoardRelayTest, AReceiverWhoseSenderDiedStopsWithAnErrorAndKeepsItsBoard)
   });
   Child sender([&] {
     init_process_group("gloo", init_options(rv, 1, 2));
-    auto board = tdshm::Board::create(writer_board, tree(1024, 0), {.readers = 2});
+    auto board = tdshm::Board::create(writer_board, relay_tree(1024, 0), {.readers = 2});
     auto relay = tdshm::BoardRelay::sender(writer_board, default_group(), {0});
     wait_until(flags->step[0], 1, "the receiver");
     for (int v = 1; flags->step[1].load() == 0; ++v) {
-      board.publish(tree(1024, v));
+      board.publish(relay_tree(1024, v));
       std::this_thread::sleep_for(1ms);
     }
     ::raise(SIGKILL);

@@ -29,11 +29,11 @@ class TransferGatherAndStack : public DistTest, public ::testing::WithParamInter
 };
 
 /// A tree of batch [2] ({("a", "b"): float [2], "c": int64 [2, 3]}) holding v.
-TensorDict tree(double v) {
+TensorDict rank_tree(double v) {
   return TensorDict({{{"a", "b"}, at::full({2}, v)}, {"c", at::full({2, 3}, static_cast<int64_t>(v), at::kLong)}}, {2});
 }
 
-/// dst's tree: n entries of tree(0) along a first batch dimension.
+/// dst's tree: n entries of rank_tree(0) along a first batch dimension.
 TensorDict stacked(int64_t n) {
   return TensorDict({{{"a", "b"}, at::zeros({n, 2})}, {"c", at::zeros({n, 2, 3}, at::kLong)}}, {n, 2});
 }
@@ -56,7 +56,7 @@ TEST_P(TransferGatherAndStack, EveryRankLandsInItsEntry) {
           ++j;
         }
       } else {
-        TensorDict t = tree(10 * dst + rank + 1);
+        TensorDict t = rank_tree(10 * dst + rank + 1);
         SHM_CHECK(!t.gather_and_stack({.dst = dst}).has_value(), "a non-dst rank returns nothing");
       }
     }
@@ -67,9 +67,12 @@ TEST_P(TransferGatherAndStack, InASubgroup) {
   run_world(4, [&](int rank, Flags&) {
     const Group g = new_group({0, 2, 3});
     if (rank == 1) return;
-    SHM_CHECK_THROWS(Error, [&] { tree(0).gather_and_stack({.group = g}); }, "exactly one");
-    SHM_CHECK_THROWS(Error, [&] { tree(0).gather_and_stack({.dst = 3, .group = g, .group_dst = 2}); }, "exactly one");
-    SHM_CHECK_THROWS(Error, [&] { tree(0).gather_and_stack({.group = g, .group_dst = 3}); }, "not a rank");
+    SHM_CHECK_THROWS(
+        Error, [&] { rank_tree(0).gather_and_stack({.group = g}); }, "exactly one");
+    SHM_CHECK_THROWS(
+        Error, [&] { rank_tree(0).gather_and_stack({.dst = 3, .group = g, .group_dst = 2}); }, "exactly one");
+    SHM_CHECK_THROWS(
+        Error, [&] { rank_tree(0).gather_and_stack({.group = g, .group_dst = 3}); }, "not a rank");
     // Global rank 3 is group rank 2: named both ways.
     for (const bool by_group_rank : {false, true}) {
       const GatherAndStackOptions o = by_group_rank ? GatherAndStackOptions{.group = g, .group_dst = 2}
@@ -81,7 +84,7 @@ TEST_P(TransferGatherAndStack, InASubgroup) {
                       at::equal(mine.get({"a", "b"})[1], at::full({2}, 3.0)),
                   mine.get({"a", "b"}));
       } else {
-        tree(rank + 1).gather_and_stack(o);
+        rank_tree(rank + 1).gather_and_stack(o);
       }
     }
   });
@@ -96,7 +99,7 @@ TEST_P(TransferGatherAndStack, ADstThatDoesNotFitRefusesAndTellsTheOthers) {
       right.gather_and_stack({.dst = 0});
       SHM_CHECK(at::equal(right.get({"a", "b"})[1], at::full({2}, 2.0)), right.get({"a", "b"}));
     } else {
-      TensorDict t = tree(rank);
+      TensorDict t = rank_tree(rank);
       SHM_CHECK_THROWS(Error, [&] { t.gather_and_stack({.dst = 0}); }, "refused");
       t.gather_and_stack({.dst = 0});
     }
@@ -108,21 +111,23 @@ TEST_P(TransferGatherAndStack, AGroupWithANonTdshmRankIsRefusedEverywhere) {
   run_world(
       3,
       [&](int rank, Flags&) {
-        TensorDict t = rank == 0 ? stacked(2) : tree(rank);
+        TensorDict t = rank == 0 ? stacked(2) : rank_tree(rank);
         SHM_CHECK_THROWS(Error, [&] { t.gather_and_stack({.dst = 0}); }, "Python");
         // Nothing was sent: the next transfer between two ranks is in step.
-        if (rank == 1) tree(5).send({.dst = 0});
+        if (rank == 1) rank_tree(5).send({.dst = 0});
         if (rank == 0) {
-          TensorDict r = tree(0);
+          TensorDict r = rank_tree(0);
           r.recv({.src = 1});
-          SHM_CHECK((r == tree(5)).all(), r.get({"a", "b"}));
+          SHM_CHECK((r == rank_tree(5)).all(), r.get({"a", "b"}));
         }
       },
       [&](int rank, InitOptions& o) {
         // Rank 2 says what a Python rank says.
         if (rank != 2) return;
-        if (shm) o.shm.tdshm_transfers = false;
-        else o.checked_wire = false;
+        if (shm)
+          o.shm.tdshm_transfers = false;
+        else
+          o.checked_wire = false;
       });
 }
 

@@ -35,7 +35,7 @@ TensorDict batch_like() {
                     {4});
 }
 
-void fill(const TensorDict& td, int64_t seq) {
+void fill_batch(const TensorDict& td, int64_t seq) {
   td.get("image").copy_(at::arange(4 * 3 * 8 * 8, at::kInt).add(seq).remainder(251).to(at::kByte).reshape({4, 3, 8, 8}));
   td.get("label").copy_(at::arange(4, at::kLong).add(10 * seq));
   td.get({"meta", "idx"}).copy_(at::arange(4, at::kLong).add(100 * seq));
@@ -43,7 +43,7 @@ void fill(const TensorDict& td, int64_t seq) {
 
 void check(const TensorDict& td, int64_t seq, const std::string& what) {
   const TensorDict want = batch_like();
-  fill(want, seq);
+  fill_batch(want, seq);
   for (const auto& key : want.sorted_leaf_keys()) {
     SHM_CHECK(at::equal(td.get(key), want.get(key)), what << ": key " << key.str() << " differs");
   }
@@ -61,16 +61,16 @@ TEST_P(TransferLoans, ALoanedTreeTravelsAsViewsOrCopies) {
       const TensorDict whole = loan(batch_like(), {.dst = 0, .consolidated = true});
       SHM_CHECK(whole.is_consolidated(), "a consolidated loan is consolidated");
       for (int64_t seq = 0; seq < 3; ++seq) {
-        fill(leaves, seq);
+        fill_batch(leaves, seq);
         const Transfer t = leaves.isend({.dst = 0, .init_tag = seq, .pseudo_rand = seq == 2, .return_early = true});
         for (const auto& w : t.works) SHM_CHECK(w->wait(kGroupTimeout), "per-leaf send " << seq);
-        fill(whole, seq + 10);
+        fill_batch(whole, seq + 10);
         whole.send({.dst = 0, .consolidated = true});
       }
-      fill(leaves, 7);
+      fill_batch(leaves, 7);
       leaves.send({.dst = 0});  // received by copy
       // A view that is held: the send does not complete until rank 0 drops it (shm).
-      fill(leaves, 8);
+      fill_batch(leaves, 8);
       const Transfer held = leaves.isend({.dst = 0, .return_early = true});
       wait_until(flags.step[0], 1, "rank 0 holds its views", &flags.failed);
       std::this_thread::sleep_for(std::chrono::milliseconds(30));
@@ -116,12 +116,12 @@ TEST_P(TransferLoans, ViewsKeepRecvsChecks) {
   run_world(2, [&](int rank, Flags&) {
     if (rank == 1) {
       const TensorDict leaves = loan(batch_like());
-      fill(leaves, 1);
+      fill_batch(leaves, 1);
       leaves.send({.dst = 0});
       const TensorDict whole = loan(batch_like(), {.consolidated = true});
-      fill(whole, 2);
+      fill_batch(whole, 2);
       whole.send({.dst = 0, .consolidated = true});
-      fill(leaves, 3);
+      fill_batch(leaves, 3);
       leaves.send({.dst = 0});
     } else {
       TensorDict other = batch_like();

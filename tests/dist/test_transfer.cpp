@@ -97,7 +97,7 @@ TensorDict seed_tree_renamed(float value) {
 }
 
 /// Writes `value` into every tensor leaf in place (a memory-mapped leaf: into its file).
-void fill(TensorDict& td, float value) {
+void fill_leaves(TensorDict& td, float value) {
   td.apply_([value](const at::Tensor& t) { return at::full_like(t, value); });
 }
 
@@ -274,7 +274,7 @@ TEST_P(TransferSeed, EveryCombinationOfSendAndReceive) {
       for (size_t k = 0; k < combos.size(); ++k) {
         const Combo& c = combos[k];
         wait_until(flags.step[0], static_cast<int>(k), "the receiver to finish the previous combination", &flags.failed);
-        fill(td, static_cast<float>(k + 1));
+        fill_leaves(td, static_cast<float>(k + 1));
         SendOptions o = combo_options(c, sub, &SendOptions::dst, 0, &SendOptions::group_dst, 1);
         const int64_t last = expected_last_tag(c.init_tag, 4, c.pseudo);
         if (c.send == SendCall::kSend) {
@@ -298,7 +298,7 @@ TEST_P(TransferSeed, EveryCombinationOfSendAndReceive) {
       const std::vector<const void*> pointers = leaf_pointers(td);
       for (size_t k = 0; k < combos.size(); ++k) {
         const Combo& c = combos[k];
-        fill(td, 0);
+        fill_leaves(td, 0);
         RecvOptions o = combo_options(c, sub, &RecvOptions::src, 1, &RecvOptions::group_src, 0);
         const int64_t last = expected_last_tag(c.init_tag, 4, c.pseudo);
         if (c.recv == RecvCall::kRecv) {
@@ -360,10 +360,10 @@ TEST_P(TransferStandalone, GroupDstAndGroupSrc) {
         TensorDict td = seed_tree(3);
         SHM_CHECK_THROWS(Error, [&] { td.send({.dst = 0, .group = g}); }, "standalone", "group_dst");
         td.send({.group = g, .group_dst = 0, .init_tag = 5});
-        fill(td, 4);
+        fill_leaves(td, 4);
         const Transfer t = td.isend({.group = g, .group_dst = 0, .init_tag = 9, .pseudo_rand = true});
         SHM_CHECK(t.last_tag && *t.last_tag == expected_last_tag(9, 3, true));
-        fill(td, 5);
+        fill_leaves(td, 5);
         td.consolidate().send({.group = g, .group_dst = 0, .consolidated = true});
       } else {
         TensorDict td = seed_tree(0);
@@ -767,7 +767,7 @@ TEST_P(TransferConsolidated, RepeatedSendsAfterUpdate) {
           }
         } else {
           // A sender that is not consolidated consolidates (copies) on every call.
-          fill(td, v);
+          fill_leaves(td, v);
           td.send({.dst = 0, .consolidated = true});
           SHM_CHECK(!td.is_consolidated());
         }

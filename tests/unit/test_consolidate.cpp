@@ -16,7 +16,7 @@ using tdshm::TensorDict;
 
 TDSHM_TENSORCLASS(ConsolidatePoint, "tdshm.test.ConsolidatePoint", pos, vel);
 
-const uint8_t* bytes_of(const at::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
+const uint8_t* data_of(const at::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
 
 const tdshm::SchemaTensor& leaf_schema(const tdshm::SchemaNode& node, const std::string& key) {
   for (const auto& e : node.entries) {
@@ -68,12 +68,12 @@ TEST(Consolidate, ByteExactLayoutOfTheIssueExample) {
   EXPECT_EQ(cc.shape, (std::vector<int64_t>{2, 3}));
 
   // Leaves are views of the storage at exactly those offsets.
-  EXPECT_EQ(bytes_of(c.get({"a", "b"})), bytes_of(storage) + 0);
-  EXPECT_EQ(bytes_of(c.get("c")), bytes_of(storage) + 8);
+  EXPECT_EQ(data_of(c.get({"a", "b"})), data_of(storage) + 0);
+  EXPECT_EQ(data_of(c.get("c")), data_of(storage) + 8);
   EXPECT_TRUE(c.get("c").is_alias_of(storage));
   // And the bytes are the float32 ones.
   const float one = 1.0f;
-  for (int i = 0; i < 8; ++i) EXPECT_EQ(std::memcmp(bytes_of(storage) + 4 * i, &one, 4), 0) << i;
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(std::memcmp(data_of(storage) + 4 * i, &one, 4), 0) << i;
   EXPECT_TRUE((c == 1).all());
   // The source is untouched and unconsolidated.
   EXPECT_FALSE(td.is_consolidated());
@@ -97,7 +97,7 @@ TEST(Consolidate, MixedDtypesNestedWithZeroPadding) {
   EXPECT_EQ(std::tie(flag.start, flag.stop, flag.pad), std::make_tuple(uint64_t{32}, uint64_t{34}, uint32_t{6}));
   EXPECT_EQ(c.schema().total_bytes, 40u);
 
-  const uint8_t* s = bytes_of(c.consolidated_storage());
+  const uint8_t* s = data_of(c.consolidated_storage());
   for (int i = 27; i < 32; ++i) EXPECT_EQ(s[i], 0) << "pad byte " << i;
   for (int i = 34; i < 40; ++i) EXPECT_EQ(s[i], 0) << "pad byte " << i;
   EXPECT_EQ(static_cast<int8_t>(s[24]), -1);
@@ -129,7 +129,7 @@ TEST(Consolidate, SixteenByteDtypeAtAnOffsetThatIsOnlyEightAligned) {
   TensorDict c = td.consolidate();
   EXPECT_EQ(leaf_schema(c.schema().root, "z").start, 8u);
   EXPECT_TRUE(c.get("z").equal(td.get("z")));
-  EXPECT_EQ(bytes_of(c.get("z")), bytes_of(c.consolidated_storage()) + 8);
+  EXPECT_EQ(data_of(c.get("z")), data_of(c.consolidated_storage()) + 8);
 }
 
 TEST(Consolidate, UpdateWritesThroughIntoTheStorage) {
@@ -139,12 +139,12 @@ TEST(Consolidate, UpdateWritesThroughIntoTheStorage) {
   c.update_(fresh);
   EXPECT_EQ(c.get("c").data_ptr(), before);
   float stored = 0;
-  std::memcpy(&stored, bytes_of(c.consolidated_storage()) + 8, 4);
+  std::memcpy(&stored, data_of(c.consolidated_storage()) + 8, 4);
   EXPECT_EQ(stored, 3.0f);
-  std::memcpy(&stored, bytes_of(c.consolidated_storage()), 4);
+  std::memcpy(&stored, data_of(c.consolidated_storage()), 4);
   EXPECT_EQ(stored, 7.0f);
   c.set_("c", at::full({2, 3}, 5.0));
-  std::memcpy(&stored, bytes_of(c.consolidated_storage()) + 28, 4);
+  std::memcpy(&stored, data_of(c.consolidated_storage()) + 28, 4);
   EXPECT_EQ(stored, 5.0f);
 }
 

@@ -9,6 +9,7 @@
 #include "distributed/remote_metadata.h"
 #include "pickle/pickle.h"
 
+#include "hex.h"
 #include "tdshm/errors.h"
 #include "tdshm/schema.h"
 
@@ -38,6 +39,8 @@ using tdshm::pickle::PyDictEntry;
 using tdshm::pickle::PyKind;
 using tdshm::pickle::PyValue;
 using Bytes = std::vector<uint8_t>;
+using tdshm::test::from_hex;
+using tdshm::test::to_hex;
 
 constexpr const char* kPython = "/usr/bin/python3";
 
@@ -56,22 +59,6 @@ PyValue D(std::initializer_list<std::pair<PyValue, PyValue>> entries) {
 }
 
 Bytes bytes_of(std::string_view s) { return Bytes(s.begin(), s.end()); }
-
-Bytes from_hex(const std::string& hex) {
-  Bytes out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<uint8_t>(std::stoi(hex.substr(i, 2), nullptr, 16)));
-  return out;
-}
-
-std::string to_hex(const Bytes& b) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out;
-  for (uint8_t c : b) {
-    out += kDigits[c >> 4];
-    out += kDigits[c & 15];
-  }
-  return out;
-}
 
 // Runs `script` with /usr/bin/python3, giving it `input` as the file named by sys.argv[1];
 // returns its stdout, or nullopt when python3 is missing. Fails the test on a nonzero exit.
@@ -530,8 +517,8 @@ using tdshm::detail::metadata_storage_device;
 using tdshm::detail::metadata_total_bytes;
 using tdshm::detail::to_metadata;
 
-SchemaEntry leaf(std::string key, c10::ScalarType dtype, std::vector<int64_t> shape, uint64_t start, uint64_t stop,
-                 uint32_t pad) {
+SchemaEntry leaf_entry(std::string key, c10::ScalarType dtype, std::vector<int64_t> shape, uint64_t start,
+                       uint64_t stop, uint32_t pad) {
   return SchemaEntry{std::move(key), SchemaTensor{dtype, std::move(shape), start, stop, pad}};
 }
 SchemaEntry value(std::string key, NonTensorData v) { return SchemaEntry{std::move(key), std::move(v)}; }
@@ -546,13 +533,14 @@ Schema sample_schema() {
   SchemaNode point;
   point.class_name = "demo.Point";
   point.batch_size = {2};
-  point.entries = {leaf("xy", c10::ScalarType::Float, {2, 3}, 8, 32, 0)};
+  point.entries = {leaf_entry("xy", c10::ScalarType::Float, {2, 3}, 8, 32, 0)};
   SchemaNode empty;
   empty.batch_size = {2};
   SchemaNode inner;
   inner.batch_size = {2, 1};
   inner.device = c10::Device("cpu");
-  inner.entries = {value("tag", std::string("inner")), leaf("\xc3\xb1", c10::ScalarType::Long, {2, 1}, 40, 56, 0)};
+  inner.entries = {value("tag", std::string("inner")),
+                   leaf_entry("\xc3\xb1", c10::ScalarType::Long, {2, 1}, 40, 56, 0)};
   Schema s;
   s.root.class_name = "demo.Transition";
   s.root.batch_size = {2};
@@ -561,12 +549,12 @@ Schema sample_schema() {
                     value("count", int64_t{-7}),
                     value("ratio", 2.5),
                     value("flag", true),
-                    leaf("done", c10::ScalarType::Bool, {2}, 0, 2, 6),
+                    leaf_entry("done", c10::ScalarType::Bool, {2}, 0, 2, 6),
                     child("point", point),
-                    leaf("reward", c10::ScalarType::Half, {2}, 32, 36, 4),
+                    leaf_entry("reward", c10::ScalarType::Half, {2}, 32, 36, 4),
                     child("inner", inner),
                     child("empty", empty),
-                    leaf("obs", c10::ScalarType::BFloat16, {2, 0}, 56, 56, 0)};
+                    leaf_entry("obs", c10::ScalarType::BFloat16, {2, 0}, 56, 56, 0)};
   s.total_bytes = 56;
   return s;
 }
@@ -615,17 +603,17 @@ TEST(RemoteMetadata, WritesTensordictsDict) {
 Schema lazy_schema() {
   SchemaNode m0;
   m0.batch_size = {2};
-  m0.entries = {leaf("x", c10::ScalarType::Long, {2}, 8, 24, 0)};
+  m0.entries = {leaf_entry("x", c10::ScalarType::Long, {2}, 8, 24, 0)};
   SchemaNode m1;
   m1.batch_size = {2};
-  m1.entries = {leaf("x", c10::ScalarType::Long, {2, 2}, 24, 56, 0)};
+  m1.entries = {leaf_entry("x", c10::ScalarType::Long, {2, 2}, 24, 56, 0)};
   SchemaNode ls;
   ls.lazy_stack_dim = 1;
   ls.batch_size = {2, 2};
   ls.entries = {child("0", m0), child("1", m1)};
   Schema s;
   s.root.batch_size = {2};
-  s.root.entries = {leaf("r", c10::ScalarType::Float, {2}, 0, 8, 0), child("ls", ls)};
+  s.root.entries = {leaf_entry("r", c10::ScalarType::Float, {2}, 0, 8, 0), child("ls", ls)};
   s.total_bytes = 56;
   return s;
 }
@@ -700,17 +688,17 @@ TEST(RemoteMetadata, ReadsTensordictsPickleAndRestoresInsertionOrder) {
   ASSERT_EQ(hex.size(), 4u);
   SchemaNode a;
   a.batch_size = {2};
-  a.entries = {leaf("b", c10::ScalarType::Long, {2}, 0, 16, 0)};
+  a.entries = {leaf_entry("b", c10::ScalarType::Long, {2}, 0, 16, 0)};
   SchemaNode p;
   p.class_name = "__main__.Point";
   p.batch_size = {5};
   p.device = c10::Device("cpu");
-  p.entries = {leaf("x", c10::ScalarType::Byte, {5}, 32, 37, 3)};
+  p.entries = {leaf_entry("x", c10::ScalarType::Byte, {5}, 32, 37, 3)};
   Schema expected;
   expected.total_bytes = 40;
   expected.root.class_name = "__main__.Outer";
-  expected.root.entries = {value("note", std::string("hi")), child("a", a), leaf("z", c10::ScalarType::Float, {3}, 16, 28, 4),
-                           child("p", p)};
+  expected.root.entries = {value("note", std::string("hi")), child("a", a),
+                           leaf_entry("z", c10::ScalarType::Float, {3}, 16, 28, 4), child("p", p)};
   for (const auto& h : hex) {
     const PyValue meta = loads(from_hex(h), metadata_pickle_limits());
     EXPECT_EQ(from_metadata(meta, metadata_total_bytes(meta)), expected);

@@ -29,6 +29,8 @@ namespace {
 
 using namespace tdshm;
 using namespace tdshm::detail;
+// Beside sources that use tdshm::shm (one unity batch), whose MemmapReference is the layout's.
+using tdshm::detail::MemmapReference;
 
 class RemoteMemmaps : public ::testing::Test {
  protected:

@@ -5,6 +5,7 @@
 #include "schema/schema_internal.h"
 #include "schema/wire.h"
 
+#include "hex.h"
 #include "tdshm/errors.h"
 #include "tdshm/schema.h"
 
@@ -36,6 +37,8 @@ using tdshm::schema_fingerprint;
 using tdshm::detail::encode_schema_unchecked;
 using Bytes = std::vector<uint8_t>;
 using c10::ScalarType;
+using tdshm::test::from_hex;
+using tdshm::test::to_hex;
 
 constexpr size_t kHeader = tdshm::detail::kSchemaHeaderBytes;
 constexpr size_t kFrame = tdshm::detail::kSchemaHeaderBytes + tdshm::detail::kSchemaTrailerBytes;
@@ -184,22 +187,6 @@ std::string encode_error(const Schema& s) {
   }
   ADD_FAILURE() << "encode_schema accepted a schema it should have refused";
   return {};
-}
-
-Bytes from_hex(std::string_view hex) {
-  Bytes out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<uint8_t>(std::stoi(std::string(hex.substr(i, 2)), nullptr, 16)));
-  return out;
-}
-
-std::string to_hex(const Bytes& b) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out;
-  for (uint8_t v : b) {
-    out += kDigits[v >> 4];
-    out += kDigits[v & 15];
-  }
-  return out;
 }
 
 const SchemaNode& child_of(const SchemaNode& n, size_t i) {
