@@ -1,5 +1,5 @@
 // The per-leaf wire's own floor: what a tree of N leaves costs through tdshm's ring and arena
-// primitives (shm/ring.h, shm/arena.h) with no engine around them: no ops, no matching, no
+// primitives (shm/parts/ring.h, shm/parts/arena.h) with no engine around them: no ops, no matching, no
 // locks, no checks beyond the slot's owner. Two forked processes ping-pong the tree, and each
 // round runs three layouts side by side:
 //
@@ -13,9 +13,9 @@
 //
 //   build/benchmarks/tdshm_bench_wire_floor [--leaves N] [--leaf-bytes B] [--iters N] [--rounds R]
 
-#include "shm/arena.h"
-#include "shm/ring.h"
-#include "shm/spin.h"
+#include "shm/parts/arena.h"
+#include "shm/parts/ring.h"
+#include "shm/parts/spin.h"
 
 #include <sched.h>
 #include <signal.h>

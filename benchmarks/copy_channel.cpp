@@ -2,7 +2,7 @@
 
 #include "copy_channel.h"
 
-#include "shm/spin.h"
+#include "shm/parts/spin.h"
 
 #include <sched.h>
 
@@ -16,7 +16,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Waits until `ready()`, spinning as tdshm's waits do (shm/spin.h), so that the reference is
+// Waits until `ready()`, spinning as tdshm's waits do (shm/parts/spin.h), so that the reference is
 // neither helped nor hurt by another policy; it never sleeps.
 template <class Ready>
 void spin_until(Ready ready, Clock::time_point deadline, const char* what) {

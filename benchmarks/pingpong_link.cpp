@@ -4,7 +4,7 @@
 
 #include "pingpong_link.h"
 
-#include "shm/spin.h"
+#include "shm/parts/spin.h"
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -22,7 +22,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-using tdshm::detail::cpu_relax;  // shm/spin.h
+using tdshm::detail::cpu_relax;  // shm/parts/spin.h
 
 // Non-private futex operations: the word lives in a MAP_SHARED mapping of two processes.
 long futex_wait(uint32_t* word, uint32_t seen, std::chrono::nanoseconds timeout) noexcept {

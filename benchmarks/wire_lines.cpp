@@ -3,7 +3,7 @@
 #include "wire_lines.h"
 
 #include "pingpong_table.h"
-#include "shm/segment_layout.h"
+#include "shm/layout/segment_layout.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,6 +1,6 @@
 #pragma once
 // A model of the cache lines one message moves between the sender's core and the receiver's, from
-// the segment layout (src/shm/segment_layout.h): how many lines each side writes that the other
+// the segment layout (src/shm/layout/segment_layout.h): how many lines each side writes that the other
 // then reads, and in how many dependent steps the receiver fetches its lines. On a machine where
 // a line takes 0.2-0.3 us to cross (two sockets; this VM's slow minutes) the steps, not the
 // instructions, set a small message's latency.

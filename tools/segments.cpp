@@ -1,6 +1,6 @@
 // `tdshm ls`, `tdshm inspect NAME`, `tdshm gc [--dry-run] [NAME...]`: the segments in /dev/shm,
-// read without mapping, locking or writing them (src/shm/inspect.h), and removed only when
-// proven stale (inspect.h's collect_garbage, through tdshm::remove_stale_segment).
+// read without mapping, locking or writing them (src/shm/reader/inspect.h), and removed only when
+// proven stale (src/shm/segment/gc.h's collect_garbage, through tdshm::remove_stale_segment).
 //
 //   tdshm ls [--json]                   one row per name: size, world, attached/alive ranks, age, status
 //   tdshm inspect NAME [--json]         header, ranks, lock file, gc verdict, layout details
@@ -12,7 +12,8 @@
 #include <tdshm/errors.h>
 
 #include "common/json.h"
-#include "shm/inspect.h"
+#include "shm/reader/inspect.h"
+#include "shm/segment/gc.h"
 
 #include <algorithm>
 #include <cinttypes>

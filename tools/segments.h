@@ -1,6 +1,6 @@
 #pragma once
 // `tdshm ls`, `tdshm inspect NAME`, `tdshm gc`: the operator's view of the segments in /dev/shm
-// (see segments.cpp; the reader is src/shm/inspect.h).
+// (see segments.cpp; the reader is src/shm/reader/inspect.h).
 
 #include <cstdio>
 

@@ -212,7 +212,7 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// table; usable after shutdown().
   bool peer_died(int peer) const;
 
-  // ---- Collectives (docs/transport.md, "Collectives over the windows"; protocol in src/shm/collective.h) ----
+  // ---- Collectives (docs/transport.md, "Collectives over the windows"; protocol in src/shm/engine/collectives.h) ----
   // They run over the segment's collective windows, one at a time in issue order: the call checks
   // its arguments and returns at once; Work::wait() runs the collective (and those issued before
   // it) in the waiting thread, and one nobody waits for runs on the group's helper thread

@@ -12,10 +12,10 @@
 
 #include "tdshm/board.h"
 
-#include "shm/futex.h"
-#include "shm/spin.h"
-#include "shm/process_identity.h"
-#include "shm/trust.h"
+#include "shm/parts/futex.h"
+#include "shm/parts/process_identity.h"
+#include "shm/parts/spin.h"
+#include "shm/parts/trust.h"
 
 #include <tdshm/errors.h>
 #include <tdshm/schema.h>

@@ -7,7 +7,7 @@
 //    runs in its caller's thread, as if it had never been queued: no hand-off, no system call;
 //  * the queue's helper thread, for a collective nobody waits for: it starts what was issued
 //    more than kGrace ago, or at once when urged (urge). The queue is its group's wait hook
-//    (shm/wait_hook.h): every wait of the group's transport that may block urges it first, so a
+//    (shm/parts/wait_hook.h): every wait of the group's transport that may block urges it first, so a
 //    rank that issued a collective asynchronously and then waits for a message a peer sends only
 //    after that collective never deadlocks; kGrace covers a caller busy outside the group (in
 //    another group's wait, or outside tdshm).
@@ -15,7 +15,7 @@
 // collectives are issued, and sleeps without a timeout once none was issued for kIdleAfter
 // (the next submit wakes it). Torch-free: a collective is a function of its deadline.
 
-#include "shm/wait_hook.h"
+#include "shm/parts/wait_hook.h"
 
 #include <atomic>
 #include <chrono>

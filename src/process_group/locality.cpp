@@ -4,7 +4,7 @@
 
 #include "common/format.h"
 #include "common/random_name.h"
-#include "shm/trust.h"
+#include "shm/parts/trust.h"
 
 #include <tdshm/errors.h>
 

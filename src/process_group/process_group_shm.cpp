@@ -7,7 +7,7 @@
 #include "process_group/collective_queue.h"
 #include "process_group/shm_group_seam.h"
 #include "process_group/tensor_checks.h"
-#include "shm/engine.h"
+#include "shm/engine/engine.h"
 
 #include <ATen/core/ivalue.h>
 #include <algorithm>

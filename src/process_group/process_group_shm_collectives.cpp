@@ -1,6 +1,6 @@
 // ProcessGroupShm's collectives: c10d's arguments checked at the call, then issued to the group's
 // queue (process_group/collective_queue.h) as a function that turns them into byte buffers and runs over the
-// segment's collective windows (shm/collective.h). The Work returns at once; the collective runs
+// segment's collective windows (shm/engine/collectives.h). The Work returns at once; the collective runs
 // in the thread that waits for it, or on the queue's helper thread; its error is raised by wait().
 
 #include <tdshm/process_group.h>
@@ -8,8 +8,8 @@
 #include "process_group/collective_queue.h"
 #include "process_group/queued_work.h"
 #include "process_group/tensor_checks.h"
-#include "shm/collective.h"
-#include "shm/engine.h"
+#include "shm/engine/collectives.h"
+#include "shm/engine/engine.h"
 
 #include <ATen/core/ivalue.h>
 #include <ATen/MemoryOverlap.h>

@@ -9,8 +9,8 @@
 #include <tdshm/process_group.h>
 
 #include "process_group/batch_work.h"
-#include "shm/message_check.h"
-#include "shm/wait_hook.h"
+#include "shm/p2p/message_check.h"
+#include "shm/parts/wait_hook.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -41,7 +41,7 @@ struct ShmGroupSeam {
   /// views): result() is the received tensors in order once wait() returned.
   static c10::intrusive_ptr<BatchWork> recv_views(ProcessGroupShm& pg, int src, const std::vector<int>& tags,
                                                   const std::vector<MessageCheck>& checks);
-  /// Adds `hook` to what the group's waits run before they may block (shm/wait_hook.h): a group
+  /// Adds `hook` to what the group's waits run before they may block (shm/parts/wait_hook.h): a group
   /// built over `pg` (a world across hosts) hands its own collective queue to pg's waits so.
   static void add_wait_hook(ProcessGroupShm& pg, std::shared_ptr<shm::WaitHook> hook);
 };

@@ -14,7 +14,7 @@
 #include "process_group/gloo_group.h"
 #include "process_group/locality.h"
 #include "process_group/process_group_hosts.h"
-#include "shm/trust.h"
+#include "shm/parts/trust.h"
 
 #include <tdshm/errors.h>
 #include <tdshm/process_group.h>

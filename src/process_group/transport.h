@@ -9,7 +9,7 @@
 #include <tdshm/process_group.h>
 
 #include "process_group/batch_work.h"
-#include "shm/message_check.h"
+#include "shm/p2p/message_check.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 

@@ -1,8 +1,8 @@
 // libFuzzer target: the checks of what another process writes into the shared-memory segment
-// (src/shm/validate.h): check_header on a header copy, check_entry over a ring's sequence of
+// (src/shm/layout/validate.h): check_header on a header copy, check_entry over a ring's sequence of
 // entries, read_batch_record over a batch's records, and check_reference on a memmap reference
 // payload. Torch-free: it compiles
-// src/shm/validate.cpp and nothing else of tdshm. The input format is in shm_entry_format.h.
+// src/shm/layout/validate.cpp and nothing else of tdshm. The input format is in shm_entry_format.h.
 //
 // The contract checked: the functions return a verdict for any input, without crashing,
 // sanitizer report, exception, hang or large allocation, and what they accept is safe for the
@@ -29,8 +29,8 @@
 
 #include "shm_entry_format.h"
 
-#include "shm/segment_layout.h"
-#include "shm/validate.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/layout/validate.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -11,7 +11,7 @@
 //                              1 + slots arena slots)
 //   mode % 3 == 2 (reference): total_bytes:u64  payload (the rest of the input)
 
-#include "shm/validate.h"
+#include "shm/layout/validate.h"
 
 #include <cstddef>
 #include <cstdint>

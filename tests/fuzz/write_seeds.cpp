@@ -12,8 +12,8 @@
 #include "shm_entry_format.h"
 
 #include "schema/schema_internal.h"
-#include "shm/segment_layout.h"
-#include "shm/validate.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/layout/validate.h"
 
 #include "tdshm/errors.h"
 #include "tdshm/schema.h"

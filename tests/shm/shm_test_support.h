@@ -42,7 +42,7 @@
 #include <utility>
 #include <vector>
 
-#include "shm/segment_layout.h"
+#include "shm/layout/segment_layout.h"
 
 namespace tdshm::test {
 

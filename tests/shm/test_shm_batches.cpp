@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "process_group/shm_group_seam.h"
-#include "shm/inspect.h"
-#include "shm/segment_layout.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/reader/inspect.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {

@@ -1,4 +1,4 @@
-// The point-to-point channel (src/shm/channel.h) on its own: two ShmChannels, ranks 0 and 1 of
+// The point-to-point channel (src/shm/p2p/channel.h) on its own: two ShmChannels, ranks 0 and 1 of
 // one segment, driven by hand from one thread. No engine, no waiting, no helper thread: every
 // step is a call of the test, so each behaviour (landing in place, early messages, tag order,
 // chunking and back-pressure, the early-message budget, withdrawal, a lost peer, closing, bad
@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "shm/channel.h"
-#include "shm/segment.h"
+#include "shm/p2p/channel.h"
+#include "shm/segment/segment.h"
 #include "shm/shm_test_support.h"
 
 namespace tdshm::test {

@@ -14,7 +14,7 @@
 // filled with guard bytes, and checks after each case that the guards are untouched and that the
 // outcome is either a clear error or the right bytes. Every wait has a deadline.
 //
-// The raw entries are laid out with the structs and segment_geometry of shm/segment_layout.h,
+// The raw entries are laid out with the structs and segment_geometry of shm/layout/segment_layout.h,
 // offsets computed from the header, never hard-coded. The ring protocol: the producer fills the
 // entry at position p (entry p % ring_entries), stores seq = seq_word(p) (release), then head = p + 1;
 // a fresh group's rings start at position 0, and the hostile rank sends nothing through its
@@ -49,8 +49,8 @@
 #include <utility>
 #include <vector>
 
-#include "shm/futex.h"
-#include "shm/segment_layout.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/parts/futex.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {

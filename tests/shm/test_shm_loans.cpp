@@ -1,4 +1,4 @@
-// Loans and views (ProcessGroupShm::loan, irecv_view / recv_view; src/shm/loan_pool.h): a send of
+// Loans and views (ProcessGroupShm::loan, irecv_view / recv_view; src/shm/p2p/loan_pool.h): a send of
 // a loan posts a reference and completes only once the receiver no longer reads the bytes; a
 // receiver copies them once or takes a view that gives them back when dropped; a receiver that
 // keeps views makes the sender wait (TimeoutError naming the holder), never lose data; a dead
@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "process_group/shm_group_seam.h"
-#include "shm/inspect.h"
-#include "shm/segment_layout.h"
-#include "shm/waiter.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/parts/waiter.h"
+#include "shm/reader/inspect.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {

@@ -26,8 +26,8 @@
 #include <thread>
 #include <vector>
 
-#include "shm/segment.h"
-#include "shm/segment_layout.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/segment/segment.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {

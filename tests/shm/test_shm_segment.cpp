@@ -33,10 +33,11 @@
 #include <thread>
 #include <vector>
 
-#include "shm/inspect.h"
-#include "shm/segment.h"
-#include "shm/segment_layout.h"
-#include "shm/validate.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/layout/validate.h"
+#include "shm/reader/inspect.h"
+#include "shm/segment/gc.h"
+#include "shm/segment/segment.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {

@@ -1,4 +1,4 @@
-// The operator tools: the read-only segment reader and gc of src/shm/inspect.h (suite ShmTools)
+// The operator tools: the read-only segment reader and gc of src/shm/reader/inspect.h (suite ShmTools)
 // and the `tdshm ls`, `tdshm inspect NAME` and `tdshm gc` commands of the built tool, run as
 // processes (suite ShmCli; skipped when the tool was not built).
 //
@@ -53,8 +53,9 @@
 #include <vector>
 
 #include "process_group/shm_group_seam.h"
-#include "shm/inspect.h"
-#include "shm/segment_layout.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/reader/inspect.h"
+#include "shm/segment/gc.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {

@@ -50,7 +50,7 @@
 #include <thread>
 #include <vector>
 
-#include "shm/segment_layout.h"
+#include "shm/layout/segment_layout.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {

@@ -2,7 +2,7 @@
 // kLayoutVersion 8 promises to every process attached to a segment: changing a struct without
 // bumping the version makes one of these fail.
 
-#include "shm/segment_layout.h"
+#include "shm/layout/segment_layout.h"
 
 #include <tdshm/process_group.h>
 

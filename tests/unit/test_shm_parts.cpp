@@ -9,14 +9,14 @@
 // LightMutexThreads, whose threads contend for one lock.
 
 #include "common/recycle.h"
-#include "shm/arena.h"
-#include "shm/buffer_pool.h"
-#include "shm/light_mutex.h"
-#include "shm/matcher.h"
-#include "shm/reduce.h"
-#include "shm/ring.h"
-#include "shm/segment_layout.h"
-#include "shm/validate.h"
+#include "shm/collective/reduce.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/layout/validate.h"
+#include "shm/parts/arena.h"
+#include "shm/parts/buffer_pool.h"
+#include "shm/parts/light_mutex.h"
+#include "shm/parts/matcher.h"
+#include "shm/parts/ring.h"
 
 #include <atomic>
 #include <climits>

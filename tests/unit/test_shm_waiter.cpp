@@ -1,10 +1,10 @@
-// Waiting, on plain memory (shm/waiter.h): the wake-up pair between two threads (no lost
+// Waiting, on plain memory (shm/parts/waiter.h): the wake-up pair between two threads (no lost
 // wake-up, no system call for a rank that does not sleep), the spin budget's adaptation, and the
 // order in which spin_then_sleep calls its hooks (progress restarts the budget, the deadline
 // ends the wait, a budget of 0 never spins).
 
-#include "shm/segment_layout.h"
-#include "shm/waiter.h"
+#include "shm/layout/segment_layout.h"
+#include "shm/parts/waiter.h"
 
 #include <gtest/gtest.h>
 
