@@ -5,6 +5,7 @@
 
 #include "common/format.h"
 #include "common/log.h"
+#include "shm/parts/waiter.h"
 
 #include <tdshm/errors.h>
 #include <tdshm/memmap.h>
@@ -231,35 +232,51 @@ at::Tensor ShmEngine::try_loan(c10::IntArrayRef sizes, c10::ScalarType dtype) {
 }
 
 at::Tensor ShmEngine::loan(c10::IntArrayRef sizes, c10::ScalarType dtype, Clock::time_point deadline) {
-  const std::shared_ptr<shm::LoanPool>& pool = loans_;
   const uint64_t bytes = engine_loan_bytes(sizes, dtype);
-  if (bytes > pool->heap_bytes()) {
+  if (bytes > loans_->heap_bytes()) {
     throw SegmentError("tdshm loan: " + std::to_string(bytes) + " bytes do not fit rank " + std::to_string(rank_) +
-                       "'s loan heap of " + std::to_string(pool->heap_bytes()) +
+                       "'s loan heap of " + std::to_string(loans_->heap_bytes()) +
                        " bytes (ShmOptions::loan_bytes; the segment's ranks must agree on it)");
   }
-  for (;;) {
-    if (at::Tensor t = pool->allocate(sizes, dtype); t.defined()) return t;
-    {
-      std::lock_guard lk(mu_);
-      if (auto e = channel_->unusable()) std::rethrow_exception(e);
-      if (channel_->progress()) continue;  // tickets came back: their loans may be free now
+  // The shared wait loop (waiter.h) with a budget of 0: a loan waits for a receiver to give its
+  // tickets back, which takes a peer's whole step, so it sleeps at once rather than spin.
+  struct Hooks {
+    ShmEngine& e;
+    c10::IntArrayRef sizes;
+    c10::ScalarType dtype;
+    uint64_t bytes;
+    Clock::time_point deadline;
+    at::Tensor loan;
+    shm::Poll poll() {
+      loan = e.loans_->allocate(sizes, dtype);
+      if (loan.defined()) return shm::Poll::kDone;
+      std::lock_guard lk(e.mu_);
+      if (auto error = e.channel_->unusable()) std::rethrow_exception(error);
+      // Tickets came back: their loans may be free now.
+      return e.channel_->progress() ? shm::Poll::kMoved : shm::Poll::kIdle;
     }
-    const auto now = Clock::now();
-    if (now >= deadline) {
-      throw TimeoutError("segment '" + name_ + "', rank " + std::to_string(rank_) + ": no room for a loan of " +
-                         std::to_string(bytes) + " bytes in the loan heap of " + std::to_string(pool->heap_bytes()) +
-                         " bytes within the timeout: " + [&] {
-                           const std::string h = pool->holders();
-                           return h.empty() ? std::string("this rank's own loans fill it (drop some)") : h;
-                         }());
+    bool at_clock(Clock::time_point now) {
+      e.maybe_check_peers(now);
+      return false;
     }
-    maybe_check_peers(now);
-    before_wait();  // a receiver may give its tickets back only after a collective left queued here
-    // A receiver that gives a ticket back wakes this rank; a loan dropped by another thread of
-    // this process does not, hence the short sleeps.
-    sleep_until_event(std::min(deadline, now + std::chrono::milliseconds(1)));
-  }
+    [[noreturn]] void timed_out() {
+      const std::string holders = e.loans_->holders();
+      throw TimeoutError("segment '" + e.name_ + "', rank " + std::to_string(e.rank_) + ": no room for a loan of " +
+                         std::to_string(bytes) + " bytes in the loan heap of " +
+                         std::to_string(e.loans_->heap_bytes()) + " bytes within the timeout: " +
+                         (holders.empty() ? std::string("this rank's own loans fill it (drop some)") : holders));
+    }
+    void sleep(Clock::time_point now, Clock::time_point) {
+      e.before_wait();  // a receiver may give its tickets back only after a collective left queued here
+      // A receiver that gives a ticket back wakes this rank; a loan dropped by another thread of
+      // this process does not, hence the short sleeps.
+      e.sleep_until_event(std::min(deadline, now + std::chrono::milliseconds(1)));
+    }
+  };
+  Hooks hooks{*this, sizes, dtype, bytes, deadline, {}};
+  shm::SpinBudget never_spins(std::chrono::nanoseconds(0));
+  shm::spin_then_sleep(never_spins, shm::Judge::kSinceProgress, deadline, hooks);
+  return std::move(hooks.loan);
 }
 
 bool ShmEngine::is_loan(const at::Tensor& t) const {
