@@ -10,6 +10,7 @@ Run by ctest (python.loader) with PYTHONPATH=<build>/python.
 """
 
 import collections
+import faulthandler
 import glob
 import os
 import signal
@@ -489,4 +490,7 @@ class LoaderTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
+    # A hang anywhere (a test, a finalizer run by the collector, the interpreter's exit) prints
+    # every thread's stack and fails before ctest's 300 s timeout kills the run without one.
+    faulthandler.dump_traceback_later(240, exit=True)
     unittest.main()
