@@ -219,7 +219,7 @@ class ShmWork final : public detail::BatchWork {
   static bool done(const ShmOp* op) { return op == nullptr || op->done.load(std::memory_order_acquire); }
   bool all_done() const {
     for (const auto& op : ops_) {
-      if (!op->done.load(std::memory_order_acquire)) return false;  // pairs with ShmChannel::finish
+      if (!op->done.load(std::memory_order_acquire)) return false;  // pairs with ChannelCore::finish
     }
     return true;
   }

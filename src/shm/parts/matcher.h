@@ -12,7 +12,7 @@
 //    receive takes the message that arrived first.
 //
 // Only the order and the keys are here; what a match does with the bytes (checks, sizes, copies)
-// is the channel's (channel_receive.cpp). Op needs the fields peer (-1: any), tag and control; Msg
+// is the channel receiver's (receiver.cpp). Op needs the fields peer (-1: any), tag and control; Msg
 // needs src, tag and control. Not thread-safe: the engine holds its mutex.
 
 #include <algorithm>

@@ -2,7 +2,8 @@
 // small whole messages posted together to one peer goes as one ring entry (send_batched), and
 // the receiver lands its records one by one as the messages they stand for (handle_batch).
 
-#include "shm/p2p/channel_internal.h"
+#include "shm/p2p/receiver.h"
+#include "shm/p2p/sender.h"
 
 #include <tdshm/memmap.h>
 
@@ -19,10 +20,10 @@ using shm::EntryHeader;
 // for it: two or more contiguous tensors by value (no loan, no mapped file), their records within
 // span_limit_. Published before any allocation, as send_whole's. Returns how many messages it
 // published (0: none, with nothing changed).
-size_t ShmChannel::send_batched(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
-                                std::span<const MessageCheck> checks, bool control) {
+size_t ShmSender::send_batched(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
+                               std::span<const MessageCheck> checks, bool control) {
   const auto peer = static_cast<size_t>(dst);
-  if (tensors.size() < 2 || closed_ || poisoned_ || peer_error_[peer] || !send_queues_[peer].empty()) return 0;
+  if (tensors.size() < 2 || core_.refused(dst) || !send_queues_[peer].empty()) return 0;
   auto ndim_of = [](const at::Tensor& t) {
     return t.dim() <= static_cast<int64_t>(shm::kMaxDims) ? static_cast<uint8_t>(t.dim()) : shm::kShapeNotSent;
   };
@@ -30,7 +31,7 @@ size_t ShmChannel::send_batched(std::span<const at::Tensor> tensors, int dst, st
   uint64_t total = 0;
   for (; n < tensors.size(); ++n) {
     const at::Tensor& t = tensors[n];
-    if (!t.is_contiguous() || is_lent(t) || MemoryMappedTensor::is_mapped(t)) break;
+    if (!t.is_contiguous() || by_reference_.is_lent(t) || MemoryMappedTensor::is_mapped(t)) break;
     const uint64_t record = shm::batch_record_bytes(ndim_of(t), static_cast<uint64_t>(t.numel()) * t.element_size());
     if (record > span_limit_ - total) break;  // (total <= span_limit_)
     total += record;
@@ -77,13 +78,12 @@ size_t ShmChannel::send_batched(std::span<const at::Tensor> tensors, int dst, st
 // The records of a batch are read one at a time (read once, checked, then landed as the whole
 // message each stands for); one that must stay in the ring (start_message) leaves the cursor on
 // it, and the entry is taken once its last record is.
-ShmChannel::Taken ShmChannel::handle_batch(int src, const shm::EntryFields& e, const uint8_t* records,
-                                           ReceivePass& pass) {
-  auto corrupt = [&](const std::string& what) { return corrupted(src, what); };
-  const shm::ArenaShape arena{options_.slot_bytes, options_.slots_per_rank, options_.ring_entries};
+ShmReceiver::Taken ShmReceiver::handle_batch(int src, const shm::EntryFields& e, const uint8_t* records,
+                                             ReceivePass& pass) {
+  auto corrupt = [&](const std::string& what) { return core_.corrupted(src, what); };
   // (No message is in progress between two records: each is whole.)
-  if (std::string problem =
-          shm::check_entry(e, shm::RxProgress{current_[static_cast<size_t>(src)] != nullptr}, arena, kMaxMessageBytes);
+  if (std::string problem = shm::check_entry(e, shm::RxProgress{current_[static_cast<size_t>(src)] != nullptr},
+                                             core_.arena(), kMaxMessageBytes);
       !problem.empty()) {
     throw corrupt(problem);
   }
@@ -100,7 +100,7 @@ ShmChannel::Taken ShmChannel::handle_batch(int src, const shm::EntryFields& e, c
       throw corrupt("batch: " + problem);
     }
     if (cursor.records == e.leaves) throw corrupt("a batch of more records than its " + std::to_string(e.leaves));
-    if (land_entry(src, record, records + payload_at, shape, nullptr, pass) == Taken::kHeld) return Taken::kHeld;
+    if (land_entry(src, record, records + payload_at, shape, pass) == Taken::kHeld) return Taken::kHeld;
     cursor.offset = next;
     ++cursor.records;
   }
