@@ -89,7 +89,7 @@ class ShmWork final : public detail::BatchWork {
     if (source_ >= 0) return source_;  // a receive that completed as it was posted
     TORCH_CHECK(ops_.size() == 1 && ops_[0]->kind == ShmOp::Kind::kRecv && all_done(),
                 "sourceRank() is only valid for a completed recv");
-    return ops_[0]->source;
+    return ops_[0]->as_recv().source;
   }
 
   std::vector<at::Tensor> result() override {
@@ -135,8 +135,9 @@ class ShmWork final : public detail::BatchWork {
       const auto& op = ops_[j];
       const bool recv = op->kind == ShmOp::Kind::kRecv;
       // (A view's tensor is made when its message lands: its Work reads it from the op then.)
-      out[positions_.empty() ? j : positions_[j]] = c10::make_intrusive<ShmWork>(engine_, OpList{op}, recv ? c10d::OpType::RECV : c10d::OpType::SEND,
-                                                        recv && !op->view ? op->user : at::Tensor{});
+      out[positions_.empty() ? j : positions_[j]] =
+          c10::make_intrusive<ShmWork>(engine_, OpList{op}, recv ? c10d::OpType::RECV : c10d::OpType::SEND,
+                                       recv && !op->as_recv().view ? op->user : at::Tensor{});
     }
     for (auto& w : out) {
       if (!w) w = c10::make_intrusive<ShmWork>(engine_, OpList{}, opType_);  // completed when posted
@@ -200,7 +201,7 @@ class ShmWork final : public detail::BatchWork {
   }
   uint16_t message_sender_leaves(size_t i) const override {
     const ShmOp* op = op_of(i);
-    return done(op) && op != nullptr ? op->sender_leaves : 0;
+    return done(op) && op != nullptr && op->kind == ShmOp::Kind::kRecv ? op->as_recv().sender_leaves : 0;
   }
 
  private:

@@ -109,7 +109,7 @@ TEST_F(ShmChannelTest, ARecvPostedFirstTakesTheMessageInPlace) {
   EXPECT_TRUE(send(0, want, 7).empty());
   EXPECT_TRUE(ch(1).progress());
   expect_ok(op);
-  EXPECT_EQ(op->source, 0);
+  EXPECT_EQ(op->as_recv().source, 0);
   EXPECT_TRUE(same_bytes(got, want));
 }
 
@@ -121,7 +121,7 @@ TEST_F(ShmChannelTest, AnEarlyMessageWaitsForItsRecv) {
   const at::Tensor got = at::zeros({33}, at::kLong);
   auto op = recv(1, got, 3, /*src=*/-1);
   expect_ok(op);  // matched when posted
-  EXPECT_EQ(op->source, 0);
+  EXPECT_EQ(op->as_recv().source, 0);
   EXPECT_TRUE(same_bytes(got, want));
 }
 
@@ -365,7 +365,7 @@ TEST_F(ShmChannelTest, APostedRecvLandsByItselfOnlyWhenTheMatcherWouldGiveItTheM
   ch(0).post_send(a, 1, 3, {}, false);
   ASSERT_TRUE(ch(1).land_posted(op));
   expect_ok(op);
-  EXPECT_EQ(op->source, 0);
+  EXPECT_EQ(op->as_recv().source, 0);
   EXPECT_TRUE(same_bytes(got_a, a));
   EXPECT_FALSE(ch(1).land_posted(op)) << "done already";
   // Through a slot, more messages than there are slots: each slot goes back to the sender.

@@ -32,7 +32,7 @@ ByReference::ByReference(ChannelCore& core)
 // ---------------------------------------------------------------------------------------------
 // The sender's side
 
-void ByReference::bind_loan(ShmOp& op) const {
+void ByReference::bind_loan(SendOp& op) const {
   if (op.staging.defined() || !loans_->in_heap(op.data)) return;
   if (auto place = loans_->find(op.data, op.bytes)) {
     op.loan = static_cast<int64_t>(place->allocation);
@@ -40,7 +40,7 @@ void ByReference::bind_loan(ShmOp& op) const {
   }
 }
 
-std::optional<shm::LoanReference> ByReference::lend(int dst, const std::shared_ptr<ShmOp>& op) {
+std::optional<shm::LoanReference> ByReference::lend(int dst, const std::shared_ptr<SendOp>& op) {
   const auto ticket = loans_->take_ticket(static_cast<uint32_t>(dst), static_cast<uint64_t>(op->loan));
   if (!ticket) return std::nullopt;
   lent_.push_back({op, *ticket});
@@ -75,11 +75,11 @@ std::string ByReference::decode(const MessageHead& head, const uint8_t* payload,
          " under ticket " + std::to_string(out.loan.ticket) + " is not lent to this rank";
 }
 
-void ByReference::land(const MessageHead& head, const Reference& ref, const std::shared_ptr<ShmOp>& op) {
+void ByReference::land(const MessageHead& head, const Reference& ref, RecvOp& op) {
   if (head.loan) {
     land_loan(head, ref, op);
   } else {
-    core_.finish(op, resolve_file(*op, ref.file));
+    core_.finish(op, resolve_file(op, ref.file));
   }
 }
 
@@ -93,11 +93,11 @@ void ByReference::give_back(int src, uint32_t ticket) {
 }
 
 // A view of the lent bytes (recv_view), or a copy after which the ticket goes back at once.
-void ByReference::land_loan(const MessageHead& msg, const Reference& ref, const std::shared_ptr<ShmOp>& op) {
+void ByReference::land_loan(const MessageHead& msg, const Reference& ref, RecvOp& op) {
   const int src = msg.src;
   const auto s = static_cast<size_t>(src);
   const uint32_t ticket = ref.loan.ticket;
-  if (op->view) {
+  if (op.view) {
     try {
       ViewShape shape;
       view_shape(msg, shape);  // (checked by bind_view when the receive matched)
@@ -108,23 +108,23 @@ void ByReference::land_loan(const MessageHead& msg, const Reference& ref, const 
                              std::to_string(ref.lent - loan_regions_[s].heap) + " is not aligned for " +
                              c10::toString(shape.dtype) + " (" + std::to_string(element) + " bytes)");
       }
-      op->user =
+      op.user =
           shm::view_of_loan(core_.segment().mapping(), loan_regions_[s], ticket,
                             core_.segment().rank_slot(static_cast<uint32_t>(src)), ref.lent, shape.sizes, shape.dtype);
     } catch (const std::exception& e) {
       give_back(src, ticket);
-      core_.finish(op, make_error<TransportError>(op->what() + ": " + e.what()));
+      core_.finish(op, make_error<TransportError>(op.what() + ": " + e.what()));
       return;
     }
-    op->data = static_cast<uint8_t*>(op->user.data_ptr());
+    op.data = static_cast<uint8_t*>(op.user.data_ptr());
     core_.complete(op);
     return;
   }
-  if (msg.total != 0) copy_bytes(op->data, ref.lent, msg.total, msg.total >= kStreamingMessageBytes);
+  if (msg.total != 0) copy_bytes(op.data, ref.lent, msg.total, msg.total >= kStreamingMessageBytes);
   // The bytes were read only while the ticket named this rank: a sender that took it back (or
   // rewrote it) meanwhile may have rewritten them, and the copy may be torn (as for a slot).
   if (!shm::still_lent(loan_regions_[s], ticket, static_cast<uint32_t>(core_.rank()))) {
-    core_.finish(op, make_error<TransportError>(op->what() + ": corrupted transfer from " +
+    core_.finish(op, make_error<TransportError>(op.what() + ": corrupted transfer from " +
                                                 core_.segment().describe_rank(static_cast<uint32_t>(src)) +
                                                 ": its loan (ticket " + std::to_string(ticket) +
                                                 ") was taken back while this rank copied it"));
@@ -166,8 +166,8 @@ std::string ByReference::view_shape(const MessageHead& msg, ViewShape& out) {
 // A recv_view takes any tensor: the message's own checks still apply (another key, another
 // schema), then its dtype and shape must make a tensor of its size. A message that is not a loan
 // lands in a fresh tensor of that shape.
-bool ByReference::bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
-  if (const Mismatch why = check_mismatch(msg, op->check); why != Mismatch::kNone) {
+bool ByReference::bind_view(const MessageHead& msg, RecvOp& op) {
+  if (const Mismatch why = check_mismatch(msg, op.check); why != Mismatch::kNone) {
     MessageHead m = msg;
     fail_match(core_, m, op, why);
     return false;
@@ -175,19 +175,19 @@ bool ByReference::bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>
   ViewShape shape;
   if (const std::string why = view_shape(msg, shape); !why.empty()) {
     core_.finish(
-        op, make_error<TransportError>(op->what() + ": the message from rank " + std::to_string(msg.src) + " " + why));
+        op, make_error<TransportError>(op.what() + ": the message from rank " + std::to_string(msg.src) + " " + why));
     return false;
   }
-  op->bytes = msg.total;
+  op.bytes = msg.total;
   if (!msg.loan) {  // (a loan's view is made where its bytes are: land_loan)
     try {
-      op->user = at::empty(shape.sizes, at::TensorOptions().dtype(shape.dtype));
+      op.user = at::empty(shape.sizes, at::TensorOptions().dtype(shape.dtype));
     } catch (const std::exception& e) {
-      core_.finish(op, make_error<TransportError>(op->what() + ": a tensor for the message from rank " +
+      core_.finish(op, make_error<TransportError>(op.what() + ": a tensor for the message from rank " +
                                                   std::to_string(msg.src) + " cannot be allocated: " + e.what()));
       return false;
     }
-    op->data = static_cast<uint8_t*>(op->user.data_ptr());
+    op.data = static_cast<uint8_t*>(op.user.data_ptr());
   }
   return true;
 }
@@ -196,7 +196,7 @@ bool ByReference::bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>
 // bytes, else one copy from the file. Returns the error to fail op with. The file is the sender's
 // choice: it is opened by the rules of memmap/peer_file.h (no link followed, a regular file of
 // this user, read-only), and never read past its end; the bytes go into the receiver's own tensor.
-std::exception_ptr ByReference::resolve_file(const ShmOp& op, const shm::ReferenceFields& ref) const {
+std::exception_ptr ByReference::resolve_file(const RecvOp& op, const shm::ReferenceFields& ref) const {
   if (op.bytes == 0) return nullptr;
   if (auto mine = MemoryMappedTensor::info(op.user);
       mine && mine->writable && op.user.is_contiguous() && static_cast<uint64_t>(mine->offset) == ref.offset &&
@@ -244,7 +244,7 @@ bool ByReference::progress() {
   std::erase_if(lent_, [&](const Lent& l) {
     if (!loans_->ticket_free(l.ticket)) return false;
     loans_->ticket_returned(l.ticket);
-    core_.finish(l.op, nullptr);  // (a no-op for one that failed already: its peer was lost)
+    core_.finish(*l.op, nullptr);  // (a no-op for one that failed already: its peer was lost)
     moved = true;
     return true;
   });
@@ -254,12 +254,12 @@ bool ByReference::progress() {
 void ByReference::fail_peer(int peer, const std::exception_ptr& error) {
   // Its loans' tickets stay counted until they are free (reclaim takes them back).
   for (auto& l : lent_) {
-    if (l.op->peer == peer) core_.finish(l.op, error);
+    if (l.op->peer == peer) core_.finish(*l.op, error);
   }
 }
 
 void ByReference::fail_all(const std::exception_ptr& error) {
-  for (auto& l : lent_) core_.finish(l.op, error);
+  for (auto& l : lent_) core_.finish(*l.op, error);
 }
 
 uint32_t ByReference::reclaim(int peer) {

@@ -47,10 +47,10 @@ class ByReference {
   bool is_lent(const at::Tensor& t) const { return loans_->ever_lent() && loans_->in_heap(t.data_ptr()); }
   /// Where a send's tensor lies in this rank's loan heap (wholly inside one loan): sets op.loan and
   /// op.loan_offset, else leaves op.loan at -1 (it goes by value).
-  void bind_loan(ShmOp& op) const;
+  void bind_loan(SendOp& op) const;
   /// A ticket of `op`'s loan for `dst`, as the reference its entry carries; `op` completes when the
   /// ticket comes back. Nullopt when every ticket is out (a receiver gives one back).
-  std::optional<shm::LoanReference> lend(int dst, const std::shared_ptr<ShmOp>& op);
+  std::optional<shm::LoanReference> lend(int dst, const std::shared_ptr<SendOp>& op);
   /// The MemmapReference payload for sending `t` by reference, or "" to send its bytes: only a
   /// contiguous view of a named (not anonymous) mapping whose path fits in a slot goes so.
   static std::string memmap_reference(const at::Tensor& t, uint64_t slot_bytes);
@@ -62,13 +62,13 @@ class ByReference {
   std::string decode(const MessageHead& head, const uint8_t* payload, uint64_t bytes, Reference& out) const;
   /// Lands the reference message `head` (decoded into `ref`) in its matched receive `op`, and
   /// completes or fails op.
-  void land(const MessageHead& head, const Reference& ref, const std::shared_ptr<ShmOp>& op);
+  void land(const MessageHead& head, const Reference& ref, RecvOp& op);
   /// The message `head` (decoded into `ref`) is dropped (its receive failed on a mismatch): a
   /// loan's ticket goes back.
   void drop(const MessageHead& head, const Reference& ref);
   /// A recv_view's tensor for `msg` (its shape and dtype, checked) after the message's own checks;
   /// false with op failed when they differ or make no tensor. A loan's view is made when it lands.
-  [[gnu::noinline]] bool bind_view(const MessageHead& msg, const std::shared_ptr<ShmOp>& op);
+  [[gnu::noinline]] bool bind_view(const MessageHead& msg, RecvOp& op);
 
   // --- both: progress and failure
 
@@ -94,11 +94,11 @@ class ByReference {
   };
   static std::string view_shape(const MessageHead& msg, ViewShape& out);
   void give_back(int src, uint32_t ticket);
-  void land_loan(const MessageHead& msg, const Reference& ref, const std::shared_ptr<ShmOp>& op);
-  std::exception_ptr resolve_file(const ShmOp& op, const shm::ReferenceFields& ref) const;
+  void land_loan(const MessageHead& msg, const Reference& ref, RecvOp& op);
+  std::exception_ptr resolve_file(const RecvOp& op, const shm::ReferenceFields& ref) const;
 
   struct Lent {
-    std::shared_ptr<ShmOp> op;  // completes when the ticket comes back
+    std::shared_ptr<SendOp> op;  // completes when the ticket comes back
     uint32_t ticket;
   };
   ChannelCore& core_;

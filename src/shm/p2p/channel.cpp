@@ -72,7 +72,7 @@ void ShmChannel::withdraw(const std::shared_ptr<ShmOp>& op, const std::exception
   } else if (!sender_.withdraw(op)) {
     return;
   }
-  core_.finish(op, error);
+  core_.finish(*op, error);
 }
 
 void ShmChannel::fail_peer(int peer, std::exception_ptr error) {

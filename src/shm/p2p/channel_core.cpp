@@ -63,23 +63,23 @@ bool ChannelCore::record_poison() {
   return true;
 }
 
-void ChannelCore::finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error) {
-  if (op->done.load(std::memory_order_relaxed)) return;
+void ChannelCore::finish(ShmOp& op, std::exception_ptr error) {
+  if (op.done.load(std::memory_order_relaxed)) return;
   // Bytes that went through a mapping the file no longer backs may be zeros: never a success.
   if (!error && segment_.poisoned()) {
     error = poisoned_ ? poisoned_
-                      : make_error<TransportError>(op->what() + ": the segment file of '" + name() +
+                      : make_error<TransportError>(op.what() + ": the segment file of '" + name() +
                                                    "' was truncated by another process while mapped");
   }
-  if (!error && op->kind == ShmOp::Kind::kRecv && op->staging.defined()) {
+  if (!error && op.kind == ShmOp::Kind::kRecv && op.staging.defined()) {
     try {
-      op->user.copy_(op->staging);  // a non-contiguous destination gets the staged bytes
+      op.user.copy_(op.staging);  // a non-contiguous destination gets the staged bytes
     } catch (const std::exception& e) {
-      error = make_error<TransportError>(op->what() + ": copying into the strided tensor: " + e.what());
+      error = make_error<TransportError>(op.what() + ": copying into the strided tensor: " + e.what());
     }
   }
-  op->error = std::move(error);
-  op->done.store(true, std::memory_order_release);  // pairs with acquire loads of done in waiters
+  op.error = std::move(error);
+  op.done.store(true, std::memory_order_release);  // pairs with acquire loads of done in waiters
 }
 
 void ChannelCore::wake_peer(int r) noexcept { shm::wake(segment_.rank_slot(static_cast<uint32_t>(r))); }

@@ -64,15 +64,15 @@ class ChannelCore {
 
   /// Completes `op` (once) with `error`, or with the lost mapping's error when the bytes went
   /// through a mapping the file no longer backs; a strided receive gets its staged bytes.
-  void finish(const std::shared_ptr<ShmOp>& op, std::exception_ptr error);
+  void finish(ShmOp& op, std::exception_ptr error);
   /// finish(op, nullptr), inline where nothing more is needed: a receive that landed in its own
   /// contiguous tensor, not failed before, the mapping intact.
-  void complete(const std::shared_ptr<ShmOp>& op) {
-    if (op->staging.defined() || op->error || op->done.load(std::memory_order_relaxed) || segment_.poisoned()) {
+  void complete(ShmOp& op) {
+    if (op.staging.defined() || op.error || op.done.load(std::memory_order_relaxed) || segment_.poisoned()) {
       finish(op, nullptr);
       return;
     }
-    op->done.store(true, std::memory_order_release);  // pairs with acquire loads of done in waiters
+    op.done.store(true, std::memory_order_release);  // pairs with acquire loads of done in waiters
   }
   /// Wakes rank `r` (waiter.h: no system call while it spins).
   void wake_peer(int r) noexcept;

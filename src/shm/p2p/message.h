@@ -37,7 +37,7 @@ struct MessageHead {
 /// A message from one source whose entries are arriving, or that arrived before its recv.
 struct Incoming : MessageHead {
   uint64_t received = 0;
-  std::shared_ptr<ShmOp> op;     // the receive it lands in; null while unexpected
+  std::shared_ptr<RecvOp> op;    // the receive it lands in; null while unexpected
   shm::BufferPool::Buffer heap;  // its bytes while unexpected (from the receiver's pool; all are written)
   uint64_t heap_bytes = 0;       // counted in the receiver's unexpected bytes while heap is held
   bool complete = false;
@@ -79,7 +79,7 @@ inline Mismatch check_mismatch(const MessageHead& msg, const MessageCheck& expec
 }
 
 /// Fails `op` with the error that says why `msg` does not fit it (`why` is not kNone).
-void fail_match(ChannelCore& core, MessageHead& msg, const std::shared_ptr<ShmOp>& op, Mismatch why);
+void fail_match(ChannelCore& core, MessageHead& msg, RecvOp& op, Mismatch why);
 
 // Messages at least this large are copied out of the ring with non-temporal stores.
 inline constexpr uint64_t kStreamingMessageBytes = uint64_t{8} << 20;

@@ -81,9 +81,9 @@ OpList ShmReceiver::make_recvs(std::span<const at::Tensor> tensors, int src, int
   }
   check_recv_source(src, rank, size);
   for (const at::Tensor& tensor : tensors) check_receiving_tensor(tensor);  // all checked before anything is posted
-  ops = make_ops(tensors.size());
+  ops = make_recv_ops(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    init_op(ops[i].get(), ShmOp::Kind::kRecv, src, tags[i], control, tensors[i]);
+    init_op(*ops[i], src, tags[i], control, tensors[i]);
     ops[i]->check = checks[i];
   }
   return ops;
@@ -93,7 +93,7 @@ std::shared_ptr<ShmOp> ShmReceiver::make_recv(const at::Tensor& tensor, int src,
                                               const MessageCheck& check, bool control) {
   check_recv_source(src, rank, size);
   check_receiving_tensor(tensor);
-  auto op = make_op(ShmOp::Kind::kRecv, src, tag, control, tensor);
+  auto op = make_recv_op(src, tag, control, tensor);
   op->check = check;
   return op;
 }
@@ -101,8 +101,7 @@ std::shared_ptr<ShmOp> ShmReceiver::make_recv(const at::Tensor& tensor, int src,
 std::shared_ptr<ShmOp> ShmReceiver::make_recv_view(int src, int rank, int size, int64_t tag,
                                                    const MessageCheck& check) {
   check_recv_source(src, rank, size);
-  auto op = new_op();
-  op->kind = ShmOp::Kind::kRecv;
+  auto op = new_op<RecvOp>();
   op->peer = src;
   op->tag = tag;
   op->check = check;
@@ -112,15 +111,15 @@ std::shared_ptr<ShmOp> ShmReceiver::make_recv_view(int src, int rank, int size, 
 
 bool ShmReceiver::post_recvs(std::span<const std::shared_ptr<ShmOp>> ops, int src) {
   bool posted = false;
-  for (const auto& op : ops) posted |= post_recv(op, src);
+  for (const auto& op : ops) posted |= post_recv(std::static_pointer_cast<RecvOp>(op), src);
   return posted;
 }
 
 // Matches `op` with a message drained earlier, or posts it. True if it was posted (the rings may
 // hold its message).
-bool ShmReceiver::post_recv(const std::shared_ptr<ShmOp>& op, int src) {
+bool ShmReceiver::post_recv(std::shared_ptr<RecvOp> op, int src) {
   if (core_.closed() || core_.poisoned()) {
-    core_.finish(op, core_.closed() ? core_.closed() : core_.poisoned());
+    core_.finish(*op, core_.closed() ? core_.closed() : core_.poisoned());
     return false;
   }
   // Messages drained earlier (unexpected) are older than what is still in the rings: match them
@@ -130,32 +129,32 @@ bool ShmReceiver::post_recv(const std::shared_ptr<ShmOp>& op, int src) {
     return false;
   }
   if (src >= 0 && core_.peer_error(src)) {
-    core_.finish(op, core_.peer_error(src));
+    core_.finish(*op, core_.peer_error(src));
     return false;
   }
-  matcher_.post(op);
+  matcher_.post(std::move(op));
   return true;
 }
 
 // Lands the early message `keep` in the receive `op` that takes it: what arrived of it is copied
 // over (the rest lands as it comes), or its reference is landed (by_reference.h).
-void ShmReceiver::land_early(Incoming& keep, const std::shared_ptr<ShmOp>& op) {
+void ShmReceiver::land_early(Incoming& keep, const std::shared_ptr<RecvOp>& op) {
   if (keep.loan || keep.reference) {  // always complete: one entry, whose reference `heap` kept
     Reference ref;
     const std::string problem = by_reference_.decode(keep, keep.heap.get(), keep.heap_bytes, ref);
     release_unexpected(keep);
-    if (!try_match(keep, op)) {
+    if (!try_match(keep, *op)) {
       // The receive failed with a clear error and the message is dropped (as MPI drops a
       // truncated one), so that what follows on this tag stays in step.
       by_reference_.drop(keep, ref);
     } else if (!problem.empty()) {
-      core_.finish(op, make_error<TransportError>(op->what() + ": " + (keep.loan ? "the sender's " : "") + problem));
+      core_.finish(*op, make_error<TransportError>(op->what() + ": " + (keep.loan ? "the sender's " : "") + problem));
     } else {
-      by_reference_.land(keep, ref, op);
+      by_reference_.land(keep, ref, *op);
     }
     return;
   }
-  if (!try_match(keep, op)) {
+  if (!try_match(keep, *op)) {
     if (!keep.complete) keep.discard = true;
     release_unexpected(keep);
     return;
@@ -163,7 +162,7 @@ void ShmReceiver::land_early(Incoming& keep, const std::shared_ptr<ShmOp>& op) {
   if (keep.complete) {
     if (keep.total != 0) std::memcpy(op->data, keep.heap.get(), keep.total);
     release_unexpected(keep);
-    core_.finish(op, nullptr);
+    core_.finish(*op, nullptr);
   } else {
     if (keep.received != 0) std::memcpy(op->data, keep.heap.get(), keep.received);
     release_unexpected(keep);
@@ -172,7 +171,7 @@ void ShmReceiver::land_early(Incoming& keep, const std::shared_ptr<ShmOp>& op) {
 }
 
 void ShmReceiver::withdraw(const std::shared_ptr<ShmOp>& op) {
-  matcher_.withdraw(op);
+  matcher_.withdraw(std::static_pointer_cast<RecvOp>(op));
   for (auto& msg : current_) {
     if (msg && msg->op == op) {
       msg->op.reset();
@@ -315,62 +314,63 @@ bool ShmReceiver::receive_now(const at::Tensor& tensor, int src, int64_t tag, co
 // waiting rank, ShmEngine::wait). False, with nothing changed, in every other case.
 bool ShmReceiver::land_posted(const std::shared_ptr<ShmOp>& op) {
   const int src = op->peer;
-  if (src < 0 || op->kind != ShmOp::Kind::kRecv || op->view || op->staging.defined() ||
+  if (src < 0 || op->kind != ShmOp::Kind::kRecv || op->as_recv().view || op->staging.defined() ||
       op->done.load(std::memory_order_relaxed)) {
     return false;
   }
+  RecvOp& recv = op->as_recv();
   shm::EntryFields e;
-  const uint8_t* payload = whole_entry(src, op->tag, op->control, e);
+  const uint8_t* payload = whole_entry(src, recv.tag, recv.control, e);
   if (payload == nullptr) return false;
-  const auto found = matcher_.find_posted(src, op->tag, op->control);
-  if (found == matcher_.none() || *found != op) return false;
+  const auto found = matcher_.find_posted(src, recv.tag, recv.control);
+  if (found == matcher_.none() || found->get() != &recv) return false;
   // A mismatch is left to the general path, which fails the receive with the error that says why.
-  if (mismatch(message_head(src, e, rx_[static_cast<size_t>(src)].shape()), op->check, op->user, op->bytes) !=
+  if (mismatch(message_head(src, e, rx_[static_cast<size_t>(src)].shape()), recv.check, recv.user, recv.bytes) !=
       Mismatch::kNone) {
     return false;
   }
-  if (!take_whole(src, e, payload, op->data)) return false;
-  op->source = src;
+  if (!take_whole(src, e, payload, recv.data)) return false;
+  recv.source = src;
   matcher_.take_posted(found);
-  core_.complete(op);
+  core_.complete(recv);
   return true;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Matching
 
-void fail_match(ChannelCore& core, MessageHead& msg, const std::shared_ptr<ShmOp>& op, Mismatch why) {
-  const at::Tensor& t = op->contiguous();
-  auto from = [&] { return op->peer < 0 ? " (from rank " + std::to_string(msg.src) + ")" : std::string(); };
+void fail_match(ChannelCore& core, MessageHead& msg, RecvOp& op, Mismatch why) {
+  const at::Tensor& t = op.contiguous();
+  auto from = [&] { return op.peer < 0 ? " (from rank " + std::to_string(msg.src) + ")" : std::string(); };
   std::string problem;
   switch (why) {
     case Mismatch::kLeaves:
-      op->sender_leaves = msg.check.leaves;  // published by finish's release of done
+      op.sender_leaves = msg.check.leaves;  // published by finish's release of done
       core.finish(op,
-                  make_error<TransportError>(op->what() + from() + ": the sender's tree has " +
+                  make_error<TransportError>(op.what() + from() + ": the sender's tree has " +
                                              std::to_string(msg.check.leaves) + " leaves but this receiving tree has " +
-                                             std::to_string(op->check.leaves) + "; nothing was written"));
+                                             std::to_string(op.check.leaves) + "; nothing was written"));
       return;
     case Mismatch::kCheck:
-      if (op->check.kind == MessageCheck::Kind::kSchema) {
-        core.finish(op, make_error<SchemaError>(op->what() + from() + ": the sender's consolidated schema (hash " +
+      if (op.check.kind == MessageCheck::Kind::kSchema) {
+        core.finish(op, make_error<SchemaError>(op.what() + from() + ": the sender's consolidated schema (hash " +
                                                 hex32(msg.check.value) + ") differs from this tensordict's (hash " +
-                                                hex32(op->check.value) +
+                                                hex32(op.check.value) +
                                                 "): tensorclass names, keys, dtypes, shapes or "
                                                 "layout differ; nothing was written"));
       } else {
         core.finish(op,
-                    make_error<TransportError>(op->what() + from() +
+                    make_error<TransportError>(op.what() + from() +
                                                ": the sender's leaf at this position has another "
                                                "key (key hash " +
-                                               hex32(msg.check.value) + ", this leaf's is " + hex32(op->check.value) +
+                                               hex32(msg.check.value) + ", this leaf's is " + hex32(op.check.value) +
                                                "): the two trees' keys differ; nothing was "
                                                "written"));
       }
       return;
     case Mismatch::kBytes:
       problem =
-          "the message has " + std::to_string(msg.total) + " bytes but the tensor has " + std::to_string(op->bytes);
+          "the message has " + std::to_string(msg.total) + " bytes but the tensor has " + std::to_string(op.bytes);
       break;
     case Mismatch::kDtype: {
       const auto dtype = static_cast<c10::ScalarType>(msg.dtype);
@@ -386,7 +386,7 @@ void fail_match(ChannelCore& core, MessageHead& msg, const std::shared_ptr<ShmOp
       break;
     case Mismatch::kNone: break;
   }
-  core.finish(op, make_error<TransportError>(op->what() + from() + ": " + problem));
+  core.finish(op, make_error<TransportError>(op.what() + from() + ": " + problem));
 }
 
 // What the first entry `e` from `src` says of its message (the shape from the entry's third line,
@@ -435,10 +435,10 @@ ShmReceiver::Taken ShmReceiver::land_entry(int src, const shm::EntryFields& e, c
       // The common small message: whole in one entry, and its receive is posted. It lands at
       // once, without the record of a message in progress.
       held_bytes_[static_cast<size_t>(src)] = 0;
-      std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
-      if (try_match(head, op)) {  // else op failed on the mismatch and the message is dropped
+      std::shared_ptr<RecvOp> op = matcher_.take_posted(found);
+      if (try_match(head, *op)) {  // else op failed on the mismatch and the message is dropped
         if (e.chunk_bytes != 0) copy_bytes(op->data, payload, e.chunk_bytes, e.total_bytes >= kStreamingMessageBytes);
-        core_.complete(op);
+        core_.complete(*op);
         pass.completed_posted = true;
       }
       return Taken::kYes;
@@ -459,7 +459,7 @@ ShmReceiver::Taken ShmReceiver::land_entry(int src, const shm::EntryFields& e, c
     msg.complete = true;
     auto done = std::move(cur);
     if (done->op) {
-      core_.complete(done->op);
+      core_.complete(*done->op);
       pass.completed_posted = true;
     }
     if (done->op || done->discard) {
@@ -483,9 +483,9 @@ ShmReceiver::Taken ShmReceiver::land_reference(int src, const shm::EntryFields& 
   const auto found = matcher_.find_posted(src, head.tag, head.control);
   if (found != matcher_.none()) {
     held_bytes_[static_cast<size_t>(src)] = 0;
-    std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
-    if (try_match(head, op)) {
-      by_reference_.land(head, ref, op);
+    std::shared_ptr<RecvOp> op = matcher_.take_posted(found);
+    if (try_match(head, *op)) {
+      by_reference_.land(head, ref, *op);
       pass.completed_posted = true;
     } else {
       by_reference_.drop(head, ref);  // op failed on the mismatch; the message is dropped
@@ -528,8 +528,8 @@ bool ShmReceiver::start_message(int src, const MessageHead& head, Matcher::Found
   *msg = Incoming{};
   static_cast<MessageHead&>(*msg) = head;
   if (posted) {
-    std::shared_ptr<ShmOp> op = matcher_.take_posted(found);
-    if (try_match(*msg, op)) {
+    std::shared_ptr<RecvOp> op = matcher_.take_posted(found);
+    if (try_match(*msg, *op)) {
       msg->op = std::move(op);
     } else {
       msg->discard = true;  // that receive failed on a mismatch; the message is dropped
@@ -558,20 +558,20 @@ void ShmReceiver::release_unexpected(Incoming& msg) {
 void ShmReceiver::fail_peer(int peer, const std::exception_ptr& error) {
   auto& cur = current_[static_cast<size_t>(peer)];
   if (cur) {
-    if (cur->op) core_.finish(cur->op, error);
+    if (cur->op) core_.finish(*cur->op, error);
     if (matcher_.remove_early(cur)) release_unexpected(*cur);  // nobody will ever finish it
     cur.reset();
   }
   held_bytes_[static_cast<size_t>(peer)] = 0;
   const bool someone_alive = core_.someone_alive();
-  matcher_.drop_posted_if([&](const ShmOp& op) { return op.peer == peer || (op.peer < 0 && !someone_alive); },
-                          [&](const std::shared_ptr<ShmOp>& op) { core_.finish(op, error); });
+  matcher_.drop_posted_if([&](const RecvOp& op) { return op.peer == peer || (op.peer < 0 && !someone_alive); },
+                          [&](const std::shared_ptr<RecvOp>& op) { core_.finish(*op, error); });
 }
 
 void ShmReceiver::fail_all(const std::exception_ptr& error) {
-  matcher_.clear([&](const std::shared_ptr<ShmOp>& op) { core_.finish(op, error); });
+  matcher_.clear([&](const std::shared_ptr<RecvOp>& op) { core_.finish(*op, error); });
   for (auto& msg : current_) {
-    if (msg && msg->op) core_.finish(msg->op, error);
+    if (msg && msg->op) core_.finish(*msg->op, error);
     msg.reset();
   }
   unexpected_bytes_ = 0;

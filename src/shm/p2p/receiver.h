@@ -79,10 +79,10 @@ class ShmReceiver {
     bool completed_posted = false;
   };
   enum class Taken { kYes, kHeld };  // kHeld: the entry stays in the ring (over the unexpected budget)
-  using Matcher = shm::Matcher<ShmOp, Incoming>;
+  using Matcher = shm::Matcher<RecvOp, Incoming>;
 
-  bool post_recv(const std::shared_ptr<ShmOp>& op, int src);
-  void land_early(Incoming& keep, const std::shared_ptr<ShmOp>& op);
+  bool post_recv(std::shared_ptr<RecvOp> op, int src);
+  void land_early(Incoming& keep, const std::shared_ptr<RecvOp>& op);
   // The chunk of `e`, the next entry of `src`'s ring: in the entry, in the entries after it (a
   // span the ring can hold), or in the sender's slot if that slot is handed to this rank (else
   // null: the entry is corrupt, or the slot was taken back). Inline: every entry read asks,
@@ -123,10 +123,10 @@ class ShmReceiver {
   void release_unexpected(Incoming& msg);
   // Checks that `msg` fits `op` and binds its source; on a mismatch fails `op` with the error that
   // says why and returns false.
-  bool try_match(MessageHead& msg, const std::shared_ptr<ShmOp>& op) {
-    op->source = msg.src;
-    if (op->view) return by_reference_.bind_view(msg, op);
-    const Mismatch why = mismatch(msg, op->check, op->contiguous(), op->bytes);
+  bool try_match(MessageHead& msg, RecvOp& op) {
+    op.source = msg.src;
+    if (op.view) return by_reference_.bind_view(msg, op);
+    const Mismatch why = mismatch(msg, op.check, op.contiguous(), op.bytes);
     if (why == Mismatch::kNone) return true;
     fail_match(core_, msg, op, why);
     return false;

@@ -59,14 +59,14 @@ bool ShmSender::send_whole(const at::Tensor& tensor, int dst, int64_t tag, const
 // A send that send_whole could not publish: an op, queued behind the sends before it and moved
 // as far as room allows (`published` is set when an entry went out), or failed at once when the
 // group or `dst` is unusable. A strided tensor is snapshotted now.
-std::shared_ptr<ShmOp> ShmSender::queue_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
-                                             bool control, std::string reference, bool& published) {
-  auto op = make_op(ShmOp::Kind::kSend, dst, tag, control, tensor);
+std::shared_ptr<SendOp> ShmSender::queue_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
+                                              bool control, std::string reference, bool& published) {
+  auto op = make_send_op(dst, tag, control, tensor);
   op->reference = std::move(reference);
   op->check = check;
   by_reference_.bind_loan(*op);
   if (core_.refused(dst)) {
-    core_.finish(op, core_.refusal(dst));
+    core_.finish(*op, core_.refusal(dst));
     return op;
   }
   send_queues_[static_cast<size_t>(dst)].push_back(op);
@@ -124,7 +124,7 @@ bool ShmSender::progress(int dst, bool wake) {
   const uint64_t slot = core_.options().slot_bytes;
   bool moved = false;
   while (!queue.empty()) {
-    ShmOp& op = *queue.front();
+    SendOp& op = *queue.front();
     if (!tx_[static_cast<size_t>(dst)].has_room()) break;
     uint32_t flags = op.control ? uint32_t{shm::kEntryControl} : 0u;
     uint64_t chunk;
@@ -158,7 +158,7 @@ bool ShmSender::progress(int dst, bool wake) {
     if (flags & shm::kEntryLast) {
       auto done = queue.front();
       queue.pop_front();
-      core_.finish(done, nullptr);
+      core_.finish(*done, nullptr);
     }
   }
   if (moved && wake) core_.wake_peer(dst);
@@ -216,20 +216,20 @@ bool ShmSender::write_entry(int dst, uint32_t flags, int64_t tag, const at::Tens
 }
 
 bool ShmSender::withdraw(const std::shared_ptr<ShmOp>& op) {
-  if (op->started) return false;
+  if (op->as_send().started) return false;
   std::erase(send_queues_[static_cast<size_t>(op->peer)], op);
   return true;
 }
 
 void ShmSender::fail_peer(int peer, const std::exception_ptr& error) {
   auto& queue = send_queues_[static_cast<size_t>(peer)];
-  for (auto& op : queue) core_.finish(op, error);
+  for (auto& op : queue) core_.finish(*op, error);
   queue.clear();
 }
 
 void ShmSender::fail_all(const std::exception_ptr& error) {
   for (auto& q : send_queues_) {
-    for (auto& op : q) core_.finish(op, error);
+    for (auto& op : q) core_.finish(*op, error);
     q.clear();
   }
 }

@@ -56,17 +56,17 @@ class ShmSender {
                   const std::string& reference);
   size_t send_batched(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
                       std::span<const MessageCheck> checks, bool control);  // batch.cpp
-  std::shared_ptr<ShmOp> queue_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
-                                    bool control, std::string reference, bool& published);
+  std::shared_ptr<SendOp> queue_send(const at::Tensor& tensor, int dst, int64_t tag, const MessageCheck& check,
+                                     bool control, std::string reference, bool& published);
   bool write_entry(int dst, uint32_t flags, int64_t tag, const at::Tensor& whole, const uint8_t* chunk_data,
                    uint64_t offset, uint64_t chunk, MessageCheck check = {});
 
   ChannelCore& core_;
   ByReference& by_reference_;
-  uint64_t span_limit_ = 0;                                      // the largest message sent in a span (shm::span_limit)
-  std::vector<std::deque<std::shared_ptr<ShmOp>>> send_queues_;  // per destination, FIFO
-  std::vector<shm::RingProducer> tx_;                            // per destination: its ring's producer end
-  shm::SlotAllocator slots_;                                     // this rank's own region
+  uint64_t span_limit_ = 0;  // the largest message sent in a span (shm::span_limit)
+  std::vector<std::deque<std::shared_ptr<SendOp>>> send_queues_;  // per destination, FIFO
+  std::vector<shm::RingProducer> tx_;                             // per destination: its ring's producer end
+  shm::SlotAllocator slots_;                                      // this rank's own region
   // A batch's records, written here before they go into the ring in one piece (send_batched).
   std::array<uint8_t, shm::kSpanSendBytes> batch_stage_{};
 };
