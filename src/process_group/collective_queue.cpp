@@ -27,12 +27,12 @@ void CollectiveQueue::push(QueuedCollective& c) {
     c.retain();
     queued_.push_back(&c);
     unstarted_.fetch_add(1, std::memory_order_relaxed);
-    if (!helper_.joinable()) start_helper();
-    wake = helper_idle_;
+    if (!helper_.thread.joinable()) start_helper();
+    wake = helper_.idle;
   }
   // Only an idle helper is woken: one checking every kGrace finds the collective itself, so a
   // stream of blocking collectives costs no system call here.
-  if (wake) helper_cv_.notify_one();
+  if (wake) helper_.cv.notify_one();
 }
 
 // Starts the head (lk held, nothing running) and returns with lk released.
@@ -63,13 +63,13 @@ void CollectiveQueue::settle(QueuedCollective& c, std::exception_ptr error, bool
   if (ran) running_.store(false, std::memory_order_relaxed);
   // One fence orders both stores before the loads below (the waiters' side: count, fence, check).
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  const bool helper = ran && helper_waits_running_.load(std::memory_order_relaxed);
+  const bool helper = ran && helper_.waits_running.load(std::memory_order_relaxed);
   if (helper || waiters_.load(std::memory_order_relaxed) > 0) {
     // A waiter counted itself, then checks under mu_ and sleeps: taking mu_ here orders this
     // wake-up after its check.
     { std::lock_guard lk(mu_); }
     done_cv_.notify_all();
-    if (helper) helper_cv_.notify_one();
+    if (helper) helper_.cv.notify_one();
   }
   if (c.has_callbacks_.load(std::memory_order_relaxed)) call_back(c);  // after the fence
 }
@@ -106,7 +106,7 @@ bool CollectiveQueue::wait(const QueuedCollective& c, std::optional<Clock::time_
         continue;
       }
       urged_ = true;
-      if (!helper_busy_) helper_cv_.notify_one();
+      if (!helper_.busy) helper_.cv.notify_one();
     }
     waiters_.fetch_add(1, std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);  // before the checks below (settle's Dekker pair)
@@ -159,9 +159,9 @@ void CollectiveQueue::urge() noexcept {
     // the next one too, or the helper thread) starts it, and a thread that then blocks urges anew.
     if (queued_.empty() || closed_ || running_.load(std::memory_order_relaxed)) return;
     urged_ = true;
-    wake = !helper_busy_;
+    wake = !helper_.busy;
   }
-  if (wake) helper_cv_.notify_one();
+  if (wake) helper_.cv.notify_one();
 }
 
 void CollectiveQueue::close(std::exception_ptr error) noexcept {
@@ -172,7 +172,7 @@ void CollectiveQueue::close(std::exception_ptr error) noexcept {
     failed.swap(queued_);
     unstarted_.fetch_sub(failed.size(), std::memory_order_relaxed);
     lk.unlock();
-    helper_cv_.notify_all();
+    helper_.cv.notify_all();
     for (QueuedCollective* c : failed) {
       c->drop_body();
       settle(*c, closed_, false);
@@ -184,18 +184,18 @@ void CollectiveQueue::close(std::exception_ptr error) noexcept {
   waiters_.fetch_add(1, std::memory_order_seq_cst);
   done_cv_.wait(lk, [&] { return !running_.load(std::memory_order_seq_cst); });
   waiters_.fetch_sub(1, std::memory_order_relaxed);
-  if (!helper_.joinable()) return;
-  if (helper_.get_id() == std::this_thread::get_id()) {
-    helper_.detach();  // the last reference was dropped on the helper thread: it ends on its own
+  if (!helper_.thread.joinable()) return;
+  if (helper_.thread.get_id() == std::this_thread::get_id()) {
+    helper_.thread.detach();  // the last reference was dropped on the helper thread: it ends on its own
     return;
   }
-  std::thread helper = std::move(helper_);
+  std::thread helper = std::move(helper_.thread);
   lk.unlock();
   helper.join();
 }
 
 void CollectiveQueue::start_helper() {
-  helper_ = std::thread([self = weak_from_this()] {
+  helper_.thread = std::thread([self = weak_from_this()] {
     for (;;) {
       std::shared_ptr<CollectiveQueue> q = self.lock();
       if (!q || !q->helper_round()) return;
@@ -209,36 +209,36 @@ bool CollectiveQueue::helper_round() {
   std::unique_lock lk(mu_);
   if (closed_) return false;
   const auto now = Clock::now();
-  if (submits_ != submits_seen_) {  // collectives were issued since the last round
-    submits_seen_ = submits_;
-    last_activity_ = now;
+  if (submits_ != helper_.submits_seen) {  // collectives were issued since the last round
+    helper_.submits_seen = submits_;
+    helper_.last_activity = now;
   }
   for (QueuedCollective* c : queued_) {
     if (c->seen_ == Clock::time_point{}) c->seen_ = now;  // due kGrace after the helper first sees it
   }
   if (queued_.empty()) {
     urged_ = false;
-    if (now - last_activity_ < kIdleAfter) {
-      helper_cv_.wait_until(lk, now + kGrace);
+    if (now - helper_.last_activity < kIdleAfter) {
+      helper_.cv.wait_until(lk, now + kGrace);
     } else {
-      helper_idle_ = true;
-      helper_cv_.wait(lk);
-      helper_idle_ = false;
+      helper_.idle = true;
+      helper_.cv.wait(lk);
+      helper_.idle = false;
     }
     return true;
   }
   const auto due_at = queued_.front()->seen_ + kGrace;
   if (!urged_ && now < due_at) {
-    helper_cv_.wait_until(lk, due_at);
+    helper_.cv.wait_until(lk, due_at);
   } else if (!running_.load(std::memory_order_relaxed)) {
-    helper_busy_ = true;
+    helper_.busy = true;
     run_one(lk);
     lk.lock();
-    helper_busy_ = false;
+    helper_.busy = false;
   } else {  // due, but another thread's collective runs: start it once that one ends
-    helper_waits_running_.store(true, std::memory_order_seq_cst);
-    helper_cv_.wait(lk, [&] { return closed_ || !running_.load(std::memory_order_seq_cst); });
-    helper_waits_running_.store(false, std::memory_order_relaxed);
+    helper_.waits_running.store(true, std::memory_order_seq_cst);
+    helper_.cv.wait(lk, [&] { return closed_ || !running_.load(std::memory_order_seq_cst); });
+    helper_.waits_running.store(false, std::memory_order_relaxed);
   }
   return true;
 }

@@ -122,23 +122,27 @@ class CollectiveQueue final : public shm::WaitHook, public std::enable_shared_fr
   std::mutex& run_mutex_;
   std::mutex mu_;                         // never held while a collective runs
   std::condition_variable done_cv_;       // a collective finished (waiters_ > 0)
-  std::condition_variable helper_cv_;     // something for the helper thread
   std::deque<QueuedCollective*> queued_;  // each holds a reference (retain)
   std::atomic<size_t> unstarted_{0};      // queued_.size(), for urge() to read without mu_
   // A collective runs. Set under mu_; cleared without it by whoever ran it, who then looks at
-  // waiters_ and helper_waits_running_ (seq_cst on both sides: a thread that counts itself as a
+  // waiters_ and helper_.waits_running (seq_cst on both sides: a thread that counts itself as a
   // waiter and then sees running_ set is woken), so that a blocking collective takes mu_ once.
   std::atomic<bool> running_{false};
-  std::atomic<int> waiters_{0};                    // threads on done_cv_
-  std::atomic<bool> helper_waits_running_{false};  // the helper waits for running_ to clear
+  std::atomic<int> waiters_{0};  // threads on done_cv_
   bool urged_ = false;
-  bool helper_idle_ = false;  // it sleeps without a timeout: a submit must wake it
-  bool helper_busy_ = false;  // it runs a collective: urge() need not wake it
   std::exception_ptr closed_;
-  uint64_t submits_ = 0;               // collectives issued, ever
-  uint64_t submits_seen_ = 0;          // submits_ at the helper's last round
-  Clock::time_point last_activity_{};  // the helper's round that saw submits_ change
-  std::thread helper_;
+  uint64_t submits_ = 0;  // collectives issued, ever
+  // The helper thread, which runs what nobody waits for; its fields under mu_ but `waits_running`.
+  struct Helper {
+    std::condition_variable cv;              // something for it
+    std::atomic<bool> waits_running{false};  // it waits for running_ to clear
+    bool idle = false;                       // it sleeps without a timeout: a submit must wake it
+    bool busy = false;                       // it runs a collective: urge() need not wake it
+    uint64_t submits_seen = 0;               // submits_ at its last round
+    Clock::time_point last_activity{};       // its round that saw submits_ change
+    std::thread thread;
+  };
+  Helper helper_;
 };
 
 }  // namespace tdshm::detail

@@ -119,11 +119,11 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
 ShmEngine::~ShmEngine() {
   shutdown();
   // The helper thread may hold the last reference (background_loop): it ends right after this.
-  if (background_.joinable()) {
-    if (background_.get_id() == std::this_thread::get_id()) {
-      background_.detach();
+  if (helper_.thread.joinable()) {
+    if (helper_.thread.get_id() == std::this_thread::get_id()) {
+      helper_.thread.detach();
     } else {
-      background_.join();
+      helper_.thread.join();
     }
   }
 }
@@ -136,13 +136,13 @@ void ShmEngine::shutdown(std::exception_ptr reason) noexcept {
     if (!channel_->close(std::move(reason))) return;
   }
   {
-    std::lock_guard lk(watch_mu_);
-    stopping_ = true;
+    std::lock_guard lk(helper_.mu);
+    helper_.stopping = true;
   }
-  watch_cv_.notify_all();
+  helper_.cv.notify_all();
   // On the helper thread itself (a callback destroyed the group) it cannot be joined: it returns
-  // to its loop, sees stopping_ and ends; the destructor detaches or joins it.
-  if (background_.joinable() && background_.get_id() != std::this_thread::get_id()) background_.join();
+  // to its loop, sees helper_.stopping and ends; the destructor detaches or joins it.
+  if (helper_.thread.joinable() && helper_.thread.get_id() != std::this_thread::get_id()) helper_.thread.join();
   segment_->leave();
 }
 

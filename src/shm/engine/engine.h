@@ -125,6 +125,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   const std::string& name() const noexcept { return name_; }
 
  private:
+  struct OpWait;  // a point-to-point wait's hooks on the shared wait loop (engine_wait.cpp)
   struct Watch {
     std::vector<std::shared_ptr<ShmOp>> ops;
     std::function<void()> on_done;
@@ -157,7 +158,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   // thread takes them only in this order (outer first), and sleeps in a wait holding none of
   // its group's but the steps' mutex (a collective's steps wait under it):
   //  1. a Work's future mutex (process_group_shm.cpp, queued_work.h), only to make its future;
-  //     it then takes watch_mu_ (watch) or the collective queue's mutex (on_done).
+  //     it then takes helper_.mu (watch) or the collective queue's mutex (on_done).
   //  2. the steps' mutex (steps().mutex()): a whole collective, by the thread that runs it (the
   //     queue's run mutex). Across hosts, ProcessGroupHosts' run mutex comes before it.
   //  3. the collective queue's mutex (process_group/collective_queue.h): never held while the
@@ -167,7 +168,7 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   //     collective. Taken on every message, so a LightMutex (one futex word, inline).
   //  5. the loan pool's mutex (loan_pool.h): under mu_ (the channel's loans) or alone (a loan
   //     made or dropped on any thread); innermost.
-  // watch_mu_ (the helper thread's list) is held with none of 2 to 5. Fields are grouped below
+  // helper_.mu (the helper thread's list) is held with none of 2 to 5. Fields are grouped below
   // by what guards them.
 
   // Set in the constructor, then only read (any thread, no lock).
@@ -195,12 +196,15 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   // The collective steps; their state is under their own mutex (collective/steps.h).
   std::unique_ptr<shm::CollectiveSteps> steps_;
 
-  // Under watch_mu_: the helper thread that completes futures (watch()).
-  std::mutex watch_mu_;
-  std::condition_variable watch_cv_;
-  std::vector<Watch> watches_;
-  bool stopping_ = false;
-  std::thread background_;
+  // The helper thread that completes futures (watch()); its fields under its own mutex.
+  struct Helper {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<Watch> watches;
+    bool stopping = false;
+    std::thread thread;
+  };
+  Helper helper_;
 };
 
 }  // namespace tdshm::detail

@@ -39,101 +39,103 @@ namespace {
 struct KeptAtDeadline {};
 }  // namespace
 
+// The hooks of one point-to-point wait on the shared wait loop (shm::spin_then_sleep): when its
+// ops are done, one progress pass, what to check when the clock is read, how to sleep.
+struct ShmEngine::OpWait {
+  ShmEngine& e;
+  std::span<const std::shared_ptr<ShmOp>> ops;
+  Clock::time_point deadline;
+  bool stop_on_error;
+  bool keep_at_deadline;
+  // Ops complete mostly in order (a pair's messages match in order): the first one not known
+  // to be done is remembered, so a check does not walk a batch of 100 leaves each time. A
+  // failure further on (stop_on_error) is looked for at every clock read.
+  size_t first_pending = 0;
+  bool busy = true;  // as of the last progress pass: see poll()
+  uint32_t quiet_polls = 0;
+  const bool single_recv = ops.size() == 1 && ops[0] && ops[0]->kind == ShmOp::Kind::kRecv && ops[0]->peer >= 0;
+
+  static bool failed(const std::shared_ptr<ShmOp>& op) {
+    return op && op->done.load(std::memory_order_acquire) && op->error;
+  }
+  bool all_done() {
+    while (first_pending < ops.size() && is_done(ops[first_pending])) {
+      if (stop_on_error && failed(ops[first_pending])) return true;
+      ++first_pending;
+    }
+    return first_pending == ops.size();
+  }
+  bool failed_later() const {
+    return stop_on_error && std::any_of(ops.begin() + static_cast<std::ptrdiff_t>(first_pending), ops.end(), failed);
+  }
+  shm::Poll poll() {
+    // A waiter that last found nothing but new entries to wait for (no send queued for room,
+    // no message in progress) reads the rings' next entries without the lock, and takes it
+    // only when one seems published, or every kFullPollEvery polls (a send queued meanwhile
+    // by another thread, a peer's failure): the spin of a ping-pong's waiting rank is then
+    // a few loads, and it sees the message sooner.
+    if (!busy && (++quiet_polls % kFullPollEvery) != 0 && !e.channel_->incoming_hint()) {
+      return all_done() ? shm::Poll::kDone : shm::Poll::kIdle;
+    }
+    quiet_polls = 0;
+    bool moved = false, landed = false;
+    {
+      std::lock_guard lk(e.mu_);
+      // A wait for one receive from one peer, with nothing else in flight (a ping-pong): its
+      // message, whole in the next entry, lands without a pass over every ring and queue.
+      // (Tried for a tree's receives too, one land_posted per leaf: more instructions than
+      // the pass, which reads the ring once for all of them.)
+      landed = single_recv && !e.channel_->busy() && e.channel_->land_posted(ops[0]);
+      if (!landed) {
+        moved = e.channel_->progress(/*drain_all=*/false);
+        busy = e.channel_->busy();
+      }
+    }
+    if (landed || all_done()) return shm::Poll::kDone;
+    return moved ? shm::Poll::kMoved : shm::Poll::kIdle;
+  }
+  bool at_clock(Clock::time_point now) {
+    e.maybe_check_peers(now);
+    return all_done() || failed_later();
+  }
+  void timed_out() {
+    if (keep_at_deadline) throw KeptAtDeadline{};
+    e.time_out(ops);
+  }
+  void sleep(Clock::time_point now, Clock::time_point first_sleep) {
+    // Before sleeping, messages from sources nobody waits on are drained into process memory
+    // (early messages), so that a sender blocked on room that this rank waits for indirectly
+    // (two ranks that both send more than the arena holds before they receive) goes on. Not
+    // at once, though: a data loader's main rank that sleeps a few microseconds for worker 1
+    // would otherwise copy the batches that workers 2-4 have queued (they run ahead by design)
+    // out of their slots into fresh buffers, and copy them again when it posts their receives
+    // (4 workers, consolidated: that double copy was half of the main rank's memcpy time).
+    // After kDrainOthersAfter of sleeping (a deadlock costs that much once), a sleep drains if
+    // every rank this wait depends on sleeps too: one that runs is not blocked on this rank and
+    // will deliver (more ranks than cores: a descheduled worker). Draining then only made
+    // copies: a loader's main rank that waited for one worker past 1 ms took the other
+    // workers' queued batches out of their rings every time, fell behind, and in 2 of 6 runs
+    // of 80,000 batches held 7,000-10,000 early messages and ran at 44-53k batches/s instead
+    // of 78-83k. A rank that waits on room without sleeping (a caller polling isCompleted())
+    // is not seen asleep: after kDrainAnywayAfter every sleep drains, so such a cycle costs
+    // that much once.
+    constexpr auto kDrainOthersAfter = std::chrono::milliseconds(1);
+    constexpr auto kDrainAnywayAfter = std::chrono::milliseconds(20);
+    const auto slept = now - first_sleep;
+    const bool drain_others = slept >= kDrainAnywayAfter || (slept >= kDrainOthersAfter && e.waited_ranks_asleep(ops));
+    auto until = e.sleep_limit(now, deadline);
+    if (slept < kDrainOthersAfter) until = std::min(until, first_sleep + kDrainOthersAfter);
+    if (!drain_others) until = std::min(until, first_sleep + kDrainAnywayAfter);
+    e.sleep_until_event(until, drain_others);
+  }
+};
+
 void ShmEngine::wait(std::span<const std::shared_ptr<ShmOp>> ops, Clock::time_point deadline, bool stop_on_error,
                      bool keep_at_deadline) {
   // A collective the group issued and left to run may be what a peer waits for before it sends
   // what this wait needs (shm/parts/wait_hook.h).
   before_wait();
-  struct Hooks {
-    ShmEngine& e;
-    std::span<const std::shared_ptr<ShmOp>> ops;
-    Clock::time_point deadline;
-    bool stop_on_error;
-    bool keep_at_deadline;
-    // Ops complete mostly in order (a pair's messages match in order): the first one not known
-    // to be done is remembered, so a check does not walk a batch of 100 leaves each time. A
-    // failure further on (stop_on_error) is looked for at every clock read.
-    size_t first_pending = 0;
-    bool busy = true;  // as of the last progress pass: see poll()
-    uint32_t quiet_polls = 0;
-    const bool single_recv = ops.size() == 1 && ops[0] && ops[0]->kind == ShmOp::Kind::kRecv && ops[0]->peer >= 0;
-
-    static bool failed(const std::shared_ptr<ShmOp>& op) {
-      return op && op->done.load(std::memory_order_acquire) && op->error;
-    }
-    bool all_done() {
-      while (first_pending < ops.size() && is_done(ops[first_pending])) {
-        if (stop_on_error && failed(ops[first_pending])) return true;
-        ++first_pending;
-      }
-      return first_pending == ops.size();
-    }
-    bool failed_later() const {
-      return stop_on_error && std::any_of(ops.begin() + static_cast<std::ptrdiff_t>(first_pending), ops.end(), failed);
-    }
-    shm::Poll poll() {
-      // A waiter that last found nothing but new entries to wait for (no send queued for room,
-      // no message in progress) reads the rings' next entries without the lock, and takes it
-      // only when one seems published, or every kFullPollEvery polls (a send queued meanwhile
-      // by another thread, a peer's failure): the spin of a ping-pong's waiting rank is then
-      // a few loads, and it sees the message sooner.
-      if (!busy && (++quiet_polls % kFullPollEvery) != 0 && !e.channel_->incoming_hint()) {
-        return all_done() ? shm::Poll::kDone : shm::Poll::kIdle;
-      }
-      quiet_polls = 0;
-      bool moved = false, landed = false;
-      {
-        std::lock_guard lk(e.mu_);
-        // A wait for one receive from one peer, with nothing else in flight (a ping-pong): its
-        // message, whole in the next entry, lands without a pass over every ring and queue.
-        // (Tried for a tree's receives too, one land_posted per leaf: more instructions than
-        // the pass, which reads the ring once for all of them.)
-        landed = single_recv && !e.channel_->busy() && e.channel_->land_posted(ops[0]);
-        if (!landed) {
-          moved = e.channel_->progress(/*drain_all=*/false);
-          busy = e.channel_->busy();
-        }
-      }
-      if (landed || all_done()) return shm::Poll::kDone;
-      return moved ? shm::Poll::kMoved : shm::Poll::kIdle;
-    }
-    bool at_clock(Clock::time_point now) {
-      e.maybe_check_peers(now);
-      return all_done() || failed_later();
-    }
-    void timed_out() {
-      if (keep_at_deadline) throw KeptAtDeadline{};
-      e.time_out(ops);
-    }
-    void sleep(Clock::time_point now, Clock::time_point first_sleep) {
-      // Before sleeping, messages from sources nobody waits on are drained into process memory
-      // (early messages), so that a sender blocked on room that this rank waits for indirectly
-      // (two ranks that both send more than the arena holds before they receive) goes on. Not
-      // at once, though: a data loader's main rank that sleeps a few microseconds for worker 1
-      // would otherwise copy the batches that workers 2-4 have queued (they run ahead by design)
-      // out of their slots into fresh buffers, and copy them again when it posts their receives
-      // (4 workers, consolidated: that double copy was half of the main rank's memcpy time).
-      // After kDrainOthersAfter of sleeping (a deadlock costs that much once), a sleep drains if
-      // every rank this wait depends on sleeps too: one that runs is not blocked on this rank and
-      // will deliver (more ranks than cores: a descheduled worker). Draining then only made
-      // copies: a loader's main rank that waited for one worker past 1 ms took the other
-      // workers' queued batches out of their rings every time, fell behind, and in 2 of 6 runs
-      // of 80,000 batches held 7,000-10,000 early messages and ran at 44-53k batches/s instead
-      // of 78-83k. A rank that waits on room without sleeping (a caller polling isCompleted())
-      // is not seen asleep: after kDrainAnywayAfter every sleep drains, so such a cycle costs
-      // that much once.
-      constexpr auto kDrainOthersAfter = std::chrono::milliseconds(1);
-      constexpr auto kDrainAnywayAfter = std::chrono::milliseconds(20);
-      const auto slept = now - first_sleep;
-      const bool drain_others =
-          slept >= kDrainAnywayAfter || (slept >= kDrainOthersAfter && e.waited_ranks_asleep(ops));
-      auto until = e.sleep_limit(now, deadline);
-      if (slept < kDrainOthersAfter) until = std::min(until, first_sleep + kDrainOthersAfter);
-      if (!drain_others) until = std::min(until, first_sleep + kDrainAnywayAfter);
-      e.sleep_until_event(until, drain_others);
-    }
-  };
-  Hooks hooks{*this, ops, deadline, stop_on_error, keep_at_deadline};
+  OpWait hooks{*this, ops, deadline, stop_on_error, keep_at_deadline};
   if (hooks.all_done()) return;
   try {
     shm::spin_then_sleep(spin_budget_, shm::Judge::kSinceProgress, deadline, hooks);
@@ -185,11 +187,12 @@ void ShmEngine::watch(std::vector<std::shared_ptr<ShmOp>> ops, std::function<voi
     return;
   }
   {
-    std::lock_guard lk(watch_mu_);
-    watches_.push_back({std::move(ops), std::move(on_done)});
-    if (!background_.joinable() && !stopping_) background_ = std::thread(background_loop, weak_from_this());
+    std::lock_guard lk(helper_.mu);
+    helper_.watches.push_back({std::move(ops), std::move(on_done)});
+    if (!helper_.thread.joinable() && !helper_.stopping)
+      helper_.thread = std::thread(background_loop, weak_from_this());
   }
-  watch_cv_.notify_all();
+  helper_.cv.notify_all();
 }
 
 // The helper thread holds the engine only while it works on it, so that the engine can be
@@ -206,12 +209,12 @@ bool ShmEngine::background_step() {
   std::vector<Watch> ready;
   bool stop = false;
   {
-    std::unique_lock lk(watch_mu_);
-    watch_cv_.wait(lk, [&] { return stopping_ || !watches_.empty(); });
-    if (stopping_) {
+    std::unique_lock lk(helper_.mu);
+    helper_.cv.wait(lk, [&] { return helper_.stopping || !helper_.watches.empty(); });
+    if (helper_.stopping) {
       stop = true;
-      ready = std::move(watches_);  // fail-fast: their ops were finished with errors or will be
-      watches_.clear();
+      ready = std::move(helper_.watches);  // fail-fast: their ops were finished with errors or will be
+      helper_.watches.clear();
     }
   }
   auto run = [&](std::vector<Watch>& list) {
@@ -239,11 +242,11 @@ bool ShmEngine::background_step() {
     log().error("segment '{}': progress on the helper thread failed: {}", name_, e.what());
   }
   {
-    std::lock_guard lk(watch_mu_);
-    auto it = std::partition(watches_.begin(), watches_.end(),
+    std::lock_guard lk(helper_.mu);
+    auto it = std::partition(helper_.watches.begin(), helper_.watches.end(),
                              [](const Watch& w) { return !std::all_of(w.ops.begin(), w.ops.end(), is_done); });
-    std::move(it, watches_.end(), std::back_inserter(ready));
-    watches_.erase(it, watches_.end());
+    std::move(it, helper_.watches.end(), std::back_inserter(ready));
+    helper_.watches.erase(it, helper_.watches.end());
   }
   run(ready);
   if (ready.empty()) {
