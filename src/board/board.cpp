@@ -243,23 +243,9 @@ Board::Board(Board&&) noexcept = default;
 Board& Board::operator=(Board&&) noexcept = default;
 Board::~Board() = default;
 
-Board Board::create(const std::string& name, const TensorDict& like, BoardOptions options) {
-  detail::check_name(name);
-  if (options.readers == 0 || options.readers > detail::kMaxReaders) {
-    throw SegmentError("tdshm::Board::create: readers must be 1 to 64, got " + std::to_string(options.readers));
-  }
-  const TensorDict c = like.consolidate();
-  Schema schema = c.schema();
-  std::vector<detail::Leaf> leaves;
-  detail::collect_leaves(schema.root, nullptr, leaves);
-  const std::vector<uint8_t> encoded = encode_schema(schema);
-  const uint32_t buffers = options.readers * kPinsPerReader + 2;
-  const uint64_t schema_offset = detail::kHeaderBytes + uint64_t{options.readers} * sizeof(detail::ReaderSlot);
-  const uint64_t buffers_offset = detail::round_up(schema_offset + encoded.size(), detail::kPage);
-  const uint64_t stride = detail::round_up(sizeof(detail::BufferHead) + schema.total_bytes, detail::kPage);
-  const uint64_t file_bytes = buffers_offset + stride * buffers;
-
-  const std::string path = detail::board_path(name);
+// Creates the board's file `path` (0600, exclusive) and returns its descriptor. A file left by a
+// dead writer is replaced; one whose writer lives is refused (SegmentError).
+static int create_board_file(const std::string& path, const std::string& name) {
   int fd = -1;
   for (int attempt = 0; fd < 0; ++attempt) {
     fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -284,6 +270,27 @@ Board Board::create(const std::string& name, const TensorDict& like, BoardOption
     if (live) throw SegmentError("tdshm::Board::create: the board '" + name + "' has a live writer");
     ::unlink(path.c_str());
   }
+  return fd;
+}
+
+Board Board::create(const std::string& name, const TensorDict& like, BoardOptions options) {
+  detail::check_name(name);
+  if (options.readers == 0 || options.readers > detail::kMaxReaders) {
+    throw SegmentError("tdshm::Board::create: readers must be 1 to 64, got " + std::to_string(options.readers));
+  }
+  const TensorDict c = like.consolidate();
+  Schema schema = c.schema();
+  std::vector<detail::Leaf> leaves;
+  detail::collect_leaves(schema.root, nullptr, leaves);
+  const std::vector<uint8_t> encoded = encode_schema(schema);
+  const uint32_t buffers = options.readers * kPinsPerReader + 2;
+  const uint64_t schema_offset = detail::kHeaderBytes + uint64_t{options.readers} * sizeof(detail::ReaderSlot);
+  const uint64_t buffers_offset = detail::round_up(schema_offset + encoded.size(), detail::kPage);
+  const uint64_t stride = detail::round_up(sizeof(detail::BufferHead) + schema.total_bytes, detail::kPage);
+  const uint64_t file_bytes = buffers_offset + stride * buffers;
+
+  const std::string path = detail::board_path(name);
+  const int fd = create_board_file(path, name);
   struct stat st {};
   if (::fstat(fd, &st) != 0 || ::ftruncate(fd, static_cast<off_t>(file_bytes)) != 0 ||
       ::posix_fallocate(fd, 0, static_cast<off_t>(file_bytes)) != 0) {

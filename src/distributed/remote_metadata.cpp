@@ -192,40 +192,12 @@ class Reader {
     if (depth > kSchemaMaxDepth) {
       fail("node ", quoted(path_), " is nested ", depth, " levels deep, more than kSchemaMaxDepth = ", kSchemaMaxDepth);
     }
-    const PyDict& dict = value.as_dict("node " + quoted(path_));
-    const PyValue* cls = nullptr;
-    const PyValue* non_tensors = nullptr;
-    const PyValue* leaves = nullptr;
-    const PyValue* cls_metadata = nullptr;
-    std::vector<std::pair<std::string, const PyValue*>> child_values;
-    for (const auto& e : dict.entries) {
-      if (e.key.kind() != PyKind::kStr) {
-        fail("node ", quoted(path_), " has a key of type ", pickle::type_name(e.key), " (", pickle::repr(e.key),
-             "); keys are str");
-      }
-      const std::string& key = std::get<std::string>(e.key.v);
-      if (key == "cls") {
-        cls = &e.value;
-      } else if (key == "non_tensors") {
-        non_tensors = &e.value;
-      } else if (key == "leaves") {
-        leaves = &e.value;
-      } else if (key == "cls_metadata") {
-        cls_metadata = &e.value;
-      } else if (key == "size") {
-        const int64_t size = e.value.as_int("'size' of node " + quoted(path_));
-        if (size < 0) fail("node ", quoted(path_), " has a negative size ", size);
-      } else if (root && contains(kRootFields, key)) {
-        continue;  // read by from_metadata
-      } else {
-        child_values.emplace_back(key, &e.value);
-      }
-    }
-    if (cls == nullptr || non_tensors == nullptr || leaves == nullptr || cls_metadata == nullptr) {
-      fail("node ", quoted(path_), " lacks ",
-           cls == nullptr ? "\"cls\"" : non_tensors == nullptr ? "\"non_tensors\"" : leaves == nullptr ? "\"leaves\"" : "\"cls_metadata\"",
-           " (not a tensordict metadata dict)");
-    }
+    const NodeFields f = fields_of(value, root);
+    const PyValue* cls = f.cls;
+    const PyValue* non_tensors = f.non_tensors;
+    const PyValue* leaves = f.leaves;
+    const PyValue* cls_metadata = f.cls_metadata;
+    const auto& child_values = f.children;
 
     SchemaNode out;
     const bool lazy = cls->kind() == PyKind::kStr && std::get<std::string>(cls->v) == kLazyStackCls;
@@ -275,6 +247,51 @@ class Reader {
   }
 
  private:
+  // The fields of a node's metadata dict, and its children (its other keys but the root's own).
+  struct NodeFields {
+    const PyValue* cls = nullptr;
+    const PyValue* non_tensors = nullptr;
+    const PyValue* leaves = nullptr;
+    const PyValue* cls_metadata = nullptr;
+    std::vector<std::pair<std::string, const PyValue*>> children;
+  };
+  NodeFields fields_of(const PyValue& value, bool root) {
+    const PyDict& dict = value.as_dict("node " + quoted(path_));
+    NodeFields f;
+    for (const auto& e : dict.entries) {
+      if (e.key.kind() != PyKind::kStr) {
+        fail("node ", quoted(path_), " has a key of type ", pickle::type_name(e.key), " (", pickle::repr(e.key),
+             "); keys are str");
+      }
+      const std::string& key = std::get<std::string>(e.key.v);
+      if (key == "cls") {
+        f.cls = &e.value;
+      } else if (key == "non_tensors") {
+        f.non_tensors = &e.value;
+      } else if (key == "leaves") {
+        f.leaves = &e.value;
+      } else if (key == "cls_metadata") {
+        f.cls_metadata = &e.value;
+      } else if (key == "size") {
+        const int64_t size = e.value.as_int("'size' of node " + quoted(path_));
+        if (size < 0) fail("node ", quoted(path_), " has a negative size ", size);
+      } else if (root && contains(kRootFields, key)) {
+        continue;  // read by from_metadata
+      } else {
+        f.children.emplace_back(key, &e.value);
+      }
+    }
+    if (f.cls == nullptr || f.non_tensors == nullptr || f.leaves == nullptr || f.cls_metadata == nullptr) {
+      fail("node ", quoted(path_), " lacks ",
+           f.cls == nullptr           ? "\"cls\""
+           : f.non_tensors == nullptr ? "\"non_tensors\""
+           : f.leaves == nullptr      ? "\"leaves\""
+                                      : "\"cls_metadata\"",
+           " (not a tensordict metadata dict)");
+    }
+    return f;
+  }
+
   static std::optional<uint64_t> first_start(const SchemaNode& n) {
     for (const auto& e : n.entries) {
       if (const auto* t = std::get_if<SchemaTensor>(&e.value)) return t->start;

@@ -52,55 +52,69 @@ const char* file_kind(mode_t mode) noexcept {
   return "not a regular file";
 }
 
+// The components of `path` ('.' and '..' refused, empty ones from "//" skipped); false with
+// `problem` set when it names no file that way.
+bool split_peer_path(const std::string& path, std::vector<std::string>& parts, std::string& problem) {
+  if (path.empty() || path.front() != '/') {
+    problem = "the path is not absolute";
+    return false;
+  }
+  if (path.find('\0') != std::string::npos) {
+    problem = "the path holds a NUL byte";
+    return false;
+  }
+  for (size_t at = 1; at <= path.size();) {
+    const size_t end = std::min(path.find('/', at), path.size());
+    std::string part = path.substr(at, end - at);
+    if (part == "." || part == "..") {
+      problem = "the path has '.' or '..' parts";
+      return false;
+    }
+    if (!part.empty()) parts.push_back(std::move(part));
+    at = end + 1;
+  }
+  if (parts.empty()) {
+    problem = "the path names no file";
+    return false;
+  }
+  return true;
+}
+
+// The directory that holds the last of `parts`, walked from '/' one component at a time, no link
+// followed (an O_PATH descriptor), or -1 with `problem` set.
+int open_peer_dir(const std::vector<std::string>& parts, std::string& problem) {
+  PeerFd dir(::open("/", O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (dir.get() < 0) {
+    problem = std::string("cannot open '/': ") + std::strerror(errno);
+    return -1;
+  }
+  std::string walked;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    walked += "/" + parts[i];
+    // O_PATH | O_NOFOLLOW opens a link itself rather than its target: fstat tells.
+    const int next = ::openat(dir.get(), parts[i].c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    if (next < 0) {
+      problem = "cannot open its directory '" + walked + "': " + std::strerror(errno);
+      return -1;
+    }
+    dir.reset(next);
+    struct stat st {};
+    if (::fstat(dir.get(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      problem = "its directory '" + walked + "' is " + (S_ISLNK(st.st_mode) ? "a symbolic link" : "not a directory");
+      return -1;
+    }
+  }
+  return dir.release();
+}
+
 }  // namespace
 
 int open_peer_file(const std::string& path, bool writable, std::string& problem) noexcept {
   try {
-    if (path.empty() || path.front() != '/') {
-      problem = "the path is not absolute";
-      return -1;
-    }
-    if (path.find('\0') != std::string::npos) {
-      problem = "the path holds a NUL byte";
-      return -1;
-    }
-    // The components, '.' and '..' refused, empty ones ("//") skipped.
     std::vector<std::string> parts;
-    for (size_t at = 1; at <= path.size();) {
-      const size_t end = std::min(path.find('/', at), path.size());
-      std::string part = path.substr(at, end - at);
-      if (part == "." || part == "..") {
-        problem = "the path has '.' or '..' parts";
-        return -1;
-      }
-      if (!part.empty()) parts.push_back(std::move(part));
-      at = end + 1;
-    }
-    if (parts.empty()) {
-      problem = "the path names no file";
-      return -1;
-    }
-    PeerFd dir(::open("/", O_PATH | O_DIRECTORY | O_CLOEXEC));
-    if (dir.get() < 0) {
-      problem = std::string("cannot open '/': ") + std::strerror(errno);
-      return -1;
-    }
-    std::string walked;
-    for (size_t i = 0; i + 1 < parts.size(); ++i) {
-      walked += "/" + parts[i];
-      // O_PATH | O_NOFOLLOW opens a link itself rather than its target: fstat tells.
-      const int next = ::openat(dir.get(), parts[i].c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
-      if (next < 0) {
-        problem = "cannot open its directory '" + walked + "': " + std::strerror(errno);
-        return -1;
-      }
-      dir.reset(next);
-      struct stat st {};
-      if (::fstat(dir.get(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-        problem = "its directory '" + walked + "' is " + (S_ISLNK(st.st_mode) ? "a symbolic link" : "not a directory");
-        return -1;
-      }
-    }
+    if (!split_peer_path(path, parts, problem)) return -1;
+    PeerFd dir(open_peer_dir(parts, problem));
+    if (dir.get() < 0) return -1;
     // Refused from its lstat before it is opened: opening a FIFO or a device may block or act.
     const std::string& name = parts.back();
     struct stat before {};
@@ -118,7 +132,7 @@ int open_peer_file(const std::string& path, bool writable, std::string& problem)
       return -1;
     }
     PeerFd fd(::openat(dir.get(), name.c_str(),
-                   (writable ? O_RDWR : O_RDONLY) | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
+                       (writable ? O_RDWR : O_RDONLY) | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
     if (fd.get() < 0) {
       problem = std::string("cannot open it") + (writable ? " for writing: " : ": ") + std::strerror(errno);
       return -1;

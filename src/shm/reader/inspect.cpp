@@ -191,6 +191,71 @@ bool read_ranks(int fd, uint64_t offset, uint32_t world, uint64_t file_bytes, Se
 
 /// Classifies the segment file (already lstat'ed as a trusted regular file) and reads what its
 /// status allows.
+// What is wrong with the prefix's values in `info` (read by read_segment), or "".
+static std::string check_prefix(const SegmentInfo& info) {
+  if (info.header_bytes < kPrefixBytes || info.header_bytes > kMaxHeaderBytes) {
+    return "header size " + std::to_string(info.header_bytes);
+  }
+  if (info.world_size < 1 || info.world_size > kMaxWorld) return "world size " + std::to_string(info.world_size);
+  if (info.segment_bytes < info.header_bytes) {
+    return "segment size " + std::to_string(info.segment_bytes) + " below its header size";
+  }
+  return {};
+}
+
+// A header of this build's layout: read whole, checked by the same code as attach, then the
+// rank table where it lies within the file.
+static void read_current_header(int fd, const uint8_t* header, uint64_t file_bytes, SegmentInfo& info) {
+  const HeaderFields h = read_header(*std::launder(reinterpret_cast<const SegmentHeader*>(header)));
+  const HeaderCheck check = check_header(h, file_bytes);
+  info.header_read = true;
+  info.creator_pid = h.creator_pid;
+  info.creator_rank = h.creator_rank;
+  info.creator_start_time = h.creator_start_time;
+  info.incarnation = h.incarnation;
+  info.creator_alive = process_alive({h.creator_pid, h.creator_start_time});
+  switch (check.verdict) {
+    case HeaderVerdict::kValid: info.status = SegmentStatus::kValid; break;
+    case HeaderVerdict::kTruncated: info.status = SegmentStatus::kTruncated; break;
+    case HeaderVerdict::kIncomplete:  // (read_segment checked magic and version: not expected)
+      info.status = SegmentStatus::kIncomplete;
+      break;
+    case HeaderVerdict::kOtherVersion: info.status = SegmentStatus::kOtherVersion; break;
+    case HeaderVerdict::kCorrupt: info.status = SegmentStatus::kCorrupt; break;
+  }
+  info.problem = check.problem;
+  // The rank table: check_header has checked its offset against the geometry (a truncated
+  // header is consistent too); it must also lie within the file.
+  const uint64_t table_end = h.rank_table_offset + uint64_t{h.world_size} * sizeof(RankSlot);
+  if ((info.status == SegmentStatus::kValid || info.status == SegmentStatus::kTruncated) &&
+      h.rank_table_offset >= h.header_bytes && table_end <= file_bytes) {
+    if (!read_ranks(fd, h.rank_table_offset, h.world_size, file_bytes, info)) {
+      info.problem += (info.problem.empty() ? "" : "; ") + std::string("the file shrank while it was read");
+    }
+  } else if (info.status == SegmentStatus::kTruncated) {
+    info.problem += "; its rank table is cut";
+  }
+}
+
+// The layout details asked for (options.details), and another version's rank table, which only
+// the reader of that version knows where to find.
+static void read_details(int fd, const uint8_t* header, size_t got, uint64_t file_bytes, const InspectOptions& options,
+                         SegmentInfo& info) {
+  // Another version's ranks are read where read_layout_details knows that version's rank
+  // table; without details asked for, only that (no ring is read).
+  const bool need_table = info.status == SegmentStatus::kOtherVersion;
+  if (options.details || need_table) {
+    InspectOptions o = options;
+    if (!options.details) o.max_pairs = 0;
+    LayoutDetails d = read_layout_details(fd, file_bytes, header, got, info.layout_version, info.world_size, o);
+    if (need_table && d.available && d.rank_table_offset &&
+        !read_ranks(fd, *d.rank_table_offset, info.world_size, file_bytes, info)) {
+      info.problem += "; its rank table is cut";
+    }
+    if (options.details) info.details = std::move(d);
+  }
+}
+
 void read_segment(const std::string& path, SegmentInfo& info, const InspectOptions& options) {
   struct stat st {};
   std::string why;
@@ -243,14 +308,7 @@ void read_segment(const std::string& path, SegmentInfo& info, const InspectOptio
     incomplete("layout version 0 (the header is not published)");
     return;
   }
-  std::string prefix_problem;
-  if (info.header_bytes < kPrefixBytes || info.header_bytes > kMaxHeaderBytes) {
-    prefix_problem = "header size " + std::to_string(info.header_bytes);
-  } else if (info.world_size < 1 || info.world_size > kMaxWorld) {
-    prefix_problem = "world size " + std::to_string(info.world_size);
-  } else if (info.segment_bytes < info.header_bytes) {
-    prefix_problem = "segment size " + std::to_string(info.segment_bytes) + " below its header size";
-  }
+  const std::string prefix_problem = check_prefix(info);
 
   if (info.layout_version != kLayoutVersion) {
     info.status = prefix_problem.empty() ? SegmentStatus::kOtherVersion : SegmentStatus::kCorrupt;
@@ -266,54 +324,12 @@ void read_segment(const std::string& path, SegmentInfo& info, const InspectOptio
     info.problem = "only " + std::to_string(file_bytes) + " bytes, shorter than its header";
     return;
   } else {
-    // This build's layout: the whole header, checked by the same code as attach.
-    const HeaderFields h = read_header(*std::launder(reinterpret_cast<const SegmentHeader*>(header.data())));
-    const HeaderCheck check = check_header(h, file_bytes);
-    info.header_read = true;
-    info.creator_pid = h.creator_pid;
-    info.creator_rank = h.creator_rank;
-    info.creator_start_time = h.creator_start_time;
-    info.incarnation = h.incarnation;
-    info.creator_alive = process_alive({h.creator_pid, h.creator_start_time});
-    switch (check.verdict) {
-      case HeaderVerdict::kValid: info.status = SegmentStatus::kValid; break;
-      case HeaderVerdict::kTruncated: info.status = SegmentStatus::kTruncated; break;
-      case HeaderVerdict::kIncomplete:  // (magic and version were seen above: not expected)
-        info.status = SegmentStatus::kIncomplete;
-        break;
-      case HeaderVerdict::kOtherVersion: info.status = SegmentStatus::kOtherVersion; break;
-      case HeaderVerdict::kCorrupt: info.status = SegmentStatus::kCorrupt; break;
-    }
-    info.problem = check.problem;
-    // The rank table: check_header has checked its offset against the geometry (a truncated
-    // header is consistent too); it must also lie within the file.
-    const uint64_t table_end = h.rank_table_offset + uint64_t{h.world_size} * sizeof(RankSlot);
-    if ((info.status == SegmentStatus::kValid || info.status == SegmentStatus::kTruncated) &&
-        h.rank_table_offset >= h.header_bytes && table_end <= file_bytes) {
-      if (!read_ranks(fd.get(), h.rank_table_offset, h.world_size, file_bytes, info)) {
-        info.problem += (info.problem.empty() ? "" : "; ") + std::string("the file shrank while it was read");
-      }
-    } else if (info.status == SegmentStatus::kTruncated) {
-      info.problem += "; its rank table is cut";
-    }
+    read_current_header(fd.get(), header.data(), file_bytes, info);
   }
 
   if (prefix_problem.empty() && (info.status == SegmentStatus::kValid || info.status == SegmentStatus::kTruncated ||
                                  info.status == SegmentStatus::kOtherVersion)) {
-    // Another version's ranks are read where read_layout_details knows that version's rank
-    // table; without details asked for, only that (no ring is read).
-    const bool need_table = info.status == SegmentStatus::kOtherVersion;
-    if (options.details || need_table) {
-      InspectOptions o = options;
-      if (!options.details) o.max_pairs = 0;
-      LayoutDetails d =
-          read_layout_details(fd.get(), file_bytes, header.data(), got, info.layout_version, info.world_size, o);
-      if (need_table && d.available && d.rank_table_offset &&
-          !read_ranks(fd.get(), *d.rank_table_offset, info.world_size, file_bytes, info)) {
-        info.problem += "; its rank table is cut";
-      }
-      if (options.details) info.details = std::move(d);
-    }
+    read_details(fd.get(), header.data(), got, file_bytes, options, info);
   }
   if (info.status == SegmentStatus::kOtherVersion && !info.ranks_read) info.problem += ": its ranks are not read";
 }

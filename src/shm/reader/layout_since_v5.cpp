@@ -198,6 +198,8 @@ static_assert((kLayoutVersion != 6 && kLayoutVersion != 7) ||
                    kWindowUnit == shm::kWindowParts * shm::kCacheLine),
               "version 6 window constants");
 
+namespace {
+
 /// What read_indices found.
 enum class Indices { kStable, kInMotion, kInconsistent, kBeyondEnd };
 
@@ -236,189 +238,264 @@ Indices read_indices(int fd, uint64_t file_bytes, uint64_t base, uint32_t ring_e
   return Indices::kInconsistent;
 }
 
-LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len,
-                   uint32_t world, const InspectOptions& options) {
-  LayoutDetails d;
-  if (!header_long_enough(version, header_len, kHeaderBytes, d)) return d;
-  // Each value read once from the local copy of the header.
-  const uint64_t segment_bytes = load<uint64_t>(header + kSegmentBytesAt);
-  const uint32_t header_bytes = load<uint32_t>(header + kHeaderBytesAt);
-  const auto [ring_entries, slot_bytes, rank_table, rings, ring_bytes, entry_bytes] =
+// What a version 5 to 10 header says, each value read once from the local copy (read_values).
+struct Values {
+  uint32_t version = 0;
+  uint32_t world = 0;
+  RingHeader ring{};  // ring_entries, slot_bytes, rank_table, rings, ring_bytes, entry_bytes
+  uint64_t segment_bytes = 0;
+  uint32_t header_bytes = 0;
+  uint64_t arena = 0;
+  uint64_t region_bytes = 0;
+  uint32_t slots = 0;
+  bool has_window = false;  // 6 to 10
+  bool has_loans = false;   // 8 to 10
+  bool keyed = false;       // 9 and 10: seq words and spans
+  bool batches = false;     // 10
+  uint64_t incarnation = 0;
+  struct {
+    uint64_t at = 0, region_bytes = 0, bytes = 0;
+    uint32_t tickets = 0;
+  } loans;  // has_loans
+  struct {
+    uint64_t at = 0, bytes = 0;
+  } window;  // has_window
+};
+
+Values read_values(uint32_t version, uint32_t world, const uint8_t* header) {
+  Values v;
+  v.version = version;
+  v.world = world;
+  v.segment_bytes = load<uint64_t>(header + kSegmentBytesAt);
+  v.header_bytes = load<uint32_t>(header + kHeaderBytesAt);
+  v.ring =
       load_ring_header(header, {kRingEntriesAt, kSlotBytesAt, kRankTableAt, kRingsAt, kRingBytesAt, kEntryBytesAt});
-  const uint64_t arena = load<uint64_t>(header + kArenaAt);
-  const uint64_t region_bytes = load<uint64_t>(header + kRegionBytesAt);
-  const uint32_t slots = load<uint32_t>(header + kSlotsPerRankAt);
-  const bool has_window = version != kVersion;  // 6 to 10
-  const bool has_loans = version >= kVersion8;
-  const bool keyed = version >= kVersion9;  // seq words and spans
-  const bool batches = version >= kVersion10;
-  const uint64_t incarnation = keyed ? load<uint64_t>(header + kIncarnationAt) : 0;
-  const uint64_t loan_at = has_loans ? load<uint64_t>(header + kLoanAt) : 0;
-  const uint64_t loan_region_bytes = has_loans ? load<uint64_t>(header + kLoanRegionBytesAt) : 0;
-  const uint64_t loan_bytes = has_loans ? load<uint64_t>(header + kLoanBytesAt) : 0;
-  const uint32_t loan_tickets = has_loans ? load<uint32_t>(header + kLoanTicketsAt) : 0;
-  const uint64_t window_at = has_window ? load<uint64_t>(header + kWindowAt) : 0;
-  const uint64_t window_bytes = has_window ? load<uint64_t>(header + kWindowBytesAt) : 0;
-  d.geometry = {{"ring_entries", ring_entries},    {"slot_bytes", slot_bytes}, {"slots_per_rank", slots},
-                {"entry_bytes", entry_bytes},      {"ring_bytes", ring_bytes}, {"region_bytes", region_bytes},
-                {"rank_table_offset", rank_table}, {"rings_offset", rings},    {"arena_offset", arena}};
-  if (has_window) {
-    d.geometry.emplace_back("window_offset", window_at);
-    d.geometry.emplace_back("window_bytes", window_bytes);
+  v.arena = load<uint64_t>(header + kArenaAt);
+  v.region_bytes = load<uint64_t>(header + kRegionBytesAt);
+  v.slots = load<uint32_t>(header + kSlotsPerRankAt);
+  v.has_window = version != kVersion;
+  v.has_loans = version >= kVersion8;
+  v.keyed = version >= kVersion9;
+  v.batches = version >= kVersion10;
+  if (v.keyed) v.incarnation = load<uint64_t>(header + kIncarnationAt);
+  if (v.has_loans) {
+    v.loans.at = load<uint64_t>(header + kLoanAt);
+    v.loans.region_bytes = load<uint64_t>(header + kLoanRegionBytesAt);
+    v.loans.bytes = load<uint64_t>(header + kLoanBytesAt);
+    v.loans.tickets = load<uint32_t>(header + kLoanTicketsAt);
   }
-  if (has_loans) {
-    d.geometry.emplace_back("loan_offset", loan_at);
-    d.geometry.emplace_back("loan_region_bytes", loan_region_bytes);
-    d.geometry.emplace_back("loan_bytes", loan_bytes);
-    d.geometry.emplace_back("loan_tickets", loan_tickets);
+  if (v.has_window) {
+    v.window.at = load<uint64_t>(header + kWindowAt);
+    v.window.bytes = load<uint64_t>(header + kWindowBytesAt);
   }
-  if (ring_entries < 1 || ring_entries > kMaxRingEntries || slot_bytes < 1 || slot_bytes > kMaxSlotBytes || slots < 1 ||
-      slots > kMaxSlotsPerRank || world < 1 || world > kMaxWorldSize ||
-      (has_window &&
-       (window_bytes < kWindowUnit || window_bytes > kMaxWindowBytes || window_bytes % kWindowUnit != 0)) ||
-      (has_loans &&
-       (loan_tickets < 1 || loan_tickets > kMaxLoanTickets || loan_bytes > kMaxLoanBytes || loan_bytes % kPage != 0))) {
-    d.note = "version " + to_s(version) + " header out of range (ring_entries " + to_s(ring_entries) + ", slot_bytes " +
-             to_s(slot_bytes) + ", slots_per_rank " + to_s(slots) + ", world size " + to_s(world) + ")";
-    return d;
+  return v;
+}
+
+void add_geometry(const Values& v, LayoutDetails& d) {
+  const RingHeader& r = v.ring;
+  d.geometry = {{"ring_entries", r.ring_entries},    {"slot_bytes", r.slot_bytes}, {"slots_per_rank", v.slots},
+                {"entry_bytes", r.entry_bytes},      {"ring_bytes", r.ring_bytes}, {"region_bytes", v.region_bytes},
+                {"rank_table_offset", r.rank_table}, {"rings_offset", r.rings},    {"arena_offset", v.arena}};
+  if (v.has_window) {
+    d.geometry.emplace_back("window_offset", v.window.at);
+    d.geometry.emplace_back("window_bytes", v.window.bytes);
   }
-  // The geometry recomputed from the four parameters and compared: only then are offsets used.
+  if (v.has_loans) {
+    d.geometry.emplace_back("loan_offset", v.loans.at);
+    d.geometry.emplace_back("loan_region_bytes", v.loans.region_bytes);
+    d.geometry.emplace_back("loan_bytes", v.loans.bytes);
+    d.geometry.emplace_back("loan_tickets", v.loans.tickets);
+  }
+}
+
+// "" when the values are in range and their offsets and sizes are the ones the parameters give
+// (only then are offsets used), else the note that says which is wrong.
+std::string check_values(const Values& v) {
+  const RingHeader& r = v.ring;
+  const uint32_t world = v.world;
+  if (r.ring_entries < 1 || r.ring_entries > kMaxRingEntries || r.slot_bytes < 1 || r.slot_bytes > kMaxSlotBytes ||
+      v.slots < 1 || v.slots > kMaxSlotsPerRank || world < 1 || world > kMaxWorldSize ||
+      (v.has_window &&
+       (v.window.bytes < kWindowUnit || v.window.bytes > kMaxWindowBytes || v.window.bytes % kWindowUnit != 0)) ||
+      (v.has_loans && (v.loans.tickets < 1 || v.loans.tickets > kMaxLoanTickets || v.loans.bytes > kMaxLoanBytes ||
+                       v.loans.bytes % kPage != 0))) {
+    return "version " + to_s(v.version) + " header out of range (ring_entries " + to_s(r.ring_entries) +
+           ", slot_bytes " + to_s(r.slot_bytes) + ", slots_per_rank " + to_s(v.slots) + ", world size " + to_s(world) +
+           ")";
+  }
   Geometry g{};
-  if (!geometry(world, slot_bytes, ring_entries, slots, window_bytes, loan_tickets, loan_bytes, g) ||
-      header_bytes != kHeaderBytes || entry_bytes != kEntryBytes || ring_bytes != g.ring_bytes ||
-      rank_table != kHeaderBytes || rings != g.rings_offset || arena != g.arena_offset ||
-      region_bytes != g.region_bytes || (has_window && window_at != g.window_offset) ||
-      segment_bytes != (has_loans ? g.loan_offset + g.loan_region_bytes * world : g.segment_bytes) ||
-      (has_loans && (loan_at != g.loan_offset || loan_region_bytes != g.loan_region_bytes))) {
-    d.note = "version " + to_s(version) +
-             " offsets and sizes disagree with world size, slot bytes, ring entries, "
-             "slots per rank and window bytes";
-    return d;
+  if (!geometry(world, r.slot_bytes, r.ring_entries, v.slots, v.window.bytes, v.loans.tickets, v.loans.bytes, g) ||
+      v.header_bytes != kHeaderBytes || r.entry_bytes != kEntryBytes || r.ring_bytes != g.ring_bytes ||
+      r.rank_table != kHeaderBytes || r.rings != g.rings_offset || v.arena != g.arena_offset ||
+      v.region_bytes != g.region_bytes || (v.has_window && v.window.at != g.window_offset) ||
+      v.segment_bytes != (v.has_loans ? g.loan_offset + g.loan_region_bytes * world : g.segment_bytes) ||
+      (v.has_loans && (v.loans.at != g.loan_offset || v.loans.region_bytes != g.loan_region_bytes))) {
+    return "version " + to_s(v.version) +
+           " offsets and sizes disagree with world size, slot bytes, ring entries, "
+           "slots per rank and window bytes";
   }
+  return {};
+}
 
-  if (!read_rank_table(fd, file_bytes, rank_table, world, {kRankSlotBytes, kWakeSeqAt, kSleepersAt}, options, d)) {
-    return d;  // the rank table's place only
+// Counts the entries of one ring (a pair's) as read_entries hands them over: its messages and
+// bytes in flight, the entries taken while read, the malformed ones.
+struct EntryCounter {
+  const Values& v;
+  uint64_t key;  // the pair's seq key (0 before version 9: the word is position + 1)
+  size_t chunk_at, flags_at, slot_at;
+  uint64_t payload_until = 0;  // versions 9 and 10: the entries before it hold a span's payload
+  uint64_t changed = 0, malformed = 0;
+
+  void count(PairInfo& p, uint64_t pos, const uint8_t* e) {
+    if (pos < payload_until) return;
+    if (load<uint64_t>(e + kSeqAt) != shm::seq_word(key, pos)) {
+      ++changed;  // taken and reused meanwhile
+      return;
+    }
+    const uint32_t chunk = load<uint32_t>(e + chunk_at);
+    const uint32_t flags = load<uint32_t>(e + flags_at);
+    const uint32_t slot = load<uint32_t>(e + slot_at);
+    const bool batch = v.batches && flags == kBatchFlag;
+    const bool span = batch || (v.keyed && (flags & kSpanFlag) != 0);
+    if (span) payload_until = pos + 1 + (uint64_t{chunk} + kEntryBytes - 1) / kEntryBytes;
+    const bool well_formed = span                    ? chunk <= kMaxSpanChunkBytes
+                             : (flags & kInlineFlag) ? chunk <= kInlineChunkBytes
+                                                     : chunk <= v.ring.slot_bytes && slot < v.slots;
+    if (!well_formed) {
+      ++malformed;
+      return;
+    }
+    p.bytes_in_flight += chunk;  // (a batch's: its records, with their headers)
+    if (batch) {
+      p.messages += load<uint16_t>(e + kLeavesAt7);
+    } else if (flags & kFirstFlag) {
+      ++p.messages;
+    }
   }
+};
 
-  std::vector<std::string> notes;
-  // The rings.
-  const uint64_t pairs = uint64_t{world} * world;
+// The rings: each pair's head, tail and entries (within the options' budgets).
+void read_rings(int fd, uint64_t file_bytes, const Values& v, const InspectOptions& options, LayoutDetails& d,
+                std::vector<std::string>& notes) {
+  const uint64_t pairs = uint64_t{v.world} * v.world;
   if (pairs > options.max_pairs) {
     notes.push_back(too_many_pairs_note(pairs, options.max_pairs));
-  } else {
-    EntryBudget budget{options.max_entries};
-    uint64_t malformed = 0, inconsistent = 0;
-    std::array<uint8_t, kEntryReadBytes> entry{};
-    const bool entry7 = version >= kVersion7;
-    const size_t chunk_at = entry7 ? kChunkBytesAt7 : kChunkBytesAt;
-    const size_t flags_at = entry7 ? kFlagsAt7 : kFlagsAt;
-    const size_t slot_at = entry7 ? kSlotAt7 : kSlotAt;
-    const EntriesAt entries_at{kRingControlBytes, ring_entries, kEntryBytes};
-    // Each base < arena: no overflow.
-    for_each_pair(world, rings, ring_bytes, d, [&](PairInfo& p, uint64_t base) {
-      const Indices indices = read_indices(fd, file_bytes, base, ring_entries, p);
-      if (indices != Indices::kStable) {
-        if (indices == Indices::kBeyondEnd) p.note = "beyond the end of the file";
-        if (indices == Indices::kInconsistent) ++inconsistent;
-        return;  // its entries are not read: which ones are in the ring is unknown
-      }
-      uint64_t pair_changed = 0, pair_malformed = 0;
-      const uint64_t key = keyed ? shm::ring_key(incarnation, p.src, p.dst) : 0;
-      uint64_t payload_until = 0;  // versions 9 and 10: the entries before it hold a span's payload
-      read_entries(fd, file_bytes, base, entries_at, entry, "entries beyond the end of the file", budget, p,
-                   [&](uint64_t pos, const uint8_t* e) {
-                     if (pos < payload_until) return;
-                     // Key 0 (versions 5 to 8) gives their word, position + 1.
-                     if (load<uint64_t>(e + kSeqAt) != shm::seq_word(key, pos)) {
-                       ++pair_changed;  // taken and reused meanwhile
-                       return;
-                     }
-                     const uint32_t chunk = load<uint32_t>(e + chunk_at);
-                     const uint32_t flags = load<uint32_t>(e + flags_at);
-                     const uint32_t slot = load<uint32_t>(e + slot_at);
-                     const bool batch = batches && flags == kBatchFlag;
-                     const bool span = batch || (keyed && (flags & kSpanFlag) != 0);
-                     if (span) payload_until = pos + 1 + (uint64_t{chunk} + kEntryBytes - 1) / kEntryBytes;
-                     const bool well_formed = span                    ? chunk <= kMaxSpanChunkBytes
-                                              : (flags & kInlineFlag) ? chunk <= kInlineChunkBytes
-                                                                      : chunk <= slot_bytes && slot < slots;
-                     if (!well_formed) {
-                       ++pair_malformed;
-                       return;
-                     }
-                     p.bytes_in_flight += chunk;  // (a batch's: its records, with their headers)
-                     if (batch) {
-                       p.messages += load<uint16_t>(e + kLeavesAt7);
-                     } else if (flags & kFirstFlag) {
-                       ++p.messages;
-                     }
-                   });
-      if (pair_changed != 0 || pair_malformed != 0) {
-        std::string n;
-        if (pair_changed != 0) n = to_s(pair_changed) + " entries taken while read (in motion)";
-        if (pair_malformed != 0) {
-          n += (n.empty() ? "" : "; ") + to_s(pair_malformed) + " malformed entries not counted";
-        }
-        p.note += (p.note.empty() ? "" : "; ") + n;
-        malformed += pair_malformed;
-      }
-    });
-    if (inconsistent != 0) notes.push_back(to_s(inconsistent) + " rings with inconsistent head and tail");
-    if (malformed != 0) notes.push_back(to_s(malformed) + " malformed entries not counted");
-    if (budget.ran_out) notes.push_back(entries_budget_note(options.max_entries));
+    return;
   }
+  EntryBudget budget{options.max_entries};
+  uint64_t malformed = 0, inconsistent = 0;
+  std::array<uint8_t, kEntryReadBytes> entry{};
+  const bool entry7 = v.version >= kVersion7;
+  const EntriesAt entries_at{kRingControlBytes, v.ring.ring_entries, kEntryBytes};
+  // Each base < arena: no overflow.
+  for_each_pair(v.world, v.ring.rings, v.ring.ring_bytes, d, [&](PairInfo& p, uint64_t base) {
+    const Indices indices = read_indices(fd, file_bytes, base, v.ring.ring_entries, p);
+    if (indices != Indices::kStable) {
+      if (indices == Indices::kBeyondEnd) p.note = "beyond the end of the file";
+      if (indices == Indices::kInconsistent) ++inconsistent;
+      return;  // its entries are not read: which ones are in the ring is unknown
+    }
+    EntryCounter counter{v, v.keyed ? shm::ring_key(v.incarnation, p.src, p.dst) : 0,
+                         entry7 ? kChunkBytesAt7 : kChunkBytesAt, entry7 ? kFlagsAt7 : kFlagsAt,
+                         entry7 ? kSlotAt7 : kSlotAt};
+    read_entries(fd, file_bytes, base, entries_at, entry, "entries beyond the end of the file", budget, p,
+                 [&](uint64_t pos, const uint8_t* e) { counter.count(p, pos, e); });
+    if (counter.changed != 0 || counter.malformed != 0) {
+      std::string n;
+      if (counter.changed != 0) n = to_s(counter.changed) + " entries taken while read (in motion)";
+      if (counter.malformed != 0) {
+        n += (n.empty() ? "" : "; ") + to_s(counter.malformed) + " malformed entries not counted";
+      }
+      p.note += (p.note.empty() ? "" : "; ") + n;
+      malformed += counter.malformed;
+    }
+  });
+  if (inconsistent != 0) notes.push_back(to_s(inconsistent) + " rings with inconsistent head and tail");
+  if (malformed != 0) notes.push_back(to_s(malformed) + " malformed entries not counted");
+  if (budget.ran_out) notes.push_back(entries_budget_note(options.max_entries));
+}
 
-  // The arena's slot states and (version 8) the loan tickets' states of each rank: the same kind
-  // of table (a 32-bit state per 8 bytes, 0 free, else 1 + the rank it was handed to).
-  uint64_t slots_budget = options.max_slots;
-  uint64_t invalid = 0, invalid_tickets = 0;
-  std::vector<uint64_t> per_dst(world);
-  bool slots_note = false;
-  auto read_table = [&](uint64_t base, uint64_t stride, uint32_t count, uint64_t& bad, std::vector<ArenaInfo>& out) {
+// A table of states (a 32-bit state per 8 bytes, 0 free, else 1 + the rank it was handed to) per
+// rank: the arena's slots, or (version 8 on) the loan tickets. Reads `count` states of each
+// owner's table at base + owner * stride within `budget`; counts the states that name no rank
+// into `bad`; sets `over_budget` when a table was left unread.
+struct StateTables {
+  int fd;
+  uint64_t file_bytes;
+  uint32_t world;
+  uint64_t& budget;
+  bool& over_budget;
+
+  void read(uint64_t base, uint64_t stride, uint32_t count, uint64_t& bad, std::vector<ArenaInfo>& out) const {
     std::vector<uint8_t> states(static_cast<size_t>(kArenaSlotBytes * count));  // <= 512 KiB
+    std::vector<uint64_t> per_dst(world);
     for (uint32_t owner = 0; owner < world; ++owner) {
       ArenaInfo a;
       a.owner = owner;
       a.slots = count;
       const uint64_t at = base + uint64_t{owner} * stride;  // <= segment_bytes: no overflow
-      if (slots_budget < count) {
-        slots_note = true;
+      if (budget < count) {
+        over_budget = true;
         a.note = "not read (limit)";
-        out.push_back(std::move(a));
-        continue;
-      }
-      if (at > file_bytes || states.size() > file_bytes - at ||
-          read_at(fd, states.data(), states.size(), at) != states.size()) {
+      } else if (at > file_bytes || states.size() > file_bytes - at ||
+                 read_at(fd, states.data(), states.size(), at) != states.size()) {
         a.note = "beyond the end of the file";
-        out.push_back(std::move(a));
-        continue;
-      }
-      slots_budget -= count;
-      a.read = true;
-      std::fill(per_dst.begin(), per_dst.end(), 0);
-      for (uint32_t s = 0; s < count; ++s) {
-        const uint32_t state = load<uint32_t>(states.data() + uint64_t{s} * kArenaSlotBytes);
-        if (state == kFree) continue;
-        ++a.slots_taken;
-        if (state - 1 < world) {
-          ++per_dst[state - 1];
-        } else {
-          ++a.invalid_states;
-        }
-      }
-      for (uint32_t dst = 0; dst < world; ++dst) {
-        if (per_dst[dst] != 0) a.taken_by_dst.emplace_back(dst, per_dst[dst]);
-      }
-      if (a.invalid_states != 0) {
-        a.note = to_s(a.invalid_states) + " entries in a state that names no rank";
+      } else {
+        budget -= count;
+        a.read = true;
+        count_states(states, count, per_dst, a);
         bad += a.invalid_states;
       }
       out.push_back(std::move(a));
     }
-  };
-  read_table(arena, region_bytes, slots, invalid, d.arenas);
-  for (ArenaInfo& a : d.arenas) a.bytes_taken = a.slots_taken * slot_bytes;  // <= 2^16 * 2^30
-  if (has_loans) read_table(loan_at, loan_region_bytes, loan_tickets, invalid_tickets, d.loans);
+  }
+
+  void count_states(const std::vector<uint8_t>& states, uint32_t count, std::vector<uint64_t>& per_dst,
+                    ArenaInfo& a) const {
+    std::fill(per_dst.begin(), per_dst.end(), 0);
+    for (uint32_t s = 0; s < count; ++s) {
+      const uint32_t state = load<uint32_t>(states.data() + uint64_t{s} * kArenaSlotBytes);
+      if (state == kFree) continue;
+      ++a.slots_taken;
+      if (state - 1 < world) {
+        ++per_dst[state - 1];
+      } else {
+        ++a.invalid_states;
+      }
+    }
+    for (uint32_t dst = 0; dst < world; ++dst) {
+      if (per_dst[dst] != 0) a.taken_by_dst.emplace_back(dst, per_dst[dst]);
+    }
+    if (a.invalid_states != 0) a.note = to_s(a.invalid_states) + " entries in a state that names no rank";
+  }
+};
+
+}  // namespace
+
+LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t* header, size_t header_len,
+                   uint32_t world, const InspectOptions& options) {
+  LayoutDetails d;
+  if (!header_long_enough(version, header_len, kHeaderBytes, d)) return d;
+  const Values v = read_values(version, world, header);
+  add_geometry(v, d);
+  if (std::string note = check_values(v); !note.empty()) {
+    d.note = std::move(note);
+    return d;
+  }
+  if (!read_rank_table(fd, file_bytes, v.ring.rank_table, world, {kRankSlotBytes, kWakeSeqAt, kSleepersAt}, options,
+                       d)) {
+    return d;  // the rank table's place only
+  }
+  std::vector<std::string> notes;
+  read_rings(fd, file_bytes, v, options, d, notes);
+  // The arena's slot states and (version 8 on) the loan tickets' states of each rank.
+  uint64_t slots_budget = options.max_slots;
+  uint64_t invalid = 0, invalid_tickets = 0;
+  bool slots_note = false;
+  const StateTables tables{fd, file_bytes, world, slots_budget, slots_note};
+  tables.read(v.arena, v.region_bytes, v.slots, invalid, d.arenas);
+  for (ArenaInfo& a : d.arenas) a.bytes_taken = a.slots_taken * v.ring.slot_bytes;  // <= 2^16 * 2^30
+  if (v.has_loans) tables.read(v.loans.at, v.loans.region_bytes, v.loans.tickets, invalid_tickets, d.loans);
   if (invalid_tickets != 0) notes.push_back(to_s(invalid_tickets) + " loan tickets in a state that names no rank");
   if (invalid != 0) notes.push_back(to_s(invalid) + " arena slots in a state that names no rank");
   if (slots_note) notes.push_back("more than " + to_s(options.max_slots) + " arena slots: regions partly read");
