@@ -465,6 +465,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             w.join(max(0.0, give_up - time.monotonic()))
             if w.is_alive():
                 w.terminate()
+                w.join(_utils.MP_STATUS_CHECK_INTERVAL)
+            if w.is_alive():  # it ignores SIGTERM (or is stuck in a call that blocks it)
+                w.kill()
                 w.join()
         # What a worker that died without leaving its group left behind (the views main holds
         # keep their mapping).
