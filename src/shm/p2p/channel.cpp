@@ -34,13 +34,10 @@ bool ShmChannel::progress(bool drain_all) {
   return moved;
 }
 
-bool ShmChannel::receive_from(int src, bool drain_all) {
-  std::exception_ptr lost;
-  const bool moved = receiver_.progress(src, drain_all, lost);
+void ShmChannel::lose_to(int src, std::exception_ptr error) {
   // A truncated segment reads as zeros once the bus guard has replaced its pages, which an
   // entry's checks see as corruption: the truncation is the error every op gets.
-  if (lost && !check_poisoned()) fail_peer(src, std::move(lost));
-  return moved;
+  if (!check_poisoned()) fail_peer(src, std::move(error));
 }
 
 void ShmChannel::drain(int src) {

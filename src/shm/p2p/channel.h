@@ -168,8 +168,16 @@ class ShmChannel {
 
  private:
   // One pass over `src`'s ring; a malformed entry fails the pair (or, when the mapping is lost,
-  // everything).
-  bool receive_from(int src, bool drain_all);
+  // everything). Inline: every progress pass calls it once per peer.
+  bool receive_from(int src, bool drain_all) {
+    std::exception_ptr lost;
+    const bool moved = receiver_.progress(src, drain_all, lost);
+    if (lost) [[unlikely]]
+      lose_to(src, std::move(lost));
+    return moved;
+  }
+  // receive_from's failure: the mapping's loss when it is lost, else `src`'s.
+  void lose_to(int src, std::exception_ptr error);
   // check_poisoned found the mapping lost: fails everything (once). Returns true.
   bool fail_poisoned();
   void fail_pending(const std::exception_ptr& error);
