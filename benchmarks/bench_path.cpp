@@ -10,13 +10,16 @@
 //    message (a ping-pong's receiver: the matcher, the op and a progress pass under the lock).
 // With --seed-tree the message is the seed tree (3 leaves, 72 B) moved per-leaf with
 // TensorDict::send and TensorDict::recv (default order): the transfer layer's path as well.
+// With --loan each message is a loan of its sender (ProcessGroupShm::loan) received as a view
+// (recv_view), whose receiver reads its bytes and drops it; the send completes when the ticket
+// comes back (a data loader's batches, an actor's weights by reference).
 //
-//   build/benchmarks/tdshm_bench_path [--bytes N] [--iters N] [--posted-first | --seed-tree] [--instructions]
+//   build/benchmarks/tdshm_bench_path [--bytes N] [--iters N] [--posted-first | --seed-tree | --loan] [--instructions]
 //
-// It prints ns per message (one send and its receive; with --seed-tree, per tree). With --instructions it runs itself twice
-// under valgrind's callgrind (--iters N and 2N) and prints the instructions per message from the
-// difference, counting only the measured loop (the rendezvous and the process's start are
-// left out); hardware counters are not needed (this VM has none).
+// It prints ns per message (one send and its receive; with --seed-tree, per tree). With --instructions it runs itself
+// twice under valgrind's callgrind (--iters N and 2N) and prints the instructions per message from the difference,
+// counting only the measured loop (the rendezvous and the process's start are left out); hardware counters are not
+// needed (this VM has none).
 
 #include <tdshm/distributed.h>
 #include <tdshm/process_group.h>
@@ -46,10 +49,13 @@ struct Options {
   bool instructions = false;
   bool posted_first = false;
   bool seed_tree = false;
+  bool loan = false;
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
-  std::fprintf(stderr, "tdshm_bench_path: %s\nusage: tdshm_bench_path [--bytes N] [--iters N] [--posted-first | --seed-tree] [--instructions]\n",
+  std::fprintf(stderr,
+               "tdshm_bench_path: %s\nusage: tdshm_bench_path [--bytes N] [--iters N] [--posted-first | --seed-tree | "
+               "--loan] [--instructions]\n",
                what.c_str());
   std::exit(2);
 }
@@ -78,11 +84,14 @@ Options parse(int argc, char** argv) {
       o.posted_first = true;
     } else if (a == "--seed-tree") {
       o.seed_tree = true;
+    } else if (a == "--loan") {
+      o.loan = true;
     } else {
       usage_error("bad option " + a);
     }
   }
-  if (o.posted_first && o.seed_tree) usage_error("--seed-tree runs in the default order only (its recv blocks)");
+  if (int{o.posted_first} + int{o.seed_tree} + int{o.loan} > 1)
+    usage_error("--posted-first, --seed-tree and --loan are apart");
   return o;
 }
 
@@ -98,7 +107,19 @@ struct Rig {
   std::array<tdshm::Group, 2> group;
   std::vector<at::Tensor> out, in, back;
   tdshm::TensorDict tree_out, tree_in, tree_back;
+  std::array<std::vector<at::Tensor>, 2> lent;  // --loan: each rank's loan
 };
+
+/// --loan: `from` sends its loan to `to`, which receives it as a view, copies its bytes into
+/// `into` (its own loan, or the check buffer) and drops the view; then the send completes.
+void lend_once(Rig& r, int from, int to, const at::Tensor& into) {
+  auto sent = r.pg[static_cast<size_t>(from)]->send(r.lent[static_cast<size_t>(from)], to, 0);
+  {
+    const at::Tensor view = r.pg[static_cast<size_t>(to)]->recv_view(from, 0);
+    std::memcpy(into.data_ptr(), view.data_ptr(), static_cast<size_t>(view.numel()));
+  }  // (the view's last reference: its ticket goes back)
+  sent->wait();
+}
 
 /// The measured loop, alone in a function that is never inlined: --instructions counts only
 /// what runs inside it (callgrind's --toggle-collect), not the process's start, whose library
@@ -107,7 +128,10 @@ struct Rig {
 [[gnu::noinline]] void measured_round_trips(Rig& r, const Options& o) {
   auto& pg = r.pg;
   for (int i = 0; i < o.iters; ++i) {
-    if (o.seed_tree) {
+    if (o.loan) {
+      lend_once(r, 0, 1, r.lent[1][0]);
+      lend_once(r, 1, 0, r.back[0]);
+    } else if (o.seed_tree) {
       r.tree_out.send({.dst = 1, .group = r.group[0]});
       r.tree_in.recv({.src = 0, .group = r.group[1]});
       r.tree_in.send({.dst = 0, .group = r.group[1]});
@@ -146,6 +170,10 @@ double run(const Options& o) {
   r.tree_out = seed_tree(1.5f);
   r.tree_in = seed_tree(0.0f);
   r.tree_back = seed_tree(0.0f);
+  if (o.loan) {
+    for (size_t k = 0; k < 2; ++k) r.lent[k] = {r.pg[k]->loan({o.bytes}, at::kByte)};
+    r.lent[0][0].copy_(r.out[0]);
+  }
   const auto start = Clock::now();
   measured_round_trips(r, o);
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -159,10 +187,12 @@ double run(const Options& o) {
 
 /// Instructions of `self --bytes B --iters N` under callgrind ("Collected : X" on its stderr).
 long long callgrind_instructions(const std::string& self, const Options& o, int iters) {
-  const std::string cmd = "valgrind --tool=callgrind --callgrind-out-file=/dev/null --collect-atstart=no "
-                          "'--toggle-collect=*measured_round_trips*' '" + self + "' --bytes " +
-                          std::to_string(o.bytes) + " --iters " + std::to_string(iters) + (o.posted_first ? " --posted-first" : "") +
-                          (o.seed_tree ? " --seed-tree" : "") + " 2>&1";
+  const std::string cmd =
+      "valgrind --tool=callgrind --callgrind-out-file=/dev/null --collect-atstart=no "
+      "'--toggle-collect=*measured_round_trips*' '" +
+      self + "' --bytes " + std::to_string(o.bytes) + " --iters " + std::to_string(iters) +
+      (o.posted_first ? " --posted-first" : "") + (o.seed_tree ? " --seed-tree" : "") + (o.loan ? " --loan" : "") +
+      " 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) throw std::runtime_error("cannot run valgrind");
   std::string output;
@@ -174,6 +204,10 @@ long long callgrind_instructions(const std::string& self, const Options& o, int 
     throw std::runtime_error("valgrind --tool=callgrind failed (is valgrind installed?):\n" + output);
   }
   return std::atoll(output.c_str() + at + 12);
+}
+
+const char* mode_name(const Options& o) {
+  return o.posted_first ? ", posted first" : o.loan ? ", a loan as a view" : "";
 }
 
 }  // namespace
@@ -194,8 +228,9 @@ int main(int argc, char** argv) {
         std::printf("seed tree (3 leaves, per-leaf): %.0f instructions per tree (send + receive, both ranks; callgrind, "
                     "%d vs %d round trips)\n", per_message, iters, 2 * iters);
       } else {
-        std::printf("%lld B%s: %.0f instructions per message (send + receive, both ranks; callgrind, %d vs %d round trips)\n",
-                    static_cast<long long>(o.bytes), o.posted_first ? ", posted first" : "", per_message, iters, 2 * iters);
+        std::printf(
+            "%lld B%s: %.0f instructions per message (send + receive, both ranks; callgrind, %d vs %d round trips)\n",
+            static_cast<long long>(o.bytes), mode_name(o), per_message, iters, 2 * iters);
       }
       return 0;
     }
@@ -205,7 +240,7 @@ int main(int argc, char** argv) {
                   seconds * 1e9 / (2.0 * o.iters), o.iters);
     } else {
       std::printf("%lld B%s: %.1f ns per message (send + receive, one thread drives both ranks, %d round trips)\n",
-                  static_cast<long long>(o.bytes), o.posted_first ? ", posted first" : "", seconds * 1e9 / (2.0 * o.iters), o.iters);
+                  static_cast<long long>(o.bytes), mode_name(o), seconds * 1e9 / (2.0 * o.iters), o.iters);
     }
     return 0;
   } catch (const std::exception& e) {
