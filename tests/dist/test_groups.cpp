@@ -21,6 +21,7 @@
 
 #include <errno.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <stdlib.h>  // mkdtemp, setenv, unsetenv
 #include <sys/socket.h>
 #include <unistd.h>
@@ -28,6 +29,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <set>
@@ -212,6 +214,31 @@ INSTANTIATE_TEST_SUITE_P(Methods, DistGroups, kAllMethods, param_name);
 // Errors
 
 // Bad arguments are refused before anything starts (no segment, no store, no socket).
+// gloo writes to its sockets without MSG_NOSIGNAL: a survivor writing to a dead peer's connection
+// would die of SIGPIPE. Making a gloo group ignores SIGPIPE where it has its default disposition
+// (as Python does from its start), and leaves a program's own handler alone.
+void count_sigpipe(int) {}
+
+TEST_F(DistErrorsArgs, AGlooGroupIgnoresSigpipeUnlessTheProgramHandlesIt) {
+  run_default_world(
+      Method::kGlooFile, 2,
+      [](int rank, Flags&) {
+        struct sigaction now {};
+        SHM_CHECK(::sigaction(SIGPIPE, nullptr, &now) == 0, "sigaction: " << std::strerror(errno));
+        if (rank == 0) {
+          SHM_CHECK(now.sa_handler == SIG_IGN, "rank 0: SIGPIPE is not ignored after init_process_group(\"gloo\")");
+        } else {
+          SHM_CHECK(now.sa_handler == &count_sigpipe, "rank 1: the program's own SIGPIPE handler was replaced");
+        }
+      },
+      [](int rank, InitOptions&) {  // before init_process_group, in each rank's process
+        struct sigaction want {};
+        want.sa_handler = rank == 0 ? SIG_DFL : &count_sigpipe;
+        ::sigemptyset(&want.sa_mask);
+        SHM_CHECK(::sigaction(SIGPIPE, &want, nullptr) == 0, "sigaction: " << std::strerror(errno));
+      });
+}
+
 TEST_F(DistErrorsArgs, BadArguments) {
   const std::string name = unique_name();
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 1, [&](int) {
