@@ -49,13 +49,19 @@ struct Incoming : MessageHead {
 /// receive that lands at once (receive_now) requires.
 enum class Mismatch { kNone, kLeaves, kCheck, kBytes, kDtype, kShape };
 
-/// Whether `msg` fits a receive that expects `expect` into `t`, contiguous and `bytes` long. The
-/// checks first: they say why the rest differs (another key, another schema).
-inline Mismatch mismatch(const MessageHead& msg, const MessageCheck& expect, const at::Tensor& t, uint64_t bytes) {
+/// Whether `msg` fits `op`'s checks alone (a recv_view takes any shape): kNone, kLeaves or kCheck.
+inline Mismatch check_mismatch(const MessageHead& msg, const MessageCheck& expect) {
   if (expect.kind != MessageCheck::Kind::kNone && msg.check.kind == expect.kind) {
     if (msg.check.leaves != 0 && expect.leaves != 0 && msg.check.leaves != expect.leaves) return Mismatch::kLeaves;
     if (msg.check.value != expect.value) return Mismatch::kCheck;
   }
+  return Mismatch::kNone;
+}
+
+/// Whether `msg` fits a receive that expects `expect` into `t`, contiguous and `bytes` long. The
+/// checks first: they say why the rest differs (another key, another schema).
+inline Mismatch mismatch(const MessageHead& msg, const MessageCheck& expect, const at::Tensor& t, uint64_t bytes) {
+  if (const Mismatch why = check_mismatch(msg, expect); why != Mismatch::kNone) return why;
   if (msg.total != bytes) return Mismatch::kBytes;
   if (msg.dtype != static_cast<uint8_t>(t.scalar_type())) return Mismatch::kDtype;
   if (msg.ndim != shm::kShapeNotSent) {
@@ -65,15 +71,6 @@ inline Mismatch mismatch(const MessageHead& msg, const MessageCheck& expect, con
                      : !std::equal(sizes.begin(), sizes.end(), msg.dims, msg.dims + msg.ndim)) {
       return Mismatch::kShape;
     }
-  }
-  return Mismatch::kNone;
-}
-
-/// Whether `msg` fits `op`'s checks alone (a recv_view takes any shape): kNone, kLeaves or kCheck.
-inline Mismatch check_mismatch(const MessageHead& msg, const MessageCheck& expect) {
-  if (expect.kind != MessageCheck::Kind::kNone && msg.check.kind == expect.kind) {
-    if (msg.check.leaves != 0 && expect.leaves != 0 && msg.check.leaves != expect.leaves) return Mismatch::kLeaves;
-    if (msg.check.value != expect.value) return Mismatch::kCheck;
   }
   return Mismatch::kNone;
 }

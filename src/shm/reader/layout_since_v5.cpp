@@ -417,16 +417,16 @@ void read_rings(int fd, uint64_t file_bytes, const Values& v, const InspectOptio
 
 // A table of states (a 32-bit state per 8 bytes, 0 free, else 1 + the rank it was handed to) per
 // rank: the arena's slots, or (version 8 on) the loan tickets. Reads `count` states of each
-// owner's table at base + owner * stride within `budget`; counts the states that name no rank
-// into `bad`; sets `over_budget` when a table was left unread.
+// owner's table at base + owner * stride while `budget` (states, for all tables) lasts; counts the
+// states that name no rank into `bad`; sets `over_budget` when a table was left unread.
 struct StateTables {
   int fd;
   uint64_t file_bytes;
   uint32_t world;
-  uint64_t& budget;
-  bool& over_budget;
+  uint64_t budget;
+  bool over_budget = false;
 
-  void read(uint64_t base, uint64_t stride, uint32_t count, uint64_t& bad, std::vector<ArenaInfo>& out) const {
+  void read(uint64_t base, uint64_t stride, uint32_t count, uint64_t& bad, std::vector<ArenaInfo>& out) {
     std::vector<uint8_t> states(static_cast<size_t>(kArenaSlotBytes * count));  // <= 512 KiB
     std::vector<uint64_t> per_dst(world);
     for (uint32_t owner = 0; owner < world; ++owner) {
@@ -489,16 +489,14 @@ LayoutDetails read(uint32_t version, int fd, uint64_t file_bytes, const uint8_t*
   std::vector<std::string> notes;
   read_rings(fd, file_bytes, v, options, d, notes);
   // The arena's slot states and (version 8 on) the loan tickets' states of each rank.
-  uint64_t slots_budget = options.max_slots;
   uint64_t invalid = 0, invalid_tickets = 0;
-  bool slots_note = false;
-  const StateTables tables{fd, file_bytes, world, slots_budget, slots_note};
+  StateTables tables{fd, file_bytes, world, options.max_slots};
   tables.read(v.arena, v.region_bytes, v.slots, invalid, d.arenas);
   for (ArenaInfo& a : d.arenas) a.bytes_taken = a.slots_taken * v.ring.slot_bytes;  // <= 2^16 * 2^30
   if (v.has_loans) tables.read(v.loans.at, v.loans.region_bytes, v.loans.tickets, invalid_tickets, d.loans);
   if (invalid_tickets != 0) notes.push_back(to_s(invalid_tickets) + " loan tickets in a state that names no rank");
   if (invalid != 0) notes.push_back(to_s(invalid) + " arena slots in a state that names no rank");
-  if (slots_note) notes.push_back("more than " + to_s(options.max_slots) + " arena slots: regions partly read");
+  if (tables.over_budget) notes.push_back("more than " + to_s(options.max_slots) + " arena slots: regions partly read");
   for (const std::string& n : notes) d.note += (d.note.empty() ? "" : "; ") + n;
   return d;
 }
