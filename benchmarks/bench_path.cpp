@@ -97,8 +97,8 @@ Options parse(int argc, char** argv) {
 
 /// The seed tree (tdshm bench --td's "seed"): 3 float leaves, 72 B, batch size [2].
 tdshm::TensorDict seed_tree(float fill) {
-  return tdshm::TensorDict({{{"a", "b"}, at::full({2}, fill)}, {"c", at::full({2, 3}, fill)}, {"_", at::full({2, 1, 5}, fill)}},
-                           {2});
+  return tdshm::TensorDict(
+      {{{"a", "b"}, at::full({2}, fill)}, {"c", at::full({2, 3}, fill)}, {"_", at::full({2, 1, 5}, fill)}}, {2});
 }
 
 /// Two ranks of one world in this process, and what they send each other.
@@ -225,8 +225,10 @@ int main(int argc, char** argv) {
       const long long two = callgrind_instructions(self, o, 2 * iters);
       const double per_message = static_cast<double>(two - one) / (2.0 * iters);
       if (o.seed_tree) {
-        std::printf("seed tree (3 leaves, per-leaf): %.0f instructions per tree (send + receive, both ranks; callgrind, "
-                    "%d vs %d round trips)\n", per_message, iters, 2 * iters);
+        std::printf(
+            "seed tree (3 leaves, per-leaf): %.0f instructions per tree (send + receive, both ranks; callgrind, "
+            "%d vs %d round trips)\n",
+            per_message, iters, 2 * iters);
       } else {
         std::printf(
             "%lld B%s: %.0f instructions per message (send + receive, both ranks; callgrind, %d vs %d round trips)\n",
@@ -236,8 +238,10 @@ int main(int argc, char** argv) {
     }
     const double seconds = run(o);
     if (o.seed_tree) {
-      std::printf("seed tree (3 leaves, per-leaf): %.1f ns per tree (send + receive, one thread drives both ranks, %d round trips)\n",
-                  seconds * 1e9 / (2.0 * o.iters), o.iters);
+      std::printf(
+          "seed tree (3 leaves, per-leaf): %.1f ns per tree (send + receive, one thread drives both ranks, %d round "
+          "trips)\n",
+          seconds * 1e9 / (2.0 * o.iters), o.iters);
     } else {
       std::printf("%lld B%s: %.1f ns per message (send + receive, one thread drives both ranks, %d round trips)\n",
                   static_cast<long long>(o.bytes), mode_name(o), seconds * 1e9 / (2.0 * o.iters), o.iters);

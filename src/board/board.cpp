@@ -94,9 +94,11 @@ std::string board_path(const std::string& name) { return std::string(shm::kSegme
 
 void check_name(const std::string& name) {
   bool ok = !name.empty() && name.size() <= 200;
-  for (const char c : name) ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
+  for (const char c : name)
+    ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
   if (!ok || name.front() == '.') {
-    throw SegmentError("tdshm::Board: name '" + name + "' must be 1 to 200 letters, digits, '.', '_' or '-', not starting with '.'");
+    throw SegmentError("tdshm::Board: name '" + name +
+                       "' must be 1 to 200 letters, digits, '.', '_' or '-', not starting with '.'");
   }
 }
 
@@ -144,11 +146,11 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   uint8_t* buffers = nullptr;
   Schema schema;
   std::vector<Leaf> leaves;
-  ReaderSlot* mine = nullptr;  // a reader's slot
-  uint64_t next_version = 1;   // the writer's
+  ReaderSlot* mine = nullptr;         // a reader's slot
+  uint64_t next_version = 1;          // the writer's
   std::chrono::microseconds spin{0};  // wait_newer's
-  uint32_t last_buffer = 0;    // the writer's last choice (round robin keeps pages warm evenly)
-  int64_t open_buffer = -1;    // the writer's buffer between begin() and commit()
+  uint32_t last_buffer = 0;           // the writer's last choice (round robin keeps pages warm evenly)
+  int64_t open_buffer = -1;           // the writer's buffer between begin() and commit()
   dev_t dev = 0;
   ino_t ino = 0;
 
@@ -165,7 +167,9 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   uint32_t free_buffer(const char* what);
   uint64_t publish_buffer(uint32_t chosen);
 
-  BufferHead& head(uint32_t b) const { return *reinterpret_cast<BufferHead*>(buffers + uint64_t{b} * header->buffer_stride); }
+  BufferHead& head(uint32_t b) const {
+    return *reinterpret_cast<BufferHead*>(buffers + uint64_t{b} * header->buffer_stride);
+  }
   uint8_t* bytes(uint32_t b) const { return buffers + uint64_t{b} * header->buffer_stride + sizeof(BufferHead); }
 
   /// Whether a live reader pins buffer `b`; a dead reader's pins are taken back on the way.
@@ -361,12 +365,13 @@ Board Board::open(const std::string& name, BoardOptions options) {
       if (s && s->header->ready.load(std::memory_order_acquire) == 1) {
         // Read once, check, then use: the header's numbers must describe the file mapped.
         const detail::BoardHeader& h = *s->header;
-        const bool sane = h.layout == detail::kBoardLayout && h.readers >= 1 && h.readers <= detail::kMaxReaders &&
-                          h.buffers == h.readers * kPinsPerReader + 2 &&
-                          h.schema_offset == detail::kHeaderBytes + uint64_t{h.readers} * sizeof(detail::ReaderSlot) &&
-                          h.buffer_stride == detail::round_up(sizeof(detail::BufferHead) + h.tree_bytes, detail::kPage) &&
-                          h.buffers_offset == detail::round_up(h.schema_offset + h.schema_bytes, detail::kPage) &&
-                          h.file_bytes == h.buffers_offset + h.buffer_stride * h.buffers;
+        const bool sane =
+            h.layout == detail::kBoardLayout && h.readers >= 1 && h.readers <= detail::kMaxReaders &&
+            h.buffers == h.readers * kPinsPerReader + 2 &&
+            h.schema_offset == detail::kHeaderBytes + uint64_t{h.readers} * sizeof(detail::ReaderSlot) &&
+            h.buffer_stride == detail::round_up(sizeof(detail::BufferHead) + h.tree_bytes, detail::kPage) &&
+            h.buffers_offset == detail::round_up(h.schema_offset + h.schema_bytes, detail::kPage) &&
+            h.file_bytes == h.buffers_offset + h.buffer_stride * h.buffers;
         if (!sane) throw SegmentError("tdshm::Board::open: '" + path + "' is not a board of this layout");
         s->schema = decode_schema({s->map->base + h.schema_offset, h.schema_bytes}, h.tree_bytes);
         detail::collect_leaves(s->schema.root, nullptr, s->leaves);
@@ -407,7 +412,9 @@ namespace detail {
 // A buffer the writer may write: neither the latest nor pinned by a live reader (one always
 // exists: see BoardState).
 uint32_t BoardState::free_buffer(const char* what) {
-  if (!writer) throw Error(std::string("tdshm::Board::") + what + ": this Board is a reader (Board::open); the writer made it with create");
+  if (!writer)
+    throw Error(std::string("tdshm::Board::") + what +
+                ": this Board is a reader (Board::open); the writer made it with create");
   if (open_buffer >= 0) throw Error(std::string("tdshm::Board::") + what + ": a begin() is open; commit() it first");
   const uint64_t latest = header->latest.load(std::memory_order_relaxed);  // only this writer stores it
   const uint32_t count = header->buffers;
@@ -552,7 +559,8 @@ uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) 
 TensorDict Board::like() const {
   const BoardState& s = *state_;
   TensorDict zeros =
-      TensorDict::from_consolidated(at::zeros({static_cast<int64_t>(s.header->tree_bytes)}, at::kByte), s.schema).clone();
+      TensorDict::from_consolidated(at::zeros({static_cast<int64_t>(s.header->tree_bytes)}, at::kByte), s.schema)
+          .clone();
   zeros.unlock_();
   return zeros;
 }

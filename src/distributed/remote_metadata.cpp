@@ -113,10 +113,14 @@ PyValue non_tensor_value(const NonTensorData& v) {
   return std::visit(
       [](const auto& x) -> PyValue {
         using T = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<T, std::string>) return PyValue::str(x);
-        else if constexpr (std::is_same_v<T, int64_t>) return PyValue::integer(x);
-        else if constexpr (std::is_same_v<T, double>) return PyValue::floating(x);
-        else return PyValue::boolean(x);
+        if constexpr (std::is_same_v<T, std::string>)
+          return PyValue::str(x);
+        else if constexpr (std::is_same_v<T, int64_t>)
+          return PyValue::integer(x);
+        else if constexpr (std::is_same_v<T, double>)
+          return PyValue::floating(x);
+        else
+          return PyValue::boolean(x);
       },
       v);
 }
@@ -143,12 +147,14 @@ PyValue node_to_metadata(const SchemaNode& node, std::vector<std::string>& path,
                            PyValue::integer(static_cast<int64_t>(t->start)),
                            PyValue::integer(static_cast<int64_t>(t->stop + t->pad)), PyValue::integer(t->pad)})});
     } else if (const auto* v = std::get_if<NonTensorData>(&entry.value)) {
-      non_tensors.as_dict("non_tensors").entries.push_back(
-          {PyValue::str(entry.key), PyValue::tuple({non_tensor_value(*v), batch, device_value(node.device)})});
+      non_tensors.as_dict("non_tensors")
+          .entries.push_back(
+              {PyValue::str(entry.key), PyValue::tuple({non_tensor_value(*v), batch, device_value(node.device)})});
     } else {
       const auto& child = std::get<std::shared_ptr<SchemaNode>>(entry.value);
       if (contains(kNodeFields, entry.key) || (root && contains(kRootFields, entry.key))) {
-        fail("child ", quoted(path, entry.key), " cannot be sent to tensordict: its key is a field of the metadata dict");
+        fail("child ", quoted(path, entry.key),
+             " cannot be sent to tensordict: its key is a field of the metadata dict");
       }
       path.push_back(entry.key);
       children.emplace_back(entry.key, node_to_metadata(*child, path, false));
@@ -237,9 +243,9 @@ class Reader {
     size_t li = 0;
     size_t ci = 0;
     while (li < leaf_entries.size() || ci < child_entries.size()) {
-      const bool take_leaf =
-          ci == child_entries.size() ||
-          (li < leaf_entries.size() && std::get<SchemaTensor>(leaf_entries[li].value).start <= child_entries[ci].second);
+      const bool take_leaf = ci == child_entries.size() ||
+                             (li < leaf_entries.size() &&
+                              std::get<SchemaTensor>(leaf_entries[li].value).start <= child_entries[ci].second);
       out.entries.push_back(take_leaf ? std::move(leaf_entries[li++]) : std::move(child_entries[ci++].first));
     }
     if (lazy) lazy_batch_size(out);
@@ -310,8 +316,8 @@ class Reader {
     const auto& s = std::get<std::string>(key.v);
     if (s.empty()) fail("\"", field, "\" of node ", quoted(path_), " has an empty key");
     if (s.size() > kSchemaMaxKeyBytes) {
-      fail("\"", field, "\" of node ", quoted(path_), " has a key of ", s.size(), " bytes, more than kSchemaMaxKeyBytes = ",
-           kSchemaMaxKeyBytes);
+      fail("\"", field, "\" of node ", quoted(path_), " has a key of ", s.size(),
+           " bytes, more than kSchemaMaxKeyBytes = ", kSchemaMaxKeyBytes);
     }
     return s;
   }
@@ -332,12 +338,15 @@ class Reader {
     if (v.kind() != PyKind::kList && v.kind() != PyKind::kTuple) {
       fail(what, " is a ", pickle::type_name(v), " (", pickle::repr(v), "), expected a list of int");
     }
-    const auto& items = v.kind() == PyKind::kList ? std::get<pickle::PyList>(v.v).items : std::get<pickle::PyTuple>(v.v).items;
-    if (items.size() > kSchemaMaxDims) fail(what, " has ", items.size(), " dimensions, more than kSchemaMaxDims = ", kSchemaMaxDims);
+    const auto& items =
+        v.kind() == PyKind::kList ? std::get<pickle::PyList>(v.v).items : std::get<pickle::PyTuple>(v.v).items;
+    if (items.size() > kSchemaMaxDims)
+      fail(what, " has ", items.size(), " dimensions, more than kSchemaMaxDims = ", kSchemaMaxDims);
     std::vector<int64_t> out;
     out.reserve(items.size());
     for (const auto& item : items) {
-      if (item.kind() != PyKind::kInt) fail(what, " holds a ", pickle::type_name(item), " (", pickle::repr(v), "), expected int");
+      if (item.kind() != PyKind::kInt)
+        fail(what, " holds a ", pickle::type_name(item), " (", pickle::repr(v), "), expected int");
       const int64_t d = std::get<int64_t>(item.v);
       if (d < 0) fail(what, " ", pickle::repr(v), " has a negative dimension");
       out.push_back(d);
@@ -358,11 +367,16 @@ class Reader {
     const PyValue* is_locked = nullptr;
     for (const auto& e : v.as_dict(where).entries) {
       const std::string& key = e.key.as_str("a key of " + where);
-      if (key == "device") device = &e.value;
-      else if (key == "names") names = &e.value;
-      else if (key == "batch_size") batch_size = &e.value;
-      else if (key == "is_locked") is_locked = &e.value;
-      else fail(where, " has the unknown field '", key, "'");
+      if (key == "device")
+        device = &e.value;
+      else if (key == "names")
+        names = &e.value;
+      else if (key == "batch_size")
+        batch_size = &e.value;
+      else if (key == "is_locked")
+        is_locked = &e.value;
+      else
+        fail(where, " has the unknown field '", key, "'");
     }
     if (batch_size == nullptr) fail(where, " lacks \"batch_size\"");
     out.batch_size = dims(*batch_size, "batch_size of node " + quoted(path_));
@@ -370,7 +384,8 @@ class Reader {
     if (names != nullptr && !names->is_none()) {
       const auto& items = names->as_list("names of node " + quoted(path_)).items;
       if (items.size() != out.batch_size.size()) {
-        fail("names of node ", quoted(path_), " has ", items.size(), " entries for ", out.batch_size.size(), " batch dimensions");
+        fail("names of node ", quoted(path_), " has ", items.size(), " entries for ", out.batch_size.size(),
+             " batch dimensions");
       }
       for (const auto& n : items) {
         if (!n.is_none()) n.as_str("a name of node " + quoted(path_));
@@ -397,7 +412,8 @@ class Reader {
     }
     if (stack_dim == nullptr) fail(where, " lacks \"stack_dim\"");
     const int64_t dim = stack_dim->as_int("stack_dim of lazy stack " + quoted(path_));
-    if (dim < 0 || dim > static_cast<int64_t>(kSchemaMaxDims)) fail("lazy stack ", quoted(path_), " has stack_dim ", dim);
+    if (dim < 0 || dim > static_cast<int64_t>(kSchemaMaxDims))
+      fail("lazy stack ", quoted(path_), " has stack_dim ", dim);
     out.lazy_stack_dim = dim;
   }
 
@@ -406,15 +422,17 @@ class Reader {
   void lazy_batch_size(SchemaNode& out) const {
     for (const auto& e : out.entries) {
       if (!std::holds_alternative<std::shared_ptr<SchemaNode>>(e.value)) {
-        fail("lazy stack ", quoted(path_), " holds the ", std::holds_alternative<SchemaTensor>(e.value) ? "leaf" : "non-tensor",
-             " '", e.key, "': a lazy stack holds only its members");
+        fail("lazy stack ", quoted(path_), " holds the ",
+             std::holds_alternative<SchemaTensor>(e.value) ? "leaf" : "non-tensor", " '", e.key,
+             "': a lazy stack holds only its members");
       }
     }
     std::vector<int64_t> batch;
     if (!out.entries.empty()) batch = std::get<std::shared_ptr<SchemaNode>>(out.entries[0].value)->batch_size;
     const int64_t dim = *out.lazy_stack_dim;
     if (dim > static_cast<int64_t>(batch.size())) {
-      fail("lazy stack ", quoted(path_), " has stack_dim ", dim, " but its members have ", batch.size(), " batch dimensions");
+      fail("lazy stack ", quoted(path_), " has stack_dim ", dim, " but its members have ", batch.size(),
+           " batch dimensions");
     }
     batch.insert(batch.begin() + dim, static_cast<int64_t>(out.entries.size()));
     out.batch_size = std::move(batch);
@@ -443,7 +461,8 @@ class Reader {
     if (key.rfind("<NJT", 0) == 0) fail(what, " is part of a nested jagged tensor, which tdshm does not support");
     const auto& items = v.as_tuple(what).items;
     if (items.size() == 6) fail(what, " is a ragged (nested jagged) leaf, which tdshm does not support");
-    if (items.size() != 5) fail(what, " is a tuple of ", items.size(), " items, expected (dtype, shape, start, stop, pad)");
+    if (items.size() != 5)
+      fail(what, " is a tuple of ", items.size(), " items, expected (dtype, shape, start, stop, pad)");
     SchemaTensor t;
     const std::string& dtype_name = items[0].as_str("dtype of " + what);
     const auto dtype = dtype_from_torch_string(dtype_name);
@@ -458,7 +477,8 @@ class Reader {
     const int64_t stop = items[3].as_int("stop of " + what);
     const int64_t pad = items[4].as_int("pad of " + what);
     if (start < 0 || stop < 0 || pad < 0 || pad > 7) {
-      fail(what, " has start ", start, ", stop ", stop, ", pad ", pad, ": offsets must be non-negative and pad at most 7");
+      fail(what, " has start ", start, ", stop ", stop, ", pad ", pad,
+           ": offsets must be non-negative and pad at most 7");
     }
     uint64_t numel = 1;
     for (int64_t d : t.shape) {
@@ -473,8 +493,8 @@ class Reader {
     const auto ustart = static_cast<uint64_t>(start);
     const auto ustop = static_cast<uint64_t>(stop);
     if (ustop < ustart || ustop - ustart != nbytes + static_cast<uint64_t>(pad)) {
-      fail(what, " spans stop - start = ", stop, " - ", start, " bytes but its shape needs numel ", numel, " * itemsize ",
-           c10::elementSize(t.dtype), " + pad ", pad, " = ", nbytes + static_cast<uint64_t>(pad));
+      fail(what, " spans stop - start = ", stop, " - ", start, " bytes but its shape needs numel ", numel,
+           " * itemsize ", c10::elementSize(t.dtype), " + pad ", pad, " = ", nbytes + static_cast<uint64_t>(pad));
     }
     if (ustop > storage_bytes_) fail(what, " ends at byte ", stop, ", past the storage of ", storage_bytes_, " bytes");
     t.start = ustart;

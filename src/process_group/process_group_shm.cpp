@@ -10,11 +10,11 @@
 #include "shm/engine/engine.h"
 
 #include <ATen/core/ivalue.h>
+#include <c10/util/SmallVector.h>
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <span>
-#include <c10/util/SmallVector.h>
 
 namespace tdshm {
 
@@ -41,7 +41,10 @@ class ShmWork final : public detail::BatchWork {
   static void operator delete(void* p) noexcept { detail::RecycledBlocks<sizeof(ShmWork)>::put(p); }
 
   ShmWork(std::shared_ptr<ShmEngine> engine, OpList&& ops, c10d::OpType type, at::Tensor output = {})
-      : detail::BatchWork(engine->rank(), type), engine_(std::move(engine)), ops_(std::move(ops)), output_(std::move(output)) {}
+      : detail::BatchWork(engine->rank(), type),
+        engine_(std::move(engine)),
+        ops_(std::move(ops)),
+        output_(std::move(output)) {}
   /// A single message's Work (none pending when `op` is null: it completed as it was posted). The
   /// op is moved straight into ops_: an initializer list would copy the shared_ptr, and a list
   /// built outside would be moved once more.
@@ -51,7 +54,9 @@ class ShmWork final : public detail::BatchWork {
   }
   /// A receive from `source` into `tensor` that completed as it was posted (ShmEngine::post_recv).
   ShmWork(std::shared_ptr<ShmEngine> engine, const at::Tensor& tensor, int source)
-      : detail::BatchWork(engine->rank(), c10d::OpType::RECV), engine_(std::move(engine)), output_(tensor),
+      : detail::BatchWork(engine->rank(), c10d::OpType::RECV),
+        engine_(std::move(engine)),
+        output_(tensor),
         source_(source) {}
 
   /// Makes this Work, which nobody else holds (RecvWorkPool), a fresh receive: a batch over
@@ -146,7 +151,8 @@ class ShmWork final : public detail::BatchWork {
   }
 
   void abort() override {
-    engine_->cancel(ops_, std::make_exception_ptr(TransportError("the operation was aborted (Work::abort) before it completed")));
+    engine_->cancel(
+        ops_, std::make_exception_ptr(TransportError("the operation was aborted (Work::abort) before it completed")));
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
@@ -195,8 +201,9 @@ class ShmWork final : public detail::BatchWork {
   }
   void abort_message(size_t i) override {
     if (const std::shared_ptr<ShmOp>* op = message(i); op != nullptr) {
-      engine_->cancel(std::span(op, 1), std::make_exception_ptr(
-                                            TransportError("the operation was aborted (Work::abort) before it completed")));
+      engine_->cancel(
+          std::span(op, 1),
+          std::make_exception_ptr(TransportError("the operation was aborted (Work::abort) before it completed")));
     }
   }
   uint16_t message_sender_leaves(size_t i) const override {
@@ -233,8 +240,8 @@ class ShmWork final : public detail::BatchWork {
 
   std::shared_ptr<ShmEngine> engine_;
   OpList ops_;
-  at::Tensor output_;  // what result() returns: the received or broadcast tensor
-  int source_ = -1;    // a receive that completed as it was posted: its source (it has no op)
+  at::Tensor output_;   // what result() returns: the received or broadcast tensor
+  int source_ = -1;     // a receive that completed as it was posted: its source (it has no op)
   bool batch_ = false;  // a batch (shm_group_seam.h): wait() stops at the first failure
   size_t batch_size_ = 0;
   c10::SmallVector<uint32_t, 4> positions_;
@@ -290,7 +297,8 @@ class RecvWorkPool {
       } unclaim{claimed_};
       for (auto& w : works_) {
         if (w && w.use_count() == 1) {
-          static_cast<ShmWork*>(w.get())->reuse_as_recv(std::move(ops), tensor, source, batch);  // only ShmWorks are kept
+          static_cast<ShmWork*>(w.get())->reuse_as_recv(std::move(ops), tensor, source,
+                                                        batch);  // only ShmWorks are kept
           return w;
         }
       }
@@ -338,8 +346,8 @@ void ProcessGroupShm::shutdown(std::exception_ptr reason) noexcept {
   // The engine first: a collective that runs fails at once; those not started fail in close().
   if (engine_) engine_->shutdown(reason);
   if (collectives_) {
-    collectives_->close(reason ? reason
-                               : std::make_exception_ptr(Error("the process group was destroyed before this collective ran")));
+    collectives_->close(
+        reason ? reason : std::make_exception_ptr(Error("the process group was destroyed before this collective ran")));
   }
 }
 

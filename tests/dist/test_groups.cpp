@@ -62,8 +62,8 @@ void transfer(c10d::ProcessGroup& pg, int from, int to, uint64_t seed, int tag) 
   } else if (pg.getRank() == to) {
     const at::Tensor received = at::zeros_like(values);
     SHM_CHECK(post_recv(pg, received, from, tag)->wait(kGroupTimeout), "recv from " << from << " did not complete");
-    SHM_CHECK(same_bytes(received, values), "group rank " << to << " received other values from " << from
-                                                          << " (tag " << tag << ")");
+    SHM_CHECK(same_bytes(received, values),
+              "group rank " << to << " received other values from " << from << " (tag " << tag << ")");
   }
 }
 
@@ -89,7 +89,6 @@ class GroupsTest : public DistTest {
       finish(*flags, world);
     }));
   }
-
 };
 
 class DistGroups : public GroupsTest, public ::testing::WithParamInterface<Method> {};
@@ -125,10 +124,18 @@ TEST_P(DistGroups, InitSendRecvDestroyAndInitAgain) {
 
     destroy_process_group();
     SHM_CHECK(!is_initialized());
-    SHM_CHECK_THROWS(Error, [] { default_group(); }, "not initialized");
-    SHM_CHECK_THROWS(Error, [] { get_rank(); }, "not initialized");
-    SHM_CHECK_THROWS(Error, [] { get_world_size(); }, "not initialized");
-    SHM_CHECK_THROWS(Error, [] { new_group({0, 1}); }, "not initialized");
+    SHM_CHECK_THROWS(
+        Error, [] { default_group(); }, "not initialized");
+    SHM_CHECK_THROWS(
+        Error, [] { get_rank(); }, "not initialized");
+    SHM_CHECK_THROWS(
+        Error, [] { get_world_size(); }, "not initialized");
+    SHM_CHECK_THROWS(
+        Error,
+        [] {
+          new_group({0, 1});
+        },
+        "not initialized");
     // A Group the user still holds keeps its backend alive after destroy_process_group.
     ping_pong(world.backend(), 1, 0, 20, 5);
     world = Group{};
@@ -149,19 +156,22 @@ TEST_P(DistGroups, InitSendRecvDestroyAndInitAgain) {
 TEST_P(DistGroups, NewGroupWithARankOutside) {
   const Method m = GetParam();
   run_in_world(m, 3, [&](int rank, Flags& flags) {
-
     // Group A: members 2 and 0, in that order (group rank 0 is global rank 2).
     if (rank == 1) {
       const Group a = new_group({2, 0});
       SHM_CHECK(!a.defined() && !a.registered(), "a non-member got a defined group");
-      SHM_CHECK_THROWS(Error, [&] { a.backend(); }, "not defined");
-      SHM_CHECK_THROWS(Error, [&] { a.rank(); }, "not defined");
+      SHM_CHECK_THROWS(
+          Error, [&] { a.backend(); }, "not defined");
+      SHM_CHECK_THROWS(
+          Error, [&] { a.rank(); }, "not defined");
       // Unlike "no group", it is refused by transfers (as torch refuses NON_GROUP_MEMBER), before
       // any message.
       SHM_CHECK(a.is_non_member() && !Group{}.is_non_member());
       TensorDict td({{"x", at::ones({1})}}, {1});
-      SHM_CHECK_THROWS(Error, [&] { td.send({.dst = 0, .group = a}); }, "not a member");
-      SHM_CHECK_THROWS(Error, [&] { td.recv({.src = 0, .group = a}); }, "not a member");
+      SHM_CHECK_THROWS(
+          Error, [&] { td.send({.dst = 0, .group = a}); }, "not a member");
+      SHM_CHECK_THROWS(
+          Error, [&] { td.recv({.src = 0, .group = a}); }, "not a member");
       flags.returned[0].store(1, std::memory_order_release);
     } else {
       wait_until(flags.returned[0], 1, "the non-member of group A to return from new_group");
@@ -173,9 +183,12 @@ TEST_P(DistGroups, NewGroupWithARankOutside) {
       SHM_CHECK(a.rank() == (rank == 2 ? 0 : 1), "group rank " << a.rank() << " on global rank " << rank);
       SHM_CHECK(a.group_rank(2) == 0 && a.group_rank(0) == 1);
       SHM_CHECK(a.global_rank(0) == 2 && a.global_rank(1) == 0);
-      SHM_CHECK_THROWS(Error, [&] { a.group_rank(1); }, "not a member");
-      SHM_CHECK_THROWS(Error, [&] { a.global_rank(2); }, "outside");
-      SHM_CHECK_THROWS(Error, [&] { a.global_rank(-1); }, "outside");
+      SHM_CHECK_THROWS(
+          Error, [&] { a.group_rank(1); }, "not a member");
+      SHM_CHECK_THROWS(
+          Error, [&] { a.global_rank(2); }, "outside");
+      SHM_CHECK_THROWS(
+          Error, [&] { a.global_rank(-1); }, "outside");
       ping_pong(a.backend(), 0, 1, 40, 11);
       // The default group is untouched by the subgroup.
       SHM_CHECK(get_rank() == rank && get_world_size() == 3);
@@ -197,10 +210,26 @@ TEST_P(DistGroups, NewGroupWithARankOutside) {
 
 TEST_P(DistGroups, NewGroupRejectsBadRanks) {
   run_in_world(GetParam(), 2, [](int rank, Flags&) {
-    SHM_CHECK_THROWS(Error, [] { new_group({}); }, "empty");
-    SHM_CHECK_THROWS(Error, [] { new_group({0, 1, 0}); }, "rank 0", "twice");
-    SHM_CHECK_THROWS(Error, [] { new_group({0, 2}); }, "rank 2", "outside");
-    SHM_CHECK_THROWS(Error, [] { new_group({-1, 0}); }, "rank -1", "outside");
+    SHM_CHECK_THROWS(
+        Error, [] { new_group({}); }, "empty");
+    SHM_CHECK_THROWS(
+        Error,
+        [] {
+          new_group({0, 1, 0});
+        },
+        "rank 0", "twice");
+    SHM_CHECK_THROWS(
+        Error,
+        [] {
+          new_group({0, 2});
+        },
+        "rank 2", "outside");
+    SHM_CHECK_THROWS(
+        Error,
+        [] {
+          new_group({-1, 0});
+        },
+        "rank -1", "outside");
     // Refused calls take no group number: the next valid call still meets on every rank.
     const Group g = new_group({1, 0});
     SHM_CHECK(g.defined() && g.rank() == 1 - rank);
@@ -248,7 +277,8 @@ TEST_F(DistErrorsArgs, BadArguments) {
     ::unsetenv("MASTER_PORT");
     const auto refused = [](const std::string& backend, const InitOptions& o, const std::vector<std::string>& needles) {
       try {
-        check_throws<Error>(__FILE__, __LINE__, [&] { init_process_group(backend, o); }, needles);
+        check_throws<Error>(
+            __FILE__, __LINE__, [&] { init_process_group(backend, o); }, needles);
       } catch (const CheckFailure& e) {
         throw CheckFailure(std::string(e.what()) + " [backend \"" + backend + "\", init_method \"" + o.init_method +
                            "\", rank " + std::to_string(o.rank) + ", world_size " + std::to_string(o.world_size) + "]");
@@ -263,9 +293,9 @@ TEST_F(DistErrorsArgs, BadArguments) {
     refused("shm", {.rank = 0, .world_size = 1, .init_method = "shm://"}, {"empty"});
     SHM_CHECK_THROWS(SegmentError,
                      [] { init_process_group("shm", {.rank = 0, .world_size = 1, .init_method = "shm://a b"}); });
-    for (const char* method : {"tcp://127.0.0.1", "tcp://:29500", "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000",
-                                      "tcp://127.0.0.1:29x", "tcp://::1:29500", "udp://127.0.0.1:29500",
-                                      "file://", "shm://x"}) {
+    for (const char* method :
+         {"tcp://127.0.0.1", "tcp://:29500", "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000", "tcp://127.0.0.1:29x",
+          "tcp://::1:29500", "udp://127.0.0.1:29500", "file://", "shm://x"}) {
       refused("gloo", {.rank = 0, .world_size = 1, .init_method = method}, {method});
     }
     refused("gloo", {.rank = 0, .world_size = 1, .init_method = "tcp://127.0.0.1"}, {"tcp://HOST:PORT", "file://PATH"});
@@ -287,7 +317,8 @@ TEST_F(DistErrorsArgs, BadArguments) {
       refused(backend, {.rank = -1, .world_size = 2, .init_method = method}, {"RANK", "one", "not an integer"});
       ::unsetenv("RANK");
     }
-    SHM_CHECK_THROWS(Error, [] { gloo_group_from_store({}, 0, 1); }, "null");
+    SHM_CHECK_THROWS(
+        Error, [] { gloo_group_from_store({}, 0, 1); }, "null");
   }));
 }
 
@@ -299,11 +330,13 @@ TEST_P(DistErrors, SecondInitIsRefused) {
   const Rendezvous second = rendezvous(m);
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 1, [&](int rank) {
     const Group g = init_process_group(backend_of(m), init_options(first, rank, 1));
-    SHM_CHECK_THROWS(Error, [&] { init_process_group(backend_of(m), init_options(first, rank, 1)); },
-                     "already initialized", "destroy_process_group");
-    SHM_CHECK_THROWS(Error, [&] { init_process_group(backend_of(m), init_options(second, rank, 1)); },
-                     "already initialized");
-    SHM_CHECK_THROWS(Error, [&] { init_process_group("nccl", {}); }, "already initialized");
+    SHM_CHECK_THROWS(
+        Error, [&] { init_process_group(backend_of(m), init_options(first, rank, 1)); }, "already initialized",
+        "destroy_process_group");
+    SHM_CHECK_THROWS(
+        Error, [&] { init_process_group(backend_of(m), init_options(second, rank, 1)); }, "already initialized");
+    SHM_CHECK_THROWS(
+        Error, [&] { init_process_group("nccl", {}); }, "already initialized");
     SHM_CHECK(is_initialized() && default_group().backend_ptr().get() == g.backend_ptr().get());
     SHM_CHECK(get_rank() == 0 && get_world_size() == 1);
     const Group sub = new_group({0});
@@ -363,29 +396,43 @@ TEST_P(DistStandalone, GlooGroupFromStore) {
       so.isServer = rank == 0;
       so.numWorkers = 2;
       so.timeout = kGroupTimeout;
-      store = c10::make_intrusive<c10d::PrefixStore>(
-          "standalone/", c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so));
+      store =
+          c10::make_intrusive<c10d::PrefixStore>("standalone/", c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so));
     }
-    SHM_CHECK_THROWS(Error, [&] { gloo_group_from_store(store, 2, 2); }, "rank 2", "[0, 2)");
+    SHM_CHECK_THROWS(
+        Error, [&] { gloo_group_from_store(store, 2, 2); }, "rank 2", "[0, 2)");
     const Group g = gloo_group_from_store(store, rank, 2, kGroupTimeout);
     SHM_CHECK(g.defined() && !g.registered() && g.global_ranks().empty());
     SHM_CHECK(!is_initialized(), "a standalone group became the default group");
     SHM_CHECK(g.backend_name() == "gloo" && g.rank() == rank && g.size() == 2);
-    SHM_CHECK_THROWS(Error, [&] { g.group_rank(0); }, "standalone", "group_dst");
+    SHM_CHECK_THROWS(
+        Error, [&] { g.group_rank(0); }, "standalone", "group_dst");
     SHM_CHECK(g.global_rank(1) == 1, "a standalone group's global_rank is the identity");
-    SHM_CHECK_THROWS(Error, [&] { g.global_rank(2); }, "outside");
+    SHM_CHECK_THROWS(
+        Error, [&] { g.global_rank(2); }, "outside");
     // Group's own checks of its arguments.
-    SHM_CHECK_THROWS(Error, [] { Group{c10::intrusive_ptr<c10d::ProcessGroup>()}; }, "null");
-    SHM_CHECK_THROWS(Error, [&] { Group(g.backend_ptr(), {0}); }, "1 global ranks", "size 2");
-    SHM_CHECK_THROWS(Error, [&] { Group(g.backend_ptr(), {3, 3}); }, "twice");
-    SHM_CHECK_THROWS(Error, [&] { Group(g.backend_ptr(), {-1, 0}); }, "negative");
+    SHM_CHECK_THROWS(
+        Error, [] { Group{c10::intrusive_ptr<c10d::ProcessGroup>()}; }, "null");
+    SHM_CHECK_THROWS(
+        Error, [&] { Group(g.backend_ptr(), {0}); }, "1 global ranks", "size 2");
+    SHM_CHECK_THROWS(
+        Error,
+        [&] {
+          Group(g.backend_ptr(), {3, 3});
+        },
+        "twice");
+    SHM_CHECK_THROWS(
+        Error,
+        [&] {
+          Group(g.backend_ptr(), {-1, 0});
+        },
+        "negative");
     ping_pong(g.backend(), 0, 1, 70, 19);
     all_done(*flags, 2);
   }));
 }
 
-INSTANTIATE_TEST_SUITE_P(Stores, DistStandalone, ::testing::Values(Method::kGlooFile, Method::kGlooTcp),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Stores, DistStandalone, ::testing::Values(Method::kGlooFile, Method::kGlooTcp), param_name);
 
 }  // namespace
 }  // namespace tdshm::test

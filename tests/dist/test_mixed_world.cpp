@@ -36,7 +36,7 @@ namespace {
 constexpr std::chrono::seconds kWorldDeadline{90};
 
 struct MixedCase {
-  Method method;     // where the ranks meet (kGlooFile / kGlooTcp / kGlooEnv)
+  Method method;       // where the ranks meet (kGlooFile / kGlooTcp / kGlooEnv)
   std::string layout;  // one letter per global rank: 'C' C++, 'P' Python
   int unchecked = -1;  // a C++ rank that sets InitOptions::checked_wire = false
 };
@@ -49,12 +49,9 @@ std::string case_name(const ::testing::TestParamInfo<MixedCase>& info) {
 
 std::string init_method_of(const Rendezvous& rv) {
   switch (rv.method) {
-    case Method::kGlooFile:
-      return "file://" + rv.file;
-    case Method::kGlooTcp:
-      return "tcp://127.0.0.1:" + std::to_string(rv.port);
-    default:
-      return "env://";
+    case Method::kGlooFile: return "file://" + rv.file;
+    case Method::kGlooTcp: return "tcp://127.0.0.1:" + std::to_string(rv.port);
+    default: return "env://";
   }
 }
 

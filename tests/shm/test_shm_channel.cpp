@@ -269,7 +269,8 @@ TEST_F(ShmChannelTest, BadArgumentsAreRefused) {
   const std::array<int64_t, 1> tags{0};
   const std::array<MessageCheck, 1> checks{};
   for (const int dst : {-1, 0, 2}) {  // 0 is the sender itself
-    SHM_CHECK_THROWS(c10::Error, [&] { ch(0).post_sends(tensors, dst, tags, checks, false); }, "destination rank");
+    SHM_CHECK_THROWS(
+        c10::Error, [&] { ch(0).post_sends(tensors, dst, tags, checks, false); }, "destination rank");
   }
   // A receiving tensor whose elements overlap (expanded) cannot be written.
   const std::array<at::Tensor, 1> overlapping{at::zeros({1}, at::kFloat).expand({4})};
@@ -426,7 +427,8 @@ TEST_F(ShmChannelTest, NothingLandsAtOnceFromALostPeerOrOnAClosedChannel) {
   auto op = ch(0).post_send(pattern(at::kFloat, 4, 6), 1, 1, {}, false);
   ASSERT_TRUE(is_done(op));
   EXPECT_TRUE(failure(op).is<TransportError>());
-  SHM_CHECK_THROWS(c10::Error, [&] { ch(0).post_send(at::zeros({4}, at::kFloat), 0, 1, {}, false); }, "destination rank");
+  SHM_CHECK_THROWS(
+      c10::Error, [&] { ch(0).post_send(at::zeros({4}, at::kFloat), 0, 1, {}, false); }, "destination rank");
 }
 
 }  // namespace
