@@ -23,8 +23,9 @@ struct WireLines {
 
 /// The lines of a message of `bytes` and `ndim` dimensions (2 or more: the entry's shape line) in
 /// layout `version` (8: the arena for every message past 72 bytes; 9: spans) with rings of
-/// `ring_entries` entries.
-WireLines wire_lines(int version, size_t bytes, unsigned ring_entries, int ndim = 1);
+/// `ring_entries` entries, to a receiver that asks for `asked` lines after the one it polls while
+/// it waits (shm::kWaitPrefetchLines; 0 before it did).
+WireLines wire_lines(int version, size_t bytes, unsigned ring_entries, int ndim, int asked);
 
 /// A message of a per-leaf transfer: its bytes and dimensions.
 struct Leaf {
@@ -34,7 +35,7 @@ struct Leaf {
 
 /// The lines of `leaves` sent together to one receiver (a per-leaf transfer's send_batch): from
 /// layout 10 on, one batch entry when two or more fit a span, else one message each.
-WireLines batch_lines(int version, const std::vector<Leaf>& leaves, unsigned ring_entries);
+WireLines batch_lines(int version, const std::vector<Leaf>& leaves, unsigned ring_entries, int asked);
 
 /// Prints the model for `sizes` (up to 64 KiB, 1-D) and for the seed tree's three leaves (8 bytes
 /// [2], 24 bytes [2, 3], 40 bytes [2, 1, 5]) sent per leaf, layout 8 beside this build's.

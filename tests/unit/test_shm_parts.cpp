@@ -19,10 +19,10 @@
 #include "shm/parts/ring.h"
 
 #include <atomic>
-#include <climits>
-#include <cmath>
 #include <bit>
 #include <chrono>
+#include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -145,6 +145,48 @@ TEST(ShmRing, ViewAddressesEntriesModuloTheirCount) {
   EXPECT_EQ(reinterpret_cast<uint8_t*>(&r.view.shape(1)), base + 128 + 192 + 128);
   // The last entry ends where the buffer does.
   EXPECT_EQ(r.view.entry_base(3) + kEntryBytes, base + r.buffer.size());
+}
+
+TEST(ShmRing, LinesAfterAnEntryGoOnAtEntryZeroAndStayInTheRing) {
+  TestRing r(2);
+  uint8_t* start = r.buffer.data() + sizeof(RingControl);
+  uint8_t* end = r.buffer.data() + r.buffer.size();
+  auto lines = [&](uint64_t position, int n) {
+    std::vector<const uint8_t*> out;
+    r.view.for_lines_after(position, n, [&](const uint8_t* line) { out.push_back(line); });
+    return out;
+  };
+  // Entry 0: its lines 1 and 2, then entry 1's three lines.
+  EXPECT_EQ(lines(0, kWaitPrefetchLines),
+            (std::vector<const uint8_t*>{start + 64, start + 128, start + 192, start + 256, start + 320}));
+  // Entry 1 (position 3: the second lap): its lines 1 and 2, then entry 0's, from the ring's start.
+  EXPECT_EQ(lines(3, 5), (std::vector<const uint8_t*>{start + 256, start + 320, start, start + 64, start + 128}));
+  // Any count, at any position: every line inside the ring, on a line boundary, one after another.
+  for (uint64_t position : {0ull, 1ull, 2ull, 1001ull}) {
+    const auto all = lines(position, 20);
+    ASSERT_EQ(all.size(), 20u);
+    for (size_t i = 0; i < all.size(); ++i) {
+      EXPECT_GE(all[i], start);
+      EXPECT_LT(all[i], end);
+      EXPECT_EQ((all[i] - start) % 64, 0);
+      const uint8_t* before = i == 0 ? r.view.entry_base(position) : all[i - 1];
+      EXPECT_EQ(all[i], before + 64 == end ? start : before + 64);
+    }
+  }
+  EXPECT_TRUE(lines(0, 0).empty());
+}
+
+TEST(ShmRing, TheReadyHintSaysWhatPeekSays) {
+  TestRing r(4);
+  for (uint64_t i = 0; i < 9; ++i) {  // over two laps and a wrap of the lines it asks for
+    EXPECT_FALSE(r.consumer.ready_hint()) << i;
+    ASSERT_TRUE(r.producer.has_room());
+    fill_entry(r.producer, i);
+    EXPECT_FALSE(r.consumer.ready_hint()) << i;  // filled, not published
+    r.producer.publish();
+    EXPECT_TRUE(r.consumer.ready_hint()) << i;
+    r.pop(i);
+  }
 }
 
 TEST(ShmRing, ProducerHasRoomUntilFullThenAfterEachConsume) {
@@ -406,8 +448,7 @@ TEST_F(ShmRingCheck, HostileEntriesAreRefused) {
   constexpr uint32_t whole = kEntryFirst | kEntryLast;
   // An inline chunk larger than the entry holds.
   EXPECT_EQ(check(through_ring(whole | kEntryInline, 73, 0, 73, 0)), "inline chunk of 73 bytes");
-  EXPECT_EQ(check(through_ring(whole | kEntryInline, 1u << 31, 0, 1u << 31, 0)),
-            "inline chunk of 2147483648 bytes");
+  EXPECT_EQ(check(through_ring(whole | kEntryInline, 1u << 31, 0, 1u << 31, 0)), "inline chunk of 2147483648 bytes");
   // A slot the sender's region does not have.
   EXPECT_EQ(check(through_ring(whole, 100, 0, 100, 64)), "arena slot 64 of 64");
   EXPECT_EQ(check(through_ring(whole, 100, 0, 100, 0xffffffffu)), "arena slot 4294967295 of 64");
@@ -870,7 +911,7 @@ TEST(ShmArena, ReclaimFreesExactlyTheSlotsOfOneReceiver) {
   TestRegion r(1000, 10);
   SlotAllocator alloc(r.view);
   for (uint32_t k = 0; k < 10; ++k) ASSERT_EQ(alloc.take(k % 3), std::optional<uint32_t>(k));  // dst = slot % 3
-  release_slot(r.view, 4);  // rank 1 already gave one back
+  release_slot(r.view, 4);          // rank 1 already gave one back
   EXPECT_EQ(alloc.reclaim(1), 2u);  // slots 1 and 7
   for (uint32_t s = 0; s < 10; ++s) {
     if (s % 3 == 1) {
@@ -879,10 +920,10 @@ TEST(ShmArena, ReclaimFreesExactlyTheSlotsOfOneReceiver) {
       EXPECT_EQ(r.view.state(s).load(), s % 3 + 1) << "slot " << s;
     }
   }
-  EXPECT_EQ(alloc.reclaim(1), 0u);   // nothing left of rank 1
-  EXPECT_EQ(alloc.reclaim(5), 0u);   // a rank that holds nothing
-  EXPECT_EQ(alloc.reclaim(2), 3u);   // slots 2, 5, 8
-  EXPECT_EQ(alloc.reclaim(0), 4u);   // slots 0, 3, 6, 9
+  EXPECT_EQ(alloc.reclaim(1), 0u);  // nothing left of rank 1
+  EXPECT_EQ(alloc.reclaim(5), 0u);  // a rank that holds nothing
+  EXPECT_EQ(alloc.reclaim(2), 3u);  // slots 2, 5, 8
+  EXPECT_EQ(alloc.reclaim(0), 4u);  // slots 0, 3, 6, 9
   for (uint32_t s = 0; s < 10; ++s) EXPECT_EQ(r.view.state(s).load(), kSlotFree) << "slot " << s;
   // Reclaimed slots are taken again.
   uint32_t taken = 0;
