@@ -41,6 +41,9 @@ WireLines wire_lines(int version, size_t bytes, unsigned ring_entries, int ndim,
     w.order = asked >= 1 ? "entry lines 0 and 1 together" : "entry line 0, then line 1 (the rest of the bytes)";
   } else if (version >= 9 && bytes <= shm::span_limit(ring_entries)) {
     entries += shm::span_entries(bytes);
+    // In a ping-pong of one size the last message was as long: after a span of more than one
+    // entry, the waiting receiver asks for its entry's own lines only.
+    if (asked > 0 && shm::span_entries(bytes) > 1) asked = std::min(asked, shm::kWaitPrefetchLinesAfterSpan);
     w.forward = 1 + static_cast<double>(lines_of(bytes));
     w.steps = span_steps(lines_of(bytes), asked);
     w.order = w.steps == 1 ? "entry line 0 and the span's " + std::to_string(lines_of(bytes)) + " lines together"
@@ -95,8 +98,9 @@ void print_wire_lines(const std::vector<size_t>& sizes, unsigned ring_entries) {
       "\ncache lines crossing between the two cores per message (a model from the segment layout, a\n"
       "%u-entry ring; forward: written by the sender, read by the receiver; back: the other way;\n"
       "steps: the receiver's fetches that wait for the one before; this build's receiver, while it\n"
-      "waits, asks for the %d lines after the one it polls, which then come with it)\n",
-      ring_entries, shm::kWaitPrefetchLines);
+      "waits, asks for the %d lines after the one it polls, which then come with it; %d after a span\n"
+      "of more than one entry)\n",
+      ring_entries, shm::kWaitPrefetchLines, shm::kWaitPrefetchLinesAfterSpan);
   const std::string build = "this build (" + std::to_string(shm::kLayoutVersion) + ")";
   std::printf("%9s  %23s  %23s  %s\n", "size", "layout 8 fwd/back/steps", build.c_str(), "this build, in order");
   auto row = [&](const std::string& label, const std::vector<Leaf>& messages) {

@@ -189,6 +189,23 @@ TEST(ShmRing, TheReadyHintSaysWhatPeekSays) {
   }
 }
 
+TEST(ShmRing, AWaitingConsumerAsksForFewerLinesAfterALongSpan) {
+  TestRing r(8);
+  EXPECT_EQ(r.consumer.wait_lines(), kWaitPrefetchLines);  // nothing received yet
+  const std::vector<uint8_t> bytes(3 * kEntryBytes, 7);
+  for (const uint64_t span : {0, 1, 2, 0, 3, 1}) {
+    ASSERT_TRUE(r.producer.has_room(1 + span));
+    fill_entry(r.producer, span);
+    r.producer.write_span(bytes.data(), span * kEntryBytes);
+    r.producer.publish(span);
+    EntryFields f;
+    ASSERT_TRUE(r.consumer.peek(f));
+    r.consumer.consume(span);
+    EXPECT_EQ(r.consumer.wait_lines(), span <= 1 ? kWaitPrefetchLines : kWaitPrefetchLinesAfterSpan) << span;
+    EXPECT_EQ(RingConsumer(r.consumer).wait_lines(), r.consumer.wait_lines());  // copies keep it
+  }
+}
+
 TEST(ShmRing, ProducerHasRoomUntilFullThenAfterEachConsume) {
   constexpr uint32_t n = 4;
   TestRing r(n);

@@ -131,11 +131,16 @@ class RingProducer {
   uint64_t tail_ = 0;
 };
 
-/// Lines after an entry's first that a waiting consumer asks for (RingConsumer::ready_hint): the
-/// entry's other two (inline bytes past 24, a shape) and the next entry's three (a span or a
-/// batch of up to 192 bytes). Each is a prefetch: a line in cache costs one instruction, one the
-/// producer has since written is fetched while the consumer waits anyway.
+/// Lines after an entry's first that a waiting consumer asks for (RingConsumer::ready_hint), as
+/// the last message from its producer was: after one of at most one span entry (inline, a batch,
+/// a span of up to 192 bytes) the entry's other two lines (inline bytes past 24, a shape) and the
+/// next entry's three (such a span or batch); after a longer span, the entry's own two only (a
+/// slot's index, a shape). Each is a prefetch: a line in cache costs one instruction, one the
+/// producer has written since is fetched while the consumer waits anyway. A long span's first
+/// lines are not asked for: taking them from a producer still copying the span made 2-3 KiB
+/// spans slower (docs/benchmarks.md).
 inline constexpr int kWaitPrefetchLines = 5;
+inline constexpr int kWaitPrefetchLinesAfterSpan = 2;
 
 /// The consumer's end (process-local state: its position). The position is an atomic (relaxed:
 /// a plain load and store on x86) only so that ready_hint() may read it without the lock that
@@ -144,10 +149,12 @@ class RingConsumer {
  public:
   RingConsumer() = default;
   explicit RingConsumer(RingView ring) noexcept : ring_(ring) {}
-  RingConsumer(const RingConsumer& other) noexcept : ring_(other.ring_), pos_(other.position()) {}
+  RingConsumer(const RingConsumer& other) noexcept
+      : ring_(other.ring_), pos_(other.position()), wait_lines_(other.wait_lines_.load(std::memory_order_relaxed)) {}
   RingConsumer& operator=(const RingConsumer& other) noexcept {
     ring_ = other.ring_;
     pos_.store(other.position(), std::memory_order_relaxed);
+    wait_lines_.store(other.wait_lines_.load(std::memory_order_relaxed), std::memory_order_relaxed);
     return *this;
   }
 
@@ -171,6 +178,7 @@ class RingConsumer {
   void consume(uint64_t span = 0) noexcept {
     const uint64_t next = position() + 1 + span;
     pos_.store(next, std::memory_order_relaxed);
+    wait_lines_.store(span <= 1 ? kWaitPrefetchLines : kWaitPrefetchLinesAfterSpan, std::memory_order_relaxed);
     ring_.control().tail.store(next, std::memory_order_release);  // the entry may be reused now
   }
   uint64_t position() const noexcept { return pos_.load(std::memory_order_relaxed); }
@@ -185,20 +193,24 @@ class RingConsumer {
   }
   /// Whether an entry seems published at the current position, without the lock that guards the
   /// consumer (a hint: the position may move meanwhile; peek() under the lock decides). While it
-  /// is not, the lines a message there may fill after the first are asked for (prefetch_after):
-  /// its producer writes them before the seq word, so they come with line 0 instead of a round
-  /// of line transfers after it (an inline message past 24 bytes, a shape, a span or batch of up
-  /// to three lines: the seed tree). Measured where lines cross cores slowly: docs/benchmarks.md.
+  /// is not, the lines a message there may fill after the first are asked for (wait_lines(),
+  /// prefetch_after): its producer writes them before the seq word, so they come with line 0
+  /// instead of a round of line transfers after it (an inline message past 24 bytes, a shape, a
+  /// span or batch of up to three lines: the seed tree).
   bool ready_hint() const noexcept {
     const uint64_t pos = position();
     if (ring_.header(pos).seq.load(std::memory_order_relaxed) == ring_.seq(pos)) return true;
-    ring_.prefetch_after(pos, kWaitPrefetchLines);
+    ring_.prefetch_after(pos, wait_lines());
     return false;
   }
+  /// The lines ready_hint() asks for while it waits: kWaitPrefetchLines, or
+  /// kWaitPrefetchLinesAfterSpan after a span of more than one entry.
+  int wait_lines() const noexcept { return wait_lines_.load(std::memory_order_relaxed); }
 
  private:
   RingView ring_;
   std::atomic<uint64_t> pos_{0};
+  std::atomic<uint8_t> wait_lines_{kWaitPrefetchLines};  // atomic for ready_hint(), as pos_
 };
 
 }  // namespace tdshm::shm
