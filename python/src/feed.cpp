@@ -97,7 +97,8 @@ void bind_feed(py::module_& m) {
           },
           py::arg("header"), py::arg("tensors"),
           "Hands the next item to the consumer: `header` (bytes) and `tensors` (dense CPU tensors; loans by "
-          "reference, others copied into the heap, or by value when the consumer holds it).")
+          "reference, those of at most 4 KiB by value, others copied into the heap, or by value when the "
+          "consumer holds it).")
       .def(
           "close",
           [](tdshm::FeedProducer& p) {

@@ -7,6 +7,7 @@
 #include "feed/heap_allocator.h"
 
 #include "process_group/batch_work.h"
+#include "process_group/shm_group_seam.h"
 
 #include <tdshm/errors.h>
 #include <tdshm/feed.h>
@@ -75,6 +76,10 @@ constexpr uint64_t kLeafSlack = 256;  // heap bytes per tensor beyond its own (t
 
 uint64_t tensor_bytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
+// A tensor this small travels by value, never in a loan (FeedProducer::put).
+constexpr uint64_t kSmallBytes = uint64_t{4} << 10;
+bool small(const at::Tensor& t) { return tensor_bytes(t) <= kSmallBytes; }
+
 // What /dev/shm holds in all (total) and has free now, in bytes (0, 0 when it cannot be read).
 struct ShmSpace {
   uint64_t total = 0;
@@ -107,10 +112,10 @@ class FeedProducerState {
   ~FeedProducerState() { leave(); }
 
   // A loan, waiting for room while the consumer gives loans back (see room()), else undefined.
-  at::Tensor try_loan(at::IntArrayRef sizes, at::ScalarType dtype) {
+  at::Tensor try_loan(at::IntArrayRef sizes, at::ScalarType dtype, size_t lending = 0) {
     if (!pg_ || closed_) return {};
     while (true) {
-      if (ticket_free()) {
+      if (ticket_free(lending)) {
         if (at::Tensor t = pg_->try_loan(sizes, dtype); t.defined()) return t;
       }
       if (!room()) return {};
@@ -127,34 +132,67 @@ class FeedProducerState {
   }
 
   void put(std::span<const uint8_t> header, const std::vector<at::Tensor>& tensors) {
+    using feed::detail_producer::kLeafSlack;
+    using feed::detail_producer::small;
+    using feed::detail_producer::tensor_bytes;
     if (closed_) throw Error("FeedProducer '" + name_ + "': put after close()");
     uint64_t need = 0;
+    size_t leaves = 0;  // tensors that travel in the heap
     for (const auto& t : tensors) {
       if (!t.defined() || t.device().type() != c10::DeviceType::CPU || t.layout() != c10::kStrided) {
         throw TypeError("FeedProducer::put: tensor " + std::to_string(&t - tensors.data()) +
                         " must be a defined dense CPU tensor");
       }
-      need += feed::detail_producer::tensor_bytes(t) + feed::detail_producer::kLeafSlack;
+      if (small(t)) continue;
+      need += tensor_bytes(t) + kLeafSlack;
+      ++leaves;
     }
     if (tensors.size() > feed::kMaxTensors) throw Error("FeedProducer::put: more than 2^20 tensors");
-    fit(need, tensors.size());
+    fit(need, leaves);
     feed::FrameHead head;
     head.tensors = static_cast<uint32_t>(tensors.size());
-    send_by_value(feed::detail_producer::frame_tensor(head, header));
+    // The frame and the tensors go as one batch of messages (one lock, one wake-up of the
+    // consumer; a run of small ones by value is one ring entry). is_lent[i]: message i lends a
+    // loan (its Work completes once the consumer dropped its view).
+    std::vector<at::Tensor>& msgs = messages_;
+    msgs.clear();
+    msgs.push_back(feed::detail_producer::frame_tensor(head, header));
+    std::vector<bool>& is_lent = is_lent_;
+    is_lent.assign(1, false);
     prune();
+    size_t lending = 0;  // loans this put lends so far (each takes a ticket)
     for (const auto& t : tensors) {
-      // A loan whose send would wait for a ticket the consumer holds is cloned: by value.
       at::Tensor out;
-      if (t.is_contiguous() && pg_->is_loan(t) && (ticket_free() || (room() && ticket_free()))) {
+      if (small(t) && !pg_->is_loan(t)) {
+        // A loan costs more than copying a few KiB (a ticket, a reference, a view on the other
+        // side): by value.
+        out = t.is_contiguous() ? t : t.contiguous();
+      } else if (t.is_contiguous() && pg_->is_loan(t) && (ticket_free(lending) || (room() && ticket_free(lending)))) {
         out = t;
-      } else if ((out = try_loan(t.sizes(), t.scalar_type())).defined()) {
+      } else if ((out = try_loan(t.sizes(), t.scalar_type(), lending)).defined()) {
         out.copy_(t);
       } else {
-        send_by_value(pg_->is_loan(t) || !t.is_contiguous() ? t.clone(at::MemoryFormat::Contiguous) : t);
-        continue;
+        // A loan whose send would wait for a ticket the consumer holds is cloned: by value.
+        out = pg_->is_loan(t) || !t.is_contiguous() ? t.clone(at::MemoryFormat::Contiguous) : t;
       }
-      std::vector<at::Tensor> one{out};
-      lent_.push_back(pg_->send(one, 0, feed::kFrameTag));
+      const bool lent = pg_->is_loan(out);
+      lending += lent ? 1 : 0;
+      is_lent.push_back(lent);
+      msgs.push_back(std::move(out));
+    }
+    const std::vector<int> tags(msgs.size(), feed::kFrameTag);
+    const std::vector<MessageCheck> checks(msgs.size());
+    const c10::intrusive_ptr<BatchWork> batch = ShmGroupSeam::send_batch(*pg_, msgs, 0, tags, checks);
+    msgs.clear();
+    if (batch) {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works = batch->messages();
+      for (size_t i = 0; i < works.size(); ++i) {
+        if (is_lent[i]) {
+          lent_.push_back(std::move(works[i]));
+        } else if (!works[i]->isCompleted()) {
+          pending_.push_back(std::move(works[i]));
+        }
+      }
     }
     flush();
     ++items_;
@@ -254,9 +292,10 @@ class FeedProducerState {
     }
   }
 
-  bool ticket_free() {
+  // A ticket is free for one more loan, beyond `lending` that the put being made lends.
+  bool ticket_free(size_t lending = 0) {
     prune();
-    return lent_.size() + 1 < tickets_;
+    return lent_.size() + lending + 1 < tickets_;
   }
 
   // The heap (or its tickets) is full: waits up to FeedOptions::room_wait for the consumer to give
@@ -300,6 +339,8 @@ class FeedProducerState {
   std::vector<uint8_t> td_header_;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;
   std::vector<c10::intrusive_ptr<c10d::Work>> lent_;
+  std::vector<at::Tensor> messages_;  // put's messages, kept for their capacity
+  std::vector<bool> is_lent_;
   std::vector<std::string> joined_;  // every group this producer joined or tried to (swept at the end)
 };
 
@@ -311,7 +352,9 @@ FeedProducer::FeedProducer(FeedProducer&&) noexcept = default;
 FeedProducer& FeedProducer::operator=(FeedProducer&&) noexcept = default;
 FeedProducer::~FeedProducer() = default;
 
-at::Tensor FeedProducer::try_loan(at::IntArrayRef sizes, at::ScalarType dtype) { return state_->try_loan(sizes, dtype); }
+at::Tensor FeedProducer::try_loan(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return state_->try_loan(sizes, dtype);
+}
 
 std::optional<TensorDict> FeedProducer::try_loan(const TensorDict& like) {
   const TensorDict c = like.consolidate();  // (a copy unless consolidated: only its schema is kept)

@@ -129,6 +129,9 @@ TEST_F(Feed, RawItemsAndAGrowingHeap) {
   EXPECT_TRUE(at::equal(b->tensors[0], at::arange(8, at::kInt)));
   EXPECT_TRUE(at::equal(b->tensors[1], at::full({3}, 2.5)));
   EXPECT_TRUE(at::equal(b->tensors[2], at::arange(20, at::kLong).view({4, 5}).t()));
+  EXPECT_TRUE(release_view(b->tensors[0])) << "a loan goes by reference, however small";
+  EXPECT_FALSE(release_view(b->tensors[1])) << "a small tensor that is no loan travels by value";
+  EXPECT_FALSE(release_view(b->tensors[2])) << "a small strided one too";
   std::vector<FeedItem> held;
   for (size_t i = 0; i < sizes.size(); ++i) {
     std::optional<FeedItem> it = c.next_from(0);
@@ -211,6 +214,7 @@ TEST_F(Feed, AllocationsInTheHeapScopeLieInTheHeap) {
   EXPECT_TRUE(at::all(it->tensors[0] == 7.0f).item<bool>());
   EXPECT_TRUE(at::equal(it->tensors[1], at::full({3}, 2.0f)));
   EXPECT_TRUE(release_view(it->tensors[0])) << "the heap's tensor arrives as a view of the producer's loan";
+  EXPECT_FALSE(release_view(it->tensors[1])) << "a tensor of at most 4 KiB travels by value";
   EXPECT_FALSE(c.next_from(0).has_value());
   ASSERT_TRUE(producer.wait(60s));
   EXPECT_TRUE(producer.ok()) << producer.describe();
