@@ -12,8 +12,8 @@ multi-process iterator differs. How a batch travels:
   worker, never the user's default group. An item is a header (the answer pickled with every
   tensor left out) and the tensors. A tensor in the worker's heap goes by reference and main
   receives a view of it, no copy; the default collate stacks the samples straight into the heap,
-  and any other tensor is copied into it (or, when main holds the heap, sent by value: never a
-  wait, never an overwrite);
+  a tensor of at most 4 KiB goes by value, and any other is copied into the heap (or, when main
+  holds the heap, sent by value: never a wait, never an overwrite);
 * the heap is sized from the worker's first batch (the feed grows its group when a batch
   outgrows it).
 
@@ -91,6 +91,43 @@ def _join(header, leaves):
     return _HeaderUnpickler(io.BytesIO(header), leaves).load()
 
 
+# Main's messages to a worker go through a pipe as a 4-byte length and the message pickled, in one
+# write: a Connection's send pickles with torch's reducers and its recv reads twice, which cost
+# main and the worker more than the rest of a task's round.
+
+
+def _send(conn, msg):
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(len(data).to_bytes(4, "little") + data)
+    fd = conn.fileno()
+    while view:  # a write larger than the pipe's buffer, or one a signal cut short, goes on
+        view = view[os.write(fd, view):]
+
+
+class _Inbox:
+    """A worker's end of main's pipe: the messages read so far."""
+
+    def __init__(self, conn):
+        self.fd = conn.fileno()
+        self.buf = bytearray()
+
+    def read(self):
+        """The messages completed by what the pipe holds now (it must be readable: a read that
+        finds nothing means main closed its end, EOFError)."""
+        data = os.read(self.fd, 1 << 16)
+        if not data:
+            raise EOFError
+        self.buf += data
+        msgs = []
+        while len(self.buf) >= 4:
+            n = int.from_bytes(self.buf[:4], "little")
+            if len(self.buf) < 4 + n:
+                break
+            msgs.append(pickle.loads(self.buf[4:4 + n]))
+            del self.buf[:4 + n]
+        return msgs
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker side
 
@@ -100,7 +137,7 @@ class _Outbox:
 
     def __init__(self, name, index, num_workers, prefetch, parent, tasks):
         self.parent = parent
-        self.tasks = tasks
+        self.inbox = _Inbox(tasks)
         # One poll object for the pipe: Connection.poll builds a selector on every call (a third
         # of what reading a task cost the worker).
         self.readable = select.poll()
@@ -115,11 +152,15 @@ class _Outbox:
     def _check(self):
         # Run while a put waits for main (its first join, room): a "stop" ends the wait (main shut
         # the iterator down and will not join); tasks are kept for the loop.
-        while self.tasks.poll():
-            msg = self.tasks.recv()
-            if msg[0] == "stop":
-                raise _MainGone()
-            self._keep(msg)
+        while self.readable.poll(0):
+            try:
+                msgs = self.inbox.read()
+            except EOFError:
+                raise _MainGone() from None
+            for msg in msgs:
+                if msg[0] == "stop":
+                    raise _MainGone()
+                self._keep(msg)
 
     def _keep(self, msg):
         # Main sends its tasks a few at a time ("tasks", [(idx, index), ...]): one wake-up each.
@@ -136,9 +177,11 @@ class _Outbox:
                 if os.getppid() != self.parent:
                     return None
             try:
-                self._keep(self.tasks.recv())
+                msgs = self.inbox.read()
             except EOFError:
                 return None
+            for msg in msgs:
+                self._keep(msg)
         return self.early.pop(0)
 
     def loan_like(self, shape, dtype):
@@ -148,13 +191,9 @@ class _Outbox:
     def answer(self, kind, idx, payload):
         """kind: "data" (payload: the batch), "error" (an ExceptionWrapper), "stop", "resumed".
         Raises _MainGone once main left the feed (it shut the iterator down) or died."""
-        if kind == "data":
-            header, leaves = _split(payload)
-        else:
-            header, leaves = payload, []
-        data = pickle.dumps((kind, idx, header), protocol=pickle.HIGHEST_PROTOCOL)
+        header, leaves = _split((kind, idx, payload))
         try:
-            self.producer.put(data, leaves)
+            self.producer.put(header, leaves)
         except RuntimeError as e:
             if _main_left(e) or os.getppid() != self.parent:
                 raise _MainGone() from None
@@ -337,7 +376,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if not first_iter:
             # Persistent workers: each answers what it was still asked, then acknowledges.
             for tasks in self._tasks:
-                tasks.send(("resume",))
+                _send(tasks, ("resume",))
             for w in range(self._num_workers):
                 while self._receive(w)[0] != "resumed":
                     pass
@@ -348,7 +387,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     def _flush_tasks(self, worker):
         if self._unsent[worker]:
-            self._tasks[worker].send(("tasks", self._unsent[worker]))
+            _send(self._tasks[worker], ("tasks", self._unsent[worker]))
             self._unsent[worker] = []
 
     def _try_put_index(self):
@@ -437,11 +476,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         # end, as torch's does: a terminal's Ctrl-C reaches them too, and they exit at once.
         if item is None:
             self._lost(worker, EOFError("the worker closed its feed"))
-        header, tensors = item
-        kind, idx, body = pickle.loads(header)
-        if kind != "data":
-            return kind, idx, body
-        return kind, idx, _join(body, tensors)
+        return _join(*item)  # (kind, task index, body)
 
     # ---- shutting down ----
 
@@ -457,7 +492,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._feed.shutdown()
         for tasks in self._tasks:
             try:
-                tasks.send(("stop",))
+                _send(tasks, ("stop",))
             except (BrokenPipeError, OSError):
                 pass
         give_up = time.monotonic() + _utils.MP_STATUS_CHECK_INTERVAL

@@ -211,6 +211,10 @@ class LoaderTest(unittest.TestCase):
         self.check_same(ds, batch_size=3, sampler=list(reversed(range(20))), num_workers=2, prefetch_factor=1)
         self.check_same(ds, batch_sampler=[[1, 2], [7], [3, 4, 5], [19, 0]], num_workers=2, prefetch_factor=3)
         self.check_same(ds, batch_size=None, num_workers=2)  # one sample at a time, not collated
+        # Tasks of 40,000 indices each: main's messages outgrow the pipe's buffer and a worker's
+        # read, and arrive in pieces.
+        self.check_same(range(7), batch_sampler=[[i % 7 for i in range(k, k + 40000)] for k in range(5)],
+                        num_workers=2)
 
     def test_iterable_dataset(self):
         for workers in (2, 3):
