@@ -42,8 +42,11 @@ void ShmEngine::check_peers() {
     } else {
       channel.reclaim_loans(p);
     }
-    log().warn("segment '{}': {} is gone; its pending transfers failed ({} arena slots taken back)", name_,
-               segment_->describe_rank(static_cast<uint32_t>(p)), reclaimed);
+    // A rank that left on purpose (a loader's main ending its iterator mid-epoch) is no news: the
+    // transfers with it fail with the error above; a death is worth a warning.
+    log().log(process_alive ? spdlog::level::info : spdlog::level::warn,
+              "segment '{}': {} {}; its pending transfers failed ({} arena slots taken back)", name_,
+              segment_->describe_rank(static_cast<uint32_t>(p)), process_alive ? "left" : "is gone", reclaimed);
   }
 }
 
