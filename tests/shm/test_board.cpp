@@ -221,6 +221,28 @@ TEST_F(Board, AVersionWrittenInPlaceIsSeenOnlyOnceCommitted) {
   }
 }
 
+// Trees whose tensors are not contiguous are published and read element by element (a
+// contiguous one is a memcpy); the elements a strided destination skips are left alone.
+TEST_F(Board, StridedTreesArePublishedAndReadElementByElement) {
+  set_deadline(60s);
+  const std::string name = board_name();
+  auto writer = tdshm::Board::create(name, weights(64, 0), {.readers = 1});
+  auto reader = tdshm::Board::open(name);
+  const at::Tensor w = at::arange(128, at::kFloat).slice(0, 0, 128, 2);  // 0, 2, ..., 126
+  const at::Tensor step = at::arange(8, at::kLong).slice(0, 1, 8, 2);    // 1, 3, 5, 7
+  ASSERT_FALSE(w.is_contiguous());
+  EXPECT_EQ(writer.publish(TensorDict({{"w", w}, {{"n", "step"}, step}}, {})), 1u);
+  TensorDict mine = reader.like();
+  EXPECT_EQ(reader.read(mine), 1u);
+  EXPECT_TRUE(at::equal(mine.get("w"), w.contiguous()));
+  EXPECT_TRUE(at::equal(mine.get(Key("n") / "step"), step.contiguous()));
+  const at::Tensor base = at::full({128}, -1.0f);
+  TensorDict into({{"w", base.slice(0, 1, 128, 2)}, {{"n", "step"}, at::zeros({4}, at::kLong)}}, {});
+  EXPECT_EQ(reader.read(into), 1u);
+  EXPECT_TRUE(at::equal(base.slice(0, 1, 128, 2), w));
+  EXPECT_TRUE(at::all(base.slice(0, 0, 128, 2) == -1.0f).item<bool>()) << "the elements between stay";
+}
+
 // wait_newer sleeps until a publish wakes it, and throws TimeoutError when none comes.
 TEST_F(Board, WaitNewerWakesOnPublishAndTimesOut) {
   set_deadline(60s);
