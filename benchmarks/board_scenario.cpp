@@ -135,10 +135,13 @@ int board_rank(int kind, int readers, int updates, const std::string& name, Shar
             const char one = 1;
             if (::write(sh.notify[r][1], &one, 1) != 1) throw std::system_error(errno, std::generic_category(), "notify");
           }
-          for (int r = 0; r < readers; ++r) {
-            char got = 0;
-            if (::read(sh.ack[0], &got, 1) != 1) throw std::system_error(errno, std::generic_category(), "ack");
-          }
+        }
+        // Every reader acks once it has its copy: TorchRL's pattern does, and the board's writer
+        // waits the same way here (blocked, not spinning: a spinning writer would take a CPU from
+        // the readers it waits for), only so that each update's latency is measured alone.
+        for (int r = 0; r < readers; ++r) {
+          char got = 0;
+          if (::read(sh.ack[0], &got, 1) != 1) throw std::system_error(errno, std::generic_category(), "ack");
         }
         spin_until([&] {
           for (int r = 0; r < readers; ++r) {
@@ -185,10 +188,8 @@ int board_rank(int kind, int readers, int updates, const std::string& name, Shar
                                  " / " + std::to_string(end) + " at update " + std::to_string(u));
       }
       lat.push_back(visible - sh.stamp[u]);
-      if (!board) {
-        const char one = 1;
-        if (::write(sh.ack[1], &one, 1) != 1) throw std::system_error(errno, std::generic_category(), "ack");
-      }
+      const char one = 1;
+      if (::write(sh.ack[1], &one, 1) != 1) throw std::system_error(errno, std::generic_category(), "ack");
       sh.seen[r].store(u);
     }
     for (size_t i = 0; i < lat.size(); i += 40) {
