@@ -75,6 +75,11 @@ class Board {
   /// writes elsewhere) until the last of its tensors is dropped. Error when this reader already
   /// holds kPinsPerReader versions; TimeoutError-free: 0 versions published is an Error.
   TensorDict view();
+  /// Reader: view()'s tensors without the tree, as (key, view) in key order (sorted at each
+  /// level, depth first): what a binding builds its own tree from, with no TensorDict built (from
+  /// Python a view of 5 leaves takes 1.2 us so, 2.5 through view()). The same pin as view()'s:
+  /// held until the last of them is dropped.
+  std::vector<std::pair<Key, at::Tensor>> view_leaves();
   /// Waits until a version newer than `version` is published and returns it: it checks for
   /// BoardOptions::spin, then sleeps on a futex (no spinning while idle); TimeoutError after
   /// `timeout`.

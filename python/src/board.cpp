@@ -55,6 +55,22 @@ tdshm::TensorDict tree_of(py::handle tree) {
   return td;
 }
 
+// Nested dicts of the leaves, in their order (keys sorted at each level: the order dict_of gives).
+py::dict dict_of(std::vector<std::pair<tdshm::Key, at::Tensor>> leaves) {
+  py::dict out;
+  for (auto& [key, tensor] : leaves) {
+    py::dict node = out;
+    const std::vector<std::string>& parts = key.parts();
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      py::str part(parts[i]);
+      if (!node.contains(part)) node[part] = py::dict();
+      node = py::reinterpret_borrow<py::dict>(node[part]);
+    }
+    node[py::str(parts.back())] = py::cast(std::move(tensor));
+  }
+  return out;
+}
+
 py::dict dict_of(const tdshm::TensorDict& td) {
   py::dict out;
   for (const std::string& k : td.sorted_keys()) {
@@ -106,10 +122,7 @@ void bind_board(py::module_& m) {
           },
           py::arg("tree"), "Copies the newest version into `tree`'s tensors; returns its version (0: none yet).")
       .def(
-          "view",
-          [](tdshm::Board& b) {
-            return dict_of(released([&] { return b.view(); }));
-          },
+          "view", [](tdshm::Board& b) { return dict_of(released([&] { return b.view_leaves(); })); },
           "The newest version as a dict of views of the board, held until they are dropped.")
       .def(
           "wait_newer",
@@ -126,7 +139,9 @@ void bind_board(py::module_& m) {
           "commit", [](tdshm::Board& b) { return released([&] { return b.commit(); }); },
           "Publishes the tree of the open begin() as the next version and returns it.")
       .def_property_readonly("version", &tdshm::Board::version, "The newest published version (0: none yet).")
-      .def("like", [](const tdshm::Board& b) { return dict_of(b.like()); }, "A dict of zeros shaped like the board's tree.")
+      .def(
+          "like", [](const tdshm::Board& b) { return dict_of(b.like()); },
+          "A dict of zeros shaped like the board's tree.")
       .def_property_readonly("name", &tdshm::Board::name);
 
   py::class_<tdshm::BoardRelay>(m, "BoardRelay",

@@ -16,6 +16,7 @@
 #include "shm/parts/process_identity.h"
 #include "shm/parts/spin.h"
 #include "shm/parts/trust.h"
+#include "tensordict/impl.h"
 
 #include <tdshm/errors.h>
 #include <tdshm/schema.h>
@@ -28,6 +29,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -107,6 +109,16 @@ struct Leaf {
   SchemaTensor tensor;
 };
 
+// The tree's leaves, sorted by key (sorted at each level, depth first: the order of the dicts
+// Python's views and like() return).
+void collect_leaves(const SchemaNode& node, const Key* prefix, std::vector<Leaf>& out);
+std::vector<Leaf> board_leaves(const SchemaNode& root) {
+  std::vector<Leaf> out;
+  collect_leaves(root, nullptr, out);
+  std::sort(out.begin(), out.end(), [](const Leaf& a, const Leaf& b) { return a.key < b.key; });
+  return out;
+}
+
 void collect_leaves(const SchemaNode& node, const Key* prefix, std::vector<Leaf>& out) {
   if (!node.class_name.empty() || node.lazy_stack_dim) {
     throw TypeError("tdshm::Board: trees of plain nested TensorDicts only (a tensorclass or a lazy stack is not)");
@@ -165,6 +177,7 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   }
 
   uint32_t free_buffer(const char* what);
+  at::Tensor pin_newest(const std::shared_ptr<BoardState>& self);
   uint64_t publish_buffer(uint32_t chosen);
 
   BufferHead& head(uint32_t b) const {
@@ -303,8 +316,7 @@ Board Board::create(const std::string& name, const TensorDict& like, BoardOption
   }
   const TensorDict c = like.consolidate();
   Schema schema = c.schema();
-  std::vector<detail::Leaf> leaves;
-  detail::collect_leaves(schema.root, nullptr, leaves);
+  std::vector<detail::Leaf> leaves = detail::board_leaves(schema.root);
   const std::vector<uint8_t> encoded = encode_schema(schema);
   const uint32_t buffers = options.readers * kPinsPerReader + 2;
   const uint64_t schema_offset = detail::kHeaderBytes + uint64_t{options.readers} * sizeof(detail::ReaderSlot);
@@ -393,7 +405,7 @@ Board Board::open(const std::string& name, BoardOptions options) {
             h.file_bytes == h.buffers_offset + h.buffer_stride * h.buffers;
         if (!sane) throw SegmentError("tdshm::Board::open: '" + path + "' is not a board of this layout");
         s->schema = decode_schema({s->map->base + h.schema_offset, h.schema_bytes}, h.tree_bytes);
-        detail::collect_leaves(s->schema.root, nullptr, s->leaves);
+        s->leaves = detail::board_leaves(s->schema.root);
         s->buffers = s->map->base + h.buffers_offset;
         // A free slot, or a dead reader's.
         const shm::ProcessId me = shm::self_process();
@@ -508,43 +520,54 @@ uint64_t Board::read(TensorDict& td) {
   }
 }
 
-TensorDict Board::view() {
-  BoardState& s = *state_;
-  if (s.mine == nullptr) throw Error("tdshm::Board::view: the writer has no reader slot; views are for readers");
+// The newest version's bytes as one uint8 tensor, pinned by one of this reader's pins until the
+// tensor (and every view of it) is dropped (Board::view, view_leaves).
+at::Tensor BoardState::pin_newest(const std::shared_ptr<BoardState>& self) {
+  if (mine == nullptr) throw Error("tdshm::Board::view: the writer has no reader slot; views are for readers");
   std::atomic<uint32_t>* pin = nullptr;
-  for (auto& p : s.mine->pins) {
+  for (auto& p : mine->pins) {
     if (p.load(std::memory_order_relaxed) == 0) {
       pin = &p;
       break;
     }
   }
   if (pin == nullptr) {
-    throw Error("tdshm::Board::view: this reader holds " + std::to_string(kPinsPerReader) +
+    throw Error("tdshm::Board::view: this reader holds " + std::to_string(Board::kPinsPerReader) +
                 " versions as views already; drop one (or copy with read())");
   }
   uint64_t latest = 0;
   for (;;) {
-    latest = s.header->latest.load(std::memory_order_seq_cst);
+    latest = header->latest.load(std::memory_order_seq_cst);
     if (latest == 0) {
       pin->store(0, std::memory_order_relaxed);
       throw Error("tdshm::Board::view: nothing published yet (wait_newer(0, ...) first)");
     }
     const uint32_t b = static_cast<uint32_t>(latest & 0xff);
-    if (b >= s.header->buffers) throw TransportError("tdshm::Board::view: the board names buffer " + std::to_string(b));
+    if (b >= header->buffers) throw TransportError("tdshm::Board::view: the board names buffer " + std::to_string(b));
     pin->store(b + 1, std::memory_order_seq_cst);
-    if (s.header->latest.load(std::memory_order_seq_cst) == latest) break;  // the writer sees the pin now
+    if (header->latest.load(std::memory_order_seq_cst) == latest) break;  // the writer sees the pin now
   }
   const uint32_t b = static_cast<uint32_t>(latest & 0xff);
-  if (s.head(b).stamp.load(std::memory_order_acquire) != latest >> 8) {
+  if (head(b).stamp.load(std::memory_order_acquire) != latest >> 8) {
     pin->store(0, std::memory_order_release);
     throw TransportError("tdshm::Board::view: buffer " + std::to_string(b) + " does not hold the version published");
   }
   // One storage over the buffer's bytes: the pin goes when the last view of it is dropped.
-  auto keep = state_;
-  at::Tensor storage = at::from_blob(
-      s.bytes(b), {static_cast<int64_t>(s.header->tree_bytes)},
-      [keep, pin](void*) { pin->store(0, std::memory_order_release); }, at::TensorOptions().dtype(at::kByte));
-  return TensorDict::from_consolidated(storage, s.schema);
+  return at::from_blob(
+      bytes(b), {static_cast<int64_t>(header->tree_bytes)},
+      [keep = self, pin](void*) { pin->store(0, std::memory_order_release); }, at::TensorOptions().dtype(at::kByte));
+}
+
+TensorDict Board::view() { return TensorDict::from_consolidated(state_->pin_newest(state_), state_->schema); }
+
+std::vector<std::pair<Key, at::Tensor>> Board::view_leaves() {
+  const at::Tensor storage = state_->pin_newest(state_);
+  std::vector<std::pair<Key, at::Tensor>> out;
+  out.reserve(state_->leaves.size());
+  for (const detail::Leaf& l : state_->leaves) {
+    out.emplace_back(l.key, detail::view_into(storage, l.tensor.start, l.tensor.dtype, l.tensor.shape));
+  }
+  return out;
 }
 
 uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) {

@@ -91,9 +91,9 @@ void plan_node(const TensorDictImpl& node, SchemaNode& out, uint64_t& offset, st
   }
 }
 
-// A tensor of `dtype`/`shape` viewing bytes [start, ...) of the 1-D uint8 `storage`, sharing its
-// StorageImpl (so it keeps the storage, and a file mapping behind it, alive).
-at::Tensor view_into(const at::Tensor& storage, uint64_t start, c10::ScalarType dtype, at::IntArrayRef shape) {
+}  // namespace
+
+at::Tensor detail::view_into(const at::Tensor& storage, uint64_t start, c10::ScalarType dtype, at::IntArrayRef shape) {
   const auto itemsize = static_cast<uint64_t>(c10::elementSize(dtype));
   const uint64_t byte_offset = static_cast<uint64_t>(storage.storage_offset()) + start;
   if (byte_offset % itemsize == 0) {
@@ -110,6 +110,8 @@ at::Tensor view_into(const at::Tensor& storage, uint64_t start, c10::ScalarType 
                        storage.options().dtype(dtype));
 }
 
+namespace {
+
 void copy_leaves(const at::Tensor& storage, const std::vector<LeafCopy>& copies) {
   auto* base = static_cast<uint8_t*>(storage.data_ptr());
   const bool storage_on_cpu = storage.device().is_cpu();
@@ -119,7 +121,7 @@ void copy_leaves(const at::Tensor& storage, const std::vector<LeafCopy>& copies)
     if (storage_on_cpu && c.src.device().is_cpu() && c.src.is_contiguous()) {
       if (c.nbytes != 0) detail::copy_bytes(base + c.start, c.src.data_ptr(), c.nbytes, streaming);
     } else {
-      view_into(storage, c.start, c.src.scalar_type(), c.src.sizes()).copy_(c.src);
+      detail::view_into(storage, c.start, c.src.scalar_type(), c.src.sizes()).copy_(c.src);
     }
     if (c.pad != 0) {
       if (storage_on_cpu) {
@@ -159,7 +161,7 @@ std::shared_ptr<TensorDictImpl> build_node(const SchemaNode& node, const at::Ten
         throw SchemaError("schema leaf " + key.str() + " has shape " + detail::shape_str(t->shape) +
                           " that does not start with the batch size " + detail::shape_str(node.batch_size));
       }
-      impl->append_fresh(e.key, Value(view_into(storage, t->start, t->dtype, t->shape)));
+      impl->append_fresh(e.key, Value(detail::view_into(storage, t->start, t->dtype, t->shape)));
     } else if (const auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value)) {
       if (!*child) throw SchemaError("schema node " + key.str() + " is null");
       if ((*child)->lazy_stack_dim) {

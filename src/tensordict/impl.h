@@ -71,6 +71,11 @@ struct SortedLeavesSlot {
   }
 };
 
+/// A tensor of `dtype`/`shape` viewing bytes [start, ...) of the 1-D uint8 `storage`, sharing its
+/// StorageImpl (so it keeps the storage, and a file mapping behind it, alive); no dispatcher call
+/// when the offset suits the dtype. Defined in consolidate.cpp.
+at::Tensor view_into(const at::Tensor& storage, uint64_t start, c10::ScalarType dtype, at::IntArrayRef shape);
+
 /// The storage and schema of a consolidated tensordict (held by its root only).
 struct Consolidation {
   at::Tensor storage;  // 1-D uint8

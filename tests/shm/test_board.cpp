@@ -221,6 +221,33 @@ TEST_F(Board, AVersionWrittenInPlaceIsSeenOnlyOnceCommitted) {
   }
 }
 
+// view_leaves: the newest version's leaves in key order, views of the board that hold its pin
+// until the last of them is dropped (a held one keeps its version while the writer goes on).
+TEST_F(Board, ViewLeavesHoldTheirVersionUntilTheLastIsDropped) {
+  set_deadline(60s);
+  const std::string name = board_name();
+  auto writer = tdshm::Board::create(name, weights(64, 0), {.readers = 1});
+  auto reader = tdshm::Board::open(name);
+  EXPECT_THROW((void)reader.view_leaves(), Error) << "nothing published yet";
+  EXPECT_THROW((void)writer.view_leaves(), Error) << "the writer has no reader slot";
+  writer.publish(weights(64, 1));
+  std::vector<std::pair<Key, at::Tensor>> leaves = reader.view_leaves();
+  ASSERT_EQ(leaves.size(), 2u);
+  EXPECT_EQ(leaves[0].first, Key("n") / "step") << "sorted: n before w";
+  EXPECT_EQ(leaves[1].first, Key("w"));
+  EXPECT_TRUE(at::equal(leaves[0].second, at::full({4}, 1, at::kLong)));
+  EXPECT_TRUE(at::equal(leaves[1].second, at::full({64}, 1.0f)));
+  at::Tensor kept = leaves[1].second;
+  leaves.clear();
+  for (int v = 2; v <= 20; ++v) writer.publish(weights(64, v));  // around the held buffer
+  EXPECT_TRUE(at::all(kept == 1.0f).item<bool>()) << "a held leaf keeps its version";
+  const TensorDict second = reader.view();
+  EXPECT_TRUE(holds(second, 20));
+  EXPECT_THROW((void)reader.view_leaves(), Error) << "two pins held: the kept leaf's and the view's";
+  kept = at::Tensor();
+  EXPECT_EQ(reader.view_leaves().size(), 2u) << "the pin came back with the last leaf";
+}
+
 // Trees whose tensors are not contiguous are published and read element by element (a
 // contiguous one is a memcpy); the elements a strided destination skips are left alone.
 TEST_F(Board, StridedTreesArePublishedAndReadElementByElement) {
