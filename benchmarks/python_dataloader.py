@@ -2,7 +2,7 @@
 """tdshm.DataLoader against torch.utils.data.DataLoader, on the same datasets, in one run.
 
     PYTHONPATH=build/python python3 benchmarks/python_dataloader.py [--workers 4] [--repeat 5]
-        [--only whole,sample,tiny,compute] [--json FILE]
+        [--only whole,sample,tiny,compute] [--prefetch-factor 2] [--json FILE]
 
 Workloads (each a map-style dataset; the loaders get the same arguments):
 
@@ -15,7 +15,8 @@ Workloads (each a map-style dataset; the loaders get the same arguments):
   compute  the per-sample dataset with 1 ms of compute per sample (a busy loop), batch_size=8
 
 Each repeat runs, one after the other in this process: torch's DataLoader with N workers,
-tdshm.DataLoader with N workers, and torch's with num_workers=0 (one process doing all the work,
+tdshm.DataLoader with N workers (both with --prefetch-factor, torch's default 2 unless given: the
+batches each worker may have in flight), and torch's with num_workers=0 (one process doing all the work,
 no transport). Main takes every batch and drops it (it reads nothing: what differs is how the
 batch travels). Prints batches/s as the median and min-max over the repeats, the ratios, and the
 CPUs' bound: CPUs x the num_workers=0 rate (every CPU producing batches at the one-process rate,
@@ -90,11 +91,13 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rate(cls, dataset, kwargs, workers, seconds, cpu=None):
+def rate(cls, dataset, kwargs, workers, seconds, cpu=None, prefetch_factor=2):
     """Batches per second of main's loop over at least `seconds`, once every worker delivered
     its prefetched batches (a shorter window, or one that starts with the workers, measures
     their start: at a few thousand batches a second, the first 0.1 s says little). `cpu`, a
     dict, receives main's and the workers' CPU seconds a batch over the window."""
+    if workers > 0:
+        kwargs = dict(kwargs, prefetch_factor=prefetch_factor)
     loader = cls(dataset, num_workers=workers, **kwargs)
     it = iter(loader)
     for _ in range(max(1, 2 * workers * (loader.prefetch_factor or 1))):
@@ -123,19 +126,21 @@ def main():
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--only", default=",".join(WORKLOADS))
     parser.add_argument("--seconds", type=float, default=1.0, help="each loader's measured window")
+    parser.add_argument("--prefetch-factor", type=int, default=2, help="both loaders' prefetch_factor")
     parser.add_argument("--json", help="append one JSON row per workload to this file")
     args = parser.parse_args()
     cpus = len(os.sched_getaffinity(0))
-    print("tdshm.DataLoader vs torch.utils.data.DataLoader: {} workers, {} CPUs, {} repeats".format(
-        args.workers, cpus, args.repeat))
+    print("tdshm.DataLoader vs torch.utils.data.DataLoader: {} workers, prefetch_factor {}, {} CPUs, {} repeats".format(
+        args.workers, args.prefetch_factor, cpus, args.repeat))
     for name in args.only.split(","):
         dataset, kwargs = WORKLOADS[name]
         runs = {"torch": [], "tdshm": [], "torch0": []}
         cpus_used = {"one": [], "main": [], "workers": []}  # CPU seconds a batch
         for _ in range(args.repeat):
-            runs["torch"].append(rate(TorchLoader, dataset, kwargs, args.workers, args.seconds))
+            pf = args.prefetch_factor
+            runs["torch"].append(rate(TorchLoader, dataset, kwargs, args.workers, args.seconds, prefetch_factor=pf))
             used = {}
-            runs["tdshm"].append(rate(tdshm.DataLoader, dataset, kwargs, args.workers, args.seconds, used))
+            runs["tdshm"].append(rate(tdshm.DataLoader, dataset, kwargs, args.workers, args.seconds, used, pf))
             cpus_used["main"].append(used["main"])
             cpus_used["workers"].append(used["workers"])
             runs["torch0"].append(rate(TorchLoader, dataset, kwargs, 0, args.seconds, used))
@@ -157,7 +162,8 @@ def main():
                   cpus))
         if args.json:
             with open(args.json, "a") as f:
-                f.write(json.dumps({"workload": name, "workers": args.workers, "cpus": cpus, "runs": runs,
+                f.write(json.dumps({"workload": name, "workers": args.workers, "prefetch_factor": args.prefetch_factor,
+                                    "cpus": cpus, "runs": runs,
                                     "bound": bound, "cpu_us": us}) + "\n")
         sys.stdout.flush()
 
