@@ -157,6 +157,7 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   ReaderSlot* slots = nullptr;
   uint8_t* buffers = nullptr;
   Schema schema;
+  uint64_t fingerprint = 0;  // schema_fingerprint(schema), for the views' trees
   std::vector<Leaf> leaves;
   ReaderSlot* mine = nullptr;         // a reader's slot
   uint64_t next_version = 1;          // the writer's
@@ -364,6 +365,7 @@ Board Board::create(const std::string& name, const TensorDict& like, BoardOption
   std::memcpy(s->map->base + schema_offset, encoded.data(), encoded.size());
   s->buffers = s->map->base + buffers_offset;
   s->schema = std::move(schema);
+  s->fingerprint = schema_fingerprint(s->schema);
   s->leaves = std::move(leaves);
   s->spin = options.spin;
   h.ready.store(1, std::memory_order_release);
@@ -405,6 +407,7 @@ Board Board::open(const std::string& name, BoardOptions options) {
             h.file_bytes == h.buffers_offset + h.buffer_stride * h.buffers;
         if (!sane) throw SegmentError("tdshm::Board::open: '" + path + "' is not a board of this layout");
         s->schema = decode_schema({s->map->base + h.schema_offset, h.schema_bytes}, h.tree_bytes);
+        s->fingerprint = schema_fingerprint(s->schema);
         s->leaves = detail::board_leaves(s->schema.root);
         s->buffers = s->map->base + h.buffers_offset;
         // A free slot, or a dead reader's.
@@ -558,7 +561,11 @@ at::Tensor BoardState::pin_newest(const std::shared_ptr<BoardState>& self) {
       [keep = self, pin](void*) { pin->store(0, std::memory_order_release); }, at::TensorOptions().dtype(at::kByte));
 }
 
-TensorDict Board::view() { return TensorDict::from_consolidated(state_->pin_newest(state_), state_->schema); }
+// (The schema was validated against tree_bytes, the pinned storage's size, when the board was
+// made or opened.)
+TensorDict Board::view() {
+  return detail::from_checked_consolidated(state_->pin_newest(state_), state_->schema, state_->fingerprint);
+}
 
 std::vector<std::pair<Key, at::Tensor>> Board::view_leaves() {
   const at::Tensor storage = state_->pin_newest(state_);

@@ -3,6 +3,7 @@
 // views (of loans) or fresh tensors (sent by value).
 
 #include "feed/feed_wire.h"
+#include "tensordict/impl.h"
 
 #include <tdshm/errors.h>
 #include <tdshm/feed.h>
@@ -73,7 +74,7 @@ class FeedConsumerState {
     uint32_t magic = 0;
     if (h.size() >= sizeof magic) std::memcpy(&magic, h.data(), sizeof magic);
     if (magic != feed::kTensorDictMagic || item->tensors.size() != 1 || item->tensors[0].scalar_type() != at::kByte ||
-        item->tensors[0].dim() != 1) {
+        item->tensors[0].dim() != 1 || !item->tensors[0].is_contiguous()) {
       throw TransportError("feed '" + name_ + "', producer " + std::to_string(k) +
                            ": the item was not put as a TensorDict (FeedProducer::put(TensorDict))");
     }
@@ -84,12 +85,13 @@ class FeedConsumerState {
     if (!e.schema || h != e.schema_bytes) {
       e.schema = decode_schema(std::span<const uint8_t>(h.data() + sizeof magic, h.size() - sizeof magic));
       e.schema_bytes = h;
+      e.fingerprint = schema_fingerprint(*e.schema);
     }
     if (e.schema->total_bytes > static_cast<uint64_t>(storage.numel())) {
       bad(k, "a schema of " + std::to_string(e.schema->total_bytes) + " bytes for a storage of " +
                  std::to_string(storage.numel()));
     }
-    return TensorDict::from_consolidated(storage, *e.schema);
+    return detail::from_checked_consolidated(storage, *e.schema, e.fingerprint);  // decoded and checked above
   }
 
   std::optional<TensorDict> next() {
@@ -122,6 +124,7 @@ class FeedConsumerState {
     pid_t pid = 0;
     std::optional<Schema> schema;  // the last TensorDict item's schema, and its header bytes
     std::vector<uint8_t> schema_bytes;
+    uint64_t fingerprint = 0;  // schema_fingerprint(*schema)
   };
 
   End& end(int k) {

@@ -250,14 +250,19 @@ TensorDict TensorDict::from_consolidated(const at::Tensor& storage, Schema schem
     throw SchemaError("the schema's root is a lazy stack, not a tensordict (a lazy stack's consolidated storage is "
                       "received by LazyStackedTensorDict)");
   }
+  const uint64_t fingerprint = tdshm::schema_fingerprint(schema);
+  return detail::from_checked_consolidated(storage, std::move(schema), fingerprint);
+}
+
+TensorDict detail::from_checked_consolidated(const at::Tensor& storage, Schema schema, uint64_t fingerprint) {
   auto cons = std::make_shared<Consolidation>();
   cons->storage = storage.numel() == static_cast<int64_t>(schema.total_bytes)
                       ? storage
                       : storage.narrow(0, 0, static_cast<int64_t>(schema.total_bytes));
-  cons->fingerprint = tdshm::schema_fingerprint(schema);
+  cons->fingerprint = fingerprint;
   cons->schema = std::move(schema);
   TensorDict out(build_node(cons->schema.root, cons->storage, nullptr));
-  out.impl_->consolidation = std::move(cons);
+  out.impl()->consolidation = std::move(cons);
   out.lock_();
   return out;
 }

@@ -76,6 +76,12 @@ struct SortedLeavesSlot {
 /// when the offset suits the dtype. Defined in consolidate.cpp.
 at::Tensor view_into(const at::Tensor& storage, uint64_t start, c10::ScalarType dtype, at::IntArrayRef shape);
 
+/// TensorDict::from_consolidated without its checks, for a caller that decoded and validated
+/// `schema` once for storages of this kind (a feed's producer, a board) and checked that
+/// `storage` (1-D contiguous uint8) holds schema.total_bytes: validating and fingerprinting again
+/// for every item cost more than building its tree. `fingerprint`: schema_fingerprint(schema).
+TensorDict from_checked_consolidated(const at::Tensor& storage, Schema schema, uint64_t fingerprint);
+
 /// The storage and schema of a consolidated tensordict (held by its root only).
 struct Consolidation {
   at::Tensor storage;  // 1-D uint8
