@@ -376,7 +376,10 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if not first_iter:
             # Persistent workers: each answers what it was still asked, then acknowledges.
             for tasks in self._tasks:
-                _send(tasks, ("resume",))
+                try:
+                    _send(tasks, ("resume",))
+                except OSError:
+                    pass  # as in _flush_tasks
             for w in range(self._num_workers):
                 while self._receive(w)[0] != "resumed":
                     pass
@@ -387,7 +390,10 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     def _flush_tasks(self, worker):
         if self._unsent[worker]:
-            _send(self._tasks[worker], ("tasks", self._unsent[worker]))
+            try:
+                _send(self._tasks[worker], ("tasks", self._unsent[worker]))
+            except OSError:
+                pass  # the worker died (its end of the pipe closed): waiting for its answer says so
             self._unsent[worker] = []
 
     def _try_put_index(self, send=True):
