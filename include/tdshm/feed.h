@@ -8,8 +8,8 @@
 /// - The producer's loan heap is sized from its first item (FeedOptions::items_in_heap of them);
 ///   an item that later outgrows it opens a bigger group (the next generation), announced in-band.
 /// - A tensor already in the producer's heap (FeedProducer::loan, try_loan) goes by reference; one
-///   of at most 4 KiB by value (with the item's frame: a loan costs more); any other is copied
-///   into the heap once; when the consumer holds the whole heap, by value. The
+///   of at most 4 KiB inside the item's frame (a loan, or a message of its own, costs more); any
+///   other is copied into the heap once; when the consumer holds the whole heap, by value. The
 ///   consumer receives views: their bytes go back when the last reference is dropped, so items
 ///   may be held as long as the user likes (later ones then travel by value), never overwritten.
 /// - Failures: a producer that dies is a PeerLostError naming it (within the transport's peer
@@ -122,8 +122,8 @@ class FeedProducer {
   };
 
   /// Hands the next item to the consumer: `header` by value, each tensor by reference when it is
-  /// a loan, by value when it holds at most 4 KiB, else copied into a loan (or sent by value when
-  /// the heap is held); all of them as one batch of messages. Returns once every
+  /// a loan, inside the item's frame when it holds at most 4 KiB, else copied into a loan (or
+  /// sent by value when the heap is held); all of them as one batch of messages. Returns once every
   /// byte sent by value is in the segment; a loan stays lent until the consumer drops its view.
   /// Waits for the consumer to join (FeedOptions::timeout / watch_pid); PeerLostError once the
   /// consumer left or died; TypeError for a tensor that is not a dense CPU tensor.

@@ -57,11 +57,17 @@ class FeedConsumerState {
                    std::to_string(head.tensors) + " tensors");
       }
       FeedItem item;
-      item.header.assign(frame.data_ptr<uint8_t>() + sizeof head, frame.data_ptr<uint8_t>() + bytes);
-      if (head.tensors > 0) {
-        auto work = e.pg->irecv_views(1, feed::kFrameTag, head.tensors);
+      item.tensors.resize(head.tensors);
+      const uint64_t header_at = inline_tensors(k, frame, head, item.tensors);
+      item.header.assign(frame.data_ptr<uint8_t>() + header_at, frame.data_ptr<uint8_t>() + bytes);
+      if (head.tensors > head.inline_tensors) {
+        auto work = e.pg->irecv_views(1, feed::kFrameTag, head.tensors - head.inline_tensors);
         wait_work(k, e, work);
-        item.tensors = work->result();
+        std::vector<at::Tensor> sent = work->result();
+        size_t next = 0;
+        for (at::Tensor& t : item.tensors) {
+          if (!t.defined()) t = std::move(sent.at(next++));
+        }
       }
       return item;
     }
@@ -166,6 +172,52 @@ class FeedConsumerState {
         throw PeerLostError("feed '" + name_ + "': producer " + std::to_string(k) + ": " + lost.what());
       }
     }
+  }
+
+  // The inline tensors of item frame `frame` (views of its bytes) into their places in `out`
+  // (head.tensors of them); returns where the header starts. Each entry is checked before its
+  // view is made: a frame that fails a check is a TransportError, and its item is dropped.
+  uint64_t inline_tensors(int k, const at::Tensor& frame, const feed::FrameHead& head, std::vector<at::Tensor>& out) {
+    const auto bytes = static_cast<uint64_t>(frame.numel());
+    const uint8_t* const base = frame.data_ptr<uint8_t>();
+    if (head.inline_tensors > head.tensors) {
+      bad(k,
+          "a frame of " + std::to_string(head.inline_tensors) + " inline tensors of " + std::to_string(head.tensors));
+    }
+    uint64_t at = sizeof head + uint64_t{head.inline_tensors} * sizeof(feed::InlineTensor);
+    if (at > bytes) bad(k, "a frame of " + std::to_string(bytes) + " bytes for its inline tensors' table");
+    int64_t last = -1;
+    for (uint32_t i = 0; i < head.inline_tensors; ++i) {
+      feed::InlineTensor e;
+      std::memcpy(&e, base + sizeof head + i * sizeof e, sizeof e);
+      const std::string which = "inline tensor " + std::to_string(i);
+      if (static_cast<int64_t>(e.index) <= last || e.index >= head.tensors) {
+        bad(k, which + " at place " + std::to_string(e.index) + " (after " + std::to_string(last) + ", of " +
+                   std::to_string(head.tensors) + ")");
+      }
+      last = e.index;
+      const auto dtype = static_cast<c10::ScalarType>(e.dtype);
+      if (e.dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions) || dtype == c10::ScalarType::Undefined ||
+          c10::isQIntType(dtype)) {
+        bad(k, which + " of dtype " + std::to_string(e.dtype));
+      }
+      if (e.ndim > feed::kInlineDims) bad(k, which + " of " + std::to_string(e.ndim) + " dimensions");
+      // numel x element size == bytes, without overflow, and the bytes within the frame.
+      const uint64_t element = c10::elementSize(dtype);
+      uint64_t numel = 1;
+      for (uint8_t d = 0; d < e.ndim; ++d) {
+        if (e.sizes[d] < 0) bad(k, which + " of a negative size");
+        const auto size = static_cast<uint64_t>(e.sizes[d]);
+        numel = size == 0 || numel <= bytes / size ? numel * size : bytes + 1;
+      }
+      if (numel > bytes || numel * element != e.bytes || e.bytes > bytes - at || feed::pad8(e.bytes) > bytes - at) {
+        bad(k, which + " of " + std::to_string(e.bytes) + " bytes at byte " + std::to_string(at) + " of a frame of " +
+                   std::to_string(bytes));
+      }
+      out[e.index] = detail::view_into(frame, at, dtype, at::IntArrayRef(e.sizes, e.ndim));
+      at += feed::pad8(e.bytes);
+    }
+    return at;
   }
 
   [[noreturn]] void bad(int k, const std::string& what) {

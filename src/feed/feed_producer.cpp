@@ -91,11 +91,42 @@ ShmSpace shm_space() {
   return {static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize, static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize};
 }
 
-at::Tensor frame_tensor(const FrameHead& head, std::span<const uint8_t> header) {
-  at::Tensor t(at::detail::empty_cpu({static_cast<int64_t>(sizeof head + header.size())}, at::kByte));
+// A frame of a FrameHead alone (kGrow, kClose).
+at::Tensor frame_tensor(const FrameHead& head) {
+  at::Tensor t(at::detail::empty_cpu({static_cast<int64_t>(sizeof head)}, at::kByte));
   std::memcpy(t.data_ptr<uint8_t>(), &head, sizeof head);
-  if (!header.empty()) std::memcpy(t.data_ptr<uint8_t>() + sizeof head, header.data(), header.size());
   return t;
+}
+
+// An item's frame (FrameHead::inline_tensors of `head` set): the tensors marked in `inlined`
+// (their padded bytes `inline_bytes` in all) inside it, then the header.
+at::Tensor item_frame(const FrameHead& head, std::span<const uint8_t> header, const std::vector<at::Tensor>& tensors,
+                      const std::vector<bool>& inlined, uint64_t inline_bytes) {
+  const uint64_t table = uint64_t{head.inline_tensors} * sizeof(InlineTensor);
+  at::Tensor frame(
+      at::detail::empty_cpu({static_cast<int64_t>(sizeof head + table + inline_bytes + header.size())}, at::kByte));
+  uint8_t* const base = frame.data_ptr<uint8_t>();
+  std::memcpy(base, &head, sizeof head);
+  uint8_t* entry = base + sizeof head;
+  uint8_t* data = entry + table;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!inlined[i]) continue;
+    // The values, not the memory: a conjugate or negative view is resolved, a strided one packed.
+    const at::Tensor c = tensors[i].resolve_conj().resolve_neg().contiguous();
+    InlineTensor e;
+    e.index = static_cast<uint32_t>(i);
+    e.dtype = static_cast<uint8_t>(c.scalar_type());
+    e.ndim = static_cast<uint8_t>(c.dim());
+    e.bytes = tensor_bytes(c);
+    for (int64_t d = 0; d < c.dim(); ++d) e.sizes[d] = c.size(d);
+    std::memcpy(entry, &e, sizeof e);
+    entry += sizeof e;
+    if (e.bytes != 0) std::memcpy(data, c.data_ptr(), e.bytes);
+    std::memset(data + e.bytes, 0, pad8(e.bytes) - e.bytes);
+    data += pad8(e.bytes);
+  }
+  if (!header.empty()) std::memcpy(data, header.data(), header.size());
+  return frame;
 }
 
 }  // namespace detail_producer
@@ -149,24 +180,38 @@ class FeedProducerState {
     }
     if (tensors.size() > feed::kMaxTensors) throw Error("FeedProducer::put: more than 2^20 tensors");
     fit(need, leaves);
+    // Small tensors that are no loans travel inside the frame: a loan costs more than copying a
+    // few KiB (a ticket, a reference, a view on the other side), and a message of its own each
+    // costs the consumer an allocation and a receive.
+    std::vector<bool>& inlined = put_.inlined;
+    inlined.assign(tensors.size(), false);
     feed::FrameHead head;
     head.tensors = static_cast<uint32_t>(tensors.size());
-    // The frame and the tensors go as one batch of messages (one lock, one wake-up of the
-    // consumer; a run of small ones by value is one ring entry). is_lent[i]: message i lends a
-    // loan (its Work completes once the consumer dropped its view).
-    std::vector<at::Tensor>& msgs = messages_;
+    uint64_t inline_bytes = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor& t = tensors[i];
+      if (small(t) && t.dim() <= feed::kInlineDims && !pg_->is_loan(t)) {
+        inlined[i] = true;
+        ++head.inline_tensors;
+        inline_bytes += feed::pad8(tensor_bytes(t));
+      }
+    }
+    // The frame and the other tensors go as one batch of messages (one lock, one wake-up of the
+    // consumer). is_lent[i]: message i lends a loan (its Work completes once the consumer
+    // dropped its view).
+    std::vector<at::Tensor>& msgs = put_.messages;
     msgs.clear();
-    msgs.push_back(feed::detail_producer::frame_tensor(head, header));
-    std::vector<bool>& is_lent = is_lent_;
+    msgs.push_back(feed::detail_producer::item_frame(head, header, tensors, inlined, inline_bytes));
+    std::vector<bool>& is_lent = put_.is_lent;
     is_lent.assign(1, false);
     prune();
     size_t lending = 0;  // loans this put lends so far (each takes a ticket)
-    for (const auto& t : tensors) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (inlined[i]) continue;
+      const at::Tensor& t = tensors[i];
       at::Tensor out;
       if (small(t) && !pg_->is_loan(t)) {
-        // A loan costs more than copying a few KiB (a ticket, a reference, a view on the other
-        // side): by value.
-        out = t.is_contiguous() ? t : t.contiguous();
+        out = t.is_contiguous() ? t : t.contiguous();  // by value (more dimensions than a frame holds)
       } else if (t.is_contiguous() && pg_->is_loan(t) && (ticket_free(lending) || (room() && ticket_free(lending)))) {
         out = t;
       } else if ((out = try_loan(t.sizes(), t.scalar_type(), lending)).defined()) {
@@ -216,7 +261,7 @@ class FeedProducerState {
     fit(0, 0);
     feed::FrameHead head;
     head.kind = feed::FrameKind::kClose;
-    send_by_value(feed::detail_producer::frame_tensor(head, {}));
+    send_by_value(feed::detail_producer::frame_tensor(head));
     flush();
     closed_ = true;
   }
@@ -254,7 +299,7 @@ class FeedProducerState {
     head.generation = gen_ + 1;
     head.heap_bytes = heap;
     head.loan_tickets = std::max(tickets, tickets_);
-    send_by_value(feed::detail_producer::frame_tensor(head, {}));
+    send_by_value(feed::detail_producer::frame_tensor(head));
     flush();
     // The consumer's views of this generation's loans keep their mapping after both leave it.
     pg_->shutdown();
@@ -339,8 +384,11 @@ class FeedProducerState {
   std::vector<uint8_t> td_header_;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;
   std::vector<c10::intrusive_ptr<c10d::Work>> lent_;
-  std::vector<at::Tensor> messages_;  // put's messages, kept for their capacity
-  std::vector<bool> is_lent_;
+  // put's lists, kept for their capacity.
+  struct {
+    std::vector<at::Tensor> messages;
+    std::vector<bool> is_lent, inlined;
+  } put_;
   std::vector<std::string> joined_;  // every group this producer joined or tried to (swept at the end)
 };
 

@@ -4,7 +4,10 @@
 //
 // Every item is one frame message (uint8, by value) followed by its tensors, one message each,
 // all with kFrameTag on the producer's group, in order. A frame starts with a FrameHead:
-//   kItem    `tensors` messages follow; the user's header bytes follow the FrameHead.
+//   kItem    the item's `tensors` tensors: `inline_tensors` of them (small ones) inside the frame,
+//            the others as the messages that follow, in order. After the FrameHead: one
+//            InlineTensor per inline tensor, then their bytes (each padded to 8), then the
+//            user's header bytes to the frame's end.
 //   kGrow    the producer's heap outgrew: the next frames come over generation `generation`
 //            ("<name>-<k>-g<generation>") with `heap_bytes` and `loan_tickets`.
 //   kClose   the producer ended its items.
@@ -43,9 +46,25 @@ struct FrameHead {
   uint32_t generation = 0;
   uint64_t heap_bytes = 0;
   uint32_t loan_tickets = 0;
-  uint32_t reserved2 = 0;
+  uint32_t inline_tensors = 0;  // kItem
 };
 static_assert(sizeof(FrameHead) == 32);
+
+/// The dimensions an inline tensor may have (a tensor with more goes as a message).
+inline constexpr uint8_t kInlineDims = 6;
+
+/// One tensor carried inside its item's frame.
+struct InlineTensor {
+  uint32_t index = 0;  // among the item's tensors; increasing along the table
+  uint8_t dtype = 0;   // c10::ScalarType
+  uint8_t ndim = 0;
+  uint16_t reserved = 0;
+  uint64_t bytes = 0;  // numel x element size
+  int64_t sizes[kInlineDims] = {};
+};
+static_assert(sizeof(InlineTensor) == 64);
+
+inline constexpr uint64_t pad8(uint64_t n) { return (n + 7) / 8 * 8; }
 
 /// The segment name of producer `k`'s group of generation `gen`.
 inline std::string group_name(const std::string& feed, int k, uint32_t gen) {

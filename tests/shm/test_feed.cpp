@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "feed/feed_wire.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {
@@ -150,6 +151,67 @@ TEST_F(Feed, RawItemsAndAGrowingHeap) {
   for (size_t i = 0; i < held.size(); ++i) {
     EXPECT_TRUE(at::all(held[i].tensors[0] == static_cast<double>(i + 1)).item<bool>()) << "held item " << i;
   }
+}
+
+// Tensors of at most 4 KiB that are no loans travel inside their item's frame: every dtype and
+// shape a frame holds (a scalar, an empty one, bool, 16-byte complex, a conjugate view, a strided
+// one) arrives with its values, in its place among the others; one of 7 dimensions goes as a
+// message of its own, a loan by reference, a larger tensor copied into a loan.
+TEST_F(Feed, SmallTensorsTravelInsideTheirFrame) {
+  set_deadline(60s);
+  const std::string name = unique_name();
+  const auto expected = [] {
+    return std::vector<at::Tensor>{
+        at::scalar_tensor(2.5, at::kDouble),
+        at::zeros({0, 3}, at::kInt),
+        at::arange(3, at::kLong).remainder(2).to(at::kBool),
+        at::arange(6, at::kDouble).view({3, 2}).to(at::kComplexDouble) * c10::complex<double>(0, 1),
+        at::arange(4, at::kFloat).to(at::kComplexFloat) + c10::complex<float>(0, 1),  // sent as its conj()
+        at::arange(2, at::kChar).view({1, 1, 1, 1, 1, 2, 1}),
+        at::arange(16, at::kFloat),  // sent as a loan
+        at::arange(20, at::kLong).view({4, 5}).t(),
+        at::arange(1280, at::kFloat),  // 5 KiB: copied into a loan
+    };
+  };
+  Child producer([&] {
+    FeedProducer p(name, 0, {.timeout = 30s, .watch_pid = getppid()});
+    p.put(std::vector<uint8_t>{'a'}, {at::zeros({1 << 14})});  // the heap
+    std::vector<at::Tensor> t = expected();
+    t[4] = t[4].conj().resolve_conj().conj();  // the same values, through a conjugate view
+    SHM_CHECK(t[4].is_conj(), "a conjugate view");
+    at::Tensor loan = p.try_loan({16}, at::kFloat);
+    SHM_CHECK(loan.defined(), "room for a loan");
+    loan.copy_(t[6]);
+    t[6] = loan;
+    p.put(std::vector<uint8_t>{'h', 'i'}, t);
+    p.close();
+  });
+  FeedConsumer c(name, 1, {.timeout = 30s});
+  ASSERT_TRUE(c.next_from(0));
+  std::optional<FeedItem> item;
+  try {
+    item = c.next_from(0);
+  } catch (const std::exception& e) {
+    ASSERT_TRUE(producer.wait(30s));
+    FAIL() << e.what() << "; the producer: " << producer.describe();
+  }
+  ASSERT_TRUE(item);
+  EXPECT_EQ(item->header, (std::vector<uint8_t>{'h', 'i'}));
+  const std::vector<at::Tensor> want = expected();
+  ASSERT_EQ(item->tensors.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    const at::Tensor& got = item->tensors[i];
+    EXPECT_EQ(got.scalar_type(), want[i].scalar_type()) << "tensor " << i;
+    EXPECT_EQ(got.sizes(), want[i].sizes()) << "tensor " << i;
+    EXPECT_TRUE(at::equal(got, want[i])) << "tensor " << i << ": " << got << " against " << want[i];
+    EXPECT_FALSE(got.is_conj()) << "tensor " << i;
+  }
+  for (size_t i : {0, 1, 2, 3, 4, 5, 7}) EXPECT_FALSE(release_view(item->tensors[i])) << "tensor " << i << " by value";
+  EXPECT_TRUE(release_view(item->tensors[6])) << "a loan by reference";
+  EXPECT_TRUE(release_view(item->tensors[8])) << "5 KiB copied into a loan";
+  EXPECT_FALSE(c.next_from(0).has_value());
+  ASSERT_TRUE(producer.wait(30s));
+  EXPECT_TRUE(producer.ok()) << producer.describe();
 }
 
 // FeedProducer::HeapAllocations: inside the scope, what torch allocates on this thread (large
@@ -350,7 +412,8 @@ TEST_F(Feed, BadArgumentsAndHostileFramesAreTypedErrors) {
     EXPECT_FALSE(p.try_loan({4}, at::kFloat).defined()) << "no heap before the first put";
   }
   // A peer that joins producer 0's group and sends frames of its own.
-  for (const std::string bad : {"short", "magic", "kind", "grow"}) {
+  for (const std::string bad : {"short", "magic", "kind", "grow", "inline-count", "inline-table", "inline-dtype",
+                                "inline-size", "inline-order"}) {
     const std::string name = unique_name();
     Child hostile([&] {
       ShmOptions so;
@@ -360,11 +423,29 @@ TEST_F(Feed, BadArgumentsAndHostileFramesAreTypedErrors) {
       so.window_bytes = 64 << 10;
       so.timeout = 20s;
       ProcessGroupShm pg(name + "-0-g0", 1, 2, so);
-      at::Tensor frame = at::zeros({bad == "short" ? 8 : 32}, at::kByte);
+      const bool inl = bad.starts_with("inline");
+      at::Tensor frame =
+          at::zeros({bad == "short" ? 8 : (inl && bad != "inline-table" ? 32 + 2 * 64 + 64 : 48)}, at::kByte);
       uint32_t magic = bad == "magic" ? 1 : 0x44464454;
       std::memcpy(frame.data_ptr<uint8_t>(), &magic, 4);
       frame[4] = bad == "kind" ? 9 : (bad == "grow" ? 2 : 1);
       if (bad == "grow") frame[12] = 5;  // generation 5 after 0
+      if (inl) {
+        feed::FrameHead head;
+        head.tensors = bad == "inline-count" ? 1 : 2;
+        head.inline_tensors = bad == "inline-table" ? 1 : 2;
+        feed::InlineTensor e[2];
+        for (uint32_t i = 0; i < 2; ++i) {
+          e[i].index = bad == "inline-order" ? 1 - i : i;
+          e[i].dtype = static_cast<uint8_t>(bad == "inline-dtype" && i == 1 ? 200 : 6);  // float
+          e[i].ndim = 1;
+          e[i].sizes[0] = 4;
+          e[i].bytes = bad == "inline-size" && i == 1 ? 8 : 16;
+        }
+        std::memcpy(frame.data_ptr<uint8_t>(), &head, sizeof head);
+        std::memcpy(frame.data_ptr<uint8_t>() + sizeof head, e,
+                    std::min<size_t>(sizeof e, frame.numel() - sizeof head));
+      }
       post_send(pg, frame, 0, 7)->wait();
       std::this_thread::sleep_for(500ms);
     });
