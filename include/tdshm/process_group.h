@@ -3,8 +3,9 @@
 /// ProcessGroupShm: a c10d::ProcessGroup whose ranks are processes on one host that share a
 /// named shared-memory segment (/dev/shm/tdshm.<name>).
 ///
-/// Supported: send, recv, recvAnysource of one dense CPU tensor (any dtype, contiguous or not)
-/// with integer tags; the collectives broadcast, barrier, allreduce, allreduce_coalesced,
+/// Supported: send, recv, recvAnysource of one dense CPU tensor (any dtype, contiguous or not;
+/// a conjugate or negative view is sent as its values, through a resolved copy) with integer
+/// tags; the collectives broadcast, barrier, allreduce, allreduce_coalesced,
 /// reduce, allgather, _allgather_base, gather, scatter, reduce_scatter, _reduce_scatter_base
 /// and alltoall_base (see "Collectives" below). What else torch 1.13's ProcessGroup declares
 /// (alltoall of tensor lists, allgather_coalesced, monitoredBarrier) throws c10::Error saying the

@@ -113,6 +113,39 @@ void round_trip_scenario(const std::string& name, int rank, const ShmOptions& op
   }
 }
 
+/// Scenario: conjugate and negative views (whose values are their memory with the bit applied) sent
+/// alone, as a batch and from a loan arrive with their values, into a tensor and as a view.
+void resolved_views_scenario(const std::string& name, int rank, const ShmOptions& opts) {
+  ProcessGroupShm pg(name, rank, 2, opts);
+  const at::Tensor small = at::arange(6, at::kFloat).to(at::kComplexFloat) * c10::complex<float>(1, 2);
+  const at::Tensor large = at::arange(20000, at::kDouble).to(at::kComplexDouble) + c10::complex<double>(0, 3);
+  const at::Tensor neg = at::arange(10, at::kFloat) + 1;
+  const std::vector<at::Tensor> want = {small.conj(), large.conj(), -neg, small.conj(), -neg, small.conj()};
+  if (rank == 0) {
+    const at::Tensor n = neg._neg_view();
+    SHM_CHECK(n.is_neg() && small.conj().is_conj(), "views with their bits set");
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    works.push_back(post_send(pg, small.conj(), 1, 1));
+    works.push_back(post_send(pg, large.conj(), 1, 2));
+    works.push_back(post_send(pg, n, 1, 3));
+    const std::vector<at::Tensor> batch = {small.conj(), n};
+    if (auto w = ShmGroupSeam::send_batch(pg, batch, 1, {4, 5}, std::vector<MessageCheck>(2))) works.push_back(w);
+    at::Tensor loan = pg.loan({6}, at::kComplexFloat);
+    loan.copy_(small);
+    works.push_back(post_send(pg, loan.conj(), 1, 6));
+    for (auto& w : works) w->wait();
+  } else {
+    for (int tag = 1; tag <= 6; ++tag) {
+      const at::Tensor& expected = want[static_cast<size_t>(tag - 1)];
+      const at::Tensor got =
+          tag % 2 == 0 ? pg.recv_view(0, tag) : at::zeros_like(expected.resolve_conj().resolve_neg());
+      if (tag % 2 == 1) recv_wait(pg, got, 0, tag);
+      SHM_CHECK(at::equal(got, expected.resolve_conj().resolve_neg()),
+                "tag " << tag << " arrived without its view's bit");
+    }
+  }
+}
+
 /// Scenario: rank 0 sends tags 1, 2, 3 (4, 1 and 2 slots) without waiting in between; rank 1
 /// receives 3, then 1, then 2.
 void out_of_order_tags_scenario(const std::string& name, int rank, const ShmOptions& opts) {
@@ -549,6 +582,12 @@ TEST_F(ShmP2PThreads, RoundTripEveryDtypeSizeAndLayout) {
 TEST_F(ShmP2PProcs, RoundTripEveryDtypeSizeAndLayout) {
   const std::string name = unique_name();
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 2, [&](int r) { round_trip_scenario(name, r, small_options()); }));
+}
+
+TEST_F(ShmP2PProcs, ConjugateAndNegativeViewsArriveWithTheirValues) {
+  const std::string name = unique_name();
+  SHM_EXPECT_RANKS_OK(
+      run_ranks(Peers::kProcesses, 2, [&](int r) { resolved_views_scenario(name, r, small_options()); }));
 }
 
 TEST_F(ShmP2PThreads, RoundTripBlockingOnly) {

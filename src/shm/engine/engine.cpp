@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <exception>
 #include <thread>
 #include <utility>
@@ -149,14 +150,29 @@ void ShmEngine::shutdown(std::exception_ptr reason) noexcept {
 // ---------------------------------------------------------------------------------------------
 // Posting
 
+// A conjugate or negative view (t.conj(), t._neg_view()) holds its values only with its bit
+// applied to its memory, which is what a send copies or lends: such a tensor is sent as a resolved
+// copy (torch.distributed resolves it too before a backend sees it). Outside the lock: it copies.
+static bool engine_send_needs_resolve(const at::Tensor& t) { return t.is_conj() || t.is_neg(); }
+
 std::shared_ptr<ShmOp> ShmEngine::post_send(const at::Tensor& tensor, int dst, int64_t tag, bool control,
                                             MessageCheck check) {
+  if (engine_send_needs_resolve(tensor)) {
+    return post_send(tensor.resolve_conj().resolve_neg(), dst, tag, control, check);
+  }
   std::lock_guard lk(mu_);
   return channel_->post_send(tensor, dst, tag, check, control);
 }
 
 OpList ShmEngine::post_sends(std::span<const at::Tensor> tensors, int dst, std::span<const int64_t> tags,
                              std::span<const MessageCheck> checks, bool control) {
+  if (std::any_of(tensors.begin(), tensors.end(), engine_send_needs_resolve)) {
+    std::vector<at::Tensor> resolved(tensors.begin(), tensors.end());
+    for (at::Tensor& t : resolved) {
+      if (engine_send_needs_resolve(t)) t = t.resolve_conj().resolve_neg();
+    }
+    return post_sends(resolved, dst, tags, checks, control);
+  }
   std::lock_guard lk(mu_);
   return channel_->post_sends(tensors, dst, tags, checks, control);
 }
