@@ -1,0 +1,244 @@
+// Creating and opening a versioned board (include/tdshm/board.h): its file, made exclusive and
+// replaced when its writer died, checked field by field by the readers that open it.
+
+#include "board/board_state.h"
+
+#include "shm/parts/futex.h"
+#include "shm/parts/spin.h"
+
+#include <ATen/ops/zeros.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <thread>
+
+namespace tdshm {
+namespace detail {
+namespace board_file {
+
+void check_name(const std::string& name) {
+  bool ok = !name.empty() && name.size() <= 200;
+  for (const char c : name)
+    ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
+  if (!ok || name.front() == '.') {
+    throw SegmentError("tdshm::Board: name '" + name +
+                       "' must be 1 to 200 letters, digits, '.', '_' or '-', not starting with '.'");
+  }
+}
+
+void collect_leaves(const SchemaNode& node, const Key* prefix, std::vector<Leaf>& out) {
+  if (!node.class_name.empty() || node.lazy_stack_dim) {
+    throw TypeError("tdshm::Board: trees of plain nested TensorDicts only (a tensorclass or a lazy stack is not)");
+  }
+  for (const SchemaEntry& e : node.entries) {
+    Key key = prefix ? *prefix / e.key : Key(e.key);
+    if (const auto* t = std::get_if<SchemaTensor>(&e.value)) {
+      out.push_back({std::move(key), *t});
+    } else if (const auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value); child && *child) {
+      collect_leaves(**child, &key, out);
+    } else {
+      throw TypeError("tdshm::Board: leaf " + key.str() + " is not a tensor (non-tensor values are not published)");
+    }
+  }
+}
+
+// The tree's leaves, sorted by key (sorted at each level, depth first: the order of the dicts
+// Python's views and like() return).
+std::vector<Leaf> board_leaves(const SchemaNode& root) {
+  std::vector<Leaf> out;
+  collect_leaves(root, nullptr, out);
+  std::sort(out.begin(), out.end(), [](const Leaf& a, const Leaf& b) { return a.key < b.key; });
+  return out;
+}
+
+std::shared_ptr<BoardState> map_board(const std::string& name, int fd, uint64_t bytes, bool writer) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw SegmentError("tdshm::Board '" + name + "': mmap failed: " + std::strerror(errno));
+  auto state = std::make_shared<BoardState>();
+  state->name = name;
+  state->writer = writer;
+  state->map = std::make_shared<Mapping>();
+  state->map->base = static_cast<uint8_t*>(p);
+  state->map->bytes = bytes;
+  state->header = reinterpret_cast<BoardHeader*>(p);
+  state->slots = reinterpret_cast<ReaderSlot*>(state->map->base + kHeaderBytes);
+  return state;
+}
+
+}  // namespace board_file
+}  // namespace detail
+
+using detail::BoardState;
+
+Board::Board(std::shared_ptr<detail::BoardState> state) : state_(std::move(state)) {}
+Board::Board(Board&&) noexcept = default;
+Board& Board::operator=(Board&&) noexcept = default;
+Board::~Board() = default;
+
+// Creates the board's file `path` (0600, exclusive) and returns its descriptor. A file left by a
+// dead writer is replaced; one whose writer lives is refused (SegmentError).
+static int create_board_file(const std::string& path, const std::string& name) {
+  int fd = -1;
+  for (int attempt = 0; fd < 0; ++attempt) {
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0) break;
+    if (errno != EEXIST || attempt > 0) throw shm::open_error(path, "board", errno);
+    // Held by a live writer, or left by a dead one (replaced).
+    struct stat st {};
+    const int old = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (old < 0) throw shm::open_error(path, "board", errno);
+    bool live = false;
+    try {
+      shm::check_owned(old, path, "board", &st);
+      detail::BoardHeader h{};
+      if (::pread(old, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h) && h.magic == detail::kBoardMagic) {
+        live = shm::process_alive({h.writer_pid, h.writer_start_time, h.writer_pid_ns});
+      }
+    } catch (...) {
+      ::close(old);
+      throw;
+    }
+    ::close(old);
+    if (live) throw SegmentError("tdshm::Board::create: the board '" + name + "' has a live writer");
+    ::unlink(path.c_str());
+  }
+  return fd;
+}
+
+Board Board::create(const std::string& name, const TensorDict& like, BoardOptions options) {
+  detail::check_name(name);
+  if (options.readers == 0 || options.readers > detail::kMaxReaders) {
+    throw SegmentError("tdshm::Board::create: readers must be 1 to 64, got " + std::to_string(options.readers));
+  }
+  const TensorDict c = like.consolidate();
+  Schema schema = c.schema();
+  std::vector<detail::Leaf> leaves = detail::board_leaves(schema.root);
+  const std::vector<uint8_t> encoded = encode_schema(schema);
+  const uint32_t buffers = options.readers * kPinsPerReader + 2;
+  const uint64_t schema_offset = detail::kHeaderBytes + uint64_t{options.readers} * sizeof(detail::ReaderSlot);
+  const uint64_t buffers_offset = detail::round_up(schema_offset + encoded.size(), detail::kPage);
+  const uint64_t stride = detail::round_up(sizeof(detail::BufferHead) + schema.total_bytes, detail::kPage);
+  const uint64_t file_bytes = buffers_offset + stride * buffers;
+
+  const std::string path = detail::board_path(name);
+  const int fd = create_board_file(path, name);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || ::ftruncate(fd, static_cast<off_t>(file_bytes)) != 0 ||
+      ::posix_fallocate(fd, 0, static_cast<off_t>(file_bytes)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    ::unlink(path.c_str());
+    throw SegmentError("tdshm::Board::create: cannot size '" + path + "' to " + std::to_string(file_bytes) +
+                       " bytes: " + std::strerror(err) + " (is /dev/shm large enough?)");
+  }
+  std::shared_ptr<BoardState> s;
+  try {
+    s = detail::map_board(name, fd, file_bytes, /*writer=*/true);
+  } catch (...) {
+    ::close(fd);
+    ::unlink(path.c_str());
+    throw;
+  }
+  ::close(fd);
+  s->dev = st.st_dev;
+  s->ino = st.st_ino;
+  detail::BoardHeader& h = *s->header;
+  h.magic = detail::kBoardMagic;
+  h.layout = detail::kBoardLayout;
+  h.readers = options.readers;
+  h.buffers = buffers;
+  h.tree_bytes = schema.total_bytes;
+  h.buffer_stride = stride;
+  h.schema_offset = schema_offset;
+  h.schema_bytes = encoded.size();
+  h.buffers_offset = buffers_offset;
+  h.file_bytes = file_bytes;
+  const shm::ProcessId me = shm::self_process();
+  h.writer_pid = me.pid;
+  h.writer_pid_ns = me.pid_ns;
+  h.writer_start_time = me.start_time;
+  std::memcpy(s->map->base + schema_offset, encoded.data(), encoded.size());
+  s->buffers = s->map->base + buffers_offset;
+  s->schema = std::move(schema);
+  s->fingerprint = schema_fingerprint(s->schema);
+  s->leaves = std::move(leaves);
+  s->spin = options.spin;
+  h.ready.store(1, std::memory_order_release);
+  return Board(std::move(s));
+}
+
+Board Board::open(const std::string& name, BoardOptions options) {
+  detail::check_name(name);
+  const std::string path = detail::board_path(name);
+  const auto until = std::chrono::steady_clock::now() + options.timeout;
+  for (;;) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0 && errno != ENOENT) throw shm::open_error(path, "board", errno);
+    if (fd >= 0) {
+      std::shared_ptr<BoardState> s;
+      try {
+        struct stat st {};
+        shm::check_owned(fd, path, "board", &st);
+        detail::BoardHeader h{};
+        const bool whole = ::pread(fd, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h);
+        if (whole && h.magic == detail::kBoardMagic && static_cast<uint64_t>(st.st_size) >= h.file_bytes &&
+            h.file_bytes != 0) {
+          s = detail::map_board(name, fd, h.file_bytes, /*writer=*/false);
+        }
+      } catch (...) {
+        ::close(fd);
+        throw;
+      }
+      ::close(fd);
+      if (s && s->header->ready.load(std::memory_order_acquire) == 1) {
+        // Read once, check, then use: the header's numbers must describe the file mapped.
+        const detail::BoardHeader& h = *s->header;
+        const bool sane =
+            h.layout == detail::kBoardLayout && h.readers >= 1 && h.readers <= detail::kMaxReaders &&
+            h.buffers == h.readers * kPinsPerReader + 2 &&
+            h.schema_offset == detail::kHeaderBytes + uint64_t{h.readers} * sizeof(detail::ReaderSlot) &&
+            h.buffer_stride == detail::round_up(sizeof(detail::BufferHead) + h.tree_bytes, detail::kPage) &&
+            h.buffers_offset == detail::round_up(h.schema_offset + h.schema_bytes, detail::kPage) &&
+            h.file_bytes == h.buffers_offset + h.buffer_stride * h.buffers;
+        if (!sane) throw SegmentError("tdshm::Board::open: '" + path + "' is not a board of this layout");
+        s->schema = decode_schema({s->map->base + h.schema_offset, h.schema_bytes}, h.tree_bytes);
+        s->fingerprint = schema_fingerprint(s->schema);
+        s->leaves = detail::board_leaves(s->schema.root);
+        s->buffers = s->map->base + h.buffers_offset;
+        // A free slot, or a dead reader's.
+        const shm::ProcessId me = shm::self_process();
+        for (uint32_t r = 0; r < h.readers && s->mine == nullptr; ++r) {
+          detail::ReaderSlot& slot = s->slots[r];
+          uint32_t state = slot.state.load(std::memory_order_acquire);
+          if (state == detail::kSlotLive && shm::process_alive({slot.pid, slot.start_time, slot.pid_ns})) continue;
+          if (state == detail::kSlotClaiming) continue;
+          if (!slot.state.compare_exchange_strong(state, detail::kSlotClaiming, std::memory_order_acq_rel)) continue;
+          slot.pid = me.pid;
+          slot.start_time = me.start_time;
+          slot.pid_ns = me.pid_ns;
+          for (auto& pin : slot.pins) pin.store(0, std::memory_order_relaxed);
+          slot.state.store(detail::kSlotLive, std::memory_order_release);
+          s->mine = &slot;
+        }
+        if (s->mine == nullptr) {
+          throw SegmentError("tdshm::Board::open: every one of the " + std::to_string(h.readers) +
+                             " reader slots of '" + name + "' is held by a live reader (BoardOptions::readers)");
+        }
+        s->spin = options.spin;
+        return Board(std::move(s));
+      }
+    }
+    if (std::chrono::steady_clock::now() >= until) {
+      throw TimeoutError("tdshm::Board::open: no board '" + name + "' within " +
+                         std::to_string(options.timeout.count()) + " ms");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+}  // namespace tdshm

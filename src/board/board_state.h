@@ -1,0 +1,223 @@
+#pragma once
+// The versioned board's file (include/tdshm/board.h): its layout and a process's state of it,
+// shared by board_file.cpp (creating and opening) and board.cpp (publishing, reading, views).
+//
+// Layout (/dev/shm/tdshm-board.<name>, every offset from the header, checked by readers):
+//   BoardHeader (256 bytes) | ReaderSlot[readers] (64 bytes each) | the encoded schema |
+//   buffers, each a page-aligned BufferHead (64 bytes) + the tree's consolidated bytes.
+
+#include <tdshm/board.h>
+#include <tdshm/errors.h>
+#include <tdshm/schema.h>
+
+#include "shm/parts/process_identity.h"
+#include "shm/parts/trust.h"
+
+#include <ATen/ops/from_blob.h>
+
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tdshm {
+namespace detail {
+
+// Named, not anonymous: BoardState (a detail class) holds these.
+namespace board_file {
+
+constexpr uint64_t kBoardMagic = 0x314452414f424454ULL;  // "TDBOARD1"
+constexpr uint32_t kBoardLayout = 1;
+constexpr uint32_t kMaxReaders = 64;
+constexpr uint64_t kWriting = ~uint64_t{0};
+constexpr uint64_t kPage = 4096;
+constexpr uint32_t kSlotFree = 0, kSlotClaiming = 1, kSlotLive = 2;
+
+struct BoardHeader {
+  uint64_t magic;
+  uint32_t layout;
+  uint32_t readers;
+  uint32_t buffers;
+  uint32_t reserved0;
+  uint64_t tree_bytes;     // the consolidated tree (schema total_bytes)
+  uint64_t buffer_stride;  // BufferHead + tree bytes, page-aligned
+  uint64_t schema_offset;
+  uint64_t schema_bytes;
+  uint64_t buffers_offset;
+  uint64_t file_bytes;
+  uint32_t writer_pid;
+  uint32_t writer_pid_ns;
+  uint64_t writer_start_time;
+  std::atomic<uint32_t> ready;  // 1 once everything above is written (release)
+  uint32_t reserved1;
+  alignas(64) std::atomic<uint64_t> latest;  // version << 8 | buffer; 0: none yet
+  std::atomic<uint32_t> wake;                // the low 32 bits of the latest version (futex word)
+  std::atomic<uint32_t> sleepers;            // readers in wait_newer's futex wait
+};
+static_assert(sizeof(BoardHeader) <= 256);
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
+constexpr uint64_t kHeaderBytes = 256;
+
+struct ReaderSlot {
+  std::atomic<uint32_t> state;
+  uint32_t pid;
+  uint64_t start_time;
+  uint32_t pid_ns;
+  std::atomic<uint32_t> pins[Board::kPinsPerReader];  // buffer + 1; 0: none
+  uint8_t pad[64 - 20 - 4 * Board::kPinsPerReader];
+};
+static_assert(sizeof(ReaderSlot) == 64);
+
+struct BufferHead {
+  std::atomic<uint64_t> stamp;  // the version its bytes hold; kWriting while written; 0: never
+  uint8_t pad[56];
+};
+static_assert(sizeof(BufferHead) == 64);
+
+inline uint64_t round_up(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
+
+inline std::string board_path(const std::string& name) {
+  return std::string(shm::kSegmentDir) + "/tdshm-board." + name;
+}
+
+void check_name(const std::string& name);
+
+struct Leaf {
+  Key key;
+  SchemaTensor tensor;
+};
+
+// The tree's leaves, sorted by key (sorted at each level, depth first: the order of the dicts
+// Python's views and like() return). TypeError for a tree a board cannot hold.
+std::vector<Leaf> board_leaves(const SchemaNode& root);
+
+/// The mapping of the board file, unmapped when the last Board or view of it is gone.
+struct Mapping {
+  uint8_t* base = nullptr;
+  size_t bytes = 0;
+  ~Mapping() {
+    if (base != nullptr) ::munmap(base, bytes);
+  }
+};
+
+}  // namespace board_file
+
+using namespace board_file;
+
+class BoardState : public std::enable_shared_from_this<BoardState> {
+ public:
+  std::string name;
+  bool writer = false;
+  std::shared_ptr<Mapping> map;
+  BoardHeader* header = nullptr;
+  ReaderSlot* slots = nullptr;
+  uint8_t* buffers = nullptr;
+  Schema schema;
+  uint64_t fingerprint = 0;  // schema_fingerprint(schema), for the views' trees
+  std::vector<Leaf> leaves;
+  ReaderSlot* mine = nullptr;         // a reader's slot
+  uint64_t next_version = 1;          // the writer's
+  std::chrono::microseconds spin{0};  // wait_newer's
+  uint32_t last_buffer = 0;           // the writer's last choice (round robin keeps pages warm evenly)
+  int64_t open_buffer = -1;           // the writer's buffer between begin() and commit()
+  dev_t dev = 0;
+  ino_t ino = 0;
+
+  ~BoardState() {
+    if (mine != nullptr) mine->state.store(kSlotFree, std::memory_order_release);  // views are gone too
+    if (writer) {
+      // Removes the name while it still refers to this board (readers' mappings stay valid).
+      struct stat st {};
+      const std::string path = board_path(name);
+      if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev && st.st_ino == ino) ::unlink(path.c_str());
+    }
+  }
+
+  uint32_t free_buffer(const char* what);
+  at::Tensor pin_newest(const std::shared_ptr<BoardState>& self);
+  uint64_t publish_buffer(uint32_t chosen);
+
+  BufferHead& head(uint32_t b) const {
+    return *reinterpret_cast<BufferHead*>(buffers + uint64_t{b} * header->buffer_stride);
+  }
+  uint8_t* bytes(uint32_t b) const { return buffers + uint64_t{b} * header->buffer_stride + sizeof(BufferHead); }
+
+  /// Whether a live reader pins buffer `b`; a dead reader's pins are taken back on the way.
+  bool pinned(uint32_t b) {
+    for (uint32_t r = 0; r < header->readers; ++r) {
+      ReaderSlot& s = slots[r];
+      for (auto& pin : s.pins) {
+        if (pin.load(std::memory_order_seq_cst) != b + 1) continue;
+        const shm::ProcessId id{s.pid, s.start_time, s.pid_ns};
+        if (s.state.load(std::memory_order_acquire) == kSlotLive && shm::alive_or_self(id)) return true;
+        uint32_t expected = b + 1;
+        pin.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);  // a dead reader's
+      }
+    }
+    return false;
+  }
+
+  /// Checks `td`'s tree against the board's: every leaf there with its dtype and shape, no other.
+  void check_tree(const TensorDict& td, const char* what) const {
+    for (const Leaf& l : leaves) {
+      at::Tensor t;
+      try {
+        t = td.get(l.key);
+      } catch (const std::exception&) {
+        throw SchemaError(std::string("tdshm::Board::") + what + ": the tree has no tensor leaf " + l.key.str() +
+                          ", which the board's has");
+      }
+      if (t.scalar_type() != l.tensor.dtype || t.sizes().vec() != l.tensor.shape) {
+        throw SchemaError(std::string("tdshm::Board::") + what + ": leaf " + l.key.str() + " is " +
+                          c10::toString(t.scalar_type()) + " " + c10::str(t.sizes()) + ", the board's is " +
+                          c10::toString(l.tensor.dtype) + " " + c10::str(at::IntArrayRef(l.tensor.shape)));
+      }
+    }
+    const std::vector<Key> keys = td.keys(/*include_nested=*/true, /*leaves_only=*/true);
+    if (keys.size() != leaves.size()) {
+      for (const Key& k : keys) {
+        bool found = false;
+        for (const Leaf& l : leaves) found = found || l.key == k;
+        if (!found) {
+          throw SchemaError(std::string("tdshm::Board::") + what + ": the tree has leaf " + k.str() +
+                            ", which the board's has not");
+        }
+      }
+    }
+  }
+
+  at::Tensor leaf_of(uint32_t b, const Leaf& l) const {
+    return at::from_blob(bytes(b) + l.tensor.start, l.tensor.shape, at::TensorOptions().dtype(l.tensor.dtype));
+  }
+
+  // Copies a leaf between a tree and buffer b (check_tree made their dtypes and shapes equal): a
+  // memcpy when the tree's tensor is contiguous (4 MiB in 69 us here against ATen's copy kernel's
+  // 73), else copy_.
+  void copy_leaf(uint32_t b, const Leaf& l, const at::Tensor& tree, bool to_tree) const {
+    uint8_t* const board = bytes(b) + l.tensor.start;
+    if (tree.is_contiguous()) {
+      void* const t = tree.data_ptr();
+      if (to_tree) {
+        std::memcpy(t, board, tree.nbytes());
+      } else {
+        std::memcpy(board, t, tree.nbytes());
+      }
+    } else if (to_tree) {
+      tree.copy_(leaf_of(b, l));
+    } else {
+      leaf_of(b, l).copy_(tree);
+    }
+  }
+};
+
+namespace board_file {
+
+/// Maps `bytes` of the board file `fd` and wraps them in a state (header and slots placed).
+std::shared_ptr<BoardState> map_board(const std::string& name, int fd, uint64_t bytes, bool writer);
+
+}  // namespace board_file
+}  // namespace detail
+}  // namespace tdshm
