@@ -375,11 +375,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._unsent = [[] for _ in range(self._num_workers)]
         if not first_iter:
             # Persistent workers: each answers what it was still asked, then acknowledges.
-            for tasks in self._tasks:
-                try:
-                    _send(tasks, ("resume",))
-                except OSError:
-                    pass  # as in _flush_tasks
+            for w in range(self._num_workers):
+                self._tell(w, ("resume",))
             for w in range(self._num_workers):
                 while self._receive(w)[0] != "resumed":
                     pass
@@ -390,11 +387,14 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     def _flush_tasks(self, worker):
         if self._unsent[worker]:
-            try:
-                _send(self._tasks[worker], ("tasks", self._unsent[worker]))
-            except OSError:
-                pass  # the worker died (its end of the pipe closed): waiting for its answer says so
+            self._tell(worker, ("tasks", self._unsent[worker]))
             self._unsent[worker] = []
+
+    def _tell(self, worker, msg):
+        try:
+            _send(self._tasks[worker], msg)
+        except OSError:
+            pass  # the worker died (its end of the pipe closed): waiting for its answer says so
 
     def _try_put_index(self, send=True):
         try:

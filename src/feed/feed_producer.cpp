@@ -209,18 +209,21 @@ class FeedProducerState {
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (inlined[i]) continue;
       const at::Tensor& t = tensors[i];
+      const bool loan = pg_->is_loan(t);
       at::Tensor out;
-      if (small(t) && !pg_->is_loan(t)) {
+      bool lent = true;  // out is a loan: by reference
+      if (small(t) && !loan) {
         out = t.is_contiguous() ? t : t.contiguous();  // by value (more dimensions than a frame holds)
-      } else if (t.is_contiguous() && pg_->is_loan(t) && (ticket_free(lending) || (room() && ticket_free(lending)))) {
+        lent = false;
+      } else if (t.is_contiguous() && loan && (ticket_free(lending) || (room() && ticket_free(lending)))) {
         out = t;
       } else if ((out = try_loan(t.sizes(), t.scalar_type(), lending)).defined()) {
         out.copy_(t);
       } else {
         // A loan whose send would wait for a ticket the consumer holds is cloned: by value.
-        out = pg_->is_loan(t) || !t.is_contiguous() ? t.clone(at::MemoryFormat::Contiguous) : t;
+        out = loan || !t.is_contiguous() ? t.clone(at::MemoryFormat::Contiguous) : t;
+        lent = false;
       }
-      const bool lent = pg_->is_loan(out);
       lending += lent ? 1 : 0;
       is_lent.push_back(lent);
       msgs.push_back(std::move(out));
