@@ -45,6 +45,10 @@ _WATCH = 0.5  # seconds between a worker's checks that main still runs
 _HEAP_BATCHES = 4  # batches beyond the prefetched ones a heap holds (batches held, fragmentation)
 _HEAP_MIN_BYTES = 64 << 10  # a worker's allocations at least this large are made in its heap
 _SPIN = timedelta(microseconds=20)  # a short spin: the workers need the CPUs main would spin on
+# A worker out of tasks polls its pipe, yielding the CPU, this long before it sleeps in poll():
+# main's write that wakes a sleeping worker cost main ~2 µs a batch (the wake-up), the worker ~1 µs,
+# and the CPUs sat 16-20 % idle between the two (whole batches 1.16x, 4 scalars 1.16x faster).
+_TASK_SPIN = 100e-6
 
 
 class _MainGone(Exception):
@@ -172,6 +176,10 @@ class _Outbox:
     def next_task(self):
         """The next message from main, or None once main is gone."""
         while not self.early:
+            if not self.readable.poll(0):
+                give_up = time.perf_counter() + _TASK_SPIN
+                while not self.readable.poll(0) and time.perf_counter() < give_up:
+                    os.sched_yield()
             # Main gone (killed, or it exited without closing us): end within _WATCH seconds.
             while not self.readable.poll(int(_WATCH * 1000)):  # data, or the pipe closed (POLLHUP)
                 if os.getppid() != self.parent:
