@@ -21,6 +21,7 @@ A batch's views give their bytes back when the batch is dropped; `list(loader)` 
 past the next step only keeps its worker's heap busy (later batches then travel by value).
 """
 
+import io
 import itertools
 import os
 import pickle
@@ -60,39 +61,41 @@ def _main_left(e):
     return "left the group" in text or "is gone" in text or "was destroyed" in text
 
 
-class _HeaderPickler(pickle.Pickler):
-    def __init__(self, file, leaves):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._leaves = leaves
+class _Splitter:
+    """Pickles an answer with every tensor left out: (header bytes, tensors), each tensor's place
+    in the header its index among them. One pickler for the worker's life (a new one per answer,
+    with its buffer, cost as much again as the pickling)."""
 
-    def persistent_id(self, obj):
+    def __init__(self):
+        self._buf = io.BytesIO()
+        self._pickler = pickle.Pickler(self._buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self._pickler.persistent_id = self._leaf
+        self._leaves = None
+
+    def _leaf(self, obj):
         if isinstance(obj, torch.Tensor):
             self._leaves.append(obj)
             return len(self._leaves) - 1
         return None
 
-
-class _HeaderUnpickler(pickle.Unpickler):
-    def __init__(self, file, leaves):
-        super().__init__(file)
-        self._leaves = leaves
-
-    def persistent_load(self, pid):
-        return self._leaves[pid]
-
-
-def _split(obj):
-    """(header bytes, tensors): `obj` pickled with every tensor replaced by its index."""
-    import io
-    leaves = []
-    buf = io.BytesIO()
-    _HeaderPickler(buf, leaves).dump(obj)
-    return buf.getvalue(), leaves
+    def split(self, obj):
+        self._leaves = leaves = []
+        buf = self._buf
+        buf.seek(0)
+        buf.truncate()
+        try:
+            self._pickler.dump(obj)
+        finally:
+            self._pickler.clear_memo()  # it holds every object pickled: the batch, its tensors
+            self._leaves = None
+        return buf.getvalue(), leaves
 
 
 def _join(header, leaves):
-    import io
-    return _HeaderUnpickler(io.BytesIO(header), leaves).load()
+    """The answer _Splitter.split pickled, its tensors put back."""
+    unpickler = pickle.Unpickler(io.BytesIO(header))
+    unpickler.persistent_load = leaves.__getitem__  # no Python frame per tensor
+    return unpickler.load()
 
 
 # Main's messages to a worker go through a pipe as a 4-byte length and the message pickled, in one
@@ -147,6 +150,7 @@ class _Outbox:
         self.readable = select.poll()
         self.readable.register(tasks.fileno(), select.POLLIN)
         self.early = []  # tasks read while a put waited (see _check)
+        self.splitter = _Splitter()
         # Each worker's group may take its share of /dev/shm (8 workers fit Docker's 64 MiB); the
         # first group is small (a heap sized from the first batch follows).
         self.producer = FeedProducer(name, index, items_in_heap=prefetch + _HEAP_BATCHES, spin=_SPIN,
@@ -199,7 +203,7 @@ class _Outbox:
     def answer(self, kind, idx, payload):
         """kind: "data" (payload: the batch), "error" (an ExceptionWrapper), "stop", "resumed".
         Raises _MainGone once main left the feed (it shut the iterator down) or died."""
-        header, leaves = _split((kind, idx, payload))
+        header, leaves = self.splitter.split((kind, idx, payload))
         try:
             self.producer.put(header, leaves)
         except RuntimeError as e:
@@ -228,6 +232,17 @@ def _loan_collate_fn_map(outbox):
     return fn_map
 
 
+def _convert(data):
+    """torch's default_convert (batch_size=None), its commonest cases in fewer steps: a tensor, a
+    plain dict of them, a number or a string are what default_convert returns for them."""
+    t = type(data)
+    if t is torch.Tensor or t is int or t is float or t is str:
+        return data
+    if t is dict:
+        return {key: _convert(value) for key, value in data.items()}
+    return _collate.default_convert(data)
+
+
 def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_last, base_seed,
                  init_fn, worker_id, num_workers, prefetch, name, parent):
     """A worker: torch's _worker_loop, answering over tdshm."""
@@ -247,7 +262,9 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
         # tensors) lies in its heap once there is one, and travels by reference (a scope per
         # batch cost more than the rest of the worker's bookkeeping).
         heap_scope = outbox.producer.heap_allocations(_HEAP_MIN_BYTES)
-        if collate_fn is _collate.default_collate:
+        if collate_fn is _collate.default_convert:
+            collate_fn = _convert
+        elif collate_fn is _collate.default_collate:
             fn_map = _loan_collate_fn_map(outbox)
             collate_fn = lambda batch: _collate.collate(batch, collate_fn_map=fn_map)  # noqa: E731
 

@@ -27,6 +27,11 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info  # noqa: 
 
 import tdshm  # noqa: E402
 
+try:
+    import numpy
+except ImportError:  # torch runs without it; its conversions are then not tested
+    numpy = None
+
 Pair = collections.namedtuple("Pair", ["left", "right"])
 
 
@@ -46,7 +51,7 @@ class Samples(Dataset):
 
     def __getitem__(self, i):
         info = get_worker_info()
-        return {
+        sample = {
             "image": torch.full((3, 8, 8), i % 256, dtype=torch.uint8),
             "x": torch.arange(5, dtype=torch.float32) * i,
             "label": i,
@@ -60,6 +65,10 @@ class Samples(Dataset):
             "info": None if info is None else (info.num_workers, info.seed, type(info.dataset).__name__),
             "random": torch.rand(2),
         }
+        if numpy is not None:  # default_convert / default_collate turn these into tensors
+            sample["array"] = numpy.arange(3) * i
+            sample["scalar"] = numpy.float64(i) / 4
+        return sample
 
 
 class Ranges(IterableDataset):
