@@ -103,10 +103,9 @@ def _join(header, leaves):
 # main and the worker more than the rest of a task's round.
 
 
-def _send(conn, msg):
+def _send(fd, msg):
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     view = memoryview(len(data).to_bytes(4, "little") + data)
-    fd = conn.fileno()
     while view:  # a write larger than the pipe's buffer, or one a signal cut short, goes on
         view = view[os.write(fd, view):]
 
@@ -355,6 +354,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._feed = FeedConsumer(stem, self._num_workers, spin=_SPIN, first_heap_bytes=256 << 10,
                                   timeout=timedelta(seconds=self._timeout) if self._timeout > 0 else None)
         self._tasks = []
+        self._task_fds = []
         self._workers = []
         for i in range(self._num_workers):
             task_r, task_w = ctx.Pipe(duplex=False)
@@ -368,6 +368,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             task_r.close()
             self._feed.watch(i, w.pid)
             self._tasks.append(task_w)
+            self._task_fds.append(task_w.fileno())
             self._workers.append(w)
         _utils.signal_handling._set_worker_pids(id(self), tuple(w.pid for w in self._workers))
         _utils.signal_handling._set_SIGCHLD_handler()
@@ -417,26 +418,35 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     def _tell(self, worker, msg):
         try:
-            _send(self._tasks[worker], msg)
+            _send(self._task_fds[worker], msg)
         except OSError:
             pass  # the worker died (its end of the pipe closed): waiting for its answer says so
 
     def _try_put_index(self, send=True):
+        # Every batch passes here and through _next_data, in main, whose CPU time bounds the
+        # loader's rate on a busy machine (it gets its share of the CPUs, as each worker does):
+        # both are written with as few Python calls as torch's steps allow.
         try:
-            index = self._next_index()
+            index = next(self._sampler_iter)  # torch's _next_index
         except StopIteration:
             return
+        status = self._workers_status
         for _ in range(self._num_workers):
             worker = next(self._worker_queue_idx_cycle)
-            if self._workers_status[worker]:
+            if status[worker]:
                 break
         else:
             return  # no worker left
-        self._unsent[worker].append((self._send_idx, index))
+        idx = self._send_idx
         if send:
-            self._flush_tasks(worker)
-        self._task_worker[self._send_idx] = worker
-        self._send_idx += 1
+            try:
+                _send(self._task_fds[worker], ("tasks", [(idx, index)]))
+            except OSError:
+                pass  # the worker died (its end of the pipe closed): waiting for its answer says so
+        else:
+            self._unsent[worker].append((idx, index))
+        self._task_worker[idx] = worker
+        self._send_idx = idx + 1
 
     def _next_data(self):
         while True:
@@ -452,7 +462,13 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
-            kind, idx, data = self._receive(worker)
+            try:
+                item = self._feed.next_from(worker)
+            except (TimeoutError, RuntimeError) as e:
+                self._receive_failed(worker, e)
+            if item is None:
+                self._lost(worker, EOFError("the worker closed its feed"))
+            kind, idx, data = _join(*item)
             assert idx == self._rcvd_idx, (idx, self._rcvd_idx)
             del self._task_worker[idx]
             self._rcvd_idx += 1
@@ -489,23 +505,28 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         raise RuntimeError("DataLoader worker (pid(s) {}) exited unexpectedly: {}".format(w.pid, cause)) from cause
 
     def _receive(self, worker):
-        """The next answer of `worker`: (kind, task index, batch / ExceptionWrapper / worker id)."""
+        """The next answer of `worker`: (kind, task index, batch / ExceptionWrapper / worker id).
+        (_next_data does the same, inline.)"""
         try:
             item = self._feed.next_from(worker)
-        except TimeoutError:
-            # The receive was withdrawn: this worker's answers are out of step from here.
-            self._shutdown_workers()
-            raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout)) from None
-        except RuntimeError as e:
-            if "DataLoader worker" in str(e):  # torch's SIGCHLD handler, run while main waited
-                self._shutdown_workers()
-                raise
-            self._lost(worker, e)
+        except (TimeoutError, RuntimeError) as e:
+            self._receive_failed(worker, e)
         # Ctrl-C (KeyboardInterrupt, raised within 0.1 s) leaves the workers to the iterator's
         # end, as torch's does: a terminal's Ctrl-C reaches them too, and they exit at once.
         if item is None:
             self._lost(worker, EOFError("the worker closed its feed"))
         return _join(*item)  # (kind, task index, body)
+
+    def _receive_failed(self, worker, e):
+        """Raises torch's error for a receive from `worker` that raised `e`."""
+        if isinstance(e, TimeoutError):
+            # The receive was withdrawn: this worker's answers are out of step from here.
+            self._shutdown_workers()
+            raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout)) from None
+        if "DataLoader worker" in str(e):  # torch's SIGCHLD handler, run while main waited
+            self._shutdown_workers()
+            raise e
+        self._lost(worker, e)
 
     # ---- shutting down ----
 
@@ -521,7 +542,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._feed.shutdown()
         for tasks in self._tasks:
             try:
-                _send(tasks, ("stop",))
+                _send(tasks.fileno(), ("stop",))
             except (BrokenPipeError, OSError):
                 pass
         give_up = time.monotonic() + _utils.MP_STATUS_CHECK_INTERVAL
