@@ -40,6 +40,7 @@ namespace py = pybind11;
 void bind_transfer(py::module_& m);  // transfer.cpp
 void bind_board(py::module_& m);     // board.cpp
 void bind_feed(py::module_& m);      // feed.cpp
+void bind_task_ring(py::module_& m);  // task_ring.cpp
 
 namespace {
 
@@ -184,5 +185,6 @@ PYBIND11_MODULE(_C, m) {
   bind_transfer(m);
   bind_board(m);
   bind_feed(m);
+  bind_task_ring(m);
   m.attr("__version__") = TDSHM_VERSION;
 }

@@ -23,6 +23,7 @@ past the next step only keeps its worker's heap busy (later batches then travel 
 
 import io
 import itertools
+import mmap
 import os
 import pickle
 import random
@@ -38,7 +39,7 @@ from torch.utils.data._utils import collate as _collate
 from torch.utils.data._utils import worker as _worker
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from ._C import FeedConsumer, FeedProducer
+from ._C import FeedConsumer, FeedProducer, TaskRing
 
 __all__ = ["DataLoader"]
 
@@ -50,6 +51,7 @@ _SPIN = timedelta(microseconds=20)  # a short spin: the workers need the CPUs ma
 # main's write that wakes a sleeping worker cost main ~2 µs a batch (the wake-up), the worker ~1 µs,
 # and the CPUs sat 16-20 % idle between the two (whole batches 1.16x, 4 scalars 1.16x faster).
 _TASK_SPIN = 100e-6
+_RING_SPIN, _RING_WATCH = timedelta(seconds=_TASK_SPIN), timedelta(seconds=_WATCH)
 
 
 class _MainGone(Exception):
@@ -98,13 +100,14 @@ def _join(header, leaves):
     return unpickler.load()
 
 
-# Main's messages to a worker go through a pipe as a 4-byte length and the message pickled, in one
-# write: a Connection's send pickles with torch's reducers and its recv reads twice, which cost
-# main and the worker more than the rest of a task's round.
+# Main's messages to a worker, pickled: with the "fork" start method through a TaskRing, memory
+# main maps before it forks the worker (a pipe write and the worker's poll and read cost each ~1 µs
+# a task); a message longer than a ring slot, and every message under "spawn" or "forkserver",
+# through a pipe as a 4-byte length and the pickle, in one write (a Connection's send pickles with
+# torch's reducers and its recv reads twice, which cost more than the rest of a task's round).
 
 
-def _send(fd, msg):
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+def _write(fd, data):
     view = memoryview(len(data).to_bytes(4, "little") + data)
     while view:  # a write larger than the pipe's buffer, or one a signal cut short, goes on
         view = view[os.write(fd, view):]
@@ -133,6 +136,24 @@ class _Inbox:
             del self.buf[:4 + n]
         return msgs
 
+    def next_message(self, readable, still_needed):
+        """The next message alone (the one a ring's marker announced), waiting for it; None once
+        the pipe closed or still_needed() says main is gone."""
+        while True:
+            if len(self.buf) >= 4:
+                n = int.from_bytes(self.buf[:4], "little")
+                if len(self.buf) >= 4 + n:
+                    msg = pickle.loads(self.buf[4:4 + n])
+                    del self.buf[:4 + n]
+                    return msg
+            while not readable.poll(int(_WATCH * 1000)):
+                if not still_needed():
+                    return None
+            data = os.read(self.fd, 1 << 16)
+            if not data:
+                return None
+            self.buf += data
+
 
 # ---------------------------------------------------------------------------------------------
 # Worker side
@@ -141,8 +162,9 @@ class _Inbox:
 class _Outbox:
     """A worker's answers to main: the items of its feed producer."""
 
-    def __init__(self, name, index, num_workers, prefetch, parent, tasks):
+    def __init__(self, name, index, num_workers, prefetch, parent, tasks, ring):
         self.parent = parent
+        self.ring = ring  # a TaskRing, or None: every message comes through the pipe
         self.inbox = _Inbox(tasks)
         # One poll object for the pipe: Connection.poll builds a selector on every call (a third
         # of what reading a task cost the worker).
@@ -159,6 +181,15 @@ class _Outbox:
     def _check(self):
         # Run while a put waits for main (its first join, room): a "stop" ends the wait (main shut
         # the iterator down and will not join); tasks are kept for the loop.
+        if self.ring is not None:
+            while True:
+                data = self.ring.try_get()
+                if data is None:
+                    return
+                msg = self._from_ring(data)
+                if msg is None or msg[0] == "stop":
+                    raise _MainGone()
+                self._keep(msg)
         while self.readable.poll(0):
             try:
                 msgs = self.inbox.read()
@@ -169,6 +200,16 @@ class _Outbox:
                     raise _MainGone()
                 self._keep(msg)
 
+    def _main_runs(self):
+        return os.getppid() == self.parent
+
+    def _from_ring(self, data):
+        """The message a ring slot holds (b"": the one main wrote to the pipe), or None once main
+        is gone."""
+        if data:
+            return pickle.loads(data)
+        return self.inbox.next_message(self.readable, self._main_runs)
+
     def _keep(self, msg):
         # Main's tasks come as ("tasks", [(idx, index), ...]): the first prefetch_factor together.
         if msg[0] == "tasks":
@@ -178,6 +219,19 @@ class _Outbox:
 
     def next_task(self):
         """The next message from main, or None once main is gone."""
+        if self.ring is not None:
+            while not self.early:
+                # Spins _TASK_SPIN, then sleeps; main gone: ends within _WATCH seconds.
+                data = self.ring.get(_RING_SPIN, _RING_WATCH)
+                if data is None:
+                    if not self._main_runs():
+                        return None
+                    continue
+                msg = self._from_ring(data)
+                if msg is None:
+                    return None
+                self._keep(msg)
+            return self.early.pop(0)
         while not self.early:
             if not self.readable.poll(0):
                 give_up = time.perf_counter() + _TASK_SPIN
@@ -243,7 +297,7 @@ def _convert(data):
 
 
 def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_last, base_seed,
-                 init_fn, worker_id, num_workers, prefetch, name, parent):
+                 init_fn, worker_id, num_workers, prefetch, name, parent, ring_memory, ring_slots):
     """A worker: torch's _worker_loop, answering over tdshm."""
     from torch.utils.data._utils import signal_handling
     try:
@@ -256,7 +310,8 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
             import numpy as np
             np.random.seed(_worker._generate_state(base_seed, worker_id))
         _worker._worker_info = _worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
-        outbox = _Outbox(name, worker_id, num_workers, prefetch, parent, tasks)
+        ring = None if ring_memory is None else TaskRing(ring_memory, ring_slots, False)
+        outbox = _Outbox(name, worker_id, num_workers, prefetch, parent, tasks, ring)
         # For the worker's life, what it makes of 64 KiB or more (the dataset's and the collate's
         # tensors) lies in its heap once there is one, and travels by reference (a scope per
         # batch cost more than the rest of the worker's bookkeeping).
@@ -355,14 +410,22 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                                   timeout=timedelta(seconds=self._timeout) if self._timeout > 0 else None)
         self._tasks = []
         self._task_fds = []
+        self._rings = []
         self._workers = []
+        # A forked worker shares an anonymous mapping with main: its TaskRing. Unread messages
+        # are at most the tasks in flight (prefetch_factor x num_workers, all to one worker once
+        # the others' datasets ended) and a resume and a stop.
+        ring_slots = self._prefetch_factor * self._num_workers + 8
+        forked = ctx.get_start_method() == "fork"
         for i in range(self._num_workers):
             task_r, task_w = ctx.Pipe(duplex=False)
+            ring_memory = mmap.mmap(-1, TaskRing.bytes_for(ring_slots)) if forked else None
+            self._rings.append(None if ring_memory is None else TaskRing(ring_memory, ring_slots, True))
             w = ctx.Process(
                 target=_worker_main,
                 args=(self._dataset_kind, self._dataset, task_r, self._auto_collation, self._collate_fn,
                       self._drop_last, self._base_seed, self._worker_init_fn, i, self._num_workers,
-                      self._prefetch_factor, stem, os.getpid()))
+                      self._prefetch_factor, stem, os.getpid(), ring_memory, ring_slots))
             w.daemon = True
             w.start()
             task_r.close()
@@ -417,8 +480,12 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             self._unsent[worker] = []
 
     def _tell(self, worker, msg):
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        ring = self._rings[worker]
+        if ring is not None and ring.put(data):
+            return
         try:
-            _send(self._task_fds[worker], msg)
+            _write(self._task_fds[worker], data)
         except OSError:
             pass  # the worker died (its end of the pipe closed): waiting for its answer says so
 
@@ -439,10 +506,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             return  # no worker left
         idx = self._send_idx
         if send:
-            try:
-                _send(self._task_fds[worker], ("tasks", [(idx, index)]))
-            except OSError:
-                pass  # the worker died (its end of the pipe closed): waiting for its answer says so
+            self._tell(worker, ("tasks", [(idx, index)]))
         else:
             self._unsent[worker].append((idx, index))
         self._task_worker[idx] = worker
@@ -540,11 +604,11 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         # Leaving the feed first ends a worker's wait on main (a put main will never take); then
         # the pipe tells it to stop (a worker waiting for main to join reads it in its check).
         self._feed.shutdown()
-        for tasks in self._tasks:
+        for worker in range(len(self._tasks)):
             try:
-                _send(tasks.fileno(), ("stop",))
-            except (BrokenPipeError, OSError):
-                pass
+                self._tell(worker, ("stop",))
+            except RuntimeError:
+                pass  # its ring is full: it reads none of it, and is ended below
         give_up = time.monotonic() + _utils.MP_STATUS_CHECK_INTERVAL
         for w in self._workers:
             w.join(max(0.0, give_up - time.monotonic()))

@@ -12,13 +12,16 @@ Run by ctest (python.loader) with PYTHONPATH=<build>/python.
 import collections
 import faulthandler
 import glob
+import mmap
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 import unittest
+from datetime import timedelta
 
 os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402
@@ -26,6 +29,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset, get_worker_info  # noqa: E402
 
 import tdshm  # noqa: E402
+from tdshm._C import TaskRing  # noqa: E402
 
 try:
     import numpy
@@ -224,6 +228,10 @@ class LoaderTest(unittest.TestCase):
         # read, and arrive in pieces.
         self.check_same(range(7), batch_sampler=[[i % 7 for i in range(k, k + 40000)] for k in range(5)],
                         num_workers=2)
+        # Tasks that fit a ring slot and tasks that do not (those go through the pipe), mixed:
+        # each worker still reads them in the order main sent them.
+        mixed = [[k % 7] if k % 3 else [i % 7 for i in range(k, k + 3000)] for k in range(12)]
+        self.check_same(range(7), batch_sampler=mixed, num_workers=2, prefetch_factor=3)
 
     def test_iterable_dataset(self):
         for workers in (2, 3):
@@ -500,6 +508,82 @@ class LoaderTest(unittest.TestCase):
         self.assertEqual(n, 64)
         self.assertLess(peak, 64 << 20)
         self.assertEqual(left, 0)
+
+
+class TaskRingTest(unittest.TestCase):
+    """tdshm._C.TaskRing, main's messages to a forked worker through shared anonymous memory."""
+
+    def ring_pair(self, slots=4):
+        memory = mmap.mmap(-1, TaskRing.bytes_for(slots))
+        return memory, TaskRing(memory, slots, True), TaskRing(memory, slots, False)
+
+    def test_messages_in_order_and_the_marker_for_long_ones(self):
+        _, writer, reader = self.ring_pair()
+        long = b"x" * (TaskRing.slot_payload + 1)
+        self.assertTrue(writer.put(b"first"))
+        self.assertFalse(writer.put(long))  # the marker: the caller sends it through the pipe
+        self.assertTrue(writer.put(b"b" * TaskRing.slot_payload))
+        self.assertEqual(reader.try_get(), b"first")
+        self.assertEqual(reader.try_get(), b"")
+        self.assertEqual(reader.get(timedelta(0), timedelta(seconds=1)), b"b" * TaskRing.slot_payload)
+        self.assertIsNone(reader.try_get())
+        for i in range(10):  # around the ring's end more than once
+            self.assertTrue(writer.put(str(i).encode()))
+            self.assertEqual(reader.try_get(), str(i).encode())
+
+    def test_a_full_ring_is_an_error_not_a_wait(self):
+        _, writer, reader = self.ring_pair(slots=2)
+        writer.put(b"1")
+        writer.put(b"2")
+        with self.assertRaises(RuntimeError):
+            writer.put(b"3")
+        self.assertEqual(reader.try_get(), b"1")
+        self.assertTrue(writer.put(b"3"))
+
+    def test_get_times_out_with_none(self):
+        _, _, reader = self.ring_pair()
+        start = time.monotonic()
+        self.assertIsNone(reader.get(timedelta(microseconds=100), timedelta(milliseconds=50)))
+        self.assertGreaterEqual(time.monotonic() - start, 0.045)
+
+    def test_bad_memory(self):
+        with self.assertRaises(ValueError):
+            TaskRing(mmap.mmap(-1, 4096), 64, True)  # too small for 64 slots
+        with self.assertRaises(ValueError):
+            TaskRing(mmap.mmap(-1, TaskRing.bytes_for(4)), 4, False)  # no ring written there
+        with self.assertRaises(ValueError):
+            TaskRing(mmap.mmap(-1, TaskRing.bytes_for(4)), 0, True)
+        memory, _, _ = self.ring_pair(slots=4)
+        with self.assertRaises(ValueError):
+            TaskRing(memory, 3, False)  # a ring of 4 slots, read as 3
+
+    def test_a_sleeping_reader_in_a_forked_child_is_woken(self):
+        # The child spins 100 us, then sleeps in its futex wait; each message wakes it, and it
+        # answers through a pipe with what it read.
+        memory, writer, _ = self.ring_pair(slots=8)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(r)
+                reader = TaskRing(memory, 8, False)
+                for _ in range(3):
+                    got = reader.get(timedelta(microseconds=100), timedelta(seconds=20))
+                    os.write(w, b"none" if got is None else got)
+            finally:
+                os._exit(0)
+        os.close(w)
+        try:
+            for message in (b"one", b"two", b"three"):
+                time.sleep(0.05)  # the child is asleep by now
+                writer.put(message)
+                readable, _, _ = select.select([r], [], [], 5)
+                self.assertTrue(readable, "the sleeping reader was not woken within 5 s")
+                self.assertEqual(os.read(r, 64), message)
+        finally:
+            os.close(r)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 if __name__ == "__main__":
