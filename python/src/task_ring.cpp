@@ -41,6 +41,22 @@ namespace {
 constexpr uint64_t kRingMagic = 0x31474e4952534154ULL;  // "TASRING1"
 constexpr size_t kSlotBytes = 512;
 constexpr size_t kSlotPayload = kSlotBytes - sizeof(uint32_t);
+// A slot's length word for a task put_task wrote: idx and an int index (kTaskSlot), or idx, a
+// count and that many ints (kTaskListSlot: a batch sampler's list of indices).
+constexpr uint32_t kTaskSlot = ~uint32_t{0}, kTaskListSlot = ~uint32_t{0} - 1;
+constexpr size_t kTaskListMax = (kSlotPayload - 2 * sizeof(int64_t)) / sizeof(int64_t);
+
+// `v` as an int64 when it is an int (not a bool, not a subclass) that fits.
+bool exact_int64(PyObject* v, int64_t& out) {
+  if (!PyLong_CheckExact(v)) return false;
+  int overflow = 0;
+  out = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (overflow != 0 || (out == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
 
 struct RingHeader {
   uint64_t magic;
@@ -88,23 +104,44 @@ class TaskRing {
     char* data = nullptr;
     Py_ssize_t length = 0;
     if (PyBytes_AsStringAndSize(message.ptr(), &data, &length) != 0) throw py::error_already_set();
-    const uint64_t tail = header_->tail.load(std::memory_order_relaxed);
-    if (tail - header_->head.load(std::memory_order_acquire) >= count_)
-      throw std::runtime_error("TaskRing: every slot holds an unread message");
     const bool inline_message = length > 0 && static_cast<size_t>(length) <= kSlotPayload;
-    uint8_t* slot = slot_at(tail);
+    uint8_t* slot = claim();
     const uint32_t stored = inline_message ? static_cast<uint32_t>(length) : 0;
     std::memcpy(slot, &stored, sizeof stored);
     if (inline_message) std::memcpy(slot + sizeof stored, data, stored);
-    header_->tail.store(tail + 1, std::memory_order_seq_cst);
-    if (header_->asleep.load(std::memory_order_seq_cst) != 0) {
-      header_->wake.fetch_add(1, std::memory_order_seq_cst);
-      ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->wake), FUTEX_WAKE, 1, nullptr, nullptr, 0);
-    }
+    publish();
     return inline_message;
   }
 
-  // Reader: the next message (bytes; b"" for the marker: the message is in the pipe), or None
+  // Writer: the task (idx, index), which the reader gets as ("task", idx, index), as integers
+  // when idx is an int of 64 bits and index one too or a list of at most kTaskListMax of them (a
+  // sampler's index, a batch sampler's list: no pickle on either side); false when they are not
+  // (the caller pickles the task and puts it).
+  bool put_task(py::handle idx, py::handle index) {
+    int64_t values[2 + kTaskListMax];
+    if (!exact_int64(idx.ptr(), values[0])) return false;
+    uint32_t kind = kTaskSlot;
+    size_t words = 2;
+    if (PyList_CheckExact(index.ptr())) {
+      const Py_ssize_t n = PyList_GET_SIZE(index.ptr());
+      if (static_cast<size_t>(n) > kTaskListMax) return false;
+      for (Py_ssize_t i = 0; i < n; ++i)
+        if (!exact_int64(PyList_GET_ITEM(index.ptr(), i), values[2 + i])) return false;
+      kind = kTaskListSlot;
+      values[1] = n;
+      words = 2 + static_cast<size_t>(n);
+    } else if (!exact_int64(index.ptr(), values[1])) {
+      return false;
+    }
+    uint8_t* slot = claim();
+    std::memcpy(slot, &kind, sizeof kind);
+    std::memcpy(slot + sizeof kind, values, words * sizeof(int64_t));
+    publish();
+    return true;
+  }
+
+  // Reader: the next message (bytes; b"" for the marker: the message is in the pipe; a tuple
+  // ("task", idx, index) for put_task's), or None
   // after `timeout` with none. Spins for `spin` first, offering the CPU to others (sched_yield)
   // every few checks, then sleeps. The GIL is released while it waits.
   py::object get(std::chrono::microseconds spin, std::chrono::microseconds timeout) {
@@ -129,6 +166,23 @@ class TaskRing {
 
  private:
   uint8_t* slot_at(uint64_t n) const noexcept { return slots_ + (n % count_) * kSlotBytes; }
+
+  // The writer's next slot; RuntimeError when every slot is unread.
+  uint8_t* claim() const {
+    const uint64_t tail = header_->tail.load(std::memory_order_relaxed);
+    if (tail - header_->head.load(std::memory_order_acquire) >= count_)
+      throw std::runtime_error("TaskRing: every slot holds an unread message");
+    return slot_at(tail);
+  }
+
+  // Makes the claimed slot the reader's, waking the reader when it sleeps.
+  void publish() noexcept {
+    header_->tail.store(header_->tail.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst);
+    if (header_->asleep.load(std::memory_order_seq_cst) != 0) {
+      header_->wake.fetch_add(1, std::memory_order_seq_cst);
+      ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->wake), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+    }
+  }
 
   bool ready(uint64_t head) const noexcept { return header_->tail.load(std::memory_order_acquire) != head; }
 
@@ -169,13 +223,34 @@ class TaskRing {
     const uint8_t* slot = slot_at(head);
     uint32_t length = 0;
     std::memcpy(&length, slot, sizeof length);
-    if (length > kSlotPayload) throw std::runtime_error("TaskRing: a slot's length is out of range");
-    py::bytes message(reinterpret_cast<const char*>(slot + sizeof length), length);
+    py::object message;
+    if (length == kTaskSlot || length == kTaskListSlot) {
+      int64_t values[2];
+      std::memcpy(values, slot + sizeof length, sizeof values);
+      if (length == kTaskSlot) {
+        message = py::make_tuple(task_word_, values[0], values[1]);
+      } else {
+        if (values[1] < 0 || static_cast<uint64_t>(values[1]) > kTaskListMax)
+          throw std::runtime_error("TaskRing: a task's count is out of range");
+        py::list index(static_cast<size_t>(values[1]));
+        for (int64_t i = 0; i < values[1]; ++i) {
+          int64_t v = 0;
+          std::memcpy(&v, slot + sizeof length + (2 + static_cast<size_t>(i)) * sizeof(int64_t), sizeof v);
+          index[static_cast<size_t>(i)] = py::int_(v);
+        }
+        message = py::make_tuple(task_word_, values[0], std::move(index));
+      }
+    } else if (length <= kSlotPayload) {
+      message = py::bytes(reinterpret_cast<const char*>(slot + sizeof length), length);
+    } else {
+      throw std::runtime_error("TaskRing: a slot's length is out of range");
+    }
     header_->head.store(head + 1, std::memory_order_release);
     return message;
   }
 
   py::buffer_info info_;
+  py::str task_word_{"task"};
   RingHeader* header_ = nullptr;
   uint8_t* slots_ = nullptr;
   uint32_t count_ = 0;
@@ -193,6 +268,10 @@ void bind_task_ring(py::module_& m) {
       .def("put", &TaskRing::put, py::arg("message"),
            "Writer: True when the message went into a slot; False when it is longer than one (the marker went "
            "instead: send the message through the pipe). RuntimeError when every slot is unread.")
+      .def("put_task", &TaskRing::put_task, py::arg("idx"), py::arg("index"),
+           "Writer: the task (idx, index), read as (\"task\", idx, index), when idx is an int of 64 bits and "
+           "index one too or a list of at most 61; "
+           "False when not (pickle it and put it).")
       .def("get", &TaskRing::get, py::arg("spin"), py::arg("timeout"),
            "Reader: the next message (b\"\": it is in the pipe), or None after `timeout` (spinning for `spin` "
            "first).")

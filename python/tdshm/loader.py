@@ -204,8 +204,10 @@ class _Outbox:
         return os.getppid() == self.parent
 
     def _from_ring(self, data):
-        """The message a ring slot holds (b"": the one main wrote to the pipe), or None once main
-        is gone."""
+        """The message a ring slot holds (a task as ("task", idx, index) already, a pickle, or b"":
+        the one main wrote to the pipe), or None once main is gone."""
+        if type(data) is tuple:
+            return data
         if data:
             return pickle.loads(data)
         return self.inbox.next_message(self.readable, self._main_runs)
@@ -223,6 +225,8 @@ class _Outbox:
             while not self.early:
                 # Spins _TASK_SPIN, then sleeps; main gone: ends within _WATCH seconds.
                 data = self.ring.get(_RING_SPIN, _RING_WATCH)
+                if type(data) is tuple:
+                    return data  # a task, the common case
                 if data is None:
                     if not self._main_runs():
                         return None
@@ -506,7 +510,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             return  # no worker left
         idx = self._send_idx
         if send:
-            self._tell(worker, ("tasks", [(idx, index)]))
+            ring = self._rings[worker]
+            if ring is None or not ring.put_task(idx, index):  # an int index: no pickle
+                self._tell(worker, ("tasks", [(idx, index)]))
         else:
             self._unsent[worker].append((idx, index))
         self._task_worker[idx] = worker

@@ -232,6 +232,9 @@ class LoaderTest(unittest.TestCase):
         # each worker still reads them in the order main sent them.
         mixed = [[k % 7] if k % 3 else [i % 7 for i in range(k, k + 3000)] for k in range(12)]
         self.check_same(range(7), batch_sampler=mixed, num_workers=2, prefetch_factor=3)
+        # Indices that are no int of 64 bits (keys of a dict, a huge int, a bool) are pickled.
+        table = {"a": torch.ones(2), 2 ** 70: torch.zeros(3), True: torch.arange(4), 5: torch.full((2,), 5)}
+        self.check_same(table, sampler=["a", 2 ** 70, True, 5, "a", 5], batch_size=None, num_workers=2)
 
     def test_iterable_dataset(self):
         for workers in (2, 3):
@@ -530,6 +533,20 @@ class TaskRingTest(unittest.TestCase):
         for i in range(10):  # around the ring's end more than once
             self.assertTrue(writer.put(str(i).encode()))
             self.assertEqual(reader.try_get(), str(i).encode())
+
+    def test_tasks_of_ints_without_a_pickle(self):
+        _, writer, reader = self.ring_pair(slots=8)
+        longest = list(range(-30, 31))  # 61 ints fill a slot
+        tasks = [(3, 2 ** 63 - 1), (-1, -(2 ** 63)), (7, []), (8, [5, 2 ** 62, -4]), (9, longest)]
+        for idx, index in tasks:
+            self.assertTrue(writer.put_task(idx, index), (idx, index))
+        refused = [(1, 2 ** 64), (1, True), (1, "a"), (1.0, 2), (1, (2, 3)), (1, [2, "a"]), (1, [True]),
+                   (1, [2 ** 64]), (1, longest + [0])]
+        for idx, index in refused:
+            self.assertFalse(writer.put_task(idx, index), (idx, index))
+        for idx, index in tasks:
+            self.assertEqual(reader.try_get(), ("task", idx, index))
+        self.assertIsNone(reader.try_get())  # nothing went in for the refused ones
 
     def test_a_full_ring_is_an_error_not_a_wait(self):
         _, writer, reader = self.ring_pair(slots=2)
