@@ -5,8 +5,9 @@ The constructor, the sampling, the order of the batches, the worker seeds, get_w
 the failures are torch 1.13's: this class *is* a torch.utils.data.DataLoader, and only its
 multi-process iterator differs. How a batch travels:
 
-* main sends each worker its tasks (the sampler's indices, pickled) through a pipe, as torch's
-  index queues do;
+* main sends each worker its tasks (the sampler's indices), as torch's index queues do: through
+  a TaskRing in memory main maps before it forks the worker (with "spawn" or "forkserver", and
+  for a task longer than a ring slot, through a pipe);
 * each worker answers every task exactly once, in order, as one item of a tdshm feed
   (tdshm::FeedProducer / FeedConsumer, include/tdshm/feed.h): a private two-rank shm group per
   worker, never the user's default group. An item is a header (the answer pickled with every
@@ -47,7 +48,7 @@ _WATCH = 0.5  # seconds between a worker's checks that main still runs
 _HEAP_BATCHES = 4  # batches beyond the prefetched ones a heap holds (batches held, fragmentation)
 _HEAP_MIN_BYTES = 64 << 10  # a worker's allocations at least this large are made in its heap
 _SPIN = timedelta(microseconds=20)  # a short spin: the workers need the CPUs main would spin on
-# A worker out of tasks polls its pipe, yielding the CPU, this long before it sleeps in poll():
+# A worker out of tasks polls its ring (or pipe), yielding the CPU, this long before it sleeps:
 # main's write that wakes a sleeping worker cost main ~2 µs a batch (the wake-up), the worker ~1 µs,
 # and the CPUs sat 16-20 % idle between the two (whole batches 1.16x, 4 scalars 1.16x faster).
 _TASK_SPIN = 100e-6
@@ -120,6 +121,17 @@ class _Inbox:
         self.fd = conn.fileno()
         self.buf = bytearray()
 
+    def _pop(self):
+        """The first message the bytes read so far complete, or None."""
+        if len(self.buf) < 4:
+            return None
+        n = int.from_bytes(self.buf[:4], "little")
+        if len(self.buf) < 4 + n:
+            return None
+        msg = pickle.loads(self.buf[4:4 + n])
+        del self.buf[:4 + n]
+        return msg
+
     def read(self):
         """The messages completed by what the pipe holds now (it must be readable: a read that
         finds nothing means main closed its end, EOFError)."""
@@ -128,24 +140,14 @@ class _Inbox:
             raise EOFError
         self.buf += data
         msgs = []
-        while len(self.buf) >= 4:
-            n = int.from_bytes(self.buf[:4], "little")
-            if len(self.buf) < 4 + n:
-                break
-            msgs.append(pickle.loads(self.buf[4:4 + n]))
-            del self.buf[:4 + n]
+        while (msg := self._pop()) is not None:  # a message is a tuple, never None
+            msgs.append(msg)
         return msgs
 
     def next_message(self, readable, still_needed):
         """The next message alone (the one a ring's marker announced), waiting for it; None once
         the pipe closed or still_needed() says main is gone."""
-        while True:
-            if len(self.buf) >= 4:
-                n = int.from_bytes(self.buf[:4], "little")
-                if len(self.buf) >= 4 + n:
-                    msg = pickle.loads(self.buf[4:4 + n])
-                    del self.buf[:4 + n]
-                    return msg
+        while (msg := self._pop()) is None:
             while not readable.poll(int(_WATCH * 1000)):
                 if not still_needed():
                     return None
@@ -153,6 +155,7 @@ class _Inbox:
             if not data:
                 return None
             self.buf += data
+        return msg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,9 +497,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             pass  # the worker died (its end of the pipe closed): waiting for its answer says so
 
     def _try_put_index(self, send=True):
-        # Every batch passes here and through _next_data, in main, whose CPU time bounds the
-        # loader's rate on a busy machine (it gets its share of the CPUs, as each worker does):
-        # both are written with as few Python calls as torch's steps allow.
+        # Every batch passes here, in main, whose CPU time bounds the loader's rate on a busy
+        # machine (it gets its share of the CPUs, as each worker does): as few Python calls as
+        # torch's steps allow.
         try:
             index = next(self._sampler_iter)  # torch's _next_index
         except StopIteration:
@@ -532,13 +535,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
-            try:
-                item = self._feed.next_from(worker)
-            except (TimeoutError, RuntimeError) as e:
-                self._receive_failed(worker, e)
-            if item is None:
-                self._lost(worker, EOFError("the worker closed its feed"))
-            kind, idx, data = _join(*item)
+            kind, idx, data = self._receive(worker)
             assert idx == self._rcvd_idx, (idx, self._rcvd_idx)
             del self._task_worker[idx]
             self._rcvd_idx += 1
@@ -575,8 +572,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         raise RuntimeError("DataLoader worker (pid(s) {}) exited unexpectedly: {}".format(w.pid, cause)) from cause
 
     def _receive(self, worker):
-        """The next answer of `worker`: (kind, task index, batch / ExceptionWrapper / worker id).
-        (_next_data does the same, inline.)"""
+        """The next answer of `worker`: (kind, task index, batch / ExceptionWrapper / worker id)."""
         try:
             item = self._feed.next_from(worker)
         except (TimeoutError, RuntimeError) as e:
