@@ -190,12 +190,15 @@ class TaskRing {
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
     const auto spin_end = start + spin, deadline = start + timeout;
-    for (unsigned checks = 1; Clock::now() < spin_end; ++checks) {
+    // A check of ~1 µs, then the CPU offered to others: main, or the worker main waits for, may be
+    // queued on this CPU (whole batches 1.13x faster than offering it every 4 checks, 8 pairs;
+    // 4 scalars 1.08x; every 16 or 64 checks, slower again).
+    while (Clock::now() < spin_end) {
       for (int i = 0; i < 32; ++i) {
         if (ready(head)) return true;
         ring_pause();
       }
-      if (checks % 4 == 0) sched_yield();  // another process on this CPU may be the one main waits for
+      sched_yield();
     }
     for (;;) {
       const uint32_t seen = header_->wake.load(std::memory_order_seq_cst);
