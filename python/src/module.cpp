@@ -37,9 +37,9 @@
 
 namespace py = pybind11;
 
-void bind_transfer(py::module_& m);  // transfer.cpp
-void bind_board(py::module_& m);     // board.cpp
-void bind_feed(py::module_& m);      // feed.cpp
+void bind_transfer(py::module_& m);   // transfer.cpp
+void bind_board(py::module_& m);      // board.cpp
+void bind_feed(py::module_& m);       // feed.cpp
 void bind_task_ring(py::module_& m);  // task_ring.cpp
 
 namespace {

@@ -18,10 +18,10 @@
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 
-#include <linux/futex.h>
+#include "shm/parts/futex.h"
+#include "shm/parts/spin.h"
+
 #include <sched.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -29,10 +29,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 namespace py = pybind11;
 
@@ -69,12 +65,6 @@ struct RingHeader {
 };
 static_assert(sizeof(RingHeader) == 128);
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
-
-void ring_pause() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#endif
-}
 
 class TaskRing {
  public:
@@ -180,7 +170,7 @@ class TaskRing {
     header_->tail.store(header_->tail.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst);
     if (header_->asleep.load(std::memory_order_seq_cst) != 0) {
       header_->wake.fetch_add(1, std::memory_order_seq_cst);
-      ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->wake), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+      tdshm::shm::futex_wake_all(header_->wake);
     }
   }
 
@@ -196,7 +186,7 @@ class TaskRing {
     while (Clock::now() < spin_end) {
       for (int i = 0; i < 32; ++i) {
         if (ready(head)) return true;
-        ring_pause();
+        tdshm::detail::cpu_relax();
       }
       sched_yield();
     }
@@ -212,11 +202,7 @@ class TaskRing {
         header_->asleep.store(0, std::memory_order_relaxed);
         return ready(head);
       }
-      const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
-      struct timespec ts {};
-      ts.tv_sec = static_cast<time_t>(left.count() / 1000000000);
-      ts.tv_nsec = static_cast<long>(left.count() % 1000000000);
-      ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->wake), FUTEX_WAIT, seen, &ts, nullptr, 0);
+      tdshm::shm::futex_wait(header_->wake, seen, deadline - now);
       header_->asleep.store(0, std::memory_order_relaxed);
       if (ready(head)) return true;
     }
