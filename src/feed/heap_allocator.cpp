@@ -122,4 +122,11 @@ uint64_t heap_allocations_live_bytes() {
   return t.live_bytes;
 }
 
+uint64_t redirected_bytes(const void* data) {
+  heap_redirect::Table& t = heap_redirect::table();
+  std::lock_guard lk(t.mu);
+  const auto it = t.loans.find(data);
+  return it == t.loans.end() ? 0 : it->second.second;
+}
+
 }  // namespace tdshm::feed

@@ -38,5 +38,7 @@ const HeapSource* set_thread_heap_source(const HeapSource* source, bool* install
 
 /// The bytes of redirected allocations not freed yet, in this process.
 uint64_t heap_allocations_live_bytes();
+/// The bytes of the redirected allocation that starts at `data`; 0 when none does.
+uint64_t redirected_bytes(const void* data);
 
 }  // namespace tdshm::feed

@@ -216,8 +216,9 @@ TEST_F(Feed, SmallTensorsTravelInsideTheirFrame) {
 
 // FeedProducer::HeapAllocations: inside the scope, what torch allocates on this thread (large
 // enough, once a heap exists) lies in the heap and travels by reference; smaller allocations,
-// other threads, a forked child, allocations past half the heap and those after the scope are
-// torch's ordinary ones; c10's raw_allocate works; a redirected tensor outlives its producer.
+// other threads, a forked child, allocations held past half the heap (items in flight do not
+// count) and those after the scope are torch's ordinary ones; c10's raw_allocate works; a
+// redirected tensor outlives its producer.
 TEST_F(Feed, AllocationsInTheHeapScopeLieInTheHeap) {
   set_deadline(90s);
   const std::string name = unique_name();
@@ -260,6 +261,10 @@ TEST_F(Feed, AllocationsInTheHeapScopeLieInTheHeap) {
       SHM_CHECK(p.try_loan({kFloats}, at::kFloat).defined(), "room for an item's loan remains");
       cache.clear();
       p.put(std::vector<uint8_t>{1}, {big, at::full({3}, 2.0f)});
+      // Items in flight (the consumer holds them) are the items' own loans, not held allocations:
+      // a producer running ahead still makes its next tensor in the heap.
+      for (int k = 0; k < 3; ++k) p.put(std::vector<uint8_t>{2}, {at::full({kFloats}, static_cast<float>(10 + k))});
+      SHM_CHECK(p.is_loan(at::full({kFloats}, 1.0f)), "items in flight leave room for the next one's tensor");
       kept = at::full({kFloats}, 9.0f);
     }
     SHM_CHECK(!p.is_loan(at::full({kFloats}, 1.0f)), "after the scope, torch's allocator");
@@ -269,15 +274,35 @@ TEST_F(Feed, AllocationsInTheHeapScopeLieInTheHeap) {
     SHM_CHECK(at::all(kept == 9.0f).item<bool>(), "a redirected tensor outlives its producer");
   });
   FeedConsumer c(name, 1, {.timeout = 30s});
-  ASSERT_TRUE(is_item(*c.next(), kFloats, 0, 0));
-  std::optional<FeedItem> it = c.next_from(0);
+  // A failed check ends the producer, and a read then fails: say what the producer said.
+  auto guarded = [&](auto read) -> decltype(read()) {
+    try {
+      return read();
+    } catch (const std::exception& e) {
+      (void)producer.wait(30s);
+      ADD_FAILURE() << e.what() << "; the producer: " << producer.describe();
+      return std::nullopt;
+    }
+  };
+  auto next = [&] { return guarded([&] { return c.next_from(0); }); };
+  const auto first = guarded([&] { return c.next(); });
+  ASSERT_TRUE(first && is_item(*first, kFloats, 0, 0));
+  std::optional<FeedItem> it = next();
   ASSERT_TRUE(it);
   ASSERT_EQ(it->tensors.size(), 2u);
   EXPECT_TRUE(at::all(it->tensors[0] == 7.0f).item<bool>());
   EXPECT_TRUE(at::equal(it->tensors[1], at::full({3}, 2.0f)));
+  std::vector<FeedItem> in_flight;  // held until the producer is done
+  for (int k = 0; k < 3; ++k) {
+    std::optional<FeedItem> f = next();
+    ASSERT_TRUE(f);
+    ASSERT_EQ(f->tensors.size(), 1u);
+    EXPECT_TRUE(at::all(f->tensors[0] == static_cast<float>(10 + k)).item<bool>()) << "item " << k;
+    in_flight.push_back(std::move(*f));
+  }
   EXPECT_TRUE(release_view(it->tensors[0])) << "the heap's tensor arrives as a view of the producer's loan";
   EXPECT_FALSE(release_view(it->tensors[1])) << "a tensor of at most 4 KiB travels by value";
-  EXPECT_FALSE(c.next_from(0).has_value());
+  EXPECT_FALSE(next().has_value());
   ASSERT_TRUE(producer.wait(60s));
   EXPECT_TRUE(producer.ok()) << producer.describe();
 }
