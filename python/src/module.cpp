@@ -41,6 +41,7 @@ void bind_transfer(py::module_& m);   // transfer.cpp
 void bind_board(py::module_& m);      // board.cpp
 void bind_feed(py::module_& m);       // feed.cpp
 void bind_task_ring(py::module_& m);  // task_ring.cpp
+void bind_leaf_ids(py::module_& m);   // leaf_ids.cpp
 
 namespace {
 
@@ -186,5 +187,6 @@ PYBIND11_MODULE(_C, m) {
   bind_board(m);
   bind_feed(m);
   bind_task_ring(m);
+  bind_leaf_ids(m);
   m.attr("__version__") = TDSHM_VERSION;
 }

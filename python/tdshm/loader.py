@@ -40,7 +40,7 @@ from torch.utils.data._utils import collate as _collate
 from torch.utils.data._utils import worker as _worker
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from ._C import FeedConsumer, FeedProducer, TaskRing
+from ._C import FeedConsumer, FeedProducer, LeafIds, TaskRing
 
 __all__ = ["DataLoader"]
 
@@ -71,22 +71,16 @@ def _main_left(e):
 class _Splitter:
     """Pickles an answer with every tensor left out: (header bytes, tensors), each tensor's place
     in the header its index among them. One pickler for the worker's life (a new one per answer,
-    with its buffer, cost as much again as the pickling)."""
+    with its buffer, cost as much again as the pickling); its persistent_id is a C callable
+    (LeafIds: a Python one cost a frame per object pickled, 1.06 µs a whole batch against 0.45)."""
 
     def __init__(self):
         self._buf = io.BytesIO()
         self._pickler = pickle.Pickler(self._buf, protocol=pickle.HIGHEST_PROTOCOL)
-        self._pickler.persistent_id = self._leaf
-        self._leaves = None
-
-    def _leaf(self, obj):
-        if isinstance(obj, torch.Tensor):
-            self._leaves.append(obj)
-            return len(self._leaves) - 1
-        return None
+        self._leaves = LeafIds(torch.Tensor)
+        self._pickler.persistent_id = self._leaves
 
     def split(self, obj):
-        self._leaves = leaves = []
         buf = self._buf
         buf.seek(0)
         buf.truncate()
@@ -94,7 +88,7 @@ class _Splitter:
             self._pickler.dump(obj)
         finally:
             self._pickler.clear_memo()  # it holds every object pickled: the batch, its tensors
-            self._leaves = None
+            leaves = self._leaves.take()  # (also after a failed dump: the next ids start at 0)
         return buf.getvalue(), leaves
 
 

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset, get_worker_info  # noqa: E402
 
 import tdshm  # noqa: E402
-from tdshm._C import TaskRing  # noqa: E402
+from tdshm._C import LeafIds, TaskRing  # noqa: E402
 
 try:
     import numpy
@@ -601,6 +601,56 @@ class TaskRingTest(unittest.TestCase):
             os.close(r)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+class LeafIdsTest(unittest.TestCase):
+    """tdshm._C.LeafIds, the workers' persistent_id: tensors set aside, every other object None."""
+
+    def test_tensors_set_aside_in_order(self):
+        ids = LeafIds(torch.Tensor)
+        a, b = torch.ones(2), torch.nn.Parameter(torch.zeros(1))  # a subclass is a tensor too
+        self.assertIsNone(ids({"a": 1}))
+        self.assertEqual(ids(a), 0)
+        for other in (None, 3, 2.5, "s", b"b", [a], (a,), True, torch.float32):
+            self.assertIsNone(ids(other))
+        self.assertEqual(ids(b), 1)
+        self.assertEqual(ids(a), 2)  # each time it is met (a pickler asks before its memo)
+        taken = ids.take()
+        self.assertEqual(len(taken), 3)
+        self.assertIs(taken[0], a)
+        self.assertIs(taken[1], b)
+        self.assertEqual(ids.take(), [])
+        self.assertEqual(ids(b), 0)  # ids start again after a take
+
+    def test_as_a_picklers_persistent_id(self):
+        import io
+        import pickle
+        ids = LeafIds(torch.Tensor)
+        buf = io.BytesIO()
+        pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = ids
+        t = torch.arange(4)
+        pickler.dump({"x": t, "y": [t, 7, "z"]})
+        leaves = ids.take()
+        self.assertEqual(len(leaves), 2)
+        self.assertTrue(all(leaf is t for leaf in leaves))
+        unpickler = pickle.Unpickler(io.BytesIO(buf.getvalue()))
+        unpickler.persistent_load = leaves.__getitem__
+        out = unpickler.load()
+        self.assertIs(out["x"], t)
+        self.assertIs(out["y"][0], t)
+        self.assertEqual(out["y"][1:], [7, "z"])
+
+    def test_bad_arguments(self):
+        with self.assertRaises(TypeError):
+            LeafIds(3)  # not a type
+        ids = LeafIds(torch.Tensor)
+        with self.assertRaises(TypeError):
+            ids()
+        with self.assertRaises(TypeError):
+            ids(1, 2)
+        with self.assertRaises(TypeError):
+            ids(obj=1)
 
 
 if __name__ == "__main__":
