@@ -93,6 +93,9 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
   for (;;) {
     check_namespaces();
     if (const int r = segment_->first_abandoned(); r >= 0) {
+      // A peer of another namespace may have claimed its slot and given up (on finding this rank
+      // foreign) between the check above and this look: it is that, not just a peer that gave up.
+      check_namespaces();
       give_up(RendezvousAbandonedError(
           where + segment_->describe_rank(static_cast<uint32_t>(r)) +
           " gave up this group's rendezvous (it timed out or failed): construct the group again"));
