@@ -293,7 +293,8 @@ class FeedProducerState {
   void fit(uint64_t need, size_t leaves) {
     const uint64_t want = feed::page_up(std::max<uint64_t>(need * o_.items_in_heap, kMinHeap));
     const uint32_t tickets = static_cast<uint32_t>(std::min<uint64_t>(
-        feed::kMaxTickets, std::max<uint64_t>(feed::kFirstTickets, uint64_t{o_.items_in_heap} * std::max<size_t>(1, leaves) * 2)));
+        feed::kMaxTickets,
+        std::max<uint64_t>(feed::kFirstTickets, uint64_t{o_.items_in_heap} * std::max<size_t>(1, leaves) * 2)));
     if (!pg_) open(feed::page_up(o_.first_heap_bytes), feed::kFirstTickets);
     // Grow when fewer than half of items_in_heap such items fit, within this producer's share of
     // /dev/shm (both ranks' heaps count: the segment holds one per rank) and what is free now,
@@ -396,7 +397,7 @@ class FeedProducerState {
   uint32_t tickets_ = 0;
   uint64_t items_ = 0;
   bool closed_ = false;
-  bool held_ = false;  // a wait for room ran out: the consumer holds what it has
+  bool held_ = false;                // a wait for room ran out: the consumer holds what it has
   std::optional<Schema> td_schema_;  // the last tensordict's schema, and its header
   std::vector<uint8_t> td_header_;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;

@@ -73,7 +73,8 @@ TEST_F(Feed, ItemsArriveInOrderAndHeldOnesAreNeverOverwritten) {
       SHM_CHECK(loaned > 0, "no item went in a loan");
       SHM_CHECK(p.items() == static_cast<uint64_t>(kItems), "items() counts the puts");
       p.close();
-      SHM_CHECK_THROWS(Error, [&] { p.put(item(4, k, 0)); }, "put after close");
+      SHM_CHECK_THROWS(
+          Error, [&] { p.put(item(4, k, 0)); }, "put after close");
     });
   }
   FeedConsumer c(name, kProducers, {.timeout = 30s});
@@ -342,9 +343,12 @@ TEST_F(Feed, EitherSideGoneOrLateEndsTheOthersWait) {
     const std::string name = unique_name();
     Child producer([&] {
       FeedProducer p(name, 0, {.timeout = 30s, .watch_pid = getppid()});
-      SHM_CHECK_THROWS(PeerLostError, [&] {
-        for (int64_t s = 0; s < 1000; ++s) p.put(item(1 << 16, 0, s));
-      }, "left the group");
+      SHM_CHECK_THROWS(
+          PeerLostError,
+          [&] {
+            for (int64_t s = 0; s < 1000; ++s) p.put(item(1 << 16, 0, s));
+          },
+          "left the group");
     });
     {
       FeedConsumer c(name, 1, {.timeout = 30s});
@@ -360,7 +364,8 @@ TEST_F(Feed, EitherSideGoneOrLateEndsTheOthersWait) {
       SHM_CHECK(gone.wait(10s), "the short-lived child");
       FeedProducer p(name, 0, {.watch_pid = gone.pid()});
       const auto start = Clock::now();
-      SHM_CHECK_THROWS(PeerLostError, [&] { p.put(item(4, 0, 0)); }, "is gone");
+      SHM_CHECK_THROWS(
+          PeerLostError, [&] { p.put(item(4, 0, 0)); }, "is gone");
       SHM_CHECK(Clock::now() - start < 5s, "gave up late");
     });
     ASSERT_TRUE(watcher.wait(30s));
