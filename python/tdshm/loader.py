@@ -414,7 +414,6 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._feed = FeedConsumer(stem, self._num_workers, spin=_MAIN_SPIN, first_heap_bytes=256 << 10,
                                   timeout=timedelta(seconds=self._timeout) if self._timeout > 0 else None)
         self._tasks = []
-        self._task_fds = []
         self._rings = []
         self._workers = []
         # A forked worker shares an anonymous mapping with main: its TaskRing. Unread messages
@@ -436,7 +435,6 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             task_r.close()
             self._feed.watch(i, w.pid)
             self._tasks.append(task_w)
-            self._task_fds.append(task_w.fileno())
             self._workers.append(w)
         _utils.signal_handling._set_worker_pids(id(self), tuple(w.pid for w in self._workers))
         _utils.signal_handling._set_SIGCHLD_handler()
@@ -490,7 +488,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if ring is not None and ring.put(data):
             return
         try:
-            _write(self._task_fds[worker], data)
+            _write(self._tasks[worker].fileno(), data)
         except OSError:
             pass  # the worker died (its end of the pipe closed): waiting for its answer says so
 

@@ -240,22 +240,18 @@ class FeedProducerState {
     const std::vector<int> tags(msgs.size(), feed::kFrameTag);
     const std::vector<MessageCheck> checks(msgs.size());
     const c10::intrusive_ptr<BatchWork> batch = ShmGroupSeam::send_batch(*pg_, msgs, 0, tags, checks);
-    // A tensor the producer made in the heap (HeapAllocations) is in flight until it comes back.
-    std::vector<uint64_t>& redirected = put_.redirected;
-    redirected.clear();
-    for (size_t i = 0; i < msgs.size(); ++i)
-      redirected.push_back(is_lent[i] ? feed::redirected_bytes(msgs[i].data_ptr()) : 0);
-    msgs.clear();
     if (batch) {
       std::vector<c10::intrusive_ptr<c10d::Work>> works = batch->messages();
       for (size_t i = 0; i < works.size(); ++i) {
         if (is_lent[i]) {
-          lent_.push_back({std::move(works[i]), redirected[i]});
+          // A tensor the producer made in the heap (HeapAllocations) is in flight until it comes back.
+          lent_.push_back({std::move(works[i]), feed::redirected_bytes(msgs[i].data_ptr())});
         } else if (!works[i]->isCompleted()) {
           pending_.push_back(std::move(works[i]));
         }
       }
     }
+    msgs.clear();  // the producer keeps none of the item's tensors past its put
     flush();
     ++items_;
   }
@@ -410,7 +406,6 @@ class FeedProducerState {
   struct {
     std::vector<at::Tensor> messages;
     std::vector<bool> is_lent, inlined;
-    std::vector<uint64_t> redirected;
   } put_;
   std::vector<std::string> joined_;  // every group this producer joined or tried to (swept at the end)
 };
