@@ -12,6 +12,7 @@
 #include <tdshm/process_group.h>
 
 #include <c10/core/CPUAllocator.h>
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -312,15 +313,28 @@ TEST_F(Feed, AllocationsInTheHeapScopeLieInTheHeap) {
 TEST_F(Feed, AProducerKilledIsAPeerLostError) {
   set_deadline(60s);
   const std::string name = unique_name();
+  // The producer dies once the group has formed on both sides (the consumer took an item). One
+  // that dies while the consumer's rendezvous still runs fails that rendezvous instead, with a
+  // PeerLostError saying it "died before the group formed" (its items are not delivered).
+  int go[2];
+  ASSERT_EQ(::pipe(go), 0);
   Child producer([&] {
     FeedProducer p(name, 0, {.timeout = 30s, .watch_pid = getppid()});
     p.put(item(64, 0, 0));
+    pollfd ready{go[0], POLLIN, 0};
+    char byte = 0;
+    SHM_CHECK(::poll(&ready, 1, 20000) == 1 && ::read(go[0], &byte, 1) == 1, "no word from the consumer");
     p.put(item(64, 0, 1));
+    p.put(item(64, 0, 2));
     ::raise(SIGKILL);
   });
   FeedConsumer c(name, 1, {.timeout = 30s});
   ASSERT_TRUE(is_item(*c.next(), 64, 0, 0));
+  ASSERT_EQ(::write(go[1], "g", 1), 1);
+  ::close(go[0]);
+  ::close(go[1]);
   ASSERT_TRUE(is_item(*c.next(), 64, 0, 1));
+  ASSERT_TRUE(is_item(*c.next(), 64, 0, 2));
   ASSERT_TRUE(producer.wait(20s));
   EXPECT_EQ(producer.signal(), SIGKILL);
   const auto start = Clock::now();
