@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "answer_codec.h"
 #include "typed_errors.h"
 
 namespace py = pybind11;
@@ -147,6 +148,23 @@ void bind_feed(py::module_& m) {
           py::arg("k"),
           "Producer k's next item, (header bytes, list of tensors: views of its loans, or fresh tensors), or "
           "None once it closed. TimeoutError past the timeout; RuntimeError when the producer died or left.")
+      .def(
+          "next_answer",
+          [](tdshm::FeedConsumer& c, int k, const py::object& unpickle) -> py::object {
+            std::optional<tdshm::FeedItem> item = released([&] { return c.next_from(k); });
+            if (!item) return py::none();
+            py::list leaves = py::cast(item->tensors);
+            const auto* header = reinterpret_cast<const char*>(item->header.data());
+            PyObject* answer = tdshm_python::decode_answer(header, item->header.size(), leaves.ptr());
+            if (answer == nullptr) throw py::error_already_set();
+            if (answer != Py_None) return py::reinterpret_steal<py::object>(answer);
+            Py_DECREF(answer);
+            return unpickle(py::bytes(header, item->header.size()), leaves);
+          },
+          py::arg("k"), py::arg("unpickle"),
+          "tdshm.DataLoader's receive: producer k's next item as the answer AnswerCodec encoded in it, or "
+          "unpickle(header, tensors) when its header is not the codec's; None once the producer closed. Fails "
+          "as next_from does, and ValueError for a malformed header.")
       .def("watch", &tdshm::FeedConsumer::watch, py::arg("k"), py::arg("pid"),
            "Producer k's process: a wait for it to join ends once it is gone.")
       .def("closed", &tdshm::FeedConsumer::closed, py::arg("k"))

@@ -37,11 +37,12 @@
 
 namespace py = pybind11;
 
-void bind_transfer(py::module_& m);   // transfer.cpp
-void bind_board(py::module_& m);      // board.cpp
-void bind_feed(py::module_& m);       // feed.cpp
-void bind_task_ring(py::module_& m);  // task_ring.cpp
-void bind_leaf_ids(py::module_& m);   // leaf_ids.cpp
+void bind_transfer(py::module_& m);      // transfer.cpp
+void bind_board(py::module_& m);         // board.cpp
+void bind_feed(py::module_& m);          // feed.cpp
+void bind_task_ring(py::module_& m);     // task_ring.cpp
+void bind_leaf_ids(py::module_& m);      // leaf_ids.cpp
+void bind_answer_codec(py::module_& m);  // answer_codec.cpp
 
 namespace {
 
@@ -188,5 +189,6 @@ PYBIND11_MODULE(_C, m) {
   bind_feed(m);
   bind_task_ring(m);
   bind_leaf_ids(m);
+  bind_answer_codec(m);
   m.attr("__version__") = TDSHM_VERSION;
 }

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset, get_worker_info  # noqa: E402
 
 import tdshm  # noqa: E402
-from tdshm._C import LeafIds, TaskRing  # noqa: E402
+from tdshm._C import AnswerCodec, LeafIds, TaskRing  # noqa: E402
 
 try:
     import numpy
@@ -157,6 +157,34 @@ class Slow(Dataset):
         return torch.tensor([i])
 
 
+class Trees(Dataset):
+    """Plain trees as whole items (batch_size=None): what the workers' AnswerCodec writes itself
+    (tuples, lists, dicts of scalars, bytes, None, a list twice), and what it leaves to pickle (an
+    int past 64 bits, a dict subclass, a list that holds itself)."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        shared = [i, "x"]
+        kind = i % 4
+        if kind == 0:
+            return {"t": (torch.tensor(i), "s", b"b", None, True, 2.5 * i), "l": [shared, shared],
+                    "k": {1: "one", None: i, 2.5: False, b"x": (i,)}}
+        if kind == 1:
+            return (torch.arange(i), [(), (i, -i)], -2 ** 63, "\u00e9\u4e2d", float("-inf"))
+        if kind == 2:
+            return {"big": 2 ** 70 + i, "x": torch.ones(2) * i,
+                    "ordered": collections.OrderedDict(a=torch.zeros(i % 3))}
+        looped = [i]
+        looped.append(looped)
+        return [torch.zeros(i % 3, 2), {"self": looped}]
+
+
+def as_is(item):
+    return item
+
+
 def custom_collate(batch):
     return {"sum": sum(b["x"] for b in batch), "names": [b["name"] for b in batch], "n": len(batch)}
 
@@ -246,6 +274,23 @@ class LoaderTest(unittest.TestCase):
         batches = self.check_same(Whole(), batch_size=None, num_workers=3)
         self.assertEqual(batches[5]["image"].shape, (4, 3, 16, 16))
         self.check_same(Samples(), batch_size=5, num_workers=2, collate_fn=custom_collate)
+
+    def test_plain_trees_with_and_without_default_convert(self):
+        # batch_size=None: torch's default_convert makes each item the batch (a tuple becomes a
+        # list, a list met twice two lists); with a collate_fn of its own an item stays as it is
+        # (a tuple, one list twice). Items with a self-holding list are compared by hand.
+        plain = [i for i in range(12) if i % 4 != 3]
+        converted = self.check_same(Trees(), sampler=plain, batch_size=None, num_workers=2)
+        self.assertIsNot(converted[0]["l"][0], converted[0]["l"][1])
+        kept = self.check_same(Trees(), sampler=plain, batch_size=None, num_workers=2, collate_fn=as_is)
+        self.assertIs(kept[0]["l"][0], kept[0]["l"][1])
+        self.assertIs(type(kept[1]), tuple)
+        looped = list(tdshm.DataLoader(Trees(), sampler=[3, 7], batch_size=None, num_workers=2, collate_fn=as_is))
+        for i, item in zip((3, 7), looped):
+            inner = item[1]["self"]
+            self.assertEqual(inner[0], i)
+            self.assertIs(inner[1], inner)
+            same(item[0], torch.zeros(i % 3, 2), "item {}".format(i))
 
     def test_tensors_the_workers_make_travel_by_reference(self):
         # Big items (and cached ones, returned again) kept by the hundred, over epochs, against
@@ -651,6 +696,106 @@ class LeafIdsTest(unittest.TestCase):
             ids(1, 2)
         with self.assertRaises(TypeError):
             ids(obj=1)
+
+
+class AnswerCodecTest(unittest.TestCase):
+    """tdshm._C.AnswerCodec: a worker's answer as header bytes and tensors, without pickle."""
+
+    def setUp(self):
+        self.codec = AnswerCodec(torch.Tensor)
+
+    def round_trip(self, payload, convert=False):
+        split = self.codec.encode("data", 7, payload, convert)
+        self.assertIsNotNone(split, "encoded: {!r}".format(payload))
+        header, leaves = split
+        return self.codec.decode(header, leaves), leaves
+
+    def test_plain_trees_round_trip(self):
+        a, b = torch.arange(3), torch.nn.Parameter(torch.ones(2))
+        tree = {"a": a, "n": [None, True, False, 0, -1, 2 ** 63 - 1, -2 ** 63, 1.5, float("-inf"), -0.0],
+                "s": ("", "\u00e9\u4e2d\U0001f600", b"", b"\x00\xff"), "d": {1: (a, b), None: [], 2.5: {}, b"k": ()},
+                "again": a}
+        (kind, idx, out), leaves = self.round_trip(tree)
+        self.assertEqual((kind, idx), ("data", 7))
+        self.assertEqual([id(t) for t in leaves], [id(a), id(a), id(b), id(a)])  # in order, each time met
+        self.assertIs(out["a"], a)
+        self.assertIs(out["d"][1][1], b)
+        self.assertEqual(out["n"], tree["n"])
+        self.assertEqual(str(out["n"][-1]), "-0.0")
+        self.assertEqual(out["s"], tree["s"])
+        self.assertIs(type(out["s"]), tuple)
+        self.assertEqual(list(out["d"]), [1, None, 2.5, b"k"])
+        self.assertEqual((out["d"][None], out["d"][2.5], out["d"][b"k"]), ([], {}, ()))
+        nan = self.round_trip(float("nan"))[0][2]
+        self.assertNotEqual(nan, nan)
+
+    def test_convert_is_torchs_default_convert(self):
+        from torch.utils.data._utils.collate import default_convert
+        shared = [1, 2]
+        for payload in ({"t": (torch.ones(1), (2, [3, (4,)])), "l": [shared, shared]}, (1, "a"), [(), [()]], 5,
+                        None, "s", {}):
+            with self.subTest(payload=payload):
+                (kind, idx, out), _ = self.round_trip(payload, convert=True)
+                self.assertEqual((kind, idx), ("data", 7))  # the answer's tuple stays one
+                same(default_convert(payload), out)
+        out = self.round_trip({"l": [shared, shared]}, convert=True)[0][2]
+        self.assertIsNot(out["l"][0], out["l"][1])  # as default_convert makes them
+        self.assertIs(type(self.round_trip((1, 2))[0][2]), tuple)  # not converted: a tuple
+
+    def test_what_only_pickle_keeps_is_left_to_it(self):
+        shared = [1]
+        looped = [1]
+        looped.append(looped)
+        deep = []
+        for _ in range(70):
+            deep = [deep]
+        others = [Pair(1, 2), collections.OrderedDict(a=1), 2 ** 64, -2 ** 63 - 1, torch.float32, object(),
+                  {(1, 2): 3}, {"k": [shared, shared]}, looped, deep, [[i] for i in range(300)], "\ud800",
+                  bytearray(b"x"), type("Int", (int,), {})(5)]  # an int subclass
+        if numpy is not None:
+            others += [numpy.arange(3), numpy.float64(1.5)]
+        for payload in others:
+            with self.subTest(payload=type(payload).__name__):
+                self.assertIsNone(self.codec.encode("data", 7, payload, False))
+        self.assertIsNone(self.codec.encode("data", 7, looped, True))  # converted, a loop never ends
+        self.assertIsNotNone(self.codec.encode("data", 7, {"k": [shared, shared]}, True))
+        self.assertIsNotNone(self.round_trip([[i] for i in range(250)]))
+
+    def test_a_pickle_is_not_decoded(self):
+        import pickle
+        self.assertIsNone(self.codec.decode(pickle.dumps(("data", 1, 2), protocol=5), []))
+        self.assertIsNone(self.codec.decode(b"", []))
+
+    def test_a_malformed_header_is_a_value_error(self):
+        t = torch.ones(1)
+        header, leaves = self.codec.encode("data", 7, {"a": [t, "xyz", 1.5, (None,)], "b": t}, False)
+        for cut in range(4, len(header)):  # every header cut short
+            with self.subTest(cut=cut), self.assertRaises(ValueError):
+                self.codec.decode(header[:cut], leaves)
+        bad = [header + b"N",                                   # bytes after the end
+               header[:4] + b"Q",                               # an unknown tag
+               header[:4] + b"U\xff\xff\xff\x7f",           # a count past the bytes
+               header[:4] + b"U\x01\x00\x00\x00s\xff\x00\x00\x00ab",  # a string past the bytes
+               header[:4] + b"U\x01\x00\x00\x00s\x02\x00\x00\x00\xff\xfe",  # not UTF-8
+               header[:4] + b"D\x01\x00\x00\x00L\x00\x00\x00\x00N",  # a list as a key
+               header[:4] + b"L\x01\x00\x00\x00" * 80 + b"N"]  # too deep
+        for h in bad:
+            with self.subTest(header=h[:24]), self.assertRaises(ValueError):
+                self.codec.decode(h, leaves)
+        with self.assertRaises(ValueError):
+            self.codec.decode(header, leaves[:1])  # fewer tensors than it uses
+        with self.assertRaises(ValueError):
+            self.codec.decode(header, leaves + [t])  # more than it uses
+
+    def test_bad_arguments(self):
+        with self.assertRaises(TypeError):
+            AnswerCodec(3)
+        with self.assertRaises(TypeError):
+            self.codec.encode("data", 1, 2)
+        with self.assertRaises(TypeError):
+            self.codec.decode("not bytes", [])
+        with self.assertRaises(TypeError):
+            self.codec.decode(b"TDA1", ())
 
 
 if __name__ == "__main__":
