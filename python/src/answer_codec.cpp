@@ -40,8 +40,7 @@ constexpr size_t kMaxContainers = 256;
 struct AnswerCodecObject {
   PyObject ob_base;           // PyObject_HEAD, spelled out
   PyTypeObject* tensor_type;  // torch.Tensor: its instances (and its subclasses') are leaves
-  std::string* buffer;        // encode's bytes, kept for their capacity
-  std::vector<PyObject*>* containers;
+  tdshm_python::AnswerScratch* scratch;
 };
 
 // ---- encode --------------------------------------------------------------------------------
@@ -49,7 +48,7 @@ struct AnswerCodecObject {
 struct Encoder {
   PyTypeObject* tensor_type;
   std::string& out;
-  PyObject* leaves;                    // a list
+  std::vector<PyObject*>& leaves;      // borrowed, in order
   std::vector<PyObject*>& containers;  // borrowed: every list, tuple and dict met so far
   bool convert;                        // torch's default_convert: a payload's tuples become lists
 
@@ -119,7 +118,8 @@ struct Encoder {
     if (depth >= kMaxDepth) return 0;
     if (PyObject_TypeCheck(o, tensor_type)) {
       out += 'X';
-      return PyList_Append(leaves, o) == 0 ? 1 : -1;
+      leaves.push_back(o);
+      return 1;
     }
     const bool list = PyList_CheckExact(o), tuple = PyTuple_CheckExact(o);
     if (list || tuple) {
@@ -150,6 +150,31 @@ struct Encoder {
   }
 };
 
+}  // namespace
+
+int tdshm_python::encode_answer(PyObject* kind, PyObject* idx, PyObject* payload, bool convert,
+                                PyTypeObject* tensor_type, AnswerScratch& s) {
+  s.header.assign(kMagic, sizeof kMagic);
+  s.leaves.clear();
+  s.containers.clear();
+  Encoder e{tensor_type, s.header, s.leaves, s.containers, convert};
+  int r = -1;
+  try {
+    // The answer's own tuple stays a tuple; only its payload is converted.
+    s.header += 'U';
+    e.u32(3);
+    r = e.value(kind, 1, false);
+    if (r == 1) r = e.value(idx, 1, false);
+    if (r == 1) r = e.value(payload, 1, convert);
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  s.containers.clear();
+  return r;
+}
+
+namespace {
+
 PyObject* codec_encode(PyObject* self_obj, PyObject* const* args, Py_ssize_t nargs) {
   auto* self = reinterpret_cast<AnswerCodecObject*>(self_obj);
   if (nargs != 4) {
@@ -158,30 +183,18 @@ PyObject* codec_encode(PyObject* self_obj, PyObject* const* args, Py_ssize_t nar
   }
   const int convert = PyObject_IsTrue(args[3]);
   if (convert < 0) return nullptr;
-  PyObject* leaves = PyList_New(0);
+  tdshm_python::AnswerScratch& s = *self->scratch;
+  const int r = tdshm_python::encode_answer(args[0], args[1], args[2], convert != 0, self->tensor_type, s);
+  if (r < 0) return nullptr;
+  if (r == 0) Py_RETURN_NONE;
+  PyObject* leaves = PyList_New(static_cast<Py_ssize_t>(s.leaves.size()));
   if (leaves == nullptr) return nullptr;
-  std::string& out = *self->buffer;
-  out.assign(kMagic, sizeof kMagic);
-  self->containers->clear();
-  Encoder e{self->tensor_type, out, leaves, *self->containers, convert != 0};
-  int r = -1;
-  try {
-    // The answer's own tuple stays a tuple; only its payload is converted.
-    out += 'U';
-    e.u32(3);
-    r = e.value(args[0], 1, false);
-    if (r == 1) r = e.value(args[1], 1, false);
-    if (r == 1) r = e.value(args[2], 1, convert != 0);
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
+  for (size_t i = 0; i < s.leaves.size(); ++i) {
+    Py_INCREF(s.leaves[i]);
+    PyList_SET_ITEM(leaves, static_cast<Py_ssize_t>(i), s.leaves[i]);
   }
-  self->containers->clear();
-  if (r != 1) {
-    Py_DECREF(leaves);
-    if (r < 0) return nullptr;
-    Py_RETURN_NONE;
-  }
-  PyObject* header = PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()));
+  s.leaves.clear();
+  PyObject* header = PyBytes_FromStringAndSize(s.header.data(), static_cast<Py_ssize_t>(s.header.size()));
   if (header == nullptr) {
     Py_DECREF(leaves);
     return nullptr;
@@ -334,8 +347,7 @@ PyObject* codec_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<AnswerCodecObject*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
   try {
-    self->buffer = new std::string();
-    self->containers = new std::vector<PyObject*>();
+    self->scratch = new tdshm_python::AnswerScratch();
   } catch (const std::bad_alloc&) {
     Py_DECREF(self);
     return PyErr_NoMemory();
@@ -361,8 +373,7 @@ void codec_dealloc(PyObject* self_obj) {
   PyTypeObject* type = Py_TYPE(self_obj);
   PyObject_GC_UnTrack(self_obj);
   codec_clear(self_obj);
-  delete self->buffer;
-  delete self->containers;
+  delete self->scratch;
   type->tp_free(self_obj);
   Py_DECREF(type);
 }

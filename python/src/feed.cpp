@@ -101,6 +101,29 @@ void bind_feed(py::module_& m) {
           "reference, those of at most 4 KiB by value, others copied into the heap, or by value when the "
           "consumer holds it).")
       .def(
+          "put_answer",
+          [](tdshm::FeedProducer& p, py::handle kind, py::handle idx, py::handle payload, bool convert) {
+            thread_local tdshm_python::AnswerScratch scratch;  // its header is read while the GIL is released
+            const int r = tdshm_python::encode_answer(kind.ptr(), idx.ptr(), payload.ptr(), convert,
+                                                      reinterpret_cast<PyTypeObject*>(THPVariableClass), scratch);
+            if (r < 0) throw py::error_already_set();
+            if (r == 0) return false;
+            std::vector<at::Tensor> tensors;
+            tensors.reserve(scratch.leaves.size());
+            for (PyObject* t : scratch.leaves) tensors.push_back(THPVariable_Unpack(t));
+            scratch.leaves.clear();
+            const std::string& h = scratch.header;
+            released([&] {
+              p.put(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(h.data()), h.size()), tensors);
+              return true;
+            });
+            return true;
+          },
+          py::arg("kind"), py::arg("idx"), py::arg("payload"), py::arg("convert"),
+          "tdshm.DataLoader's answer (kind, idx, payload) as one item, its header written by AnswerCodec "
+          "(convert: the payload as torch's default_convert returns it): True; False, and nothing put, when the "
+          "answer holds what only pickle keeps. Fails as put does.")
+      .def(
           "close",
           [](tdshm::FeedProducer& p) {
             released([&] {

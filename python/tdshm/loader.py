@@ -22,9 +22,11 @@ A batch's views give their bytes back when the batch is dropped; `list(loader)` 
 past the next step only keeps its worker's heap busy (later batches then travel by value).
 """
 
+import functools
 import io
 import itertools
 import mmap
+import operator
 import os
 import pickle
 import random
@@ -40,7 +42,7 @@ from torch.utils.data._utils import collate as _collate
 from torch.utils.data._utils import worker as _worker
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from ._C import AnswerCodec, FeedConsumer, FeedProducer, LeafIds, TaskRing
+from ._C import FeedConsumer, FeedProducer, LeafIds, TaskRing
 
 __all__ = ["DataLoader"]
 
@@ -68,11 +70,11 @@ def _main_left(e):
     return "left the group" in text or "is gone" in text or "was destroyed" in text
 
 
-# An answer travels as header bytes and its tensors. AnswerCodec (answer_codec.cpp) writes the
-# header for the trees batches usually are, in one C walk on each side (a whole batch: 0.15 µs to
-# encode, its default_convert included, and 0.17 to decode, against 1.1 and 0.64 for
-# default_convert, pickle and unpickle); an answer holding anything else is pickled (_Splitter).
-_CODEC = AnswerCodec(torch.Tensor)
+# An answer travels as header bytes and its tensors. For the trees batches usually are, the
+# header is AnswerCodec's (answer_codec.cpp), written and read in one C walk on each side
+# (FeedProducer.put_answer, FeedConsumer.next_answer; a whole batch: 0.15 µs to encode, its
+# default_convert included, and 0.17 to decode, against 1.1 and 0.64 for default_convert, pickle
+# and unpickle); an answer holding anything else is pickled (_Splitter).
 
 
 class _Splitter:
@@ -272,22 +274,27 @@ class _Outbox:
         makes the batch (batch_size=None): the codec converts it as it writes it, or _convert does
         (what it raises is the answer then). Raises _MainGone once main left the feed (it shut
         the iterator down) or died."""
-        split = _CODEC.encode(kind, idx, payload, convert)
-        if split is None:
-            if convert:
-                try:
-                    payload = _convert(payload)
-                except Exception:
-                    kind, payload = "error", _utils.ExceptionWrapper(
-                        where="in DataLoader worker process {}".format(self.index))
-            split = self.splitter.split((kind, idx, payload))
-        header, leaves = split
+        try:
+            if self.producer.put_answer(kind, idx, payload, convert):
+                return
+        except RuntimeError as e:
+            self._put_failed(e)
+        if convert:
+            try:
+                payload = _convert(payload)
+            except Exception:
+                kind, payload = "error", _utils.ExceptionWrapper(
+                    where="in DataLoader worker process {}".format(self.index))
+        header, leaves = self.splitter.split((kind, idx, payload))
         try:
             self.producer.put(header, leaves)
         except RuntimeError as e:
-            if _main_left(e) or os.getppid() != self.parent:
-                raise _MainGone() from None
-            raise
+            self._put_failed(e)
+
+    def _put_failed(self, e):
+        if _main_left(e) or os.getppid() != self.parent:
+            raise _MainGone() from None
+        raise e
 
     def close(self):
         self.producer = None
@@ -354,14 +361,17 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
             collate_fn = lambda batch: _collate.collate(batch, collate_fn_map=fn_map)  # noqa: E731
 
         def make_fetcher():
-            return _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, collate_fn, drop_last)
+            """What fetches one task's data: torch's fetcher's fetch."""
+            if dataset_kind == _DatasetKind.Map and not auto_collation and collate_fn is _as_fetched:
+                return functools.partial(operator.getitem, dataset)  # that fetch, without its two Python calls
+            return _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, collate_fn, drop_last).fetch
 
         init_exception = None
-        fetcher = None
+        fetch = None
         try:
             if init_fn is not None:
                 init_fn(worker_id)
-            fetcher = make_fetcher()
+            fetch = make_fetcher()
         except Exception:
             init_exception = _utils.ExceptionWrapper(where="in DataLoader worker process {}".format(worker_id))
         iteration_end = False
@@ -375,7 +385,7 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
             if kind == "resume":
                 iteration_end = False
                 try:
-                    fetcher = make_fetcher()
+                    fetch = make_fetcher()
                 except Exception:
                     init_exception = _utils.ExceptionWrapper(where="in DataLoader worker process {}".format(worker_id))
                 outbox.answer("resumed", None, None)
@@ -389,7 +399,7 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
                 outbox.answer("stop", idx, worker_id)
                 continue
             try:
-                data = fetcher.fetch(index)
+                data = fetch(index)
             except Exception as e:
                 if isinstance(e, StopIteration) and dataset_kind == _DatasetKind.Iterable:
                     iteration_end = True
@@ -428,7 +438,6 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             import multiprocessing as ctx
         self._worker_init_fn = loader.worker_init_fn
         if isinstance(self._dataset, (_data.IterDataPipe, _data.MapDataPipe)):
-            import functools
             from torch.utils.data.dataloader import _sharding_worker_init_fn
             self._worker_init_fn = functools.partial(_sharding_worker_init_fn, self._worker_init_fn,
                                                      self._world_size, self._rank)
