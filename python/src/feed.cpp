@@ -61,7 +61,7 @@ void bind_feed(py::module_& m) {
            }),
            py::arg("name"), py::arg("index"), py::kw_only(), py::arg("timeout") = py::none(),
            py::arg("items_in_heap") = 6, py::arg("first_heap_bytes") = size_t{1} << 20,
-           py::arg("spin") = std::chrono::microseconds(20), py::arg("watch_pid") = 0, py::arg("check") = py::none(),
+           py::arg("spin") = std::chrono::microseconds(250), py::arg("watch_pid") = 0, py::arg("check") = py::none(),
            py::arg("shm_share") = 1.0,
            "Producer `index` of feed `name`. timeout (a timedelta, None: forever) bounds its waits for the "
            "consumer; watch_pid: the consumer's process (a wait for it ends once it is gone); check: a "
@@ -157,7 +157,7 @@ void bind_feed(py::module_& m) {
              });
            }),
            py::arg("name"), py::arg("producers"), py::kw_only(), py::arg("timeout") = py::none(),
-           py::arg("first_heap_bytes") = size_t{1} << 20, py::arg("spin") = std::chrono::microseconds(20),
+           py::arg("first_heap_bytes") = size_t{1} << 20, py::arg("spin") = std::chrono::microseconds(250),
            "timeout (a timedelta, None: forever): the wait for one item (TimeoutError past it). Waits run "
            "Python's signal handlers every 100 ms: Ctrl-C interrupts them.")
       .def(
