@@ -181,6 +181,16 @@ class Trees(Dataset):
         return [torch.zeros(i % 3, 2), {"self": looped}]
 
 
+class Unconvertible(Dataset):
+    """Numpy arrays, item 2 of a dtype torch 1.13 cannot make a tensor of (default_convert fails)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"a": numpy.arange(3, dtype=numpy.uint16 if i == 2 else numpy.int64) + i}
+
+
 def as_is(item):
     return item
 
@@ -395,6 +405,22 @@ class LoaderTest(unittest.TestCase):
                 self.assertIn("Traceback", str(caught.exception))
                 self.assertEqual(len(got), 4)  # batches 0-3; batch 4 holds index 9
                 del loader
+
+    @unittest.skipIf(numpy is None, "numpy is not installed")
+    def test_default_convert_failing_is_the_workers_exception(self):
+        # batch_size=None: torch's default_convert runs in torch's fetch, and in tdshm's worker
+        # as it writes the answer; an array torch cannot convert fails the same way in both, and
+        # the next items still come.
+        for cls in (TorchLoader, tdshm.DataLoader):
+            with self.subTest(loader=cls.__module__):
+                it = iter(cls(Unconvertible(), batch_size=None, num_workers=2))
+                same(next(it), {"a": torch.arange(3)}, "item 0")
+                same(next(it), {"a": torch.arange(3) + 1}, "item 1")
+                with self.assertRaises(TypeError) as caught:
+                    next(it)
+                self.assertIn("in DataLoader worker process 0", str(caught.exception))
+                same(next(it), {"a": torch.arange(3) + 3}, "item 3")
+                del it
 
     def test_a_killed_worker_is_a_runtime_error_naming_it(self):
         import tempfile
