@@ -813,6 +813,31 @@ class AnswerCodecTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             self.codec.decode(header, leaves + [t])  # more than it uses
 
+    def test_mutated_headers_decode_or_raise_value_error(self):
+        # A hostile or broken worker's header: every byte changed, dropped or repeated in turn,
+        # and random mutations; each decodes to something or is a ValueError, never a crash.
+        import random
+        t = torch.ones(2)
+        header, leaves = self.codec.encode("data", 7, {"a": [t, "xyz", 1.5, (None, True)], "b": {3: t, b"k": -2}},
+                                           False)
+        candidates = []
+        for i in range(len(header)):
+            for b in (0, 1, 0x7F, 0xFF, header[i] ^ 0x55):
+                candidates.append(header[:i] + bytes([b]) + header[i + 1:])
+            candidates.append(header[:i] + header[i + 1:])
+            candidates.append(header[:i] + header[i:i + 1] * 2 + header[i + 1:])
+        rng = random.Random(4321)
+        for _ in range(3000):
+            h = bytearray(header)
+            for _ in range(rng.randint(1, 4)):
+                h[rng.randrange(4, len(h))] = rng.randrange(256)
+            candidates.append(bytes(h))
+        for h in candidates:
+            try:
+                self.codec.decode(h, leaves)
+            except ValueError:
+                pass
+
     def test_bad_arguments(self):
         with self.assertRaises(TypeError):
             AnswerCodec(3)
