@@ -10,11 +10,12 @@ multi-process iterator differs. How a batch travels:
   for a task longer than a ring slot, through a pipe);
 * each worker answers every task exactly once, in order, as one item of a tdshm feed
   (tdshm::FeedProducer / FeedConsumer, include/tdshm/feed.h): a private two-rank shm group per
-  worker, never the user's default group. An item is a header (the answer pickled with every
-  tensor left out) and the tensors. A tensor in the worker's heap goes by reference and main
-  receives a view of it, no copy; the default collate stacks the samples straight into the heap,
-  a tensor of at most 4 KiB goes by value, and any other is copied into the heap (or, when main
-  holds the heap, sent by value: never a wait, never an overwrite);
+  worker, never the user's default group. An item is a header (the answer with every tensor
+  left out: AnswerCodec's bytes for a tree of plain values, else a pickle) and the tensors. A
+  tensor in the worker's heap goes by reference and main receives a view of it, no copy; the
+  default collate stacks the samples straight into the heap, a tensor of at most 4 KiB goes by
+  value, and any other is copied into the heap (or, when main holds the heap, sent by value:
+  never a wait, never an overwrite);
 * the heap is sized from the worker's first batch (the feed grows its group when a batch
   outgrows it).
 
