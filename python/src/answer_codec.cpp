@@ -3,8 +3,9 @@
 // worker's pickling and torch's default_convert took ~1.0 µs a whole batch, main's unpickling
 // ~0.6 µs, every batch, on CPUs the workers and main share; this codec walks the tree once on
 // each side. It knows None, bool, int (64 bits), float, str, bytes, and exact lists, tuples and
-// dicts (keys: str, int, float, bool, None or bytes) of them, and tensors (set aside in order, as
-// LeafIds does). Anything else — a namedtuple, a subclass, a numpy value, a shared or cyclic
+// dicts (keys: str, int, float, bool, None or bytes) of them, and plain tensors (plain_tensor.h;
+// set aside in order, as LeafIds does). Anything else — a namedtuple, a subclass (a Parameter
+// too), a tensor requiring grad or not strided, a numpy value, a shared or cyclic
 // container — makes encode() answer None: the worker pickles that answer instead.
 //
 // A header: kMagic, then the tree in pre-order, each value a tag byte:
@@ -20,6 +21,7 @@
 #include <structmember.h>
 
 #include "answer_codec.h"
+#include "plain_tensor.h"
 
 #include <cstdint>
 #include <cstring>
@@ -39,7 +41,7 @@ constexpr size_t kMaxContainers = 256;
 
 struct AnswerCodecObject {
   PyObject ob_base;           // PyObject_HEAD, spelled out
-  PyTypeObject* tensor_type;  // torch.Tensor: its instances (and its subclasses') are leaves
+  PyTypeObject* tensor_type;  // torch.Tensor: its plain instances (plain_tensor.h) are leaves
   tdshm_python::AnswerScratch* scratch;
 };
 
@@ -117,6 +119,7 @@ struct Encoder {
     if (const int r = scalar(o); r != 0) return r;
     if (depth >= kMaxDepth) return 0;
     if (PyObject_TypeCheck(o, tensor_type)) {
+      if (Py_TYPE(o) != tensor_type || !tdshm_python::plain_tensor(o)) return 0;  // pickled (plain_tensor.h)
       out += 'X';
       leaves.push_back(o);
       return 1;

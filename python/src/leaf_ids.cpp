@@ -1,13 +1,16 @@
 // tdshm._C.LeafIds: a DataLoader worker pickler's persistent_id (python/tdshm/loader.py,
-// _Splitter). The pickler calls it for every object it pickles; it sets the tensors aside (their
-// index among them becomes their persistent id) and answers None for the rest. A Python function
-// there cost a frame per object: splitting a whole batch's answer took 1.06 µs, 0.32 of them the
-// pickling itself. A C callable (vectorcall, no argument tuple) leaves the pickling.
+// _Splitter). The pickler calls it for every object it pickles; it sets the plain tensors aside
+// (plain_tensor.h; their index among them becomes their persistent id) and answers None for the
+// rest. A Python function there cost a frame per object: splitting a whole batch's answer took
+// 1.06 µs, 0.32 of them the pickling itself. A C callable (vectorcall, no argument tuple) leaves
+// the pickling.
 
 #include <pybind11/pybind11.h>
 
 #include <Python.h>
 #include <structmember.h>
+
+#include "plain_tensor.h"
 
 #include <cstddef>
 
@@ -17,7 +20,7 @@ namespace {
 
 struct LeafIdsObject {
   PyObject ob_base;           // PyObject_HEAD, spelled out
-  PyTypeObject* tensor_type;  // torch.Tensor: its instances (and its subclasses') are leaves
+  PyTypeObject* tensor_type;  // torch.Tensor: its plain instances (plain_tensor.h) are leaves
   PyObject* leaves;           // a list
   vectorcallfunc vectorcall;
 };
@@ -29,7 +32,9 @@ PyObject* leaf_ids_call(PyObject* self_obj, PyObject* const* args, size_t nargsf
     return nullptr;
   }
   PyObject* obj = args[0];
-  if (!PyObject_TypeCheck(obj, self->tensor_type)) Py_RETURN_NONE;
+  // Any other tensor is pickled: its __reduce_ex__ then hands its plain parts (a Parameter's data,
+  // a sparse tensor's indices and values) to this callable in turn.
+  if (Py_TYPE(obj) != self->tensor_type || !tdshm_python::plain_tensor(obj)) Py_RETURN_NONE;
   const Py_ssize_t index = PyList_GET_SIZE(self->leaves);
   if (PyList_Append(self->leaves, obj) != 0) return nullptr;
   return PyLong_FromSsize_t(index);
@@ -102,9 +107,9 @@ PyMemberDef leaf_ids_members[] = {
 };
 
 PyType_Slot leaf_ids_slots[] = {
-    {Py_tp_doc, const_cast<char*>("LeafIds(tensor_type): a pickler's persistent_id that sets aside every "
-                                  "instance of tensor_type (its id: its index among them) and answers None for "
-                                  "any other object.")},
+    {Py_tp_doc, const_cast<char*>("LeafIds(tensor_type): a pickler's persistent_id that sets aside every plain "
+                                  "instance of tensor_type (exactly that type; on the CPU, strided, not requiring "
+                                  "grad; its id: its index among them) and answers None for any other object.")},
     {Py_tp_new, reinterpret_cast<void*>(leaf_ids_new)},
     {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
     {Py_tp_traverse, reinterpret_cast<void*>(leaf_ids_traverse)},

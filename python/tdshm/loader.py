@@ -409,7 +409,15 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
                     outbox.answer("error", idx,
                                   _utils.ExceptionWrapper(where="in DataLoader worker process {}".format(worker_id)))
                 continue
-            outbox.answer("data", idx, data, convert)
+            try:
+                outbox.answer("data", idx, data, convert)
+            except _MainGone:
+                raise
+            except Exception:
+                # A batch that cannot travel (an object pickle refuses, a tensor put refuses) is the
+                # worker's error: torch's queue fails in its feeder thread and main waits forever.
+                outbox.answer("error", idx, _utils.ExceptionWrapper(where="in DataLoader worker process {}".format(
+                    worker_id)))
             del data, index, msg
     except (KeyboardInterrupt, _MainGone):
         pass  # main raises the first; the second leaves nobody to tell

@@ -181,6 +181,35 @@ class Trees(Dataset):
         return [torch.zeros(i % 3, 2), {"self": looped}]
 
 
+class Grads(Dataset):
+    """Tensors that are not plain: a Parameter and a tensor requiring grad."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"w": torch.nn.Parameter(torch.full((2,), float(i))), "g": torch.arange(3.0).requires_grad_(),
+                "x": torch.full((2,), i)}
+
+
+class Sparse(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"s": torch.eye(3).to_sparse() * i, "d": torch.ones(2) * i}
+
+
+class Unpicklable(Dataset):
+    """Item 1 holds a lambda."""
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        return {"f": (lambda: i) if i == 1 else i}
+
+
 class Unconvertible(Dataset):
     """Numpy arrays, item 2 of a dtype torch 1.13 cannot make a tensor of (default_convert fails)."""
 
@@ -405,6 +434,41 @@ class LoaderTest(unittest.TestCase):
                 self.assertIn("Traceback", str(caught.exception))
                 self.assertEqual(len(got), 4)  # batches 0-3; batch 4 holds index 9
                 del loader
+
+    def test_tensors_that_are_not_plain_arrive_as_torchs_do(self):
+        # Parameters and tensors requiring grad keep their type and flag (pickled, their data by
+        # the feed), as with torch's DataLoader.
+        (_, torch_items), (_, shm_items) = self.both(Grads(), batch_size=None, num_workers=2)
+        self.assertEqual(len(shm_items), 4)
+        for i, (a, b) in enumerate(zip(torch_items, shm_items)):
+            same(a, b, "item {}".format(i))
+            for key in a:
+                self.assertIs(type(b[key]), type(a[key]), key)
+                self.assertEqual(b[key].requires_grad, a[key].requires_grad, key)
+        self.assertIs(type(shm_items[1]["w"]), torch.nn.Parameter)
+        self.assertTrue(shm_items[1]["g"].requires_grad)
+
+    def test_sparse_tensors_travel_where_torchs_loader_hangs(self):
+        # torch 1.13's DataLoader hangs on a sparse tensor (its queue's feeder thread cannot
+        # pickle it); tdshm pickles it, its indices and values by the feed.
+        out = list(tdshm.DataLoader(Sparse(), batch_size=None, num_workers=2))
+        self.assertEqual(len(out), 4)
+        for i, item in enumerate(out):
+            self.assertTrue(item["s"].is_sparse)
+            same(item["s"].to_dense(), torch.eye(3) * i, "item {}".format(i))
+            same(item["d"], torch.ones(2) * i, "item {}".format(i))
+
+    def test_a_batch_that_cannot_travel_is_the_workers_error(self):
+        # An object pickle refuses (a lambda) fails torch's feeder thread, and torch's main then
+        # waits forever; tdshm's worker answers with its error, and the next items still come.
+        it = iter(tdshm.DataLoader(Unpicklable(), batch_size=None, num_workers=2))
+        self.assertEqual(next(it), {"f": 0})
+        with self.assertRaises(AttributeError) as caught:
+            next(it)
+        self.assertIn("in DataLoader worker process 1", str(caught.exception))
+        self.assertIn("pickle", str(caught.exception))
+        self.assertEqual(next(it), {"f": 2})
+        del it
 
     @unittest.skipIf(numpy is None, "numpy is not installed")
     def test_default_convert_failing_is_the_workers_exception(self):
@@ -679,10 +743,12 @@ class LeafIdsTest(unittest.TestCase):
 
     def test_tensors_set_aside_in_order(self):
         ids = LeafIds(torch.Tensor)
-        a, b = torch.ones(2), torch.nn.Parameter(torch.zeros(1))  # a subclass is a tensor too
+        a, b = torch.ones(2), torch.zeros(1, dtype=torch.int64)
         self.assertIsNone(ids({"a": 1}))
         self.assertEqual(ids(a), 0)
-        for other in (None, 3, 2.5, "s", b"b", [a], (a,), True, torch.float32):
+        # Not plain: pickled, their __reduce_ex__ handing their plain parts back to ids.
+        for other in (None, 3, 2.5, "s", b"b", [a], (a,), True, torch.float32, torch.nn.Parameter(torch.zeros(1)),
+                      torch.ones(1, requires_grad=True), torch.eye(2).to_sparse(), torch.ones(2, dtype=torch.cfloat).conj()):
             self.assertIsNone(ids(other))
         self.assertEqual(ids(b), 1)
         self.assertEqual(ids(a), 2)  # each time it is met (a pickler asks before its memo)
@@ -737,7 +803,7 @@ class AnswerCodecTest(unittest.TestCase):
         return self.codec.decode(header, leaves), leaves
 
     def test_plain_trees_round_trip(self):
-        a, b = torch.arange(3), torch.nn.Parameter(torch.ones(2))
+        a, b = torch.arange(3), torch.ones(2)
         tree = {"a": a, "n": [None, True, False, 0, -1, 2 ** 63 - 1, -2 ** 63, 1.5, float("-inf"), -0.0],
                 "s": ("", "\u00e9\u4e2d\U0001f600", b"", b"\x00\xff"), "d": {1: (a, b), None: [], 2.5: {}, b"k": ()},
                 "again": a}
@@ -776,6 +842,7 @@ class AnswerCodecTest(unittest.TestCase):
         for _ in range(70):
             deep = [deep]
         others = [Pair(1, 2), collections.OrderedDict(a=1), 2 ** 64, -2 ** 63 - 1, torch.float32, object(),
+                  torch.nn.Parameter(torch.ones(1)), torch.ones(1, requires_grad=True), torch.eye(2).to_sparse(),
                   {(1, 2): 3}, {"k": [shared, shared]}, looped, deep, [[i] for i in range(300)], "\ud800",
                   bytearray(b"x"), type("Int", (int,), {})(5)]  # an int subclass
         if numpy is not None:
