@@ -313,9 +313,8 @@ TEST_F(Feed, AllocationsInTheHeapScopeLieInTheHeap) {
 TEST_F(Feed, AProducerKilledIsAPeerLostError) {
   set_deadline(60s);
   const std::string name = unique_name();
-  // The producer dies once the group has formed on both sides (the consumer took an item). One
-  // that dies while the consumer's rendezvous still runs fails that rendezvous instead, with a
-  // PeerLostError saying it "died before the group formed" (its items are not delivered).
+  // The producer dies once the consumer took an item (one killed while the consumer's rendezvous
+  // still polls: AProducerKilledRightAfterItsPutsStillDeliversThem).
   int go[2];
   ASSERT_EQ(::pipe(go), 0);
   Child producer([&] {
@@ -347,6 +346,49 @@ TEST_F(Feed, AProducerKilledIsAPeerLostError) {
               std::string::npos)
         << e.what();
   }
+}
+
+// A producer that puts its items and is killed while the consumer's rendezvous (it attached
+// first) has not looked yet: the group had formed on the producer's side, so the consumer gets
+// every item, then a PeerLostError naming the producer. (Its rendezvous took such a producer for
+// one that "died before the group formed", and the items were lost.) The consumer is stopped
+// (SIGSTOP) from its first look until the producer is dead, so the order is certain.
+TEST_F(Feed, AProducerKilledRightAfterItsPutsStillDeliversThem) {
+  set_deadline(60s);
+  const std::string name = unique_name();
+  int pid_pipe[2];
+  ASSERT_EQ(::pipe(pid_pipe), 0);
+  Child consumer([&] {
+    ::close(pid_pipe[1]);
+    FeedConsumer c(name, 1, {.timeout = 30s});
+    for (int64_t s = 0; s < 3; ++s) {
+      const std::optional<TensorDict> td = c.next();  // the first joins the group
+      SHM_CHECK(td && is_item(*td, 64, 0, s), "item " << s << " did not arrive");
+    }
+    pid_t producer = 0;
+    SHM_CHECK(::read(pid_pipe[0], &producer, sizeof producer) == sizeof producer, "no pid from the test");
+    SHM_CHECK_THROWS(
+        PeerLostError, [&] { (void)c.next(); }, "producer 0: rank 1 (pid " + std::to_string(producer) + ")");
+  });
+  ::close(pid_pipe[0]);
+  const bool waiting = wait_segment_ready(feed::group_name(name, 0, 0), {0}, 10s);
+  ASSERT_EQ(::kill(consumer.pid(), SIGSTOP), 0);
+  Child producer([&] {
+    FeedProducer p(name, 0, {.timeout = 30s});
+    for (int64_t s = 0; s < 3; ++s) p.put(item(64, 0, s));
+    ::raise(SIGKILL);
+  });
+  const bool died = producer.wait(20s);
+  const pid_t producer_pid = producer.pid();
+  const bool told = ::write(pid_pipe[1], &producer_pid, sizeof producer_pid) == sizeof producer_pid;
+  ::close(pid_pipe[1]);
+  ASSERT_EQ(::kill(consumer.pid(), SIGCONT), 0);
+  ASSERT_TRUE(waiting) << "the consumer never joined; " << consumer.describe();
+  ASSERT_TRUE(died) << producer.describe();
+  EXPECT_EQ(producer.signal(), SIGKILL) << producer.describe();
+  ASSERT_TRUE(told);
+  ASSERT_TRUE(consumer.wait(30s));
+  EXPECT_TRUE(consumer.ok()) << consumer.describe();
 }
 
 // A consumer that leaves ends a producer's put (PeerLostError); a producer whose consumer died

@@ -50,7 +50,8 @@ ShmEngine::ShmEngine(const std::string& name, int rank, int size, const ShmOptio
 }
 
 // Every rank of this incarnation arrived (they may start in any order; a peer that completed its
-// own rendezvous and left counts). A peer that died in it, or gave up on it, ends the wait at once.
+// own rendezvous and left counts). A peer that died in it, or gave up on it, ends the wait at once
+// (one that died after it sent this rank something had completed it: see check_alive).
 void ShmEngine::rendezvous(Clock::time_point deadline) {
   auto next_check = Clock::now();
   auto give_up = [&](auto error) {
@@ -74,7 +75,11 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
           "--pid=container:NAME; Kubernetes: shareProcessNamespace: true)"));
     }
   };
-  auto check_alive = [&] {
+  // all_arrived: every rank is in, so a dead one may have completed its own rendezvous already:
+  // one that sent this rank anything did (a producer that put its items and was killed within
+  // this rank's 200 us poll), and this rank then receives what it sent before it finds the death
+  // at its next wait; one that sent nothing fails the rendezvous, as before.
+  auto check_alive = [&](bool all_arrived = false) {
     check_namespaces();
     for (uint32_t r = 0; r < static_cast<uint32_t>(size_); ++r) {
       // rank_alive() is false for a rank that has left too: the state is read again after it,
@@ -82,6 +87,9 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
       // "left" before its process ends) is not taken for a dead one.
       auto live = [&] { return segment_->rank_slot(r).state.load(std::memory_order_acquire) == shm::kRankLive; };
       if (live() && !segment_->rank_alive(r) && live()) {
+        const bool sent = r != static_cast<uint32_t>(rank_) &&
+                          segment_->ring(r, static_cast<uint32_t>(rank_)).head.load(std::memory_order_acquire) > 0;
+        if (all_arrived && sent) continue;
         give_up(PeerLostError(where + segment_->describe_rank(r) + " died before the group formed"));
       }
     }
@@ -101,7 +109,7 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
           " gave up this group's rendezvous (it timed out or failed): construct the group again"));
     }
     if (segment_->all_arrived()) {
-      check_alive();  // once more: a member may have died before this rank looked
+      check_alive(/*all_arrived=*/true);  // once more: a member may have died before this rank looked
       return;
     }
     const auto now = Clock::now();
