@@ -5,8 +5,8 @@
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <tdshm/errors.h>
@@ -103,20 +103,27 @@ void bind_feed(py::module_& m) {
       .def(
           "put_answer",
           [](tdshm::FeedProducer& p, py::handle kind, py::handle idx, py::handle payload, bool convert) {
-            thread_local tdshm_python::AnswerScratch scratch;  // its header is read while the GIL is released
+            // Kept for their capacity; the header and tensors are read while the GIL is released.
+            thread_local tdshm_python::AnswerScratch scratch;
+            thread_local std::vector<at::Tensor> tensors;
             const int r = tdshm_python::encode_answer(kind.ptr(), idx.ptr(), payload.ptr(), convert,
                                                       reinterpret_cast<PyTypeObject*>(THPVariableClass), scratch);
             if (r < 0) throw py::error_already_set();
             if (r == 0) return false;
-            std::vector<at::Tensor> tensors;
-            tensors.reserve(scratch.leaves.size());
+            tensors.clear();
             for (PyObject* t : scratch.leaves) tensors.push_back(THPVariable_Unpack(t));
             scratch.leaves.clear();
             const std::string& h = scratch.header;
-            released([&] {
-              p.put(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(h.data()), h.size()), tensors);
-              return true;
-            });
+            try {
+              released([&] {
+                p.put(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(h.data()), h.size()), tensors);
+                return true;
+              });
+            } catch (...) {
+              tensors.clear();
+              throw;
+            }
+            tensors.clear();  // none of the item's tensors outlives its put
             return true;
           },
           py::arg("kind"), py::arg("idx"), py::arg("payload"), py::arg("convert"),
