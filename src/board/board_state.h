@@ -35,6 +35,7 @@ constexpr uint32_t kMaxReaders = 64;
 constexpr uint64_t kWriting = ~uint64_t{0};
 constexpr uint64_t kPage = 4096;
 constexpr uint32_t kSlotFree = 0, kSlotClaiming = 1, kSlotLive = 2;
+constexpr uint32_t kPinClaimed = ~uint32_t{0};  // a pin taken by a thread of its reader, no buffer yet
 
 struct BoardHeader {
   uint64_t magic;
@@ -66,7 +67,7 @@ struct ReaderSlot {
   uint32_t pid;
   uint64_t start_time;
   uint32_t pid_ns;
-  std::atomic<uint32_t> pins[Board::kPinsPerReader];  // buffer + 1; 0: none
+  std::atomic<uint32_t> pins[Board::kPinsPerReader];  // buffer + 1; 0: none; kPinClaimed
   uint8_t pad[64 - 20 - 4 * Board::kPinsPerReader];
 };
 static_assert(sizeof(ReaderSlot) == 64);
@@ -121,7 +122,6 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   ReaderSlot* mine = nullptr;         // a reader's slot
   uint64_t next_version = 1;          // the writer's
   std::chrono::microseconds spin{0};  // wait_newer's
-  uint32_t last_buffer = 0;           // the writer's last choice (round robin keeps pages warm evenly)
   int64_t open_buffer = -1;           // the writer's buffer between begin() and commit()
   dev_t dev = 0;
   ino_t ino = 0;
@@ -137,6 +137,8 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   }
 
   uint32_t free_buffer(const char* what);
+  std::atomic<uint32_t>* free_pin();
+  uint64_t pin_latest(std::atomic<uint32_t>& pin, const char* what);
   at::Tensor pin_newest(const std::shared_ptr<BoardState>& self);
   uint64_t publish_buffer(uint32_t chosen);
 
@@ -210,6 +212,14 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
     } else {
       leaf_of(b, l).copy_(tree);
     }
+  }
+};
+
+/// Frees a pin (claimed or holding a buffer) when it goes out of scope, unless `pin` is cleared.
+struct PinRelease {
+  std::atomic<uint32_t>* pin;
+  ~PinRelease() {
+    if (pin != nullptr) pin->store(0, std::memory_order_release);
   }
 };
 

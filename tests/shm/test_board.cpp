@@ -117,6 +117,71 @@ TEST_F(Board, ReadersNeverSeeATornVersionWhileTheWriterRuns) {
   EXPECT_FALSE(std::filesystem::exists(path(name))) << "the board outlived its writer";
 }
 
+// A copy pins the version it reads as a view does: threads of one reader copy and view at once
+// while the writer publishes at full speed, each copy and each view checked element by element
+// (a writer that ignores the pins fails here: 74k torn); a copy gives its pin back, so afterwards
+// the reader still holds kPinsPerReader views, and a read while both pins hold views copies
+// without one.
+TEST_F(Board, ThreadsOfOneReaderCopyAndViewWithoutSharingAPin) {
+  set_deadline(120s);
+  const std::string name = board_name();
+  constexpr int64_t kFloats = 64 * 1024;
+  Shared<Counts> counts;
+  std::vector<Child> children;
+  children.emplace_back([&] {
+    auto board = tdshm::Board::create(name, weights(kFloats, 0), {.readers = 1});
+    TensorDict td = weights(kFloats, 0);
+    uint64_t v = 0;
+    while (counts->writer_done.load() == 0) publish_version(board, td, ++v);
+    while (counts->readers_ready.load() < 1) std::this_thread::sleep_for(1ms);  // the reader is done
+  });
+  children.emplace_back([&] {
+    struct Done {  // the writer stops however this reader ends
+      Counts& c;
+      ~Done() {
+        c.writer_done.store(1);
+        c.readers_ready.fetch_add(1);
+      }
+    } done{*counts};
+    auto board = tdshm::Board::open(name, {.timeout = 20s});
+    (void)board.wait_newer(0, std::chrono::milliseconds(20000));
+    std::atomic<int64_t> torn{0}, copies{0}, views{0};
+    auto copier = [&] {
+      TensorDict mine = board.like();
+      for (int i = 0; i < 3000; ++i) {
+        const uint64_t v = board.read(mine);
+        if (!holds(mine, v)) torn.fetch_add(1);
+        copies.fetch_add(1);
+      }
+    };
+    auto viewer = [&] {
+      for (int i = 0; i < 3000; ++i) {
+        const TensorDict view = board.view();  // one pin; the copier's is the other
+        const auto at = static_cast<uint64_t>(view.get(Key("n") / "step")[0].item<int64_t>());
+        if (!holds(view, at)) torn.fetch_add(1);
+        views.fetch_add(1);
+      }
+    };
+    std::thread a(copier), b(viewer);
+    a.join();
+    b.join();
+    SHM_CHECK(torn.load() == 0, "a copy or a view was torn");
+    SHM_CHECK(copies.load() == 3000 && views.load() == 3000, "a thread stopped early");
+    const TensorDict first = board.view();
+    const TensorDict second = board.view();  // every pin came back
+    TensorDict mine = board.like();
+    for (int i = 0; i < 200; ++i) {
+      const uint64_t v = board.read(mine);  // no pin left: copied as a seqlock reader does
+      SHM_CHECK(holds(mine, v), "a copy made without a pin was torn");
+    }
+    SHM_CHECK(holds(first, static_cast<uint64_t>(first.get(Key("n") / "step")[0].item<int64_t>())),
+              "a held view changed");
+  });
+  ASSERT_TRUE(wait_all(children, 100s));
+  for (const Child& c : children) EXPECT_TRUE(c.ok()) << c.describe();
+  EXPECT_FALSE(std::filesystem::exists(path(name))) << "the board outlived its writer";
+}
+
 // The kill loop: while the writer publishes small versions at full speed and two readers read
 // 10^6 versions between them (copies and views, every element checked), readers that open the
 // board, pin a version (a view) and are killed mid-read come and go every few milliseconds. No
@@ -127,7 +192,7 @@ TEST_F(Board, NoTornVersionInAMillionReadsUnderTheKillLoop) {
   const std::string name = board_name();
   constexpr int64_t kFloats = 1024;  // 4 KiB a version: 10^6 checked reads take seconds
   constexpr int64_t kReadsEach = 500000;
-  constexpr uint32_t kSlots = 4;     // 2 checkers + 2 for the readers killed in a loop
+  constexpr uint32_t kSlots = 4;  // 2 checkers + 2 for the readers killed in a loop
   Shared<Counts> counts;
   Shared<std::atomic<int64_t>> published;
   std::vector<Child> children;
@@ -285,7 +350,8 @@ TEST_F(Board, WaitNewerWakesOnPublishAndTimesOut) {
   });
   children.emplace_back([&] {
     auto board = tdshm::Board::open(name);
-    SHM_CHECK_THROWS(Error, [&] { (void)board.view(); }, "nothing published");
+    SHM_CHECK_THROWS(
+        Error, [&] { (void)board.view(); }, "nothing published");
     TensorDict mine = board.like();
     SHM_CHECK(board.read(mine) == 0, "read before the first publish");
     counts->readers_ready.fetch_add(1);
@@ -294,7 +360,8 @@ TEST_F(Board, WaitNewerWakesOnPublishAndTimesOut) {
     SHM_CHECK(Clock::now() - start < 5s, "woken late");
     SHM_CHECK(board.read(mine) == 1 && holds(mine, 7), "the value published");
     const auto before = Clock::now();
-    SHM_CHECK_THROWS(TimeoutError, [&] { (void)board.wait_newer(1, 50ms); }, "newer than 1");
+    SHM_CHECK_THROWS(
+        TimeoutError, [&] { (void)board.wait_newer(1, 50ms); }, "newer than 1");
     SHM_CHECK(Clock::now() - before >= 50ms, "the timeout was not kept");
     counts->readers_ready.fetch_add(1);
   });
@@ -334,7 +401,8 @@ TEST_F(Board, ViewsHoldTheirVersionAndADeadReaderHoldsNothing) {
       SHM_CHECK(holds(first, held), "a view changed while held");
       const TensorDict second = board.view();
       SHM_CHECK(holds(second, 20), "the newest version as a view");
-      SHM_CHECK_THROWS(Error, [&] { (void)board.view(); }, "drop one");
+      SHM_CHECK_THROWS(
+          Error, [&] { (void)board.view(); }, "drop one");
       counts->readers_ready.fetch_add(1);
       ::raise(SIGKILL);  // holding both
     });
@@ -360,23 +428,36 @@ TEST_F(Board, DifferentTreesNamesAndFilesAreRefused) {
   const std::string name = board_name();
   SHM_EXPECT_RANKS_OK(run_ranks(Peers::kProcesses, 1, [&](int) {
     auto board = tdshm::Board::create(name, weights(16, 0), {.readers = 2});
-    SHM_CHECK_THROWS(SegmentError, [&] { (void)tdshm::Board::create(name, weights(16, 0)); }, "live writer");
-    SHM_CHECK_THROWS(SchemaError, [&] { board.publish(weights(17, 1)); }, "leaf 'w'", "[17]");
+    SHM_CHECK_THROWS(
+        SegmentError, [&] { (void)tdshm::Board::create(name, weights(16, 0)); }, "live writer");
+    SHM_CHECK_THROWS(
+        SchemaError, [&] { board.publish(weights(17, 1)); }, "leaf 'w'", "[17]");
     TensorDict extra = weights(16, 1);
     extra.set("x", at::ones({2}));
-    SHM_CHECK_THROWS(SchemaError, [&] { board.publish(extra); }, "leaf 'x'");
-    SHM_CHECK_THROWS(SchemaError, [&] { board.publish(TensorDict({{"w", at::ones({16})}}, {})); }, "('n', 'step')");
+    SHM_CHECK_THROWS(
+        SchemaError, [&] { board.publish(extra); }, "leaf 'x'");
+    SHM_CHECK_THROWS(
+        SchemaError,
+        [&] {
+          board.publish(TensorDict({{"w", at::ones({16})}}, {}));
+        },
+        "('n', 'step')");
     board.publish(weights(16, 3));
     auto reader = tdshm::Board::open(name);
     TensorDict wrong({{"w", at::zeros({16}, at::kDouble)}, {{"n", "step"}, at::zeros({4}, at::kLong)}}, {});
-    SHM_CHECK_THROWS(SchemaError, [&] { (void)reader.read(wrong); }, "leaf 'w'", "Double");
-    SHM_CHECK_THROWS(Error, [&] { reader.publish(weights(16, 1)); }, "reader");
-    SHM_CHECK_THROWS(SegmentError, [&] { (void)tdshm::Board::create("../x", weights(1, 0)); }, "name");
-    SHM_CHECK_THROWS(TimeoutError, [&] { (void)tdshm::Board::open(name + "-none", {.timeout = 20ms}); }, "no board");
+    SHM_CHECK_THROWS(
+        SchemaError, [&] { (void)reader.read(wrong); }, "leaf 'w'", "Double");
+    SHM_CHECK_THROWS(
+        Error, [&] { reader.publish(weights(16, 1)); }, "reader");
+    SHM_CHECK_THROWS(
+        SegmentError, [&] { (void)tdshm::Board::create("../x", weights(1, 0)); }, "name");
+    SHM_CHECK_THROWS(
+        TimeoutError, [&] { (void)tdshm::Board::open(name + "-none", {.timeout = 20ms}); }, "no board");
     // A symbolic link where a board should be is never followed.
     const std::string link_name = name + "-link";
     std::filesystem::create_symlink(path(name), path(link_name));
-    SHM_CHECK_THROWS(SegmentError, [&] { (void)tdshm::Board::open(link_name, {.timeout = 20ms}); }, "board");
+    SHM_CHECK_THROWS(
+        SegmentError, [&] { (void)tdshm::Board::open(link_name, {.timeout = 20ms}); }, "board");
     std::filesystem::remove(path(link_name));
   }));
   EXPECT_FALSE(std::filesystem::exists(path(name)));
