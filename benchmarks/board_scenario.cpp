@@ -17,7 +17,8 @@
 // their own. Visible = the reader's clock when it learns of the update, minus the stamp
 // (CLOCK_MONOTONIC, one per host). Readers also time their copy of the newest version (read)
 // against a plain 4 MiB copy of warm lines and against a TorchRL reader's memcpy of the weights
-// just updated, and a view (Board::view and drop).
+// just updated, and a view (Board::view and drop). Last, with the writer at full speed (publish in
+// a loop, no acks), each reader times its read() against a memcpy of 4 MiB of its own right after.
 
 #include "board_scenario.h"
 
@@ -242,6 +243,57 @@ int board_rank(int kind, int readers, int updates, const std::string& name, Shar
   }
 }
 
+// The writer at full speed: it publish()es new weights of its own as fast as it can while each
+// reader, kFullSpeedReads times, copies the newest version (read) and then makes a plain copy of
+// its own 4 MiB (memcpy between two trees of its own), timing both: the two copies meet the same
+// CPUs, the same writer and the same other reader. Readers report "F <read ns> <memcpy ns>"
+// (medians) and check that each version read holds one value throughout its first and last
+// floats.
+constexpr int kFullSpeedReads = 300;
+
+int full_speed_rank(int readers, const std::string& name, Shared& sh, int rank, const Reporter& report) {
+  at::set_num_threads(1);
+  try {
+    if (rank == 0) {
+      tdshm::Board b = tdshm::Board::create(name, weights(0), {.readers = static_cast<uint32_t>(readers)});
+      TensorDict mine = weights(0);
+      spin_until([&] { return sh.ready.load() == readers; }, "the readers");
+      for (int64_t u = 1; sh.ready.load() < 2 * readers; ++u) {
+        fill(mine, static_cast<float>(u));
+        b.publish(mine);
+      }
+      return 0;
+    }
+    tdshm::Board b = tdshm::Board::open(name, {.timeout = kGroupTimeout});
+    TensorDict mine = weights(0), own = weights(1), other = weights(2);
+    sh.ready.fetch_add(1);
+    (void)b.wait_newer(0, kGroupTimeout);
+    std::vector<double> reads, copies;
+    for (int i = 0; i < kFullSpeedReads; ++i) {
+      const int64_t t0 = now_ns();
+      (void)b.read(mine);
+      const int64_t t1 = now_ns();
+      for (int k = 0; k < kLeaves; ++k) {
+        const std::string key = "l" + std::to_string(k);
+        std::memcpy(other.get(key).data_ptr(), own.get(key).data_ptr(), kLeafFloats * sizeof(float));
+      }
+      const int64_t t2 = now_ns();
+      reads.push_back(static_cast<double>(t1 - t0));
+      copies.push_back(static_cast<double>(t2 - t1));
+      const float first = mine.get("l0").data_ptr<float>()[0];
+      if (mine.get("l3").data_ptr<float>()[kLeafFloats - 1] != first) {
+        throw std::runtime_error("board scenario: a version read at full speed holds two values");
+      }
+    }
+    report.line("F " + std::to_string(median(reads)) + " " + std::to_string(median(copies)));
+    sh.ready.fetch_add(1);
+    return 0;
+  } catch (const std::exception& e) {
+    report.line("E " + std::to_string(rank) + " " + e.what());
+    return 1;
+  }
+}
+
 std::string format_us(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f", v);
@@ -348,6 +400,32 @@ ScenarioRun run_board(const BenchOptions& o) {
       k.lat_us.insert(k.lat_us.end(), lat.begin(), lat.end());
     }
   }
+  std::vector<double> full_reads, full_copies;  // every reader's medians, every repeat's
+  for (int rep = 0; rep < o.repeat; ++rep) {
+    void* mem = ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) throw std::system_error(errno, std::generic_category(), "mmap of the board scenario");
+    auto* sh = new (mem) Shared();
+    const std::string name = "tdshm-bench-" + std::to_string(::getpid()) + "-board-full";
+    RankJob job;
+    job.world = readers + 1;
+    job.segment = name;
+    job.run_rank = [&](int rank, Control&, const Reporter& report) {
+      return full_speed_rank(readers, name, *sh, rank, report);
+    };
+    job.rank_name = [](int rank) {
+      return rank == 0 ? std::string("writer (rank 0)") : "reader " + std::to_string(rank);
+    };
+    RanksResult ranks = run_ranks(job, std::chrono::seconds(120));
+    ::munmap(mem, sizeof(Shared));
+    for (auto& f : ranks.failures) run.failures.push_back("board at full speed: " + f);
+    for (const std::string& line : ranks.reports) {
+      double read_ns = 0, copy_ns = 0;
+      if (std::sscanf(line.c_str(), "F %lf %lf", &read_ns, &copy_ns) == 2) {
+        full_reads.push_back(read_ns / 1e3);
+        full_copies.push_back(copy_ns / 1e3);
+      }
+    }
+  }
   std::printf("\n  %-16s %12s %20s %10s   %s\n", "pattern", "p50 us", "min - max", "p90 us", "each reader's p50 us");
   for (int kind = 0; kind < kKindCount; ++kind) {
     const KindResult& k = results[kind];
@@ -397,6 +475,16 @@ ScenarioRun run_board(const BenchOptions& o) {
     goal("reader copy / memcpy of just-written weights", median(fresh) / copy, ">=", 0.8, median(fresh) / copy >= 0.8);
     goal("reader copy / plain copy (speed)", median(plain) / copy, ">=", 0.8, median(plain) / copy >= 0.8);
     goal("view (us)", median(view), "<=", 2.0, median(view) <= 2.0);
+  }
+  if (!full_reads.empty()) {
+    std::vector<double> ratios;
+    for (size_t i = 0; i < full_reads.size(); ++i) ratios.push_back(full_copies[i] / full_reads[i]);
+    std::printf(
+        "  writer at full speed (publish in a loop), each reader %d x: read %.1f us, a memcpy of its own\n"
+        "  4 MiB right after %.1f us (medians); read / memcpy by reader and repeat: %.2f - %.2f\n",
+        kFullSpeedReads, median(full_reads), median(full_copies), *std::min_element(ratios.begin(), ratios.end()),
+        *std::max_element(ratios.begin(), ratios.end()));
+    goal("full speed: reader copy / memcpy (speed, median)", median(ratios), ">=", 0.8, median(ratios) >= 0.8);
   }
   if (!results[1].p50s.empty()) {
     goal("board commit-to-visible p50 (us)", median(results[1].p50s), "<=", 5.0, median(results[1].p50s) <= 5.0);
