@@ -8,6 +8,7 @@ Run by ctest (python.board) with PYTHONPATH=<build>/python.
 import glob
 import multiprocessing as mp
 import os
+import threading
 import time
 import unittest
 import uuid
@@ -69,6 +70,19 @@ def reader(name, ready, done, out, use_views):
         if finished:
             break
     out.put((reads, torn, last))
+
+
+def endless_writer(name, ready, stop):
+    state = policy().state_dict()
+    board = tdshm.Board.create(name, state, readers=1)
+    ready.set()
+    give_up = time.monotonic() + 60  # the test failed: end anyway
+    v = 0
+    while not stop.is_set() and time.monotonic() < give_up:
+        v += 1
+        with torch.no_grad():
+            fill(state, v)
+        board.publish(state)
 
 
 def relay_rank(rank, init, name, host_name, ready, out):
@@ -138,6 +152,58 @@ class BoardTest(unittest.TestCase):
             self.assertGreater(reads, 0)
             self.assertEqual(torn, 0)
             self.assertEqual(last, VERSIONS)  # the last read came after the last publish
+
+    def test_threads_of_one_reader_copy_and_view(self):
+        # Board.read copies without the GIL while another thread of the same reader takes views:
+        # each claims a pin of its own (none is shared, none is lost), every element checked.
+        ctx = mp.get_context("fork")
+        ready, stop = ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=endless_writer, args=(self.name, ready, stop))
+        proc.start()
+        try:
+            self.assertTrue(ready.wait(20))
+            board = tdshm.Board.open(self.name, timeout=timedelta(seconds=20))
+            board.wait_newer(0, timedelta(seconds=20))
+            torn, counts = [], []
+
+            def copier():
+                mine, n = board.like(), 0
+                for _ in range(300):
+                    v = board.read(mine)
+                    n += 1
+                    if not consistent(mine, v):
+                        torn.append(("read", v))
+                counts.append(n)
+
+            def viewer():
+                n = 0
+                for _ in range(300):
+                    view = board.view()
+                    v = int(next(iter(view.values())).flatten()[0])
+                    n += 1
+                    if not consistent(view, v):
+                        torn.append(("view", v))
+                    del view
+                counts.append(n)
+
+            threads = [threading.Thread(target=f) for f in (copier, viewer)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            self.assertEqual(torn, [])
+            self.assertEqual(sorted(counts), [300, 300])
+            kept = [board.view(), board.view()]  # both pins came back
+            with self.assertRaisesRegex(RuntimeError, "drop one"):
+                board.view()
+            mine = board.like()
+            v = board.read(mine)  # no pin free: copied as a seqlock reader does
+            self.assertTrue(consistent(mine, v))
+            del kept, board
+        finally:
+            stop.set()
+            proc.join(30)
+        self.assertEqual(proc.exitcode, 0)
 
     def test_waits_and_refusals(self):
         state = policy().state_dict()
