@@ -57,8 +57,8 @@ void unregister_child(pid_t pid) {
 
 /// The process is about to end because a deadline passed: leave nothing behind.
 [[noreturn]] void emergency_exit(const std::string& why) {
-  std::fprintf(stderr, "\n*** %s: %s; killing children, removing segments, exiting\n",
-               program_invocation_short_name, why.c_str());
+  std::fprintf(stderr, "\n*** %s: %s; killing children, removing segments, exiting\n", program_invocation_short_name,
+               why.c_str());
   std::fflush(stderr);
   // No lock: the thread that holds it may be the one that is stuck.
   for (pid_t pid : registry().children) ::kill(pid, SIGKILL);
@@ -99,13 +99,13 @@ ShmOptions default_slot_options() {
 std::string segment_path(const std::string& name) { return "/dev/shm/tdshm." + name; }
 
 std::vector<std::string> shm_entries_of(const std::string& name) {
-  const std::string token = "tdshm." + name;
   std::vector<std::string> out;
   DIR* dir = ::opendir("/dev/shm");
   if (dir == nullptr) return out;
   while (const dirent* e = ::readdir(dir)) {
     const std::string entry = e->d_name;
-    if (entry.find(token) != std::string::npos) out.push_back(entry);
+    // tdshm's, and named after `name` (unique_name()s never contain one another).
+    if (entry.rfind("tdshm", 0) == 0 && entry.find(name) != std::string::npos) out.push_back(entry);
   }
   ::closedir(dir);
   std::sort(out.begin(), out.end());
@@ -212,7 +212,8 @@ bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
   const at::Tensor ca = a.contiguous();
   const at::Tensor cb = b.contiguous();
-  return ca.nbytes() == cb.nbytes() && (ca.nbytes() == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0);
+  return ca.nbytes() == cb.nbytes() &&
+         (ca.nbytes() == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0);
 }
 
 uint64_t checksum(const at::Tensor& t) {
@@ -225,12 +226,9 @@ uint64_t checksum(const at::Tensor& t) {
 
 const char* layout_name(Layout layout) {
   switch (layout) {
-    case Layout::kContiguous:
-      return "contiguous";
-    case Layout::kStrided:
-      return "strided";
-    case Layout::kTransposed:
-      return "transposed";
+    case Layout::kContiguous: return "contiguous";
+    case Layout::kStrided: return "strided";
+    case Layout::kTransposed: return "transposed";
   }
   return "?";
 }
@@ -240,8 +238,7 @@ namespace {
 /// An empty tensor of `shape` laid out as asked (content unspecified).
 at::Tensor empty_with_layout(at::ScalarType dtype, at::IntArrayRef shape, Layout layout) {
   switch (layout) {
-    case Layout::kContiguous:
-      return at::empty(shape, dtype);
+    case Layout::kContiguous: return at::empty(shape, dtype);
     case Layout::kStrided: {
       SHM_CHECK(shape.size() == 1, "strided layout is for 1-D tensors");
       return at::empty({shape[0], 2}, dtype).select(1, 0);
@@ -352,7 +349,10 @@ Child::Child(std::function<void()> body) {
       message = e.what();
     } catch (...) {
       const Caught c = caught_current();
-      code = c.is<tdshm::Error>() ? kExitTdshm : c.is<c10::Error>() ? kExitC10 : c.is<std::exception>() ? kExitStd : kExitUnknown;
+      code = c.is<tdshm::Error>()     ? kExitTdshm
+             : c.is<c10::Error>()     ? kExitC10
+             : c.is<std::exception>() ? kExitStd
+                                      : kExitUnknown;
       message = "threw " + c.describe();
     }
     size_t off = 0;
@@ -517,8 +517,8 @@ std::vector<std::string> run_ranks(Peers peers, int world, const std::function<v
       std::ostringstream os;
       os << "ranks as threads overstayed their deadline in "
          << ::testing::UnitTest::GetInstance()->current_test_info()->test_suite_name() << "."
-         << ::testing::UnitTest::GetInstance()->current_test_info()->name() << " (" << state->done << " of "
-         << world << " done)";
+         << ::testing::UnitTest::GetInstance()->current_test_info()->name() << " (" << state->done << " of " << world
+         << " done)";
       lock.unlock();
       emergency_exit(os.str());
     }

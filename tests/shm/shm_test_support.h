@@ -63,8 +63,9 @@ ShmOptions default_slot_options();
 /// Where the segment `name` lives: /dev/shm/tdshm.<name>.
 std::string segment_path(const std::string& name);
 
-/// Names of the entries of /dev/shm that belong to the segment `name`: those that contain
-/// "tdshm.<name>" (the segment, and any lock file or semaphore named after it).
+/// Names of the entries of /dev/shm that belong to the segment `name`: tdshm's entries whose
+/// names contain `name` (the segment "tdshm.<name>", any lock file or semaphore named after it,
+/// and a board made under a name built from it, "tdshm-board.b<name>"); every tdshm entry for "".
 std::vector<std::string> shm_entries_of(const std::string& name);
 
 /// Removes the entries shm_entries_of(name); returns their names.
@@ -84,13 +85,13 @@ class CheckFailure : public std::runtime_error {
 [[noreturn]] void fail_check(const char* file, int line, const std::string& what);
 
 /// SHM_CHECK(cond, stream-expr...): throws CheckFailure with file:line and the message.
-#define SHM_CHECK(cond, ...)                                                    \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      std::ostringstream shm_check_os_;                                         \
-      shm_check_os_ << "check failed: " #cond " " __VA_OPT__(<< __VA_ARGS__);   \
-      ::tdshm::test::fail_check(__FILE__, __LINE__, shm_check_os_.str());       \
-    }                                                                           \
+#define SHM_CHECK(cond, ...)                                                  \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
+      std::ostringstream shm_check_os_;                                       \
+      shm_check_os_ << "check failed: " #cond " " __VA_OPT__(<< __VA_ARGS__); \
+      ::tdshm::test::fail_check(__FILE__, __LINE__, shm_check_os_.str());     \
+    }                                                                         \
   } while (false)
 
 /// What a call threw: nothing, or its dynamic type and message.
@@ -297,10 +298,10 @@ std::vector<std::string> run_ranks(Peers peers, int world, const std::function<v
                                    Clock::duration timeout = 60s);
 
 /// run_ranks, and a gtest failure per failed rank.
-#define SHM_EXPECT_RANKS_OK(failures)                                 \
-  do {                                                                \
-    const auto shm_failures_ = (failures);                            \
-    for (const std::string& f : shm_failures_) ADD_FAILURE() << f;    \
+#define SHM_EXPECT_RANKS_OK(failures)                              \
+  do {                                                             \
+    const auto shm_failures_ = (failures);                         \
+    for (const std::string& f : shm_failures_) ADD_FAILURE() << f; \
   } while (false)
 
 // ---------------------------------------------------------------------------------------------
