@@ -294,6 +294,10 @@ int full_speed_rank(int readers, const std::string& name, Shared& sh, int rank, 
   }
 }
 
+std::string rank_name(int rank) {
+  return rank == 0 ? std::string("writer (rank 0)") : "reader " + std::to_string(rank);
+}
+
 std::string format_us(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f", v);
@@ -367,9 +371,7 @@ ScenarioRun run_board(const BenchOptions& o) {
       job.run_rank = [&, kind](int rank, Control&, const Reporter& report) {
         return board_rank(kind, readers, updates, name, *sh, weights_mem, rank, report);
       };
-      job.rank_name = [](int rank) {
-        return rank == 0 ? std::string("writer (rank 0)") : "reader " + std::to_string(rank);
-      };
+      job.rank_name = rank_name;
       RanksResult ranks = run_ranks(job, std::chrono::seconds(120));
       for (int fd : fds) ::close(fd);
       ::munmap(mem, bytes);
@@ -388,9 +390,10 @@ ScenarioRun run_board(const BenchOptions& o) {
           pos = static_cast<size_t>(end - line.c_str());
         }
         if (line[0] == 'L') lat.insert(lat.end(), values.begin(), values.end());
-        if (line[0] == 'P' && values.size() == 2) {
-          const int reader = static_cast<int>(values[0] * 1e3 + 0.5);
-          if (reader >= 0 && reader < kMaxReaders) k.reader_p50_us[reader].push_back(values[1]);
+        int reader = -1;
+        double p50_ns = 0;
+        if (std::sscanf(line.c_str(), "P %d %lf", &reader, &p50_ns) == 2 && reader >= 0 && reader < kMaxReaders) {
+          k.reader_p50_us[reader].push_back(p50_ns / 1e3);
         }
         if (line[0] == 'C' && !values.empty()) k.copy_us.push_back(values[0]);
         if (line[0] == 'M' && !values.empty()) k.memcpy_us.push_back(values[0]);
@@ -412,9 +415,7 @@ ScenarioRun run_board(const BenchOptions& o) {
     job.run_rank = [&](int rank, Control&, const Reporter& report) {
       return full_speed_rank(readers, name, *sh, rank, report);
     };
-    job.rank_name = [](int rank) {
-      return rank == 0 ? std::string("writer (rank 0)") : "reader " + std::to_string(rank);
-    };
+    job.rank_name = rank_name;
     RanksResult ranks = run_ranks(job, std::chrono::seconds(120));
     ::munmap(mem, sizeof(Shared));
     for (auto& f : ranks.failures) run.failures.push_back("board at full speed: " + f);
