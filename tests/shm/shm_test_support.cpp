@@ -7,6 +7,7 @@
 #include <errno.h>  // program_invocation_short_name (GNU)
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -314,6 +315,21 @@ bool wait_segment_ready(const std::string& name, const std::vector<int>& live_ra
         }
         if (all) return true;
       }
+    }
+    std::this_thread::sleep_for(2ms);
+  }
+  return false;
+}
+
+bool wait_segment_unlocked(const std::string& name, Clock::duration timeout) {
+  const auto deadline = Clock::now() + timeout;
+  const std::string path = segment_path(name) + ".lock";
+  while (Clock::now() < deadline) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0) {
+      const bool free = ::flock(fd, LOCK_EX | LOCK_NB) == 0;  // released with the descriptor
+      ::close(fd);
+      if (free) return true;
     }
     std::this_thread::sleep_for(2ms);
   }

@@ -211,6 +211,11 @@ class RawSegment {
 /// the ranks in `live_ranks` show as live. Returns false at the deadline.
 bool wait_segment_ready(const std::string& name, const std::vector<int>& live_ranks, Clock::duration timeout);
 
+/// Waits until no process holds the lock of segment `name` (its creator or a joiner holds it
+/// until it is attached, after its slot already shows as live): a rank stopped before then would
+/// keep every other rank out. Returns false at the deadline.
+bool wait_segment_unlocked(const std::string& name, Clock::duration timeout);
+
 // ---------------------------------------------------------------------------------------------
 // Memory shared with forked children
 

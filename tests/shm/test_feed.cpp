@@ -351,8 +351,9 @@ TEST_F(Feed, AProducerKilledIsAPeerLostError) {
 // A producer that puts its items and is killed while the consumer's rendezvous (it attached
 // first) has not looked yet: the group had formed on the producer's side, so the consumer gets
 // every item, then a PeerLostError naming the producer. (Its rendezvous took such a producer for
-// one that "died before the group formed", and the items were lost.) The consumer is stopped
-// (SIGSTOP) from its first look until the producer is dead, so the order is certain.
+// one that "died before the group formed", and the items were lost, also when the consumer's
+// periodic liveness check came before its next look at the arrivals.) The consumer is stopped
+// (SIGSTOP) in its rendezvous poll until the producer is dead, so the order is certain.
 TEST_F(Feed, AProducerKilledRightAfterItsPutsStillDeliversThem) {
   set_deadline(60s);
   const std::string name = unique_name();
@@ -371,7 +372,9 @@ TEST_F(Feed, AProducerKilledRightAfterItsPutsStillDeliversThem) {
         PeerLostError, [&] { (void)c.next(); }, "producer 0: rank 1 (pid " + std::to_string(producer) + ")");
   });
   ::close(pid_pipe[0]);
-  const bool waiting = wait_segment_ready(feed::group_name(name, 0, 0), {0}, 10s);
+  // Stopped once it attached and let go of the segment's lock, so in its rendezvous poll.
+  const bool waiting = wait_segment_ready(feed::group_name(name, 0, 0), {0}, 10s) &&
+                       wait_segment_unlocked(feed::group_name(name, 0, 0), 10s);
   ASSERT_EQ(::kill(consumer.pid(), SIGSTOP), 0);
   Child producer([&] {
     FeedProducer p(name, 0, {.timeout = 30s});

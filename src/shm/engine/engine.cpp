@@ -75,11 +75,11 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
           "--pid=container:NAME; Kubernetes: shareProcessNamespace: true)"));
     }
   };
-  // all_arrived: every rank is in, so a dead one may have completed its own rendezvous already:
-  // one that sent this rank anything did (a producer that put its items and was killed within
-  // this rank's 200 us poll), and this rank then receives what it sent before it finds the death
-  // at its next wait; one that sent nothing fails the rendezvous, as before.
-  auto check_alive = [&](bool all_arrived = false) {
+  // A dead rank that sent this rank anything had completed its own rendezvous (it could not have
+  // sent otherwise), so every rank had arrived: a producer that put its items and was killed
+  // while this rank slept between two looks. This rank then receives what it sent and finds the
+  // death at its next wait; a dead rank that sent nothing fails the rendezvous.
+  auto check_alive = [&] {
     check_namespaces();
     for (uint32_t r = 0; r < static_cast<uint32_t>(size_); ++r) {
       // rank_alive() is false for a rank that has left too: the state is read again after it,
@@ -89,7 +89,7 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
       if (live() && !segment_->rank_alive(r) && live()) {
         const bool sent = r != static_cast<uint32_t>(rank_) &&
                           segment_->ring(r, static_cast<uint32_t>(rank_)).head.load(std::memory_order_acquire) > 0;
-        if (all_arrived && sent) continue;
+        if (sent) continue;
         give_up(PeerLostError(where + segment_->describe_rank(r) + " died before the group formed"));
       }
     }
@@ -109,7 +109,7 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
           " gave up this group's rendezvous (it timed out or failed): construct the group again"));
     }
     if (segment_->all_arrived()) {
-      check_alive(/*all_arrived=*/true);  // once more: a member may have died before this rank looked
+      check_alive();  // once more: a member may have died before this rank looked
       return;
     }
     const auto now = Clock::now();
