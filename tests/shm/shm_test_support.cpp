@@ -321,19 +321,19 @@ bool wait_segment_ready(const std::string& name, const std::vector<int>& live_ra
   return false;
 }
 
-bool wait_segment_unlocked(const std::string& name, Clock::duration timeout) {
+bool stop_outside_segment_lock(pid_t pid, const std::string& name, Clock::duration timeout) {
   const auto deadline = Clock::now() + timeout;
   const std::string path = segment_path(name) + ".lock";
-  while (Clock::now() < deadline) {
+  for (;;) {
+    if (::kill(pid, SIGSTOP) != 0) return false;
     const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd >= 0) {
-      const bool free = ::flock(fd, LOCK_EX | LOCK_NB) == 0;  // released with the descriptor
-      ::close(fd);
-      if (free) return true;
-    }
-    std::this_thread::sleep_for(2ms);
+    const bool free = fd < 0 || ::flock(fd, LOCK_EX | LOCK_NB) == 0;  // no file: no lock to hold
+    if (fd >= 0) ::close(fd);                                         // drops the lock if taken
+    if (free) return true;
+    ::kill(pid, SIGCONT);
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(1ms);
   }
-  return false;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -211,10 +211,11 @@ class RawSegment {
 /// the ranks in `live_ranks` show as live. Returns false at the deadline.
 bool wait_segment_ready(const std::string& name, const std::vector<int>& live_ranks, Clock::duration timeout);
 
-/// Waits until no process holds the lock of segment `name` (its creator or a joiner holds it
-/// until it is attached, after its slot already shows as live): a rank stopped before then would
-/// keep every other rank out. Returns false at the deadline.
-bool wait_segment_unlocked(const std::string& name, Clock::duration timeout);
+/// Stops `pid` (SIGSTOP) at a moment it does not hold the lock of segment `name`: a rank holds it
+/// until it is attached, after its slot already shows as live, and one stopped before then would
+/// keep every other rank out. Tries again (SIGCONT, 1 ms) until then; false at the deadline (the
+/// process is left running).
+bool stop_outside_segment_lock(pid_t pid, const std::string& name, Clock::duration timeout);
 
 // ---------------------------------------------------------------------------------------------
 // Memory shared with forked children

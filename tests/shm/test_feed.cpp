@@ -373,9 +373,9 @@ TEST_F(Feed, AProducerKilledRightAfterItsPutsStillDeliversThem) {
   });
   ::close(pid_pipe[0]);
   // Stopped once it attached and let go of the segment's lock, so in its rendezvous poll.
-  const bool waiting = wait_segment_ready(feed::group_name(name, 0, 0), {0}, 10s) &&
-                       wait_segment_unlocked(feed::group_name(name, 0, 0), 10s);
-  ASSERT_EQ(::kill(consumer.pid(), SIGSTOP), 0);
+  const bool waiting = wait_segment_ready(feed::group_name(name, 0, 0), {0}, 10s);
+  ASSERT_TRUE(waiting && stop_outside_segment_lock(consumer.pid(), feed::group_name(name, 0, 0), 10s))
+      << "the consumer never joined; " << consumer.describe();
   Child producer([&] {
     FeedProducer p(name, 0, {.timeout = 30s});
     for (int64_t s = 0; s < 3; ++s) p.put(item(64, 0, s));
@@ -386,7 +386,6 @@ TEST_F(Feed, AProducerKilledRightAfterItsPutsStillDeliversThem) {
   const bool told = ::write(pid_pipe[1], &producer_pid, sizeof producer_pid) == sizeof producer_pid;
   ::close(pid_pipe[1]);
   ASSERT_EQ(::kill(consumer.pid(), SIGCONT), 0);
-  ASSERT_TRUE(waiting) << "the consumer never joined; " << consumer.describe();
   ASSERT_TRUE(died) << producer.describe();
   EXPECT_EQ(producer.signal(), SIGKILL) << producer.describe();
   ASSERT_TRUE(told);

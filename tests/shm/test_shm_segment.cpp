@@ -28,8 +28,8 @@
 #include <functional>
 #include <limits>
 #include <memory>
-#include <string>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -84,7 +84,7 @@ class ShmSegmentProcs : public ShmTest {};
 
 /// What an attacher does wrong, and how the header is edited before it comes.
 struct Refusal {
-  std::string what{};                                         // for messages
+  std::string what{};                                          // for messages
   std::function<void(shm::SegmentHeader&)> corrupt = nullptr;  // null: the header stays right
   int rank = 1;
   int size = 2;
@@ -113,7 +113,8 @@ void expect_refused(ShmTest& /*fixture*/, const std::string& name, const Refusal
     refusal.corrupt(seg.header());
   }
   Child attacher([&] {
-    const Caught c = SHM_CHECK_THROWS(SegmentError, [&] { ProcessGroupShm pg(name, refusal.rank, refusal.size, refusal.options); });
+    const Caught c =
+        SHM_CHECK_THROWS(SegmentError, [&] { ProcessGroupShm pg(name, refusal.rank, refusal.size, refusal.options); });
     std::fprintf(stderr, "[%s] %s\n", refusal.what.c_str(), c.describe().c_str());
     for (const std::string& n : refusal.needles) {
       SHM_CHECK(contains_nocase(c.what, n), "the message does not mention \"" << n << "\": " << c.what);
@@ -187,8 +188,9 @@ TEST_F(ShmSegmentProcs, CorruptMagicIsRefused) {
 }
 
 TEST_F(ShmSegmentProcs, AbsurdSegmentBytesIsRefused) {
-  expect_refused(*this, unique_name(),
-                 {.what = "segment_bytes 2^62", .corrupt = [](shm::SegmentHeader& h) { h.segment_bytes = uint64_t{1} << 62; }});
+  expect_refused(*this, unique_name(), {.what = "segment_bytes 2^62", .corrupt = [](shm::SegmentHeader& h) {
+                                          h.segment_bytes = uint64_t{1} << 62;
+                                        }});
 }
 
 TEST_F(ShmSegmentProcs, SegmentBytesBeyondTheFileIsRefused) {
@@ -229,21 +231,23 @@ TEST_F(ShmSegmentProcs, WorldSizeChangedInHeaderIsRefused) {
 
 TEST_F(ShmSegmentProcs, CorruptOffsetsAreRefused) {
   // The offsets stored in the header disagree with the geometry of its sizes.
-  expect_refused(*this, unique_name(),
-                 {.what = "rank_table_offset far out",
-                  .corrupt = [](shm::SegmentHeader& h) { h.rank_table_offset = uint64_t{1} << 40; }});
-  expect_refused(*this, unique_name(),
-                 {.what = "rings_offset far out", .corrupt = [](shm::SegmentHeader& h) { h.rings_offset = uint64_t{1} << 40; }});
-  expect_refused(*this, unique_name(),
-                 {.what = "entry_bytes smaller than an entry", .corrupt = [](shm::SegmentHeader& h) { h.entry_bytes = 64; }});
+  expect_refused(*this, unique_name(), {.what = "rank_table_offset far out", .corrupt = [](shm::SegmentHeader& h) {
+                                          h.rank_table_offset = uint64_t{1} << 40;
+                                        }});
+  expect_refused(*this, unique_name(), {.what = "rings_offset far out", .corrupt = [](shm::SegmentHeader& h) {
+                                          h.rings_offset = uint64_t{1} << 40;
+                                        }});
+  expect_refused(
+      *this, unique_name(),
+      {.what = "entry_bytes smaller than an entry", .corrupt = [](shm::SegmentHeader& h) { h.entry_bytes = 64; }});
 }
 
 // ---------------------------------------------------------------------------------------------
 // Names and arguments
 
 const std::vector<std::string>& invalid_names() {
-  static const std::vector<std::string> names = {"",       "a/b",         std::string(300, 'x'), std::string(201, 'y'),
-                                                 "a b",    "../escape",   "tab\there",           "caf\xc3\xa9",
+  static const std::vector<std::string> names = {"",         "a/b",       std::string(300, 'x'), std::string(201, 'y'),
+                                                 "a b",      "../escape", "tab\there",           "caf\xc3\xa9",
                                                  "new\nline"};
   return names;
 }
@@ -494,16 +498,6 @@ TEST_F(ShmSegmentThreads, ConstructorTimesOutWhenPeersNeverCome) {
 // ---------------------------------------------------------------------------------------------
 // The rendezvous of the constructor
 
-/// True if nobody holds the lock file of `name` (an implementation detail: when there is no such
-/// file there is no lock to hold).
-bool lock_file_free(const std::string& name) {
-  const int fd = ::open((segment_path(name) + ".lock").c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) return true;
-  const bool free_now = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
-  ::close(fd);  // drops the lock if we took it
-  return free_now;
-}
-
 TEST_F(ShmSegmentProcs, RendezvousCompletesWhenAPeerAlreadyLeft) {
   // Rank 1 attaches and is stopped (SIGSTOP) before it sees the others. Ranks 0 and 2 attach,
   // complete their rendezvous, rank 0 sends rank 1 a message, rank 2 leaves at once. Rank 1,
@@ -519,15 +513,7 @@ TEST_F(ShmSegmentProcs, RendezvousCompletesWhenAPeerAlreadyLeft) {
     post_send(pg, got, 0, 2)->wait();
   });
   ASSERT_TRUE(wait_segment_ready(name, {1}, 10s)) << rank1.describe();
-  // Stop it outside the lock file that serialises attaching (else nobody else can attach).
-  const auto give_up = Clock::now() + 10s;
-  for (;;) {
-    ::kill(rank1.pid(), SIGSTOP);
-    if (lock_file_free(name)) break;
-    ::kill(rank1.pid(), SIGCONT);
-    ASSERT_LT(Clock::now(), give_up) << "rank 1 kept the lock file";
-    std::this_thread::sleep_for(1ms);
-  }
+  ASSERT_TRUE(stop_outside_segment_lock(rank1.pid(), name, 10s)) << "rank 1 kept the lock file";
   Child rank2([&] { ProcessGroupShm pg(name, 2, 3, opts); });
   Child rank0([&] {
     ProcessGroupShm pg(name, 0, 3, opts);
@@ -552,7 +538,7 @@ TEST_F(ShmSegmentProcs, RendezvousCompletesWhenAPeerAlreadyLeft) {
 // A peer killed in the middle of a transfer
 
 struct KillRecord {
-  std::atomic<int64_t> kill_ns{0};           // when the victim raised SIGKILL (monotonic_ns)
+  std::atomic<int64_t> kill_ns{0};            // when the victim raised SIGKILL (monotonic_ns)
   std::atomic<int> completed_before_kill{0};  // the transfer ended before the victim died
   std::atomic<int> old_group_gone{0};         // the survivor destroyed its first group
 };
@@ -598,7 +584,8 @@ void victim(const std::string& name, bool victim_receives, KillRecord& record) {
 void survivor(const std::string& name, bool survivor_sends, KillRecord& record, const std::string& tag) {
   {
     ProcessGroupShm pg(name, 0, 2, kill_options());
-    const at::Tensor buffer = survivor_sends ? pattern(at::kByte, kMessageBytes, 99) : at::zeros({kMessageBytes}, at::kByte);
+    const at::Tensor buffer =
+        survivor_sends ? pattern(at::kByte, kMessageBytes, 99) : at::zeros({kMessageBytes}, at::kByte);
     auto work = survivor_sends ? post_send(pg, buffer, 1, 1) : post_recv(pg, buffer, 1, 1);
     const Caught c = catch_any([&] { work->wait(); });
     const int64_t caught_ns = monotonic_ns();
