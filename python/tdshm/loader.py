@@ -71,6 +71,25 @@ def _main_left(e):
     return "left the group" in text or "is gone" in text or "was destroyed" in text
 
 
+def _wait_exited(pid, seconds):
+    """Waits up to `seconds` until process `pid` has exited (a zombie has). A worker that finds
+    main gone through its pipe (closed as main's exit closes its files) or its parent pid (changed
+    as main's exit hands its children on) sees main before main's exit has ended: a group it left
+    then still counted main as alive, stayed in /dev/shm, and nobody was left to remove it (main
+    killed, spawn or forkserver workers: one group in three of four runs)."""
+    give_up = time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        try:
+            with open("/proc/{}/stat".format(pid), "rb") as f:
+                stat = f.read()
+        except OSError:
+            return
+        state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+        if state in (b"Z", b"X", b""):
+            return
+        time.sleep(0.002)
+
+
 # An answer travels as header bytes and its tensors. For the trees batches usually are, the
 # header is AnswerCodec's (answer_codec.cpp), written and read in one C walk on each side
 # (FeedProducer.put_answer, FeedConsumer.next_answer; a whole batch: 0.15 µs to encode, its
@@ -183,6 +202,7 @@ class _Outbox:
         self.readable = select.poll()
         self.readable.register(tasks.fileno(), select.POLLIN)
         self.early = []  # tasks read while a put waited (see _check)
+        self.orphaned = False  # main died (not: told this worker to stop, or left the feed)
         self.splitter = _Splitter()
         # Each worker's group may take its share of /dev/shm (8 workers fit Docker's 64 MiB); the
         # first group is small (a heap sized from the first batch follows).
@@ -199,6 +219,8 @@ class _Outbox:
                 if data is None:
                     return
                 msg = self._from_ring(data)
+                if msg is None:
+                    self.orphaned = True
                 if msg is None or msg[0] == "stop":
                     raise _MainGone()
                 self._keep(msg)
@@ -206,6 +228,7 @@ class _Outbox:
             try:
                 msgs = self.inbox.read()
             except EOFError:
+                self.orphaned = True
                 raise _MainGone() from None
             for msg in msgs:
                 if msg[0] == "stop":
@@ -293,7 +316,9 @@ class _Outbox:
             self._put_failed(e)
 
     def _put_failed(self, e):
-        if _main_left(e) or os.getppid() != self.parent:
+        if os.getppid() != self.parent or "is gone" in str(e):
+            self.orphaned = True
+        if _main_left(e) or self.orphaned:
             raise _MainGone() from None
         raise e
 
@@ -379,6 +404,7 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
         while True:
             msg = outbox.next_task()
             if msg is None:
+                outbox.orphaned = True
                 return
             kind = msg[0]
             if kind == "stop":
@@ -427,6 +453,8 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
         except Exception:
             pass
         try:
+            if outbox.orphaned:
+                _wait_exited(parent, _utils.MP_STATUS_CHECK_INTERVAL)  # then leaving removes the group
             outbox.close()
         except Exception:
             pass

@@ -517,19 +517,33 @@ class LoaderTest(unittest.TestCase):
         del loader
 
     def test_main_killed_ends_its_workers(self):
+        # Every start method: spawn and forkserver workers read their tasks from a pipe, which
+        # main's exit closes before that exit has ended, and a worker that left its group then
+        # left it in /dev/shm (main still counted as alive). Main holds some batches and its
+        # workers fill their heaps (8 x 256 KiB batches), as in a training loop.
         script = textwrap.dedent("""
             import os, sys, time, torch, tdshm
             from torch.utils.data import Dataset
             class D(Dataset):
                 def __len__(self): return 10**6
-                def __getitem__(self, i): return torch.full((64,), i)
-            it = iter(tdshm.DataLoader(D(), batch_size=4, num_workers=3))
-            next(it)
-            print(os.getpid(), *[w.pid for w in it._workers], flush=True)
-            time.sleep(60)
+                def __getitem__(self, i): return torch.full((64, 128), float(i % 7))
+            if __name__ == "__main__":
+                it = iter(tdshm.DataLoader(D(), batch_size=8, num_workers=3, multiprocessing_context=sys.argv[1]))
+                kept = [b for i, b in zip(range(200), it) if i % 50 == 0]
+                print(os.getpid(), *[w.pid for w in it._workers], flush=True)
+                time.sleep(60)
         """)
-        env = dict(os.environ)
-        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "killed_main.py")
+            with open(path, "w") as f:
+                f.write(script)
+            for method in ("fork", "spawn", "forkserver"):
+                with self.subTest(method=method):
+                    self._kill_main_and_check(path, method)
+
+    def _kill_main_and_check(self, path, method):
+        child = subprocess.Popen([sys.executable, path, method], stdout=subprocess.PIPE, env=dict(os.environ))
         try:
             line = child.stdout.readline().decode().split()
             self.assertEqual(len(line), 4, "the child did not start its loader")
@@ -550,6 +564,8 @@ class LoaderTest(unittest.TestCase):
         finally:
             if child.poll() is None:
                 child.kill()
+            for entry in glob.glob("/dev/shm/tdshm.dl-{}-*".format(child.pid)):
+                os.unlink(entry)  # what a failed check left: not for the next tests to find
 
     def test_ctrl_c_in_main_ends_the_loop_and_its_workers(self):
         # Main waits for a batch a worker takes 60 s to make; Ctrl-C (SIGINT to the process
