@@ -12,7 +12,8 @@
 ///   a new reader takes over its slot.
 /// - The board lives in /dev/shm/tdshm-board.<name> (mode 0600, this user's; readers refuse
 ///   another user's file or a link), removed when the writer's Board is destroyed; readers' views
-///   keep their mapping.
+///   keep their mapping. A writer that dies ends its readers' waits (PeerLostError), and the last
+///   of them to go removes its file; a new writer of the name replaces it meanwhile.
 
 #include <tdshm/tensordict.h>
 
@@ -82,7 +83,8 @@ class Board {
   std::vector<std::pair<Key, at::Tensor>> view_leaves();
   /// Waits until a version newer than `version` is published and returns it: it checks for
   /// BoardOptions::spin, then sleeps on a futex (no spinning while idle); TimeoutError after
-  /// `timeout`.
+  /// `timeout`; PeerLostError within 100 ms once the writer's process is gone (no newer version
+  /// can come to this board: open the name again for a new writer's).
   uint64_t wait_newer(uint64_t version, std::chrono::milliseconds timeout);
   /// The board's tree: keys, dtypes, shapes (a tree of zeros).
   TensorDict like() const;

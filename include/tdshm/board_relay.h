@@ -13,7 +13,8 @@
 ///   and received count them.
 /// - The sender stops at its destructor (it tells every receiver, which then stops too); a
 ///   receiver whose sender's process died stops with the group's error (error() says it), and
-///   its host's board stays with the last version it had.
+///   its host's board stays with the last version it had. A sender whose board's writer died
+///   tells its receivers to stop too, and stops (error() says the writer died).
 
 #include <tdshm/board.h>
 #include <tdshm/distributed.h>

@@ -203,6 +203,12 @@ uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) 
       throw TimeoutError("tdshm::Board::wait_newer: no version newer than " + std::to_string(version) + " within " +
                          std::to_string(timeout.count()) + " ms");
     }
+    if (!s.writer && !s.writer_alive()) {
+      // Its file gets no newer version: a new writer of the name makes a new one.
+      throw PeerLostError("tdshm::Board::wait_newer: the writer of board '" + s.name + "' (pid " +
+                          std::to_string(s.header->writer_pid) + ") died at version " + std::to_string(now_version) +
+                          ": no newer version will come; Board::open the name again for its next writer's");
+    }
     s.header->sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t word = s.header->wake.load(std::memory_order_seq_cst);
     if (this->version() <= version) {

@@ -9,6 +9,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -80,18 +81,45 @@ Board::Board(Board&&) noexcept = default;
 Board& Board::operator=(Board&&) noexcept = default;
 Board::~Board() = default;
 
+// The descriptor of the file `path` names, locked (flock, exclusive) while the name still refers
+// to it (its stat in `st`), or -1 when the name is gone or was replaced meanwhile. A writer that
+// replaces the board of a dead writer, and the last reader of such a board, remove the name only
+// under this lock, so neither removes a board the other has just made.
+static int open_locked(const std::string& path, struct stat& st) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return -1;
+    throw shm::open_error(path, "board", errno);
+  }
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {  // held for a few checks by a well-behaved process
+    if ((errno != EWOULDBLOCK && errno != EINTR) || std::chrono::steady_clock::now() > give_up) {
+      const int err = errno;
+      ::close(fd);
+      throw SegmentError("tdshm::Board: cannot lock '" + path +
+                         "': " + (err == EWOULDBLOCK ? std::string("another process holds it") : std::strerror(err)));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  struct stat now {};
+  if (::fstat(fd, &st) != 0 || ::lstat(path.c_str(), &now) != 0 || now.st_dev != st.st_dev || now.st_ino != st.st_ino) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 // Creates the board's file `path` (0600, exclusive) and returns its descriptor. A file left by a
 // dead writer is replaced; one whose writer lives is refused (SegmentError).
 static int create_board_file(const std::string& path, const std::string& name) {
-  int fd = -1;
-  for (int attempt = 0; fd < 0; ++attempt) {
-    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (fd >= 0) break;
-    if (errno != EEXIST || attempt > 0) throw shm::open_error(path, "board", errno);
+  for (int attempt = 0;; ++attempt) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0) return fd;
+    if (errno != EEXIST || attempt > 2) throw shm::open_error(path, "board", errno);
     // Held by a live writer, or left by a dead one (replaced).
     struct stat st {};
-    const int old = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    if (old < 0) throw shm::open_error(path, "board", errno);
+    const int old = open_locked(path, st);
+    if (old < 0) continue;  // removed or replaced meanwhile
     bool live = false;
     try {
       shm::check_owned(old, path, "board", &st);
@@ -103,11 +131,10 @@ static int create_board_file(const std::string& path, const std::string& name) {
       ::close(old);
       throw;
     }
+    if (!live) ::unlink(path.c_str());
     ::close(old);
     if (live) throw SegmentError("tdshm::Board::create: the board '" + name + "' has a live writer");
-    ::unlink(path.c_str());
   }
-  return fd;
 }
 
 Board Board::create(const std::string& name, const TensorDict& like, BoardOptions options) {
@@ -181,8 +208,8 @@ Board Board::open(const std::string& name, BoardOptions options) {
     if (fd < 0 && errno != ENOENT) throw shm::open_error(path, "board", errno);
     if (fd >= 0) {
       std::shared_ptr<BoardState> s;
+      struct stat st {};
       try {
-        struct stat st {};
         shm::check_owned(fd, path, "board", &st);
         detail::BoardHeader h{};
         const bool whole = ::pread(fd, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h);
@@ -206,6 +233,8 @@ Board Board::open(const std::string& name, BoardOptions options) {
             h.buffers_offset == detail::round_up(h.schema_offset + h.schema_bytes, detail::kPage) &&
             h.file_bytes == h.buffers_offset + h.buffer_stride * h.buffers;
         if (!sane) throw SegmentError("tdshm::Board::open: '" + path + "' is not a board of this layout");
+        s->dev = st.st_dev;  // a board: the last reader removes it once its writer is dead
+        s->ino = st.st_ino;
         s->schema = decode_schema({s->map->base + h.schema_offset, h.schema_bytes}, h.tree_bytes);
         s->fingerprint = schema_fingerprint(s->schema);
         s->leaves = detail::board_leaves(s->schema.root);
@@ -238,6 +267,27 @@ Board Board::open(const std::string& name, BoardOptions options) {
                          std::to_string(options.timeout.count()) + " ms");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+void detail::BoardState::remove_if_abandoned() const noexcept {
+  if (dev == 0 && ino == 0) return;  // not a board this process opened
+  try {
+    const std::string path = board_path(name);
+    struct stat st {};
+    const int fd = open_locked(path, st);
+    if (fd < 0) return;
+    bool anyone = st.st_dev != dev || st.st_ino != ino || writer_alive();
+    for (uint32_t r = 0; r < header->readers && !anyone; ++r) {
+      const ReaderSlot& slot = slots[r];
+      const uint32_t state = slot.state.load(std::memory_order_acquire);
+      anyone = state == kSlotClaiming ||
+               (state == kSlotLive && shm::process_alive({slot.pid, slot.start_time, slot.pid_ns}));
+    }
+    if (!anyone) ::unlink(path.c_str());
+    ::close(fd);
+  } catch (...) {
+    // A name this reader cannot lock or open stays: the next writer of the name replaces it.
   }
 }
 

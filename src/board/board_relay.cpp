@@ -116,11 +116,15 @@ class BoardRelayState {
   void send_loop(const std::vector<int>& receivers) {
     const at::Tensor go = at::tensor(std::vector<int64_t>{1}, at::kLong);
     uint64_t last = 0;
+    std::string lost;  // the board's writer died: the receivers end too, then error() says why
     while (!stopping_.load()) {
       try {
         last = board_->wait_newer(last, std::chrono::milliseconds(100));
       } catch (const TimeoutError&) {
         continue;
+      } catch (const PeerLostError& e) {
+        lost = e.what();
+        break;
       }
       // The newest version, pinned while it is on the wire (a newer one may be it already).
       const TensorDict view = board_->view();
@@ -133,6 +137,7 @@ class BoardRelayState {
     }
     const at::Tensor end = at::zeros({1}, at::kLong);
     for (int r : receivers) transfer(true, end, r);
+    if (!lost.empty()) throw PeerLostError(lost);
   }
 
   void receive_loop(int src) {

@@ -133,8 +133,16 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
       struct stat st {};
       const std::string path = board_path(name);
       if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev && st.st_ino == ino) ::unlink(path.c_str());
+    } else if (!writer_alive()) {
+      remove_if_abandoned();
     }
   }
+
+  bool writer_alive() const {
+    return shm::process_alive({header->writer_pid, header->writer_start_time, header->writer_pid_ns});
+  }
+  // The last reader of a board whose writer died removes its name (board_file.cpp).
+  void remove_if_abandoned() const noexcept;
 
   uint32_t free_buffer(const char* what);
   std::atomic<uint32_t>* free_pin();

@@ -124,5 +124,56 @@ TEST_F(BoardRelayTest, AReceiverWhoseSenderDiedStopsWithAnErrorAndKeepsItsBoard)
   std::filesystem::remove("/dev/shm/tdshm-board." + writer_board);  // a killed writer's board (replaced by the next)
 }
 
+// The writer dies (the relay's sender lives): the sender's wait ends at once, it tells its
+// receivers to stop and stops with an error that says so; each receiver stops without one and its
+// host's board keeps the last version it had.
+TEST_F(BoardRelayTest, ASenderWhoseWriterDiedStopsItsReceiversAndSaysWhy) {
+  set_deadline(120s);
+  const std::string writer_board = "b" + unique_name(), host_board = "b" + unique_name();
+  const Rendezvous rv = rendezvous(Method::kGlooTcp);
+  Shared<Flags> flags;
+  Child writer([&] {
+    auto board = tdshm::Board::create(writer_board, relay_tree(1024, 0), {.readers = 2});
+    for (int v = 1; flags->step[1].load() == 0; ++v) {
+      board.publish(relay_tree(1024, v));
+      std::this_thread::sleep_for(1ms);
+    }
+    ::raise(SIGKILL);
+  });
+  Child receiver([&] {
+    init_process_group("gloo", init_options(rv, 0, 2));
+    auto relay = tdshm::BoardRelay::receiver(host_board, relay_tree(1024, 0), default_group(), 1, {.readers = 2});
+    flags->step[0].store(1);
+    SHM_CHECK(relay.wait_count(3, std::chrono::seconds(20)) >= 3, "fewer than 3 versions arrived");
+    flags->step[1].store(1);  // the writer dies now
+    relay.wait_count(UINT64_MAX, std::chrono::seconds(30));
+    SHM_CHECK(relay.stopped(), "the receiver did not stop when the writer died");
+    SHM_CHECK(relay.error().empty(), "told to stop, not an error: " << relay.error());
+    auto reader = tdshm::Board::open(host_board);
+    TensorDict mine = reader.like();
+    SHM_CHECK(reader.read(mine) == relay.count(), "the board's last version is the last received");
+    flags->step[2].store(1);
+  });
+  Child sender([&] {
+    init_process_group("gloo", init_options(rv, 1, 2));
+    auto relay = tdshm::BoardRelay::sender(writer_board, default_group(), {0}, {.timeout = std::chrono::seconds(20)});
+    const auto start = Clock::now();
+    relay.wait_count(UINT64_MAX, std::chrono::seconds(60));
+    SHM_CHECK(relay.stopped(), "the sender did not stop when its writer died");
+    SHM_CHECK(relay.error().find("died at version") != std::string::npos, "error(): " << relay.error());
+    SHM_CHECK(Clock::now() - start < std::chrono::seconds(60), "stopped late");
+    wait_until(flags->step[2], 1, "the receiver's checks");  // rank 0 serves the store until then
+  });
+  ASSERT_TRUE(writer.wait(60s));
+  EXPECT_EQ(writer.signal(), SIGKILL) << writer.describe();
+  ASSERT_TRUE(receiver.wait(60s));
+  EXPECT_TRUE(receiver.ok()) << receiver.describe();
+  ASSERT_TRUE(sender.wait(60s));
+  EXPECT_TRUE(sender.ok()) << sender.describe();
+  // The sender was the dead writer's last reader: it removed the writer's board.
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/tdshm-board." + writer_board));
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/tdshm-board." + host_board));
+}
+
 }  // namespace
 }  // namespace tdshm::test

@@ -72,6 +72,16 @@ def reader(name, ready, done, out, use_views):
     out.put((reads, torn, last))
 
 
+def doomed_writer(name, ready, die):
+    state = policy().state_dict()
+    board = tdshm.Board.create(name, state, readers=1)
+    fill(state, 1)
+    board.publish(state)
+    ready.set()
+    die.wait(30)
+    os.kill(os.getpid(), 9)
+
+
 def endless_writer(name, ready, stop):
     state = policy().state_dict()
     board = tdshm.Board.create(name, state, readers=1)
@@ -228,6 +238,34 @@ class BoardTest(unittest.TestCase):
         del views
         reader_board.view()
         del board, reader_board
+
+    def test_a_dead_writers_reader_is_told_and_removes_its_file(self):
+        # The writer is killed: wait_newer raises at once (RuntimeError naming it), not after its
+        # timeout, the last version stays readable, and the reader's going removes the file.
+        ctx = mp.get_context("fork")
+        ready, die = ctx.Event(), ctx.Event()
+        w = ctx.Process(target=doomed_writer, args=(self.name, ready, die))
+        w.start()
+        try:
+            self.assertTrue(ready.wait(20), "the writer did not publish")
+            board = tdshm.Board.open(self.name)
+            self.assertEqual(board.wait_newer(0, timedelta(seconds=10)), 1)
+            die.set()
+            w.join(20)
+            self.assertEqual(w.exitcode, -9)
+            start = time.monotonic()
+            with self.assertRaisesRegex(RuntimeError, r"\(pid {}\) died at version 1".format(w.pid)):
+                board.wait_newer(1, timedelta(seconds=30))
+            self.assertLess(time.monotonic() - start, 2.0)
+            mine = board.like()
+            self.assertEqual(board.read(mine), 1)
+            self.assertTrue(consistent(mine, 1))
+            self.assertEqual(len(glob.glob("/dev/shm/tdshm-board.{}".format(self.name))), 1)
+            del board
+        finally:
+            if w.is_alive():
+                w.kill()
+                w.join()
 
     def test_a_version_written_in_place(self):
         # begin() hands the writer a free buffer's tensors (no copy); readers see the version only

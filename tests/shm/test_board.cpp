@@ -16,6 +16,7 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -480,6 +481,90 @@ TEST_F(Board, ABoardLeftByADeadWriterIsReplaced) {
     SHM_CHECK(board.version() == 0, "a fresh board");
     SHM_CHECK(board.publish(weights(8, 2)) == 1, "its first version");
   }));
+  EXPECT_FALSE(std::filesystem::exists(path(name)));
+}
+
+// A writer that dies ends its readers' waits (PeerLostError naming it, not a timeout: no newer
+// version can come to its file), and the last of them removes the board's file, once its views
+// are gone too. A reader of the dead writer's board never removes the board of a new writer that
+// replaced it meanwhile.
+TEST_F(Board, ADeadWritersReadersAreToldAndTheLastRemovesItsFile) {
+  set_deadline(90s);
+  struct Steps {
+    std::atomic<int> opened{0};
+    std::atomic<int> go{0};
+  };
+  Shared<Steps> steps;
+  const std::string name = board_name();
+  // Writer 1 publishes version 1 and is killed once both readers opened.
+  Child writer1([&] {
+    auto board = tdshm::Board::create(name, weights(4, 0), {.readers = 2});
+    board.publish(weights(4, 1));
+    while (steps->opened.load() < 2) std::this_thread::sleep_for(1ms);
+    ::raise(SIGKILL);
+  });
+  std::optional<tdshm::Board> a(tdshm::Board::open(name, {.timeout = 20s}));
+  std::optional<tdshm::Board> b(tdshm::Board::open(name, {.timeout = 20s}));
+  ASSERT_EQ(a->wait_newer(0, 20s), 1u);
+  steps->opened.store(2);
+  ASSERT_TRUE(writer1.wait(20s));
+  const auto start = Clock::now();
+  try {
+    (void)a->wait_newer(1, 30s);
+    ADD_FAILURE() << "wait_newer returned after the writer died";
+  } catch (const PeerLostError& e) {
+    EXPECT_LT(Clock::now() - start, 2s);
+    EXPECT_NE(std::string(e.what()).find("(pid " + std::to_string(writer1.pid()) + ") died at version 1"),
+              std::string::npos)
+        << e.what();
+  }
+  TensorDict mine = b->like();
+  EXPECT_EQ(b->read(mine), 1u);  // the last version stays readable
+  EXPECT_TRUE(holds(mine, 1));
+  a.reset();
+  EXPECT_TRUE(std::filesystem::exists(path(name))) << "removed while a reader still had it open";
+
+  // Writer 2 replaces the board while reader b still has the old one: b leaving removes nothing.
+  Child writer2([&] {
+    auto board = tdshm::Board::create(name, weights(8, 0));
+    board.publish(weights(8, 2));
+    steps->go.store(1);
+    while (steps->go.load() < 2) std::this_thread::sleep_for(1ms);
+  });
+  const auto until = Clock::now() + 20s;
+  while (steps->go.load() < 1 && Clock::now() < until) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(steps->go.load(), 1) << writer2.describe();
+  b.reset();
+  ASSERT_TRUE(std::filesystem::exists(path(name))) << "the old board's reader removed the new board";
+  {
+    auto c = tdshm::Board::open(name, {.timeout = 5s});
+    TensorDict got = c.like();
+    EXPECT_EQ(c.read(got), 1u);
+    EXPECT_EQ(got.get("w").numel(), 8);
+    EXPECT_TRUE(at::all(got.get("w") == 2.0).item<bool>());
+  }
+  steps->go.store(2);
+  ASSERT_TRUE(writer2.wait(20s));
+  EXPECT_TRUE(writer2.ok()) << writer2.describe();
+  EXPECT_FALSE(std::filesystem::exists(path(name)));
+
+  // Writer 3 is killed while its one reader holds a view: the file goes with the view.
+  steps->opened.store(0);
+  Child writer3([&] {
+    auto board = tdshm::Board::create(name, weights(4, 0));
+    board.publish(weights(4, 3));
+    while (steps->opened.load() < 1) std::this_thread::sleep_for(1ms);
+    ::raise(SIGKILL);
+  });
+  std::optional<tdshm::Board> d(tdshm::Board::open(name, {.timeout = 20s}));
+  ASSERT_EQ(d->wait_newer(0, 20s), 1u);
+  std::optional<TensorDict> held(d->view());
+  steps->opened.store(1);
+  ASSERT_TRUE(writer3.wait(20s));
+  d.reset();
+  EXPECT_TRUE(std::filesystem::exists(path(name)));
+  EXPECT_TRUE(holds(*held, 3));
+  held.reset();
   EXPECT_FALSE(std::filesystem::exists(path(name)));
 }
 
