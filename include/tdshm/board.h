@@ -83,8 +83,9 @@ class Board {
   std::vector<std::pair<Key, at::Tensor>> view_leaves();
   /// Waits until a version newer than `version` is published and returns it: it checks for
   /// BoardOptions::spin, then sleeps on a futex (no spinning while idle); TimeoutError after
-  /// `timeout`; PeerLostError within 100 ms once the writer's process is gone (no newer version
-  /// can come to this board: open the name again for a new writer's).
+  /// `timeout`; PeerLostError once the writer's Board is destroyed (at once) or its process is
+  /// gone (within 100 ms): no newer version can come to this board; open the name again for a new
+  /// writer's.
   uint64_t wait_newer(uint64_t version, std::chrono::milliseconds timeout);
   /// The board's tree: keys, dtypes, shapes (a tree of zeros).
   TensorDict like() const;

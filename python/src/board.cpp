@@ -131,8 +131,8 @@ void bind_board(py::module_& m) {
           },
           py::arg("version"), py::arg("timeout"),
           "Sleeps until a version newer than `version` is published and returns it (TimeoutError after "
-          "`timeout`, a timedelta; RuntimeError once the writer died: open the name again for a new "
-          "writer's versions).")
+          "`timeout`, a timedelta; RuntimeError once the writer closed the board or died: open the "
+          "name again for a new writer's versions).")
       .def(
           "begin", [](tdshm::Board& b) { return dict_of(released([&] { return b.begin(); })); },
           "Writer, without a copy: a dict of views of a free buffer to write in place, then commit().")

@@ -193,7 +193,10 @@ uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) 
   for (uint32_t i = 0;; ++i) {
     if (const uint64_t v = this->version(); v > version) return v;
     detail::cpu_relax();
-    if ((i & 63) == 63 && std::chrono::steady_clock::now() >= spin_until) break;
+    if ((i & 63) == 63 &&
+        (std::chrono::steady_clock::now() >= spin_until || s.header->closed.load(std::memory_order_relaxed) != 0)) {
+      break;  // the checks below say why there is nothing newer to wait for
+    }
   }
   for (;;) {
     const uint64_t now_version = this->version();
@@ -203,6 +206,11 @@ uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) 
       throw TimeoutError("tdshm::Board::wait_newer: no version newer than " + std::to_string(version) + " within " +
                          std::to_string(timeout.count()) + " ms");
     }
+    if (!s.writer && s.header->closed.load(std::memory_order_seq_cst) != 0) {
+      throw PeerLostError("tdshm::Board::wait_newer: the writer of board '" + s.name + "' closed it at version " +
+                          std::to_string(now_version) + ": no newer version will come; Board::open the name again " +
+                          "for its next writer's");
+    }
     if (!s.writer && !s.writer_alive()) {
       // Its file gets no newer version: a new writer of the name makes a new one.
       throw PeerLostError("tdshm::Board::wait_newer: the writer of board '" + s.name + "' (pid " +
@@ -211,7 +219,7 @@ uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) 
     }
     s.header->sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t word = s.header->wake.load(std::memory_order_seq_cst);
-    if (this->version() <= version) {
+    if (this->version() <= version && s.header->closed.load(std::memory_order_seq_cst) == 0) {
       shm::futex_wait(s.header->wake, word, std::min<std::chrono::nanoseconds>(left, std::chrono::milliseconds(100)));
     }
     s.header->sleepers.fetch_sub(1, std::memory_order_seq_cst);

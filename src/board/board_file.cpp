@@ -78,8 +78,17 @@ using detail::BoardState;
 
 Board::Board(std::shared_ptr<detail::BoardState> state) : state_(std::move(state)) {}
 Board::Board(Board&&) noexcept = default;
-Board& Board::operator=(Board&&) noexcept = default;
-Board::~Board() = default;
+Board& Board::operator=(Board&& other) noexcept {
+  if (this != &other) {
+    if (state_ && state_->writer) state_->close_writer();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+// The writer's Board ends its readers' waits; its file goes with the last tree of it (begin()).
+Board::~Board() {
+  if (state_ && state_->writer) state_->close_writer();
+}
 
 // The descriptor of the file `path` names, locked (flock, exclusive) while the name still refers
 // to it (its stat in `st`), or -1 when the name is gone or was replaced meanwhile. A writer that

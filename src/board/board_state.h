@@ -10,6 +10,7 @@
 #include <tdshm/errors.h>
 #include <tdshm/schema.h>
 
+#include "shm/parts/futex.h"
 #include "shm/parts/process_identity.h"
 #include "shm/parts/trust.h"
 
@@ -52,8 +53,8 @@ struct BoardHeader {
   uint32_t writer_pid;
   uint32_t writer_pid_ns;
   uint64_t writer_start_time;
-  std::atomic<uint32_t> ready;  // 1 once everything above is written (release)
-  uint32_t reserved1;
+  std::atomic<uint32_t> ready;               // 1 once everything above is written (release)
+  std::atomic<uint32_t> closed;              // 1 once the writer's Board is gone: no newer version comes
   alignas(64) std::atomic<uint64_t> latest;  // version << 8 | buffer; 0: none yet
   std::atomic<uint32_t> wake;                // the low 32 bits of the latest version (futex word)
   std::atomic<uint32_t> sleepers;            // readers in wait_newer's futex wait
@@ -138,6 +139,12 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
     }
   }
 
+  // The writer's Board is gone: readers' waits end (the wake word changes, sleepers are woken).
+  void close_writer() noexcept {
+    header->closed.store(1, std::memory_order_seq_cst);
+    header->wake.fetch_add(1, std::memory_order_seq_cst);
+    shm::futex_wake_all(header->wake);
+  }
   bool writer_alive() const {
     return shm::process_alive({header->writer_pid, header->writer_start_time, header->writer_pid_ns});
   }

@@ -237,7 +237,10 @@ class BoardTest(unittest.TestCase):
             reader_board.view()
         del views
         reader_board.view()
-        del board, reader_board
+        del board  # the writer's Board: its readers' waits end at once
+        with self.assertRaisesRegex(RuntimeError, "closed it at version 1"):
+            reader_board.wait_newer(1, timedelta(seconds=30))
+        del reader_board
 
     def test_a_dead_writers_reader_is_told_and_removes_its_file(self):
         # The writer is killed: wait_newer raises at once (RuntimeError naming it), not after its

@@ -484,6 +484,46 @@ TEST_F(Board, ABoardLeftByADeadWriterIsReplaced) {
   EXPECT_FALSE(std::filesystem::exists(path(name)));
 }
 
+// The writer's Board destroyed (its process goes on) ends the waits of its readers' threads at
+// once, asleep or not, with PeerLostError: no newer version can come to its file. The versions
+// it published stay readable through the readers' own mappings.
+TEST_F(Board, ClosingTheWriterEndsTheWaitsOfReaderThreads) {
+  set_deadline(60s);
+  const std::string name = board_name();
+  std::optional<tdshm::Board> writer(tdshm::Board::create(name, weights(4, 0), {.readers = 2}));
+  auto sleeper = tdshm::Board::open(name, {.spin = std::chrono::microseconds(0)});
+  auto spinner = tdshm::Board::open(name, {.spin = std::chrono::microseconds(20'000'000)});
+  writer->publish(weights(4, 1));
+  std::atomic<int> waiting{0};
+  std::vector<std::string> said(2);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      tdshm::Board& b = t == 0 ? sleeper : spinner;
+      waiting.fetch_add(1);
+      try {
+        (void)b.wait_newer(1, 30s);
+        said[t] = "returned";
+      } catch (const PeerLostError& e) {
+        said[t] = e.what();
+      } catch (const std::exception& e) {
+        said[t] = std::string("another error: ") + e.what();
+      }
+    });
+  }
+  while (waiting.load() < 2) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(50ms);  // the sleeper is asleep on the futex by now, most likely
+  const auto start = Clock::now();
+  writer.reset();
+  for (auto& t : threads) t.join();
+  EXPECT_LT(Clock::now() - start, 2s);
+  for (const std::string& s : said) EXPECT_NE(s.find("closed it at version 1"), std::string::npos) << s;
+  TensorDict mine = sleeper.like();
+  EXPECT_EQ(sleeper.read(mine), 1u);
+  EXPECT_TRUE(holds(mine, 1));
+  EXPECT_FALSE(std::filesystem::exists(path(name)));
+}
+
 // A writer that dies ends its readers' waits (PeerLostError naming it, not a timeout: no newer
 // version can come to its file), and the last of them removes the board's file, once its views
 // are gone too. A reader of the dead writer's board never removes the board of a new writer that
