@@ -11,6 +11,7 @@
 
 #include <tdshm/errors.h>
 
+#include "board/board_gc.h"
 #include "common/json.h"
 #include "shm/reader/inspect.h"
 #include "shm/segment/gc.h"
@@ -444,7 +445,9 @@ void print_segments_usage(FILE* out) {
                "  gc       removes segments whose ranks are all dead or left, segments whose creation was\n"
                "           interrupted, and lock files without a segment, with their lock files; keeps\n"
                "           anything in use or not provably stale (another user's file, a link, a file open\n"
-               "           to group/other, a corrupt header, another layout version); --dry-run only says\n"
+               "           to group/other, a corrupt header, another layout version); --dry-run only says.\n"
+               "           Without names it also removes boards (/dev/shm/tdshm-board.*) whose writer is\n"
+               "           gone and that no live reader has open\n"
                "  Nothing is mapped, locked or written but what gc removes.\n");
 }
 
@@ -525,6 +528,9 @@ int run_gc(int argc, char** argv) {
     std::fprintf(stderr, "tdshm gc: %s\n", e.what());
     return 1;
   }
+  // Boards (/dev/shm/tdshm-board.*) are looked at when gc is given no names: segment names only.
+  std::vector<detail::BoardGcItem> boards;
+  if (args.names.empty()) boards = detail::collect_stale_boards(args.dry_run);
   size_t removed = 0, kept = 0, errors = 0;
   std::vector<std::string> json_items;
   for (const shm::GcItem& item : items) {
@@ -567,6 +573,32 @@ int run_gc(int argc, char** argv) {
       std::printf("removed      %s (%s): %s\n", name.c_str(), gone ? what.c_str() : "already gone", item.reason.c_str());
     } else {
       std::printf("%-12s %s: %s\n", args.dry_run ? "would keep" : "kept", name.c_str(), item.reason.c_str());
+    }
+  }
+  for (const detail::BoardGcItem& b : boards) {
+    const std::string action = !b.error.empty() ? "error"
+                               : b.removable    ? (args.dry_run ? "would-remove" : "removed")
+                                                : (args.dry_run ? "would-keep" : "kept");
+    (!b.error.empty() ? errors : b.removable ? removed : kept) += 1;
+    if (args.json) {
+      json_items.push_back(JsonObject()
+                               .str("name", b.name)
+                               .str("kind", "board")
+                               .str("action", action)
+                               .str("reason", b.reason)
+                               .boolean("removed", b.removed)
+                               .str("error", b.error)
+                               .done());
+      continue;
+    }
+    const std::string name = printable(b.name);
+    if (!b.error.empty()) {
+      std::printf("error        board %s: %s\n", name.c_str(), b.error.c_str());
+    } else if (b.removable) {
+      std::printf("%-12s board %s (/dev/shm/tdshm-board.%s): %s\n", args.dry_run ? "would remove" : "removed",
+                  name.c_str(), name.c_str(), b.reason.c_str());
+    } else {
+      std::printf("%-12s board %s: %s\n", args.dry_run ? "would keep" : "kept", name.c_str(), b.reason.c_str());
     }
   }
   if (args.json) {

@@ -3,6 +3,8 @@
 
 #include "board/board_state.h"
 
+#include "common/fd.h"
+
 #include "shm/parts/futex.h"
 #include "shm/parts/spin.h"
 
@@ -90,23 +92,21 @@ Board::~Board() {
   if (state_ && state_->writer) state_->close_writer();
 }
 
-// The descriptor of the file `path` names, locked (flock, exclusive) while the name still refers
-// to it (its stat in `st`), or -1 when the name is gone or was replaced meanwhile. A writer that
-// replaces the board of a dead writer, and the last reader of such a board, remove the name only
-// under this lock, so neither removes a board the other has just made.
-static int open_locked(const std::string& path, struct stat& st) {
+int detail::board_file::open_locked(const std::string& path, struct stat& st) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return -1;
     throw shm::open_error(path, "board", errno);
   }
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {  // held for a few checks by a well-behaved process
+  // Held for a few checks, or while a writer sizes a new board (posix_fallocate: ~0.3 s a GiB).
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     if ((errno != EWOULDBLOCK && errno != EINTR) || std::chrono::steady_clock::now() > give_up) {
       const int err = errno;
       ::close(fd);
-      throw SegmentError("tdshm::Board: cannot lock '" + path +
-                         "': " + (err == EWOULDBLOCK ? std::string("another process holds it") : std::strerror(err)));
+      throw SegmentError(
+          "tdshm::Board: cannot lock '" + path + "': " +
+          (err == EWOULDBLOCK ? std::string("another process holds it (a writer creating it?)") : std::strerror(err)));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -127,7 +127,7 @@ static int create_board_file(const std::string& path, const std::string& name) {
     if (errno != EEXIST || attempt > 2) throw shm::open_error(path, "board", errno);
     // Held by a live writer, or left by a dead one (replaced).
     struct stat st {};
-    const int old = open_locked(path, st);
+    const int old = detail::open_locked(path, st);
     if (old < 0) continue;  // removed or replaced meanwhile
     bool live = false;
     try {
@@ -162,25 +162,26 @@ Board Board::create(const std::string& name, const TensorDict& like, BoardOption
   const uint64_t file_bytes = buffers_offset + stride * buffers;
 
   const std::string path = detail::board_path(name);
-  const int fd = create_board_file(path, name);
+  // Locked until its header is ready: a writer that would replace a dead writer's board, or a
+  // reader's or gc's clean-up, finds a file without a header yet and waits for the lock instead
+  // of taking it for a dead writer's.
+  const detail::Fd fd(create_board_file(path, name));
+  (void)::flock(fd.get(), LOCK_EX);
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || ::ftruncate(fd, static_cast<off_t>(file_bytes)) != 0 ||
-      ::posix_fallocate(fd, 0, static_cast<off_t>(file_bytes)) != 0) {
+  if (::fstat(fd.get(), &st) != 0 || ::ftruncate(fd.get(), static_cast<off_t>(file_bytes)) != 0 ||
+      ::posix_fallocate(fd.get(), 0, static_cast<off_t>(file_bytes)) != 0) {
     const int err = errno;
-    ::close(fd);
     ::unlink(path.c_str());
     throw SegmentError("tdshm::Board::create: cannot size '" + path + "' to " + std::to_string(file_bytes) +
                        " bytes: " + std::strerror(err) + " (is /dev/shm large enough?)");
   }
   std::shared_ptr<BoardState> s;
   try {
-    s = detail::map_board(name, fd, file_bytes, /*writer=*/true);
+    s = detail::map_board(name, fd.get(), file_bytes, /*writer=*/true);
   } catch (...) {
-    ::close(fd);
     ::unlink(path.c_str());
     throw;
   }
-  ::close(fd);
   s->dev = st.st_dev;
   s->ino = st.st_ino;
   detail::BoardHeader& h = *s->header;
@@ -205,6 +206,7 @@ Board Board::create(const std::string& name, const TensorDict& like, BoardOption
   s->leaves = std::move(leaves);
   s->spin = options.spin;
   h.ready.store(1, std::memory_order_release);
+  (void)::flock(fd.get(), LOCK_UN);  // closing would not unlock: the mapping holds the file open
   return Board(std::move(s));
 }
 
@@ -284,7 +286,7 @@ void detail::BoardState::remove_if_abandoned() const noexcept {
   try {
     const std::string path = board_path(name);
     struct stat st {};
-    const int fd = open_locked(path, st);
+    const int fd = detail::open_locked(path, st);
     if (fd < 0) return;
     bool anyone = st.st_dev != dev || st.st_ino != ino || writer_alive();
     for (uint32_t r = 0; r < header->readers && !anyone; ++r) {

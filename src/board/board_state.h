@@ -87,6 +87,13 @@ inline std::string board_path(const std::string& name) {
 
 void check_name(const std::string& name);
 
+// The descriptor of the file `path` names, locked (flock, exclusive) while the name still refers
+// to it (its stat in `st`), or -1 when the name is gone or was replaced meanwhile; SegmentError
+// when another process holds the lock for 5 seconds. Whoever removes a board's name (a writer
+// replacing a dead one's board, the last reader of such a board, `tdshm gc`) does it under this
+// lock, so none removes a board another has just made.
+int open_locked(const std::string& path, struct stat& st);
+
 struct Leaf {
   Key key;
   SchemaTensor tensor;

@@ -10,17 +10,21 @@
 #include <tdshm/board.h>
 #include <tdshm/errors.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "board/board_gc.h"
 #include "shm_test_support.h"
 
 namespace tdshm::test {
@@ -606,6 +610,65 @@ TEST_F(Board, ADeadWritersReadersAreToldAndTheLastRemovesItsFile) {
   EXPECT_TRUE(holds(*held, 3));
   held.reset();
   EXPECT_FALSE(std::filesystem::exists(path(name)));
+}
+
+// `tdshm gc` for boards: it removes a board whose writer is gone and that no live reader has open
+// (a writer killed with no reader), and keeps one whose writer runs, one a live reader still has
+// open, and files that are no board or not this user's 0600 file.
+TEST_F(Board, GcRemovesOnlyTheBoardsOfDeadWritersThatNoReaderHasOpen) {
+  set_deadline(60s);
+  const std::string stale = board_name(), read = board_name(), live = board_name(), junk = board_name(),
+                    open_mode = board_name();
+  for (const std::string* name : {&stale, &read}) {
+    Child writer([&] {
+      auto board = tdshm::Board::create(*name, weights(4, 0));
+      board.publish(weights(4, 1));
+      ::raise(SIGKILL);
+    });
+    ASSERT_TRUE(writer.wait(20s));
+  }
+  auto reader = tdshm::Board::open(read, {.timeout = 5s});  // the dead writer's board, held
+  auto writer = tdshm::Board::create(live, weights(4, 0));
+  for (const auto& [name, mode] : {std::pair{junk, 0600}, std::pair{open_mode, 0644}}) {
+    const int fd = ::open(path(name).c_str(), O_RDWR | O_CREAT | O_EXCL, mode);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fchmod(fd, static_cast<mode_t>(mode)), 0);
+    const std::string text(4096, 'x');  // as long as a board's header, and no board
+    ASSERT_EQ(::write(fd, text.data(), text.size()), static_cast<ssize_t>(text.size()));
+    ::close(fd);
+  }
+  const std::vector<std::string> names{stale, read, live, junk, open_mode};
+  auto decided = [&](bool dry_run) {
+    std::map<std::string, detail::BoardGcItem> by_name;
+    for (detail::BoardGcItem& item : detail::collect_stale_boards(dry_run, names)) by_name[item.name] = item;
+    return by_name;
+  };
+  auto items = decided(/*dry_run=*/true);
+  ASSERT_EQ(items.size(), names.size());
+  EXPECT_TRUE(items[stale].removable) << items[stale].reason;
+  EXPECT_FALSE(items[stale].removed);
+  EXPECT_FALSE(items[read].removable);
+  EXPECT_NE(items[read].reason.find("reader pid " + std::to_string(::getpid())), std::string::npos)
+      << items[read].reason;
+  EXPECT_FALSE(items[live].removable);
+  EXPECT_NE(items[live].reason.find("runs"), std::string::npos) << items[live].reason;
+  EXPECT_FALSE(items[junk].removable);
+  EXPECT_NE(items[junk].reason.find("not a board"), std::string::npos) << items[junk].reason;
+  EXPECT_FALSE(items[open_mode].removable) << items[open_mode].reason;
+  for (const std::string& name : names)
+    EXPECT_TRUE(std::filesystem::exists(path(name))) << "a dry run removed " << name;
+
+  items = decided(/*dry_run=*/false);
+  EXPECT_TRUE(items[stale].removed) << items[stale].reason << items[stale].error;
+  EXPECT_FALSE(std::filesystem::exists(path(stale)));
+  for (const std::string& name : {read, live, junk, open_mode}) {
+    EXPECT_FALSE(items[name].removed) << name;
+    EXPECT_TRUE(std::filesystem::exists(path(name))) << name;
+  }
+  std::filesystem::remove(path(junk));
+  std::filesystem::remove(path(open_mode));
+  TensorDict mine = reader.like();
+  EXPECT_EQ(reader.read(mine), 1u);  // the kept board still reads
 }
 
 }  // namespace

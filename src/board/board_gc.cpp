@@ -1,0 +1,120 @@
+// `tdshm gc` for boards (board_gc.h): a board whose writer is gone and that no live reader has open.
+
+#include "board/board_gc.h"
+
+#include "board/board_state.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace tdshm::detail {
+namespace {
+
+constexpr const char* kBoardPrefix = "tdshm-board.";
+
+// Why the board open at `fd` (checked as this user's, 0600) is in use, or "" when its writer is
+// gone and no reader runs. Read through a read-only mapping of its header and reader slots.
+std::string in_use(int fd, const struct stat& st) {
+  const uint64_t table = kHeaderBytes + uint64_t{kMaxReaders} * sizeof(ReaderSlot);
+  const size_t bytes = static_cast<size_t>(std::min<uint64_t>(table, static_cast<uint64_t>(st.st_size)));
+  if (bytes < kHeaderBytes) return "too short to be a board";
+  void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return std::string("cannot map it: ") + std::strerror(errno);
+  std::string why;
+  const auto& h = *static_cast<const BoardHeader*>(p);
+  if (h.magic != kBoardMagic || h.layout != kBoardLayout || h.readers == 0 || h.readers > kMaxReaders ||
+      kHeaderBytes + uint64_t{h.readers} * sizeof(ReaderSlot) > bytes) {
+    why = "not a board of this layout";
+  } else if (h.ready.load(std::memory_order_acquire) != 1 &&
+             shm::process_alive({h.writer_pid, h.writer_start_time, h.writer_pid_ns})) {
+    why = "its writer (pid " + std::to_string(h.writer_pid) + ") is creating it";
+  } else if (h.ready.load(std::memory_order_acquire) == 1 &&
+             shm::process_alive({h.writer_pid, h.writer_start_time, h.writer_pid_ns})) {
+    why = "its writer (pid " + std::to_string(h.writer_pid) + ") runs";
+  } else {
+    const auto* slots = reinterpret_cast<const ReaderSlot*>(static_cast<const uint8_t*>(p) + kHeaderBytes);
+    for (uint32_t r = 0; r < h.readers && why.empty(); ++r) {
+      const uint32_t state = slots[r].state.load(std::memory_order_acquire);
+      if (state == kSlotClaiming ||
+          (state == kSlotLive && shm::process_alive({slots[r].pid, slots[r].start_time, slots[r].pid_ns}))) {
+        why = "its writer is gone, but reader pid " + std::to_string(slots[r].pid) + " has it open";
+      }
+    }
+  }
+  ::munmap(p, bytes);
+  return why;
+}
+
+BoardGcItem decide(const std::string& name, bool dry_run) {
+  BoardGcItem item;
+  item.name = name;
+  const std::string path = std::string(shm::kSegmentDir) + "/" + kBoardPrefix + name;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    item.reason = errno == ENOENT ? "gone meanwhile" : std::string("cannot open it: ") + std::strerror(errno);
+    return item;
+  }
+  struct stat st {};
+  try {
+    shm::check_owned(fd, path, "board", &st);  // this user's regular file, 0600
+    item.reason = in_use(fd, st);
+  } catch (const std::exception& e) {
+    item.reason = e.what();
+  }
+  ::close(fd);
+  if (!item.reason.empty()) return item;
+  item.removable = true;
+  item.reason = "its writer is gone and no reader has it open";
+  if (dry_run) return item;
+  try {
+    struct stat locked {};
+    const int held = open_locked(path, locked);
+    if (held < 0) {
+      item.reason = "replaced or removed meanwhile";
+      item.removable = false;
+      return item;
+    }
+    // Once more under the lock: a writer may have replaced the file, or a reader opened it.
+    const std::string now = locked.st_ino == st.st_ino && locked.st_dev == st.st_dev ? in_use(held, locked)
+                                                                                     : "replaced meanwhile";
+    if (now.empty()) {
+      item.removed = ::unlink(path.c_str()) == 0;
+      if (!item.removed) item.error = std::string("cannot remove it: ") + std::strerror(errno);
+    } else {
+      item.removable = false;
+      item.reason = "kept at removal: " + now;
+    }
+    ::close(held);
+  } catch (const std::exception& e) {
+    item.error = e.what();
+  }
+  return item;
+}
+
+}  // namespace
+
+std::vector<BoardGcItem> collect_stale_boards(bool dry_run, const std::vector<std::string>& only) {
+  std::vector<std::string> names = only;
+  if (DIR* dir = only.empty() ? ::opendir(shm::kSegmentDir) : nullptr) {
+    while (const dirent* e = ::readdir(dir)) {
+      const std::string entry = e->d_name;
+      if (entry.rfind(kBoardPrefix, 0) == 0 && entry.size() > std::strlen(kBoardPrefix)) {
+        names.push_back(entry.substr(std::strlen(kBoardPrefix)));
+      }
+    }
+    ::closedir(dir);
+  }
+  std::sort(names.begin(), names.end());
+  std::vector<BoardGcItem> items;
+  for (const std::string& name : names) items.push_back(decide(name, dry_run));
+  return items;
+}
+
+}  // namespace tdshm::detail
