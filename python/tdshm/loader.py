@@ -71,23 +71,41 @@ def _main_left(e):
     return "left the group" in text or "is gone" in text or "was destroyed" in text
 
 
-def _wait_exited(pid, seconds):
-    """Waits up to `seconds` until process `pid` has exited (a zombie has). A worker that finds
-    main gone through its pipe (closed as main's exit closes its files) or its parent pid (changed
-    as main's exit hands its children on) sees main before main's exit has ended: a group it left
-    then still counted main as alive, stayed in /dev/shm, and nobody was left to remove it (main
-    killed, spawn or forkserver workers: one group in three of four runs)."""
-    give_up = time.monotonic() + seconds
-    while time.monotonic() < give_up:
-        try:
-            with open("/proc/{}/stat".format(pid), "rb") as f:
-                stat = f.read()
-        except OSError:
-            return
-        state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
-        if state in (b"Z", b"X", b""):
-            return
-        time.sleep(0.002)
+def _start_time(pid):
+    """Process `pid`'s start time (its /proc stat field 22), or None once it has exited (a zombie
+    has): with the pid, it names one process, not a later one given the same pid."""
+    try:
+        with open("/proc/{}/stat".format(pid), "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+class _Main:
+    """Main's process as a worker sees it. Not through the worker's parent pid: a forkserver's
+    workers are the fork server's children from the start (a worker out of tasks for 0.5 s took
+    main for gone and left), and main's exit changes a forked worker's parent before that exit has
+    ended."""
+
+    def __init__(self, pid):
+        self.pid = pid
+        self.start = _start_time(pid)
+
+    def runs(self):
+        return self.start is not None and _start_time(self.pid) == self.start
+
+    def wait_exited(self, seconds):
+        """Waits up to `seconds` until main has exited. A worker that finds main gone through its
+        pipe (closed as main's exit closes its files) sees it before main's exit has ended: a
+        group it left then still counted main as alive, stayed in /dev/shm, and nobody was left to
+        remove it (main killed, spawn or forkserver workers: one group in three of four runs)."""
+        give_up = time.monotonic() + seconds
+        while self.runs() and time.monotonic() < give_up:
+            time.sleep(0.002)
 
 
 # An answer travels as header bytes and its tensors. For the trees batches usually are, the
@@ -195,6 +213,7 @@ class _Outbox:
     def __init__(self, name, index, num_workers, prefetch, parent, tasks, ring):
         self.index = index
         self.parent = parent
+        self.main = _Main(parent)
         self.ring = ring  # a TaskRing, or None: every message comes through the pipe
         self.inbox = _Inbox(tasks)
         # One poll object for the pipe: Connection.poll builds a selector on every call (a third
@@ -236,7 +255,7 @@ class _Outbox:
                 self._keep(msg)
 
     def _main_runs(self):
-        return os.getppid() == self.parent
+        return self.main.runs()
 
     def _from_ring(self, data):
         """The message a ring slot holds (a task as ("task", idx, index) already, a pickle, or b"":
@@ -278,7 +297,7 @@ class _Outbox:
                     os.sched_yield()
             # Main gone (killed, or it exited without closing us): end within _WATCH seconds.
             while not self.readable.poll(int(_WATCH * 1000)):  # data, or the pipe closed (POLLHUP)
-                if os.getppid() != self.parent:
+                if not self._main_runs():
                     return None
             try:
                 msgs = self.inbox.read()
@@ -316,7 +335,7 @@ class _Outbox:
             self._put_failed(e)
 
     def _put_failed(self, e):
-        if os.getppid() != self.parent or "is gone" in str(e):
+        if "is gone" in str(e) or not self._main_runs():
             self.orphaned = True
         if _main_left(e) or self.orphaned:
             raise _MainGone() from None
@@ -454,7 +473,7 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
             pass
         try:
             if outbox.orphaned:
-                _wait_exited(parent, _utils.MP_STATUS_CHECK_INTERVAL)  # then leaving removes the group
+                outbox.main.wait_exited(_utils.MP_STATUS_CHECK_INTERVAL)  # then leaving removes the group
             outbox.close()
         except Exception:
             pass

@@ -353,6 +353,23 @@ class LoaderTest(unittest.TestCase):
         self.check_same(Samples(), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="spawn")
         self.check_same(Big(12), batch_size=None, num_workers=2, multiprocessing_context="spawn")
 
+    def test_a_long_step_in_main_keeps_the_workers(self):
+        # Main busy for longer than a worker's check that it runs (0.5 s) between two batches,
+        # with every start method: a forkserver's workers are the fork server's children, and
+        # took main for gone when they looked at their parent pid.
+        for method in ("fork", "spawn", "forkserver"):
+            with self.subTest(method=method):
+                loader = tdshm.DataLoader(Samples(), batch_size=4, num_workers=2, multiprocessing_context=method)
+                got = []
+                for i, batch in enumerate(loader):
+                    got.append(batch)
+                    if i in (1, 2):
+                        time.sleep(1.2)
+                self.assertEqual(len(got), len(loader))
+                labels = torch.cat([batch["label"] for batch in got])
+                self.assertTrue(torch.equal(labels, torch.arange(len(Samples()))), labels)
+                del loader, got
+
     def test_a_profiler_sees_each_batch(self):
         # torch's iterator records each batch for a profiler; ours does too while one runs (and
         # skips the record otherwise).
