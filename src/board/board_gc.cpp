@@ -82,8 +82,8 @@ BoardGcItem decide(const std::string& name, bool dry_run) {
       return item;
     }
     // Once more under the lock: a writer may have replaced the file, or a reader opened it.
-    const std::string now = locked.st_ino == st.st_ino && locked.st_dev == st.st_dev ? in_use(held, locked)
-                                                                                     : "replaced meanwhile";
+    const std::string now =
+        locked.st_ino == st.st_ino && locked.st_dev == st.st_dev ? in_use(held, locked) : "replaced meanwhile";
     if (now.empty()) {
       item.removed = ::unlink(path.c_str()) == 0;
       if (!item.removed) item.error = std::string("cannot remove it: ") + std::strerror(errno);
