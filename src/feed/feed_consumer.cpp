@@ -9,6 +9,7 @@
 #include <tdshm/feed.h>
 #include <tdshm/schema.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace tdshm {
@@ -114,10 +115,23 @@ class FeedConsumerState {
   void watch(int k, pid_t pid) { end(k).pid = pid; }
 
   // Idempotent: a second call sweeps again (after the caller ended the producers' processes).
+  // Also the group of each producer this consumer never joined: a producer that created it and
+  // was killed before the consumer came (main raising a worker's error, then its exit ending the
+  // workers) left it, and nobody else knows its name.
   void shutdown() noexcept {
     shut_ = true;
     for (End& e : ends_) leave(e);
     feed::sweep(joined_);
+    std::vector<std::string> unjoined;
+    try {
+      for (size_t k = 0; k < ends_.size(); ++k) {
+        const std::string n = feed::group_name(name_, static_cast<int>(k), ends_[k].gen);
+        if (std::find(joined_.begin(), joined_.end(), n) == joined_.end()) unjoined.push_back(n);
+      }
+    } catch (...) {
+      return;  // no memory for the names: what is left is gc's
+    }
+    feed::sweep(unjoined);
   }
 
   int producers() const noexcept { return static_cast<int>(ends_.size()); }

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -346,6 +347,32 @@ TEST_F(Feed, AProducerKilledIsAPeerLostError) {
               std::string::npos)
         << e.what();
   }
+}
+
+// A producer killed while it waits for the consumer to join its first group leaves the group in
+// /dev/shm (its rank never left), and the consumer, who never came to it, knew no name to sweep:
+// its shutdown now sweeps every producer's group it never joined. (A Python main raising a
+// worker's error and exiting left the other workers' groups so.)
+TEST_F(Feed, AConsumerRemovesTheGroupOfAProducerKilledBeforeItCame) {
+  set_deadline(60s);
+  const std::string name = unique_name();
+  const std::string group = feed::group_name(name, 1, 0);
+  FeedConsumer c(name, 2, {.timeout = 30s});
+  bool left_behind = false;
+  for (int attempt = 0; attempt < 10 && !left_behind; ++attempt) {
+    Child producer([&] {
+      FeedProducer p(name, 1, {.timeout = 30s});
+      p.put(item(64, 1, 0));  // waits for the consumer, in slices that each make the group anew
+    });
+    ASSERT_TRUE(wait_segment_ready(group, {1}, 10s)) << producer.describe();
+    ASSERT_EQ(::kill(producer.pid(), SIGKILL), 0);
+    ASSERT_TRUE(producer.wait(10s));
+    // Killed inside a slice: the group stays, its rank 1 dead (between two slices: none; again).
+    left_behind = std::filesystem::exists(segment_path(group));
+  }
+  ASSERT_TRUE(left_behind) << "the producer was never killed inside a slice";
+  c.shutdown();
+  EXPECT_FALSE(std::filesystem::exists(segment_path(group))) << "the consumer's shutdown left it";
 }
 
 // A producer that puts its items and is killed while the consumer's rendezvous (it attached
