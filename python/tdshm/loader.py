@@ -23,6 +23,7 @@ A batch's views give their bytes back when the batch is dropped; `list(loader)` 
 past the next step only keeps its worker's heap busy (later batches then travel by value).
 """
 
+import atexit
 import functools
 import io
 import itertools
@@ -34,6 +35,7 @@ import random
 import select
 import time
 import uuid
+import weakref
 from datetime import timedelta
 
 import torch
@@ -483,6 +485,12 @@ def _worker_main(dataset_kind, dataset, tasks, auto_collation, collate_fn, drop_
 # Main side
 
 
+def _shutdown_at_exit(ref):
+    it = ref()
+    if it is not None:
+        it._shutdown_workers()
+
+
 class _ShmLoaderIter(_BaseDataLoaderIter):
     """torch's _MultiProcessingDataLoaderIter, receiving over tdshm."""
 
@@ -530,6 +538,12 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         _utils.signal_handling._set_worker_pids(id(self), tuple(w.pid for w in self._workers))
         _utils.signal_handling._set_SIGCHLD_handler()
         self._worker_pids_set = True
+        # At the interpreter's exit (a worker's error raised out of the program, say), before
+        # multiprocessing's own handler, registered earlier, terminates the workers where they
+        # stand (SIGTERM: no worker leaves its group) and this iterator may never be collected:
+        # ended as at the end of an epoch, so nothing is left in /dev/shm.
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         self._reset(loader, first_iter=True)
 
     def __next__(self):
@@ -687,6 +701,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if self._shutdown:
             return
         self._shutdown = True
+        if getattr(self, "_at_exit", None) is not None:
+            atexit.unregister(self._at_exit)
         if self._worker_pids_set:
             _utils.signal_handling._remove_worker_pids(id(self))
             self._worker_pids_set = False

@@ -584,6 +584,45 @@ class LoaderTest(unittest.TestCase):
             for entry in glob.glob("/dev/shm/tdshm.dl-{}-*".format(child.pid)):
                 os.unlink(entry)  # what a failed check left: not for the next tests to find
 
+    def test_a_workers_error_raised_out_of_the_program_leaves_nothing(self):
+        # The error of worker 0's first batch ends the program; the other workers wait for main
+        # to join their groups. At the exit, multiprocessing terminates them where they stand:
+        # their groups stayed in /dev/shm (main never joined them, so it knew no name to sweep).
+        script = textwrap.dedent("""
+            import sys, torch, tdshm
+            from torch.utils.data import Dataset
+            class D(Dataset):
+                def __len__(self): return 1000
+                def __getitem__(self, i):
+                    if i == 0:
+                        raise ValueError("sample 0 is bad")
+                    return torch.full((64, 128), float(i))
+            if __name__ == "__main__":
+                for batch in tdshm.DataLoader(D(), batch_size=8, num_workers=3, multiprocessing_context=sys.argv[1]):
+                    pass
+        """)
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "raising_main.py")
+            with open(path, "w") as f:
+                f.write(script)
+            for method in ("fork", "spawn", "forkserver"):
+                with self.subTest(method=method):
+                    child = subprocess.Popen([sys.executable, path, method], stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+                    try:
+                        _, err = child.communicate(timeout=60)
+                    finally:
+                        if child.poll() is None:
+                            child.kill()
+                    self.assertNotEqual(child.returncode, 0)
+                    self.assertIn("ValueError: sample 0 is bad", err)
+                    self.assertIn("in DataLoader worker process 0", err)
+                    left = glob.glob("/dev/shm/tdshm.dl-{}-*".format(child.pid))
+                    for entry in left:
+                        os.unlink(entry)  # not for the next tests to find
+                    self.assertEqual(left, [])
+
     def test_ctrl_c_in_main_ends_the_loop_and_its_workers(self):
         # Main waits for a batch a worker takes 60 s to make; Ctrl-C (SIGINT to the process
         # group, as a terminal sends it) raises KeyboardInterrupt in main within a second, and
