@@ -550,14 +550,19 @@ class LoaderTest(unittest.TestCase):
                 print(os.getpid(), *[w.pid for w in it._workers], flush=True)
                 time.sleep(60)
         """)
+        self._run_with_each_start_method(script, self._kill_main_and_check)
+
+    def _run_with_each_start_method(self, script, check):
+        """check(path, method) for a file holding `script` (spawn imports the main module, so a
+        script cannot be given with -c), once per start method."""
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "killed_main.py")
+            path = os.path.join(tmp, "main_of_the_test.py")
             with open(path, "w") as f:
                 f.write(script)
             for method in ("fork", "spawn", "forkserver"):
                 with self.subTest(method=method):
-                    self._kill_main_and_check(path, method)
+                    check(path, method)
 
     def _kill_main_and_check(self, path, method):
         child = subprocess.Popen([sys.executable, path, method], stdout=subprocess.PIPE, env=dict(os.environ))
@@ -601,27 +606,23 @@ class LoaderTest(unittest.TestCase):
                 for batch in tdshm.DataLoader(D(), batch_size=8, num_workers=3, multiprocessing_context=sys.argv[1]):
                     pass
         """)
-        import tempfile
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "raising_main.py")
-            with open(path, "w") as f:
-                f.write(script)
-            for method in ("fork", "spawn", "forkserver"):
-                with self.subTest(method=method):
-                    child = subprocess.Popen([sys.executable, path, method], stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-                    try:
-                        _, err = child.communicate(timeout=60)
-                    finally:
-                        if child.poll() is None:
-                            child.kill()
-                    self.assertNotEqual(child.returncode, 0)
-                    self.assertIn("ValueError: sample 0 is bad", err)
-                    self.assertIn("in DataLoader worker process 0", err)
-                    left = glob.glob("/dev/shm/tdshm.dl-{}-*".format(child.pid))
-                    for entry in left:
-                        os.unlink(entry)  # not for the next tests to find
-                    self.assertEqual(left, [])
+        def check(path, method):
+            child = subprocess.Popen([sys.executable, path, method], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, env=dict(os.environ))
+            try:
+                _, err = child.communicate(timeout=60)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+            self.assertNotEqual(child.returncode, 0)
+            self.assertIn("ValueError: sample 0 is bad", err)
+            self.assertIn("in DataLoader worker process 0", err)
+            left = glob.glob("/dev/shm/tdshm.dl-{}-*".format(child.pid))
+            for entry in left:
+                os.unlink(entry)  # not for the next tests to find
+            self.assertEqual(left, [])
+
+        self._run_with_each_start_method(script, check)
 
     def test_ctrl_c_in_main_ends_the_loop_and_its_workers(self):
         # Main waits for a batch a worker takes 60 s to make; Ctrl-C (SIGINT to the process
