@@ -113,7 +113,6 @@ std::string status_text(const SegmentInfo& info) {
 // ---------------------------------------------------------------------------------------------
 // JSON (hand-written: a few flat objects)
 
-
 // Names need not be UTF-8: bytes from 0x7f up are escaped too.
 std::string json_str(const std::string& s) { return detail::json_quote(s, /*ascii_only=*/true); }
 
@@ -194,7 +193,8 @@ std::string json_details(const shm::LayoutDetails& d) {
   std::vector<std::string> loans;
   for (const shm::ArenaInfo& a : d.loans) {
     std::vector<std::string> by_holder;
-    for (const auto& [dst, n] : a.taken_by_dst) by_holder.push_back(JsonObject().num("holder", dst).num("loans", n).done());
+    for (const auto& [dst, n] : a.taken_by_dst)
+      by_holder.push_back(JsonObject().num("holder", dst).num("loans", n).done());
     loans.push_back(JsonObject()
                         .num("owner", a.owner)
                         .num("tickets", a.slots)
@@ -241,10 +241,15 @@ std::string json_segment(const SegmentInfo& info) {
     o.num("attached_ranks", info.attached_ranks()).num("alive_ranks", info.alive_ranks());
     std::vector<std::string> ranks;
     for (const shm::RankInfo& r : info.ranks) {
-      ranks.push_back(
-          JsonObject().num("rank", r.rank).str("state", r.state_name()).num("pid", r.pid).boolean("alive", r.alive)
-              .num("pid_namespace", r.pid_ns).boolean("other_pid_namespace", r.foreign)
-              .add("offers", json_string_array(r.feature_names())).done());
+      ranks.push_back(JsonObject()
+                          .num("rank", r.rank)
+                          .str("state", r.state_name())
+                          .num("pid", r.pid)
+                          .boolean("alive", r.alive)
+                          .num("pid_namespace", r.pid_ns)
+                          .boolean("other_pid_namespace", r.foreign)
+                          .add("offers", json_string_array(r.feature_names()))
+                          .done());
     }
     o.add("ranks", json_array(ranks));
   }
@@ -307,8 +312,8 @@ void print_inspect(const SegmentInfo& info) {
   std::printf("path       %s\n", printable(info.path).c_str());
   std::string status = status_text(info);
   if (info.ranks_read) {
-    status += " (" + std::to_string(info.alive_ranks()) + " of " + std::to_string(info.ranks.size()) + " ranks alive, " +
-              std::to_string(info.attached_ranks()) + " attached)";
+    status += " (" + std::to_string(info.alive_ranks()) + " of " + std::to_string(info.ranks.size()) +
+              " ranks alive, " + std::to_string(info.attached_ranks()) + " attached)";
   }
   std::printf("status     %s\n", status.c_str());
   if (info.stat_ok) {
@@ -316,8 +321,8 @@ void print_inspect(const SegmentInfo& info) {
                 info.file_bytes, mode_str(info.mode).c_str(), info.uid, human_age(info.age_seconds).c_str());
   }
   if (info.prefix_read) {
-    std::printf("header     layout version %u, header %u B, segment %" PRIu64 " B, world size %u\n", info.layout_version,
-                info.header_bytes, info.segment_bytes, info.world_size);
+    std::printf("header     layout version %u, header %u B, segment %" PRIu64 " B, world size %u\n",
+                info.layout_version, info.header_bytes, info.segment_bytes, info.world_size);
   }
   if (info.header_read) {
     std::printf("creator    rank %u, pid %u (%s), incarnation %s\n", info.creator_rank, info.creator_pid,
@@ -337,7 +342,8 @@ void print_inspect(const SegmentInfo& info) {
       what = "no creator record";
     }
     for (const shm::LockProcess& j : info.lock.joiners) {
-      what += "; joining: rank " + std::to_string(j.rank) + " pid " + std::to_string(j.pid) + (j.alive ? " (alive)" : " (gone)");
+      what += "; joining: rank " + std::to_string(j.rank) + " pid " + std::to_string(j.pid) +
+              (j.alive ? " (alive)" : " (gone)");
     }
     std::printf("lock file  %s\n", what.c_str());
   }
@@ -351,7 +357,9 @@ void print_inspect(const SegmentInfo& info) {
       for (const std::string& f : r.feature_names()) offers += (offers.empty() ? "" : ",") + f;
       std::printf("  %-6u %-10s %-10s %-38s %s\n", r.rank, r.state_name().c_str(),
                   r.state == shm::kRankFree ? "-" : std::to_string(r.pid).c_str(),
-                  r.foreign ? "unknown (another PID namespace: kept)" : r.alive ? "yes" : "no",
+                  r.foreign ? "unknown (another PID namespace: kept)"
+                  : r.alive ? "yes"
+                            : "no",
                   offers.empty() ? "-" : offers.c_str());
     }
   }
@@ -570,7 +578,8 @@ int run_gc(int argc, char** argv) {
       std::string what;
       if (item.removed_segment) what = "/dev/shm/tdshm." + name;
       if (item.removed_lock) what += std::string(what.empty() ? "" : " and ") + "/dev/shm/tdshm." + name + ".lock";
-      std::printf("removed      %s (%s): %s\n", name.c_str(), gone ? what.c_str() : "already gone", item.reason.c_str());
+      std::printf("removed      %s (%s): %s\n", name.c_str(), gone ? what.c_str() : "already gone",
+                  item.reason.c_str());
     } else {
       std::printf("%-12s %s: %s\n", args.dry_run ? "would keep" : "kept", name.c_str(), item.reason.c_str());
     }

@@ -34,8 +34,7 @@ class BoardRelay {
  public:
   /// On the writer's host: opens the board `name` as a reader (a slot of its own) and sends every
   /// newest version to the group ranks `receivers` of `group`, from a thread of its own.
-  static BoardRelay sender(const std::string& name, Group group, std::vector<int> receivers,
-                           BoardOptions options = {});
+  static BoardRelay sender(const std::string& name, Group group, std::vector<int> receivers, BoardOptions options = {});
   /// On another host: creates this host's board `name` for trees like `like` (its readers open
   /// it), and publishes in it every version group rank `src` sends, from a thread of its own.
   static BoardRelay receiver(const std::string& name, const TensorDict& like, Group group, int src,

@@ -6,15 +6,15 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <tdshm/board.h>
 #include <tdshm/board_relay.h>
 #include <tdshm/distributed.h>
 
-#include "typed_errors.h"
 #include <tdshm/errors.h>
+#include "typed_errors.h"
 
 #include <optional>
 #include <string>
@@ -32,8 +32,10 @@ void add_leaves(py::handle node, const std::optional<tdshm::Key>& prefix, tdshm:
   } else if (py::hasattr(node, "items") && py::hasattr(node, "batch_size")) {  // a tensordict TensorDict
     items = node.attr("items")();
   } else {
-    throw tdshm::TypeError("tdshm.Board: a tree is a dict of tensors (nested dicts for nested keys) or a "
-                           "TensorDict; got " + std::string(py::str(py::type::handle_of(node).attr("__name__"))));
+    throw tdshm::TypeError(
+        "tdshm.Board: a tree is a dict of tensors (nested dicts for nested keys) or a "
+        "TensorDict; got " +
+        std::string(py::str(py::type::handle_of(node).attr("__name__"))));
   }
   for (py::handle kv : items) {
     const auto pair = py::reinterpret_borrow<py::tuple>(kv);
@@ -164,9 +166,8 @@ void bind_board(py::module_& m) {
           [](const std::string& name, py::handle like, const c10::intrusive_ptr<c10d::ProcessGroup>& group, int src,
              uint32_t readers) {
             tdshm::TensorDict td = typed([&] { return tree_of(like); });
-            return released([&] {
-              return tdshm::BoardRelay::receiver(name, td, tdshm::Group(group), src, {.readers = readers});
-            });
+            return released(
+                [&] { return tdshm::BoardRelay::receiver(name, td, tdshm::Group(group), src, {.readers = readers}); });
           },
           py::arg("name"), py::arg("like"), py::arg("group"), py::arg("src"), py::arg("readers") = 8,
           "On another host: creates this host's board `name` for trees like `like` and publishes every version "

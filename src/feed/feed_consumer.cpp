@@ -33,7 +33,8 @@ class FeedConsumerState {
       const at::Tensor frame = wait_one(k, e, e.pg->irecv_view(1, feed::kFrameTag));
       const auto bytes = static_cast<size_t>(frame.numel());
       feed::FrameHead head;
-      if (frame.scalar_type() != at::kByte || bytes < sizeof head) bad(k, "a frame of " + std::to_string(bytes) + " bytes");
+      if (frame.scalar_type() != at::kByte || bytes < sizeof head)
+        bad(k, "a frame of " + std::to_string(bytes) + " bytes");
       std::memcpy(&head, frame.data_ptr<uint8_t>(), sizeof head);
       if (head.magic != feed::kFrameMagic) bad(k, "a frame without the feed's magic");
       if (head.kind == feed::FrameKind::kClose) {

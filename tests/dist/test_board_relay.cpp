@@ -43,7 +43,8 @@ TEST_F(BoardRelayTest, AnotherHostsBoardFollowsTheWritersNewestVersion) {
         SHM_CHECK(relay.error().empty(), "the sender failed: " << relay.error());
         SHM_CHECK(relay.count() >= 1 && relay.count() <= static_cast<uint64_t>(kVersions),
                   "versions sent: " << relay.count());
-        SHM_CHECK_THROWS(Error, [&] { (void)tdshm::BoardRelay::sender(writer_board, g, {0}); }, "another rank");
+        SHM_CHECK_THROWS(
+            Error, [&] { (void)tdshm::BoardRelay::sender(writer_board, g, {0}); }, "another rank");
         std::fprintf(stderr, "[relay] %llu of %d versions sent (newest only)\n",
                      static_cast<unsigned long long>(relay.count()), kVersions);
       }  // the sender stops and tells the receiver
