@@ -281,6 +281,21 @@ Board Board::open(const std::string& name, BoardOptions options) {
   }
 }
 
+std::string detail::board_file::in_use_by(const BoardHeader& h, const ReaderSlot* slots) {
+  if (shm::process_alive({h.writer_pid, h.writer_start_time, h.writer_pid_ns})) {
+    return "its writer (pid " + std::to_string(h.writer_pid) + ")" +
+           (h.ready.load(std::memory_order_acquire) == 1 ? " runs" : " is creating it");
+  }
+  for (uint32_t r = 0; r < h.readers; ++r) {
+    const uint32_t state = slots[r].state.load(std::memory_order_acquire);
+    if (state == kSlotClaiming ||
+        (state == kSlotLive && shm::process_alive({slots[r].pid, slots[r].start_time, slots[r].pid_ns}))) {
+      return "its writer is gone, but reader pid " + std::to_string(slots[r].pid) + " has it open";
+    }
+  }
+  return "";
+}
+
 void detail::BoardState::remove_if_abandoned() const noexcept {
   if (dev == 0 && ino == 0) return;  // not a board this process opened
   try {
@@ -288,14 +303,7 @@ void detail::BoardState::remove_if_abandoned() const noexcept {
     struct stat st {};
     const int fd = detail::open_locked(path, st);
     if (fd < 0) return;
-    bool anyone = st.st_dev != dev || st.st_ino != ino || writer_alive();
-    for (uint32_t r = 0; r < header->readers && !anyone; ++r) {
-      const ReaderSlot& slot = slots[r];
-      const uint32_t state = slot.state.load(std::memory_order_acquire);
-      anyone = state == kSlotClaiming ||
-               (state == kSlotLive && shm::process_alive({slot.pid, slot.start_time, slot.pid_ns}));
-    }
-    if (!anyone) ::unlink(path.c_str());
+    if (st.st_dev == dev && st.st_ino == ino && in_use_by(*header, slots).empty()) ::unlink(path.c_str());
     ::close(fd);
   } catch (...) {
     // A name this reader cannot lock or open stays: the next writer of the name replaces it.

@@ -32,21 +32,8 @@ std::string in_use(int fd, const struct stat& st) {
   if (h.magic != kBoardMagic || h.layout != kBoardLayout || h.readers == 0 || h.readers > kMaxReaders ||
       kHeaderBytes + uint64_t{h.readers} * sizeof(ReaderSlot) > bytes) {
     why = "not a board of this layout";
-  } else if (h.ready.load(std::memory_order_acquire) != 1 &&
-             shm::process_alive({h.writer_pid, h.writer_start_time, h.writer_pid_ns})) {
-    why = "its writer (pid " + std::to_string(h.writer_pid) + ") is creating it";
-  } else if (h.ready.load(std::memory_order_acquire) == 1 &&
-             shm::process_alive({h.writer_pid, h.writer_start_time, h.writer_pid_ns})) {
-    why = "its writer (pid " + std::to_string(h.writer_pid) + ") runs";
   } else {
-    const auto* slots = reinterpret_cast<const ReaderSlot*>(static_cast<const uint8_t*>(p) + kHeaderBytes);
-    for (uint32_t r = 0; r < h.readers && why.empty(); ++r) {
-      const uint32_t state = slots[r].state.load(std::memory_order_acquire);
-      if (state == kSlotClaiming ||
-          (state == kSlotLive && shm::process_alive({slots[r].pid, slots[r].start_time, slots[r].pid_ns}))) {
-        why = "its writer is gone, but reader pid " + std::to_string(slots[r].pid) + " has it open";
-      }
-    }
+    why = in_use_by(h, reinterpret_cast<const ReaderSlot*>(static_cast<const uint8_t*>(p) + kHeaderBytes));
   }
   ::munmap(p, bytes);
   return why;

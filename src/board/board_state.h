@@ -94,6 +94,11 @@ void check_name(const std::string& name);
 // lock, so none removes a board another has just made.
 int open_locked(const std::string& path, struct stat& st);
 
+// Why the board of header `h` and reader slots `slots` is in use, or "" when its writer's process
+// is gone and no reader's runs: what a dead writer's last reader and `tdshm gc` check, under the
+// lock, before they remove its name.
+std::string in_use_by(const BoardHeader& h, const ReaderSlot* slots);
+
 struct Leaf {
   Key key;
   SchemaTensor tensor;
