@@ -223,6 +223,11 @@ class _Outbox:
         self.readable = select.poll()
         self.readable.register(tasks.fileno(), select.POLLIN)
         self.early = []  # tasks read while a put waited (see _check)
+        # Main's "stop" read together with tasks (a worker that starts slowly, as forkserver's do,
+        # finds its first tasks and the stop in one read): the tasks before it are not wanted, and
+        # a put waiting for main must end at once (it waited for a join main never made, until
+        # main's shutdown gave up on it and terminated it).
+        self.stopping = False
         self.orphaned = False  # main died (not: told this worker to stop, or left the feed)
         self.splitter = _Splitter()
         # Each worker's group may take its share of /dev/shm (8 workers fit Docker's 64 MiB); the
@@ -234,6 +239,8 @@ class _Outbox:
     def _check(self):
         # Run while a put waits for main (its first join, room): a "stop" ends the wait (main shut
         # the iterator down and will not join); tasks are kept for the loop.
+        if self.stopping:
+            raise _MainGone()
         if self.ring is not None:
             while True:
                 data = self.ring.try_get()
@@ -272,11 +279,15 @@ class _Outbox:
         # Main's tasks come as ("tasks", [(idx, index), ...]): the first prefetch_factor together.
         if msg[0] == "tasks":
             self.early.extend(("task", idx, index) for idx, index in msg[1])
+        elif msg[0] == "stop":
+            self.stopping = True
         else:
             self.early.append(msg)
 
     def next_task(self):
         """The next message from main, or None once main is gone."""
+        if self.stopping:
+            return ("stop",)
         if self.ring is not None:
             while not self.early:
                 # Spins _TASK_SPIN, then sleeps; main gone: ends within _WATCH seconds.
@@ -291,8 +302,10 @@ class _Outbox:
                 if msg is None:
                     return None
                 self._keep(msg)
+                if self.stopping:
+                    return ("stop",)
             return self.early.pop(0)
-        while not self.early:
+        while not self.early and not self.stopping:
             if not self.readable.poll(0):
                 give_up = time.perf_counter() + _TASK_SPIN
                 while not self.readable.poll(0) and time.perf_counter() < give_up:
@@ -307,7 +320,7 @@ class _Outbox:
                 return None
             for msg in msgs:
                 self._keep(msg)
-        return self.early.pop(0)
+        return ("stop",) if self.stopping else self.early.pop(0)
 
     def loan_like(self, shape, dtype):
         """A tensor in the heap, or None (no heap yet, or no room)."""

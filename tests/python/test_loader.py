@@ -594,7 +594,7 @@ class LoaderTest(unittest.TestCase):
         # to join their groups. At the exit, multiprocessing terminates them where they stand:
         # their groups stayed in /dev/shm (main never joined them, so it knew no name to sweep).
         script = textwrap.dedent("""
-            import sys, torch, tdshm
+            import faulthandler, sys, torch, tdshm
             from torch.utils.data import Dataset
             class D(Dataset):
                 def __len__(self): return 1000
@@ -603,6 +603,15 @@ class LoaderTest(unittest.TestCase):
                         raise ValueError("sample 0 is bad")
                     return torch.full((64, 128), float(i))
             if __name__ == "__main__":
+                faulthandler.dump_traceback_later(40)  # where main hangs, if it does
+                import atexit, time
+                raised = []
+                def excepthook(*args):
+                    raised.append(time.monotonic())
+                    sys.__excepthook__(*args)
+                sys.excepthook = excepthook
+                # Registered before the loader's: runs after it has ended the workers.
+                atexit.register(lambda: print("ended after", time.monotonic() - raised[0], file=sys.stderr))
                 for batch in tdshm.DataLoader(D(), batch_size=8, num_workers=3, multiprocessing_context=sys.argv[1]):
                     pass
         """)
@@ -611,12 +620,21 @@ class LoaderTest(unittest.TestCase):
                                      text=True, env=dict(os.environ))
             try:
                 _, err = child.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                _, err = child.communicate()
+                self.fail("the program did not end within 60 s:\n" + err[-6000:])
             finally:
                 if child.poll() is None:
                     child.kill()
+                    child.wait()
             self.assertNotEqual(child.returncode, 0)
             self.assertIn("ValueError: sample 0 is bad", err)
             self.assertIn("in DataLoader worker process 0", err)
+            # A worker that read main's stop with its tasks waited in a put for main until the
+            # shutdown gave up on it (5 s) and terminated it (forkserver: 2 runs in 3).
+            ended = float(err.split("ended after")[1].split()[0])
+            self.assertLess(ended, 4.0, "the workers' shutdown waited for a worker")
             left = glob.glob("/dev/shm/tdshm.dl-{}-*".format(child.pid))
             for entry in left:
                 os.unlink(entry)  # not for the next tests to find
