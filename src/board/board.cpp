@@ -16,6 +16,8 @@
 
 #include <ATen/ops/zeros.h>
 
+#include <pthread.h>
+
 #include <chrono>
 #include <thread>
 
@@ -24,6 +26,25 @@ namespace tdshm {
 using detail::BoardState;
 
 namespace detail {
+
+namespace {
+std::atomic<uint32_t> g_forks{0};
+void count_fork_in_child() noexcept { g_forks.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace
+
+uint32_t board_file::fork_generation() noexcept {
+  static const bool registered = [] { return ::pthread_atfork(nullptr, nullptr, &count_fork_in_child) == 0; }();
+  (void)registered;
+  return g_forks.load(std::memory_order_relaxed);
+}
+
+std::chrono::steady_clock::time_point board_file::deadline_after(std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point now = Clock::now();
+  // Past a century (timedelta.max, say) the sum overflows the clock's nanoseconds: forever.
+  if (timeout > std::chrono::hours(24 * 365 * 100)) return Clock::time_point::max();
+  return now + timeout;
+}
 
 // A buffer the writer may write: neither the latest nor pinned by a live reader (one always
 // exists: see BoardState).
@@ -107,7 +128,10 @@ at::Tensor BoardState::pin_newest(const std::shared_ptr<BoardState>& self) {
   // One storage over the buffer's bytes: the pin goes when the last view of it is dropped.
   at::Tensor storage = at::from_blob(
       bytes(b), {static_cast<int64_t>(header->tree_bytes)},
-      [keep = self, pin](void*) { pin->store(0, std::memory_order_release); }, at::TensorOptions().dtype(at::kByte));
+      [keep = self, pin](void*) {
+        if (!keep->inherited()) pin->store(0, std::memory_order_release);  // a forked child's copy: the parent's pin
+      },
+      at::TensorOptions().dtype(at::kByte));
   release.pin = nullptr;  // the storage's deleter frees it now
   return storage;
 }
@@ -116,7 +140,9 @@ at::Tensor BoardState::pin_newest(const std::shared_ptr<BoardState>& self) {
 
 uint64_t Board::publish(const TensorDict& td) {
   BoardState& s = *state_;
+  s.check_process("publish");
   s.check_tree(td, "publish");
+  const std::lock_guard one_at_a_time(s.writing);
   const uint32_t chosen = s.free_buffer("publish");
   for (const detail::Leaf& l : s.leaves) s.copy_leaf(chosen, l, td.get(l.key), /*to_tree=*/false);
   return s.publish_buffer(chosen);
@@ -124,6 +150,8 @@ uint64_t Board::publish(const TensorDict& td) {
 
 TensorDict Board::begin() {
   BoardState& s = *state_;
+  s.check_process("begin");
+  const std::lock_guard one_at_a_time(s.writing);
   const uint32_t chosen = s.free_buffer("begin");
   s.open_buffer = static_cast<int64_t>(chosen);
   auto keep = state_;  // the mapping lives as long as the tree
@@ -135,6 +163,8 @@ TensorDict Board::begin() {
 
 uint64_t Board::commit() {
   BoardState& s = *state_;
+  s.check_process("commit");
+  const std::lock_guard one_at_a_time(s.writing);
   if (s.open_buffer < 0) throw Error("tdshm::Board::commit: no begin() is open");
   const auto chosen = static_cast<uint32_t>(s.open_buffer);
   s.open_buffer = -1;
@@ -145,6 +175,7 @@ uint64_t Board::version() const { return state_->header->latest.load(std::memory
 
 uint64_t Board::read(TensorDict& td) {
   BoardState& s = *state_;
+  s.check_process("read");
   s.check_tree(td, "read");
   if (std::atomic<uint32_t>* pin = s.free_pin()) {
     const detail::PinRelease release{pin};
@@ -171,10 +202,12 @@ uint64_t Board::read(TensorDict& td) {
 // (The schema was validated against tree_bytes, the pinned storage's size, when the board was
 // made or opened.)
 TensorDict Board::view() {
+  state_->check_process("view");
   return detail::from_checked_consolidated(state_->pin_newest(state_), state_->schema, state_->fingerprint);
 }
 
 std::vector<std::pair<Key, at::Tensor>> Board::view_leaves() {
+  state_->check_process("view");
   const at::Tensor storage = state_->pin_newest(state_);
   std::vector<std::pair<Key, at::Tensor>> out;
   out.reserve(state_->leaves.size());
@@ -186,10 +219,13 @@ std::vector<std::pair<Key, at::Tensor>> Board::view_leaves() {
 
 uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) {
   BoardState& s = *state_;
-  const auto start = std::chrono::steady_clock::now();
-  const auto until = start + timeout;
+  s.check_process("wait_newer");
+  const auto until = detail::deadline_after(timeout);
   // A version due soon is seen at once; one that is not costs spin of a CPU, then nothing.
-  const auto spin_until = start + std::min<std::chrono::steady_clock::duration>(s.spin, timeout);
+  const auto spin_until =
+      std::chrono::steady_clock::now() +
+      std::max<std::chrono::steady_clock::duration>(std::min<std::chrono::steady_clock::duration>(s.spin, timeout),
+                                                    std::chrono::steady_clock::duration::zero());
   for (uint32_t i = 0;; ++i) {
     if (const uint64_t v = this->version(); v > version) return v;
     detail::cpu_relax();
@@ -201,11 +237,7 @@ uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) 
   for (;;) {
     const uint64_t now_version = this->version();
     if (now_version > version) return now_version;
-    const auto left = until - std::chrono::steady_clock::now();
-    if (left <= std::chrono::steady_clock::duration::zero()) {
-      throw TimeoutError("tdshm::Board::wait_newer: no version newer than " + std::to_string(version) + " within " +
-                         std::to_string(timeout.count()) + " ms");
-    }
+    // Closed or dead before timed out: a reader that polls (timeout 0) is told there is no writer.
     if (!s.writer && s.header->closed.load(std::memory_order_seq_cst) != 0) {
       throw PeerLostError("tdshm::Board::wait_newer: the writer of board '" + s.name + "' closed it at version " +
                           std::to_string(now_version) + ": no newer version will come; Board::open the name again " +
@@ -216,6 +248,11 @@ uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) 
       throw PeerLostError("tdshm::Board::wait_newer: the writer of board '" + s.name + "' (pid " +
                           std::to_string(s.header->writer_pid) + ") died at version " + std::to_string(now_version) +
                           ": no newer version will come; Board::open the name again for its next writer's");
+    }
+    const auto left = until - std::chrono::steady_clock::now();
+    if (left <= std::chrono::steady_clock::duration::zero()) {
+      throw TimeoutError("tdshm::Board::wait_newer: no version newer than " + std::to_string(version) + " within " +
+                         std::to_string(timeout.count()) + " ms");
     }
     s.header->sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t word = s.header->wake.load(std::memory_order_seq_cst);

@@ -59,6 +59,36 @@ std::vector<Leaf> board_leaves(const SchemaNode& root) {
   return out;
 }
 
+namespace {
+
+// Copies `node` with its leaves placed from `cursor` on, in insertion order (the schema's rule),
+// each at a multiple of kLeafAlign; `cursor` ends past the last one's 8-byte padding.
+std::shared_ptr<SchemaNode> align_node(const SchemaNode& node, uint64_t& cursor) {
+  auto out = std::make_shared<SchemaNode>(node);  // children replaced below: never the caller's
+  for (SchemaEntry& e : out->entries) {
+    if (auto* t = std::get_if<SchemaTensor>(&e.value)) {
+      const uint64_t nbytes = t->stop - t->start;
+      t->start = round_up(cursor, kLeafAlign);
+      t->stop = t->start + nbytes;
+      t->pad = static_cast<uint32_t>(round_up(t->stop, 8) - t->stop);
+      cursor = t->stop + t->pad;
+    } else if (auto* child = std::get_if<std::shared_ptr<SchemaNode>>(&e.value); child && *child) {
+      *child = align_node(**child, cursor);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Schema aligned_leaves(const Schema& schema) {
+  uint64_t cursor = 0;
+  Schema out;
+  out.root = *align_node(schema.root, cursor);
+  out.total_bytes = round_up(cursor, 8);
+  return out;
+}
+
 std::shared_ptr<BoardState> map_board(const std::string& name, int fd, uint64_t bytes, bool writer) {
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) throw SegmentError("tdshm::Board '" + name + "': mmap failed: " + std::strerror(errno));
@@ -152,7 +182,7 @@ Board Board::create(const std::string& name, const TensorDict& like, BoardOption
     throw SegmentError("tdshm::Board::create: readers must be 1 to 64, got " + std::to_string(options.readers));
   }
   const TensorDict c = like.consolidate();
-  Schema schema = c.schema();
+  Schema schema = detail::aligned_leaves(c.schema());
   std::vector<detail::Leaf> leaves = detail::board_leaves(schema.root);
   const std::vector<uint8_t> encoded = encode_schema(schema);
   const uint32_t buffers = options.readers * kPinsPerReader + 2;
@@ -213,7 +243,7 @@ Board Board::create(const std::string& name, const TensorDict& like, BoardOption
 Board Board::open(const std::string& name, BoardOptions options) {
   detail::check_name(name);
   const std::string path = detail::board_path(name);
-  const auto until = std::chrono::steady_clock::now() + options.timeout;
+  const auto until = detail::deadline_after(options.timeout);
   for (;;) {
     const int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0 && errno != ENOENT) throw shm::open_error(path, "board", errno);

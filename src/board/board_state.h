@@ -19,8 +19,10 @@
 #include <sys/mman.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -108,6 +110,18 @@ struct Leaf {
 // Python's views and like() return). TypeError for a tree a board cannot hold.
 std::vector<Leaf> board_leaves(const SchemaNode& root);
 
+// `schema` with each leaf moved to a multiple of kLeafAlign in the buffer (consolidate packs them
+// to 8 bytes: a complex128 view at 8 mod 16 crashed torch's kernels, as torch's own would).
+constexpr uint64_t kLeafAlign = 64;  // what torch's CPU allocator gives every tensor
+Schema aligned_leaves(const Schema& schema);
+
+// How many times this process forked into a child so far in the child's view: a state made in a
+// parent is inherited by the child when the numbers differ (see BoardState::inherited).
+uint32_t fork_generation() noexcept;
+
+// now + timeout, or the far future when that does not fit the clock (timedelta.max as "forever").
+std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout);
+
 /// The mapping of the board file, unmapped when the last Board or view of it is gone.
 struct Mapping {
   uint8_t* base = nullptr;
@@ -138,8 +152,21 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   int64_t open_buffer = -1;           // the writer's buffer between begin() and commit()
   dev_t dev = 0;
   ino_t ino = 0;
+  uint32_t fork_gen = fork_generation();
+  std::mutex writing;  // publish, begin and commit of one writer's threads, one at a time
+
+  // This process is a child forked from the one that made or opened the board: its copy must
+  // not act for the parent (free its reader slot or pins, close or remove the parent's board).
+  bool inherited() const noexcept { return fork_gen != fork_generation(); }
+  void check_process(const char* what) const {
+    if (inherited()) {
+      throw Error(std::string("tdshm::Board::") + what + ": board '" + name +
+                  "' was made or opened by the process this one was forked from; Board::open it here");
+    }
+  }
 
   ~BoardState() {
+    if (inherited()) return;  // the parent's board: its slot, pins and name stay the parent's
     if (mine != nullptr) mine->state.store(kSlotFree, std::memory_order_release);  // views are gone too
     if (writer) {
       // Removes the name while it still refers to this board (readers' mappings stay valid).
@@ -153,6 +180,7 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
 
   // The writer's Board is gone: readers' waits end (the wake word changes, sleepers are woken).
   void close_writer() noexcept {
+    if (inherited()) return;
     header->closed.store(1, std::memory_order_seq_cst);
     header->wake.fetch_add(1, std::memory_order_seq_cst);
     shm::futex_wake_all(header->wake);
@@ -199,6 +227,12 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
         throw SchemaError(std::string("tdshm::Board::") + what + ": the tree has no tensor leaf " + l.key.str() +
                           ", which the board's has");
       }
+      if (t.device().type() != c10::DeviceType::CPU || t.layout() != c10::kStrided) {
+        throw TypeError(std::string("tdshm::Board::") + what + ": leaf " + l.key.str() + " is " +
+                        (t.layout() != c10::kStrided ? "a " + c10::str(t.layout()) + " tensor"
+                                                     : "a tensor on " + c10::str(t.device())) +
+                        "; a board holds dense CPU tensors (.cpu() or .to_dense() it first)");
+      }
       if (t.scalar_type() != l.tensor.dtype || t.sizes().vec() != l.tensor.shape) {
         throw SchemaError(std::string("tdshm::Board::") + what + ": leaf " + l.key.str() + " is " +
                           c10::toString(t.scalar_type()) + " " + c10::str(t.sizes()) + ", the board's is " +
@@ -223,11 +257,12 @@ class BoardState : public std::enable_shared_from_this<BoardState> {
   }
 
   // Copies a leaf between a tree and buffer b (check_tree made their dtypes and shapes equal): a
-  // memcpy when the tree's tensor is contiguous (4 MiB in 69 us here against ATen's copy kernel's
-  // 73), else copy_.
+  // memcpy when the tree's tensor is contiguous and its bytes are its values (4 MiB in 69 us here
+  // against ATen's copy kernel's 73), else copy_ (strided, or a conjugate or negative view, whose
+  // values are not its bytes).
   void copy_leaf(uint32_t b, const Leaf& l, const at::Tensor& tree, bool to_tree) const {
     uint8_t* const board = bytes(b) + l.tensor.start;
-    if (tree.is_contiguous()) {
+    if (tree.is_contiguous() && !tree.is_conj() && !tree.is_neg()) {
       void* const t = tree.data_ptr();
       if (to_tree) {
         std::memcpy(t, board, tree.nbytes());
