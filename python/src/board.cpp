@@ -16,6 +16,8 @@
 #include <tdshm/errors.h>
 #include "typed_errors.h"
 
+#include <algorithm>
+#include <chrono>
 #include <optional>
 #include <string>
 
@@ -86,6 +88,46 @@ py::dict dict_of(const tdshm::TensorDict& td) {
   return out;
 }
 
+// A timedelta as milliseconds, clamped to what they hold (pybind11's own conversion of
+// timedelta.max, "forever" to a user, overflows to a negative count).
+std::chrono::milliseconds timeout_of(py::handle t, const char* what) {
+  static const py::object timedelta = py::module_::import("datetime").attr("timedelta");
+  if (!py::isinstance(t, timedelta)) {
+    throw py::type_error(std::string("tdshm.Board.") + what + ": timeout must be a datetime.timedelta");
+  }
+  const long double ms = static_cast<long double>(t.attr("days").cast<int64_t>()) * 86'400'000.0L +
+                         static_cast<long double>(t.attr("seconds").cast<int64_t>()) * 1'000.0L +
+                         static_cast<long double>(t.attr("microseconds").cast<int64_t>()) / 1'000.0L;
+  using Ms = std::chrono::milliseconds;
+  if (ms >= static_cast<long double>(Ms::max().count())) return Ms::max();
+  if (ms <= 0) return Ms(0);
+  return Ms(static_cast<Ms::rep>(ms));
+}
+
+// wait(slice) with the GIL released, in slices of at most 100 ms, until it returns or `timeout`
+// has passed; between slices Python's signal handlers run (Ctrl-C raises KeyboardInterrupt within
+// a slice, not at the timeout). wait throws TimeoutError for a slice that ran out; the last one is
+// rethrown as timed_out() says.
+template <class Wait, class TimedOut>
+auto in_slices(std::chrono::milliseconds timeout, Wait&& wait, TimedOut&& timed_out) {
+  using Clock = std::chrono::steady_clock;
+  const auto check = tdshm_python::python_check();
+  // Past a century (timedelta.max as "forever") the sum overflows the clock: forever.
+  const Clock::time_point until =
+      timeout > std::chrono::hours(24 * 365 * 100) ? Clock::time_point::max() : Clock::now() + timeout;
+  return released([&] {
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+      try {
+        return wait(std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
+      } catch (const tdshm::TimeoutError&) {
+        if (Clock::now() >= until) throw tdshm::TimeoutError(timed_out());
+      }
+      check();
+    }
+  });
+}
+
 }  // namespace
 
 void bind_board(py::module_& m) {
@@ -102,13 +144,23 @@ void bind_board(py::module_& m) {
           "The writer: a board for trees with `like`'s keys, dtypes and shapes.")
       .def_static(
           "open",
-          [](const std::string& name, std::chrono::milliseconds timeout, std::chrono::microseconds spin) {
-            return released([&] { return tdshm::Board::open(name, {.timeout = timeout, .spin = spin}); });
+          [](const std::string& name, py::handle timeout_arg, std::chrono::microseconds spin) {
+            const std::chrono::milliseconds timeout =
+                timeout_arg.is_none() ? std::chrono::milliseconds(30000) : timeout_of(timeout_arg, "open");
+            return in_slices(
+                timeout,
+                [&](std::chrono::milliseconds slice) {
+                  return tdshm::Board::open(name, {.timeout = slice, .spin = spin});
+                },
+                [&] {
+                  return "tdshm::Board::open: no board '" + name + "' within " + std::to_string(timeout.count()) +
+                         " ms";
+                });
           },
-          py::arg("name"), py::arg("timeout") = std::chrono::milliseconds(30000),
-          py::arg("spin") = std::chrono::microseconds(250),
-          "A reader: waits up to `timeout` (a timedelta) for the board and takes a reader slot. `spin` (a "
-          "timedelta): how long wait_newer checks before it sleeps on a futex (a wake-up costs tens of us).")
+          py::arg("name"), py::arg("timeout") = py::none(), py::arg("spin") = std::chrono::microseconds(250),
+          "A reader: waits up to `timeout` (a timedelta; None: 30 s) for the board and takes a reader slot. "
+          "`spin` (a timedelta): how long wait_newer checks before it sleeps on a futex (a wake-up costs tens "
+          "of us).")
       .def(
           "publish",
           [](tdshm::Board& b, py::handle tree) {
@@ -128,8 +180,14 @@ void bind_board(py::module_& m) {
           "The newest version as a dict of views of the board, held until they are dropped.")
       .def(
           "wait_newer",
-          [](tdshm::Board& b, uint64_t version, std::chrono::milliseconds timeout) {
-            return released([&] { return b.wait_newer(version, timeout); });
+          [](tdshm::Board& b, uint64_t version, py::handle timeout_arg) {
+            const std::chrono::milliseconds timeout = timeout_of(timeout_arg, "wait_newer");
+            return in_slices(
+                timeout, [&](std::chrono::milliseconds slice) { return b.wait_newer(version, slice); },
+                [&] {
+                  return "tdshm::Board::wait_newer: no version newer than " + std::to_string(version) + " within " +
+                         std::to_string(timeout.count()) + " ms";
+                });
           },
           py::arg("version"), py::arg("timeout"),
           "Sleeps until a version newer than `version` is published and returns it (TimeoutError after "

@@ -242,6 +242,41 @@ class BoardTest(unittest.TestCase):
             reader_board.wait_newer(1, timedelta(seconds=30))
         del reader_board
 
+    def test_long_waits_answer_ctrl_c_and_forever_is_forever(self):
+        # A signal handler's exception (Ctrl-C's KeyboardInterrupt) ends a long wait_newer or open
+        # at once, not at its timeout; timedelta.max waits instead of timing out at once.
+        import signal
+
+        class Interrupted(Exception):
+            pass
+
+        def interrupt(signum, frame):
+            raise Interrupted()
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            board = tdshm.Board.create(self.name, {"w": torch.zeros(4)}, readers=1)
+            reader_board = tdshm.Board.open(self.name, timeout=timedelta.max)
+            for wait in (lambda: reader_board.wait_newer(0, timedelta(seconds=20)),
+                         lambda: tdshm.Board.open(self.name + "-none", timeout=timedelta(seconds=20)),
+                         lambda: reader_board.wait_newer(0, timedelta.max)):
+                signal.setitimer(signal.ITIMER_REAL, 0.3)
+                start = time.monotonic()
+                with self.assertRaises(Interrupted):
+                    wait()
+                self.assertLess(time.monotonic() - start, 3.0, "the wait ran on past the signal")
+            threading.Timer(0.1, lambda: board.publish({"w": torch.ones(4)})).start()
+            self.assertEqual(reader_board.wait_newer(0, timedelta.max), 1)
+            with self.assertRaisesRegex(TimeoutError, "within 30 ms"):
+                reader_board.wait_newer(1, timedelta(milliseconds=30))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        del board
+        with self.assertRaisesRegex(RuntimeError, "closed it at version 1"):
+            reader_board.wait_newer(1, timedelta(0))  # a poller is told, not timed out
+        del reader_board
+
     def test_a_dead_writers_reader_is_told_and_removes_its_file(self):
         # The writer is killed: wait_newer raises at once (RuntimeError naming it), not after its
         # timeout, the last version stays readable, and the reader's going removes the file.
