@@ -29,9 +29,10 @@ class BoardState;
 }
 
 struct BoardOptions {
-  /// Reader slots (each reader process takes one while its Board lives): at most 64.
+  /// Reader slots (a reader takes one while its Board or a view of it lives): at most 64.
   uint32_t readers = 8;
-  /// Board::open waits this long for the writer to create the board.
+  /// Board::open waits this long for the writer to create the board (a century or more: for
+  /// ever).
   std::chrono::milliseconds timeout{std::chrono::seconds(30)};
   /// wait_newer checks the version this long before it sleeps (a futex wake-up costs tens of
   /// microseconds on a VM); 0: sleep at once.
@@ -44,8 +45,11 @@ class Board {
   static constexpr uint32_t kPinsPerReader = 2;
 
   /// The writer: creates the board `name` for trees with `like`'s keys, dtypes and shapes (its
-  /// values are not published; plain nested TensorDicts of tensors). SegmentError when the name is
-  /// held by a live writer, or is not a valid name; a board left by a dead writer is replaced.
+  /// values are not published; plain nested TensorDicts of dense CPU tensors). SegmentError when
+  /// the name is held by a live writer, or is not a valid name; a board left by a dead writer is
+  /// replaced. Threads of the writer's process may share it (publish, begin and commit run one at
+  /// a time); a child forked from its process must not use it (Error), and dropping it there
+  /// leaves the parent's board as it is. The same holds for readers and their views.
   static Board create(const std::string& name, const TensorDict& like, BoardOptions options = {});
   /// A reader: opens the board `name`, waiting up to options.timeout for its writer (TimeoutError),
   /// and takes a reader slot (SegmentError when every slot is held by a live reader).
@@ -73,7 +77,8 @@ class Board {
   /// tree differs from the board's) and returns its version; 0 (td untouched) before the first.
   uint64_t read(TensorDict& td);
   /// Reader: the newest version as a locked tree of views of the board's bytes, held (the writer
-  /// writes elsewhere) until the last of its tensors is dropped. Error when this reader already
+  /// writes elsewhere) until the last of its tensors is dropped. Read-only by contract: writing
+  /// into a view changes what every reader of that version reads. Error when this reader already
   /// holds kPinsPerReader versions; TimeoutError-free: 0 versions published is an Error.
   TensorDict view();
   /// Reader: view()'s tensors without the tree, as (key, view) in key order (sorted at each
