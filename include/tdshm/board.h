@@ -96,9 +96,15 @@ class Board {
   TensorDict like() const;
   const std::string& name() const noexcept;
   bool is_writer() const noexcept;
+  /// Closes it now, as its destructor does (the writer's readers are told, a reader's slot is
+  /// freed once its views are gone too); every later call but name(), is_writer() and
+  /// is_closed() is an Error, as on a Board moved from.
+  void close() noexcept;
+  bool is_closed() const noexcept;
 
  private:
   explicit Board(std::shared_ptr<detail::BoardState> state);
+  detail::BoardState& state(const char* what) const;
   std::shared_ptr<detail::BoardState> state_;
 };
 

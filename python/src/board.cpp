@@ -203,7 +203,14 @@ void bind_board(py::module_& m) {
       .def(
           "like", [](const tdshm::Board& b) { return dict_of(b.like()); },
           "A dict of zeros shaped like the board's tree.")
-      .def_property_readonly("name", &tdshm::Board::name);
+      .def_property_readonly("name", &tdshm::Board::name)
+      .def("close", &tdshm::Board::close,
+           "Closes it now rather than when it is collected: a writer's readers are told at once, a reader's "
+           "slot is freed once its views are dropped too. Later calls raise RuntimeError.")
+      .def_property_readonly("closed", &tdshm::Board::is_closed)
+      .def("__enter__", [](py::object self) { return self; })
+      .def(
+          "__exit__", [](tdshm::Board& b, py::args) { b.close(); }, "Closes the board (close()).");
 
   py::class_<tdshm::BoardRelay>(m, "BoardRelay",
                                 "A board across hosts: the writer's host sends each newest version to one receiver "

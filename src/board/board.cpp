@@ -139,7 +139,7 @@ at::Tensor BoardState::pin_newest(const std::shared_ptr<BoardState>& self) {
 }  // namespace detail
 
 uint64_t Board::publish(const TensorDict& td) {
-  BoardState& s = *state_;
+  BoardState& s = state("publish");
   s.check_process("publish");
   s.check_tree(td, "publish");
   const std::lock_guard one_at_a_time(s.writing);
@@ -149,7 +149,7 @@ uint64_t Board::publish(const TensorDict& td) {
 }
 
 TensorDict Board::begin() {
-  BoardState& s = *state_;
+  BoardState& s = state("begin");
   s.check_process("begin");
   const std::lock_guard one_at_a_time(s.writing);
   const uint32_t chosen = s.free_buffer("begin");
@@ -162,7 +162,7 @@ TensorDict Board::begin() {
 }
 
 uint64_t Board::commit() {
-  BoardState& s = *state_;
+  BoardState& s = state("commit");
   s.check_process("commit");
   const std::lock_guard one_at_a_time(s.writing);
   if (s.open_buffer < 0) throw Error("tdshm::Board::commit: no begin() is open");
@@ -171,10 +171,10 @@ uint64_t Board::commit() {
   return s.publish_buffer(chosen);
 }
 
-uint64_t Board::version() const { return state_->header->latest.load(std::memory_order_acquire) >> 8; }
+uint64_t Board::version() const { return state("version").header->latest.load(std::memory_order_acquire) >> 8; }
 
 uint64_t Board::read(TensorDict& td) {
-  BoardState& s = *state_;
+  BoardState& s = state("read");
   s.check_process("read");
   s.check_tree(td, "read");
   if (std::atomic<uint32_t>* pin = s.free_pin()) {
@@ -202,12 +202,12 @@ uint64_t Board::read(TensorDict& td) {
 // (The schema was validated against tree_bytes, the pinned storage's size, when the board was
 // made or opened.)
 TensorDict Board::view() {
-  state_->check_process("view");
+  state("view").check_process("view");
   return detail::from_checked_consolidated(state_->pin_newest(state_), state_->schema, state_->fingerprint);
 }
 
 std::vector<std::pair<Key, at::Tensor>> Board::view_leaves() {
-  state_->check_process("view");
+  state("view").check_process("view");
   const at::Tensor storage = state_->pin_newest(state_);
   std::vector<std::pair<Key, at::Tensor>> out;
   out.reserve(state_->leaves.size());
@@ -218,7 +218,7 @@ std::vector<std::pair<Key, at::Tensor>> Board::view_leaves() {
 }
 
 uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) {
-  BoardState& s = *state_;
+  BoardState& s = state("wait_newer");
   s.check_process("wait_newer");
   const auto until = detail::deadline_after(timeout);
   // A version due soon is seen at once; one that is not costs spin of a CPU, then nothing.
@@ -264,7 +264,7 @@ uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) 
 }
 
 TensorDict Board::like() const {
-  const BoardState& s = *state_;
+  const BoardState& s = state("like");
   TensorDict zeros =
       TensorDict::from_consolidated(at::zeros({static_cast<int64_t>(s.header->tree_bytes)}, at::kByte), s.schema)
           .clone();
@@ -272,7 +272,18 @@ TensorDict Board::like() const {
   return zeros;
 }
 
-const std::string& Board::name() const noexcept { return state_->name; }
-bool Board::is_writer() const noexcept { return state_->writer; }
+const std::string& Board::name() const noexcept {
+  static const std::string none;
+  return state_ ? state_->name : none;
+}
+bool Board::is_writer() const noexcept { return state_ && state_->writer; }
+bool Board::is_closed() const noexcept { return !state_; }
+
+BoardState& Board::state(const char* what) const {
+  if (!state_) throw Error(std::string("tdshm::Board::") + what + ": the board was closed (or moved from)");
+  return *state_;
+}
+
+void Board::close() noexcept { Board gone(std::move(*this)); }
 
 }  // namespace tdshm

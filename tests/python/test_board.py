@@ -277,6 +277,26 @@ class BoardTest(unittest.TestCase):
             reader_board.wait_newer(1, timedelta(0))  # a poller is told, not timed out
         del reader_board
 
+    def test_close_and_with(self):
+        with tdshm.Board.create(self.name, {"w": torch.zeros(4)}, readers=1) as board:
+            with tdshm.Board.open(self.name) as reader_board:
+                self.assertEqual(board.publish({"w": torch.ones(4)}), 1)
+                self.assertFalse(board.closed)
+            self.assertTrue(reader_board.closed)
+            with self.assertRaisesRegex(RuntimeError, "closed"):
+                reader_board.read({"w": torch.zeros(4)})
+            again = tdshm.Board.open(self.name, timeout=timedelta(seconds=1))  # the slot came back
+        self.assertTrue(board.closed)
+        with self.assertRaisesRegex(RuntimeError, "the board was closed"):
+            board.publish({"w": torch.ones(4)})
+        with self.assertRaisesRegex(RuntimeError, "closed it at version 1"):
+            again.wait_newer(1, timedelta(seconds=10))
+        mine = {"w": torch.zeros(4)}
+        self.assertEqual(again.read(mine), 1)
+        self.assertTrue(torch.equal(mine["w"], torch.ones(4)))
+        board.close()  # twice is nothing
+        again.close()
+
     def test_a_dead_writers_reader_is_told_and_removes_its_file(self):
         # The writer is killed: wait_newer raises at once (RuntimeError naming it), not after its
         # timeout, the last version stays readable, and the reader's going removes the file.

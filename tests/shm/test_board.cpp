@@ -814,6 +814,28 @@ TEST_F(Board, EndlessTimeoutsWaitAndAPollerIsToldOfTheClose) {
   EXPECT_THROW((void)reader.wait_newer(1, 0ms), PeerLostError);
 }
 
+// close() is the destructor's work now: the writer's readers are told, and a closed Board (or one
+// moved from) is an Error to use, not a crash.
+TEST_F(Board, AClosedBoardIsAnErrorToUseAndItsReadersAreTold) {
+  set_deadline(60s);
+  const std::string name = board_name();
+  auto writer = tdshm::Board::create(name, weights(4, 0), {.readers = 1});
+  auto reader = tdshm::Board::open(name);
+  writer.publish(weights(4, 1));
+  writer.close();
+  EXPECT_TRUE(writer.is_closed());
+  EXPECT_FALSE(writer.is_writer());
+  EXPECT_THROW((void)writer.publish(weights(4, 2)), Error);
+  EXPECT_THROW((void)writer.version(), Error);
+  EXPECT_THROW((void)reader.wait_newer(1, 10s), PeerLostError);
+  tdshm::Board moved = std::move(reader);
+  EXPECT_THROW((void)reader.view(), Error);  // NOLINT(bugprone-use-after-move): what it guards
+  EXPECT_TRUE(holds(moved.view(), 1));
+  moved.close();
+  moved.close();
+  EXPECT_FALSE(std::filesystem::exists(path(name)));
+}
+
 // A writer killed while it made its board (sizing the file, before the header was ready) leaves a
 // file nobody opens: gc removes it once its lock is free and it has not changed for 5 s, and keeps
 // one whose lock is held or that changed just now.
