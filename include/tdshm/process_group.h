@@ -146,7 +146,8 @@ size_t shm_segment_bytes(int world_size, const ShmOptions& options = {});
 void validate_segment_name(const std::string& name);
 
 /// Removes the segment `name` if it exists and no live process is attached to it; returns true
-/// if something was removed. Throws SegmentError if live ranks still use it.
+/// if something was removed. Throws SegmentError if live ranks still use it, TimeoutError when
+/// another process holds its lock file for 5 s.
 bool remove_stale_segment(const std::string& name);
 
 class ProcessGroupShm : public c10d::ProcessGroup {

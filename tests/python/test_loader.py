@@ -703,6 +703,21 @@ class LoaderTest(unittest.TestCase):
         self.assertEqual(segments(), set())
         del it, loader
 
+    def test_batches_of_70_mib_arrive(self):
+        # A heap for 70 MiB batches (841 MiB) took the worker longer to size than the 200 ms
+        # rendezvous slice: main timed out on its lock ("exited unexpectedly"), and once that
+        # was retried the worker made the heap anew at every slice and the group never formed.
+        class Big(Dataset):
+            def __len__(self):
+                return 3
+
+            def __getitem__(self, i):
+                return torch.full((70 << 18,), float(i))
+
+        got = [float(b[0]) + float(b[-1]) for b in tdshm.DataLoader(Big(), batch_size=None, num_workers=1, timeout=60)]
+        self.assertEqual(got, [0.0, 2.0, 4.0])
+        self.assertEqual(glob.glob("/dev/shm/tdshm.dl-{}-*".format(os.getpid())), [])
+
     def test_eight_workers_fit_a_64_mib_dev_shm(self):
         # Docker's default /dev/shm: a private mount namespace with a 64 MiB tmpfs over /dev/shm
         # (root and unshare needed; skipped otherwise). 8 workers, batches of 1.31 MiB: every batch

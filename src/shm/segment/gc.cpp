@@ -153,7 +153,10 @@ std::vector<GcItem> collect_garbage(const GcOptions& options) {
       } catch (const SegmentError& e) {
         item.removable = false;
         item.reason = std::string("kept at removal: ") + e.what();
-        if (std::strstr(e.what(), "timed out") != nullptr) item.error = e.what();
+      } catch (const TimeoutError& e) {  // its lock held for 5 s
+        item.removable = false;
+        item.reason = std::string("kept at removal: ") + e.what();
+        item.error = e.what();
       } catch (const std::exception& e) {
         item.error = e.what();
       }

@@ -59,7 +59,9 @@ bool LockFile::lock_current_file(std::chrono::steady_clock::time_point deadline,
     if (std::chrono::steady_clock::now() > deadline) {
       if (joining) clear_join(*joining);
       ::close(fd_);
-      throw SegmentError("timed out waiting for the lock '" + path_ + "' held by another process");
+      // A timeout, as the group's own (a creator sizing a large segment holds the lock a while):
+      // a caller that waits in slices tries again.
+      throw TimeoutError("timed out waiting for the lock '" + path_ + "' held by another process");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
