@@ -18,6 +18,8 @@
 #include <tdshm/feed.h>
 #include <tdshm/process_group.h>
 
+#include "process_group/shm_group_seam.h"
+
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
@@ -116,7 +118,12 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
     // The group's timeout is the rendezvous slice: every later wait of the feed gives its own.
     so.timeout = slice;
     try {
-      return c10::make_intrusive<ProcessGroupShm>(name, rank, 2, so);
+      auto pg = c10::make_intrusive<ProcessGroupShm>(name, rank, 2, so);
+      // Both sides are in and nobody joins a feed's group again: its name goes now (both sides
+      // try; the first does it), so a loader killed whole (SIGTERM or SIGKILL to its process
+      // group, as `timeout` and schedulers stop a job) leaves nothing in /dev/shm.
+      detail::ShmGroupSeam::unlink_segment_name(*pg);
+      return pg;
     } catch (const TimeoutError&) {
       before_next_try();
     } catch (const RendezvousAbandonedError&) {

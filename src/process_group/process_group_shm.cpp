@@ -477,6 +477,10 @@ c10::intrusive_ptr<BatchWork> ShmGroupSeam::recv_views(ProcessGroupShm& pg, int 
   return work;
 }
 
+void ShmGroupSeam::unlink_segment_name(ProcessGroupShm& pg) noexcept {
+  if (pg.engine_) pg.engine_->unlink_segment_name();
+}
+
 void ShmGroupSeam::add_wait_hook(ProcessGroupShm& pg, std::shared_ptr<shm::WaitHook> hook) {
   pg.engine_->add_wait_hook(std::move(hook));
 }

@@ -44,6 +44,9 @@ struct ShmGroupSeam {
   /// Adds `hook` to what the group's waits run before they may block (shm/parts/wait_hook.h): a group
   /// built over `pg` (a world across hosts) hands its own collective queue to pg's waits so.
   static void add_wait_hook(ProcessGroupShm& pg, std::shared_ptr<shm::WaitHook> hook);
+  /// Removes the name of `pg`'s segment and its lock file once the group has formed (no process
+  /// joins it again): what its members leave in /dev/shm is then nothing, however they end.
+  static void unlink_segment_name(ProcessGroupShm& pg) noexcept;
 };
 
 }  // namespace tdshm::detail

@@ -703,6 +703,44 @@ class LoaderTest(unittest.TestCase):
         self.assertEqual(segments(), set())
         del it, loader
 
+    def test_a_loader_killed_whole_leaves_nothing(self):
+        # SIGTERM, SIGHUP or SIGKILL to the whole process group (`timeout`, a scheduler's stop, a
+        # closed terminal): main and workers end at once and none runs any clean-up. The feed's
+        # groups stayed in /dev/shm (two heaps) every time; their names now go once they formed.
+        script = textwrap.dedent("""
+            import sys, time, torch, tdshm
+            from torch.utils.data import Dataset
+            class D(Dataset):
+                def __len__(self): return 10 ** 6
+                def __getitem__(self, i):
+                    time.sleep(0.005)
+                    return torch.full((64 << 10,), float(i))
+            loader = tdshm.DataLoader(D(), batch_size=4, num_workers=2, persistent_workers=sys.argv[1] == "1")
+            for k, b in enumerate(loader):
+                if k == 5:
+                    print("ready", flush=True)
+        """)
+        for sig, persistent in ((signal.SIGTERM, "0"), (signal.SIGKILL, "1"), (signal.SIGHUP, "0")):
+            child = subprocess.Popen([sys.executable, "-c", script, persistent], stdout=subprocess.PIPE,
+                                     env=dict(os.environ), start_new_session=True)
+            try:
+                self.assertEqual(child.stdout.readline().strip(), b"ready")
+                os.killpg(child.pid, sig)
+                child.wait(30)
+                deadline = time.monotonic() + 5  # the workers die with main, a moment later
+                while time.monotonic() < deadline and subprocess.run(["pgrep", "-s", str(child.pid)],
+                                                                     capture_output=True).returncode == 0:
+                    time.sleep(0.05)
+                left = glob.glob("/dev/shm/tdshm.dl-{}-*".format(child.pid))
+                for entry in left:
+                    os.unlink(entry)  # not for the next tests to find
+                self.assertEqual(left, [], signal.Signals(sig).name)
+            finally:
+                if child.poll() is None:
+                    os.killpg(child.pid, signal.SIGKILL)
+                    child.wait()
+                child.stdout.close()
+
     def test_batches_of_70_mib_arrive(self):
         # A heap for 70 MiB batches (841 MiB) took the worker longer to size than the 200 ms
         # rendezvous slice: main timed out on its lock ("exited unexpectedly"), and once that

@@ -210,6 +210,10 @@ OpList ShmEngine::post_recvs(std::span<const at::Tensor> tensors, int src, std::
   return ops;
 }
 
+void ShmEngine::unlink_segment_name() noexcept {
+  if (segment_) segment_->unlink_name();
+}
+
 void ShmEngine::add_wait_hook(std::shared_ptr<shm::WaitHook> hook) {
   if (!hook) throw Error("ShmEngine::add_wait_hook: a null hook");
   std::lock_guard lk(mu_);  // adders take turns; waits read without it

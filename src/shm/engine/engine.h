@@ -112,6 +112,8 @@ class ShmEngine : public std::enable_shared_from_this<ShmEngine>, private shm::S
   /// engine holds it until it is destroyed. At most kMaxWaitHooks, added while the group is
   /// built (waits that run meanwhile may miss the new hook, never read a torn one).
   void add_wait_hook(std::shared_ptr<shm::WaitHook> hook);
+  /// Segment::unlink_name of this group's segment (once every rank has attached).
+  void unlink_segment_name() noexcept;
   static constexpr int kMaxWaitHooks = 2;  // the group's collectives, and a world across hosts'
 
   /// The collective steps (collective/steps.h; the protocol is in engine/collectives.h), over this

@@ -147,6 +147,22 @@ void Segment::leave(bool abandoned) noexcept {
   }
 }
 
+void Segment::unlink_name() noexcept {
+  if (base_ == nullptr) return;
+  try {
+    LockFile lock(params_.name, std::chrono::steady_clock::now() + std::chrono::seconds(2));
+    const std::string path = segment_path(params_.name);
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_) ::unlink(path.c_str());
+    if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) lock.remove_file();
+  } catch (const std::exception& e) {
+    try {
+      detail::log().debug("unlinking segment '{}': {}", params_.name, e.what());
+    } catch (...) {
+    }
+  }
+}
+
 bool Segment::rank_alive(uint32_t r) const {
   const SlotView v = read_slot(r);
   if (v.state != kRankLive) return false;

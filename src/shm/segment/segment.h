@@ -58,6 +58,10 @@ class Segment {
   /// Marks this rank as left (`abandoned`: before its rendezvous completed); the last live rank
   /// removes the segment, if the name still refers to this incarnation, and the lock file.
   void leave(bool abandoned = false) noexcept;
+  /// Removes the segment's name (if it still refers to this incarnation) and its lock file, for a
+  /// group whose ranks have all attached and that no process will join again: its members keep
+  /// their mappings, and nothing is left in /dev/shm however they end (SIGKILL to all of them).
+  void unlink_name() noexcept;
   /// Whether the mapping was lost because the file shrank under it (a fault caught by
   /// bus_guard.h, or check_file() found it shorter).
   bool poisoned() const noexcept {
