@@ -519,6 +519,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             self._worker_init_fn = functools.partial(_sharding_worker_init_fn, self._worker_init_fn,
                                                      self._world_size, self._rank)
         self._shutdown = False
+        self._ended = None  # why the iterator ended with tasks outstanding
         self._worker_pids_set = False
         stem = "dl-{}-{}".format(os.getpid(), uuid.uuid4().hex[:12])
         # Main's waits: `timeout` (torch: 0 = forever), Ctrl-C and torch's SIGCHLD handler answered
@@ -678,6 +679,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             raise
         w = self._workers[worker]
         w.join(0.1)
+        self._ended = "DataLoader worker (pid {}) was lost".format(w.pid)
         self._shutdown_workers()
         if not w.is_alive() and w.exitcode is not None and w.exitcode < 0:
             import signal
@@ -687,6 +689,10 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     def _receive(self, worker):
         """The next answer of `worker`: (kind, task index, batch / ExceptionWrapper / worker id)."""
+        if self._shutdown:
+            # Ended with tasks outstanding (a timeout, a worker lost): say so, not "exited".
+            raise RuntimeError("this DataLoader iterator has ended ({}); iter(loader) starts a new one".format(
+                self._ended or "its workers were shut down"))
         try:
             answer = self._feed.next_answer(worker, _unpickle)  # (kind, task index, body)
         except (TimeoutError, RuntimeError) as e:
@@ -700,9 +706,12 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
     def _receive_failed(self, worker, e):
         """Raises torch's error for a receive from `worker` that raised `e`."""
         if isinstance(e, TimeoutError):
-            # The receive was withdrawn: this worker's answers are out of step from here.
-            self._shutdown_workers()
-            raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout)) from None
+            # The receive was withdrawn: this worker's answers are out of step from here. Its worker
+            # is most likely stuck (that is why it timed out): not waited for, or the error came
+            # 5 s after the timeout.
+            self._ended = "DataLoader timed out after {} seconds".format(self._timeout)
+            self._shutdown_workers(patience=0.1)
+            raise RuntimeError(self._ended) from None
         if "DataLoader worker" in str(e):  # torch's SIGCHLD handler, run while main waited
             self._shutdown_workers()
             raise e
@@ -710,7 +719,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     # ---- shutting down ----
 
-    def _shutdown_workers(self):
+    def _shutdown_workers(self, patience=_utils.MP_STATUS_CHECK_INTERVAL):
+        """Ends the workers: each has `patience` seconds in all to leave, then is terminated."""
         if self._shutdown:
             return
         self._shutdown = True
@@ -727,7 +737,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 self._tell(worker, ("stop",))
             except RuntimeError:
                 pass  # its ring is full: it reads none of it, and is ended below
-        give_up = time.monotonic() + _utils.MP_STATUS_CHECK_INTERVAL
+        give_up = time.monotonic() + patience
         for w in self._workers:
             w.join(max(0.0, give_up - time.monotonic()))
             if w.is_alive():
@@ -761,3 +771,11 @@ class DataLoader(_data.DataLoader):
         if self.num_workers == 0:
             return super()._get_iterator()
         return _ShmLoaderIter(self)
+
+    def __iter__(self):
+        # Persistent workers ended by a timeout or a lost worker: the next epoch gets new ones
+        # (torch's would reset the ended iterator, whose every receive then fails).
+        ended = self.__dict__.get("_iterator")
+        if isinstance(ended, _ShmLoaderIter) and ended._shutdown:
+            self._iterator = None
+        return super().__iter__()

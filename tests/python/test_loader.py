@@ -18,6 +18,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import unittest
@@ -532,6 +533,38 @@ class LoaderTest(unittest.TestCase):
             list(loader)
         self.assertIn("DataLoader timed out after 1 seconds", str(caught.exception))
         del loader
+
+    def test_a_timeout_comes_on_time_and_ends_the_iterator_plainly(self):
+        # The error came 5 s late (the shutdown waited for the stuck worker); later next() calls
+        # said a worker "exited unexpectedly", and a persistent loader's next epoch was dead.
+        with tempfile.TemporaryDirectory() as tmp:
+            stuck = os.path.join(tmp, "stuck")
+            open(stuck, "w").close()
+
+            class Stuck(Dataset):
+                def __len__(self):
+                    return 6
+
+                def __getitem__(self, i):
+                    while i == 2 and os.path.exists(stuck):
+                        time.sleep(0.05)
+                    return torch.tensor([i])
+
+            for persistent in (False, True):
+                open(stuck, "w").close()
+                loader = tdshm.DataLoader(Stuck(), batch_size=1, num_workers=1, timeout=1,
+                                          persistent_workers=persistent)
+                it = iter(loader)
+                self.assertEqual([int(next(it)), int(next(it))], [0, 1])
+                start = time.monotonic()
+                with self.assertRaisesRegex(RuntimeError, "DataLoader timed out after 1 seconds"):
+                    next(it)
+                self.assertLess(time.monotonic() - start, 2.5, "the timeout came late")
+                with self.assertRaisesRegex(RuntimeError, r"iterator has ended \(DataLoader timed out"):
+                    next(it)
+                os.unlink(stuck)
+                self.assertEqual([int(b) for b in loader], list(range(6)), "a new epoch gets new workers")
+                del it, loader
 
     def test_main_killed_ends_its_workers(self):
         # Every start method: spawn and forkserver workers read their tasks from a pipe, which
