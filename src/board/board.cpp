@@ -18,6 +18,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -222,10 +223,12 @@ uint64_t Board::wait_newer(uint64_t version, std::chrono::milliseconds timeout) 
   s.check_process("wait_newer");
   const auto until = detail::deadline_after(timeout);
   // A version due soon is seen at once; one that is not costs spin of a CPU, then nothing.
-  const auto spin_until =
-      std::chrono::steady_clock::now() +
-      std::max<std::chrono::steady_clock::duration>(std::min<std::chrono::steady_clock::duration>(s.spin, timeout),
-                                                    std::chrono::steady_clock::duration::zero());
+  // (In microseconds: a timeout of milliseconds::max does not fit the clock's nanoseconds.)
+  const auto spin_for =
+      std::max(std::chrono::microseconds(0),
+               std::min(s.spin, std::chrono::duration_cast<std::chrono::microseconds>(
+                                    std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(1)))));
+  const auto spin_until = std::chrono::steady_clock::now() + spin_for;
   for (uint32_t i = 0;; ++i) {
     if (const uint64_t v = this->version(); v > version) return v;
     detail::cpu_relax();
