@@ -102,9 +102,9 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
     if (o.check) o.check();
   };
   // A slice covers the creator's sizing of the segment under its lock (posix_fallocate: 841 MiB in
-  // 0.22 s here); with 200 ms alone a heap for 70 MiB batches was made anew at every slice and the
-  // group never formed. 1 ms a MiB more is ~4x that speed.
-  const auto base_slice = std::chrono::milliseconds(200 + static_cast<int64_t>(heap_bytes >> 20));
+  // 0.22 s here, alone); with 200 ms alone a heap for 70 MiB batches was made anew at every slice
+  // and the group never formed. 2 ms a MiB more is ~8x that speed (a loaded machine's margin).
+  const auto base_slice = std::chrono::milliseconds(200 + 2 * static_cast<int64_t>(heap_bytes >> 20));
   while (true) {
     auto slice = base_slice;
     if (!forever) {

@@ -118,6 +118,11 @@ void ShmEngine::rendezvous(Clock::time_point deadline) {
       next_check = now + options_.peer_check_interval;
     }
     if (now > deadline) {
+      // Every rank may have come since the look above: then the group formed, whatever the clock.
+      if (!segment_->abandon_unless_all_arrived()) {
+        check_alive();
+        return;
+      }
       int live = 0;
       for (uint32_t r = 0; r < static_cast<uint32_t>(size_); ++r) live += segment_->rank_alive(r) ? 1 : 0;
       give_up(TimeoutError(where + "only " + std::to_string(live) + " of " + std::to_string(size_) +

@@ -119,13 +119,18 @@ Segment::~Segment() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-void Segment::leave(bool abandoned) noexcept {
-  if (left_ || base_ == nullptr) return;
-  left_ = true;
+void Segment::leave(bool abandoned) noexcept { (void)leave_unless(abandoned, /*all_arrived_first=*/false); }
+
+bool Segment::abandon_unless_all_arrived() noexcept { return leave_unless(true, /*all_arrived_first=*/true); }
+
+bool Segment::leave_unless(bool abandoned, bool all_arrived_first) noexcept {
+  if (left_ || base_ == nullptr) return true;
   check_file();
   const uint32_t state = abandoned ? kRankAbandoned : kRankLeft;
   try {
     LockFile lock(params_.name, std::chrono::steady_clock::now() + std::chrono::seconds(2));
+    if (all_arrived_first && all_arrived()) return false;
+    left_ = true;
     store_state(state);
     bool anyone = false;
     for (uint32_t r = 0; r < params_.world_size && !anyone; ++r) anyone = rank_alive(r);
@@ -139,12 +144,14 @@ void Segment::leave(bool abandoned) noexcept {
       detail::log().debug("last rank left segment '{}', incarnation {}", params_.name, hex_id(incarnation_));
     }
   } catch (const std::exception& e) {
+    left_ = true;
     store_state(state);
     try {
       detail::log().warn("leaving segment '{}': {}", params_.name, e.what());
     } catch (...) {
     }
   }
+  return true;
 }
 
 void Segment::unlink_name() noexcept {

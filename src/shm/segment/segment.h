@@ -58,6 +58,11 @@ class Segment {
   /// Marks this rank as left (`abandoned`: before its rendezvous completed); the last live rank
   /// removes the segment, if the name still refers to this incarnation, and the lock file.
   void leave(bool abandoned = false) noexcept;
+  /// For a rank whose rendezvous timed out: under the lock that ranks claim their slots under,
+  /// leaves as abandoned unless every rank has arrived by now (false: it stays, the group
+  /// formed). Without the lock a peer could claim its slot between this rank's last look and its
+  /// leaving, find every rank arrived and take the group for formed, alone.
+  bool abandon_unless_all_arrived() noexcept;
   /// Removes the segment's name (if it still refers to this incarnation) and its lock file, for a
   /// group whose ranks have all attached and that no process will join again: its members keep
   /// their mappings, and nothing is left in /dev/shm however they end (SIGKILL to all of them).
@@ -167,6 +172,7 @@ class Segment {
   ino_t ino_ = 0;  //   by the time this rank leaves
   uint64_t incarnation_ = 0;
   bool left_ = false;
+  bool leave_unless(bool abandoned, bool all_arrived_first) noexcept;  // leave's work; false: stayed
 };
 
 /// An incarnation id as 16 hex digits, for messages.
