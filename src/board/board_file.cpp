@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <ctime>
 #include <thread>
 
 namespace tdshm {
@@ -240,6 +241,18 @@ Board Board::create(const std::string& name, const TensorDict& like, BoardOption
   return Board(std::move(s));
 }
 
+// Why the file at `fd` (no whole board header: `whole`, `magic` as read) will never be a board,
+// or "" while a writer may still be making it: that writer holds the file's lock, and the file
+// changed in the last 5 s (see `tdshm gc`). Waiting out the timeout for such a file told nothing.
+static std::string no_board_coming(int fd, const struct stat& st, bool whole, uint64_t magic) {
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) return "";  // its writer is making it
+  (void)::flock(fd, LOCK_UN);
+  if (whole && magic != 0 && magic != detail::kBoardMagic) return "is not a board (another file under its name)";
+  if (::time(nullptr) - st.st_mtime < 5) return "";
+  return "holds no board: its writer died while making it, or it was cut short (`tdshm gc` removes it; "
+         "Board::create of the name replaces it)";
+}
+
 Board Board::open(const std::string& name, BoardOptions options) {
   detail::check_name(name);
   const std::string path = detail::board_path(name);
@@ -257,6 +270,13 @@ Board Board::open(const std::string& name, BoardOptions options) {
         if (whole && h.magic == detail::kBoardMagic && static_cast<uint64_t>(st.st_size) >= h.file_bytes &&
             h.file_bytes != 0) {
           s = detail::map_board(name, fd, h.file_bytes, /*writer=*/false);
+          if (s->header->ready.load(std::memory_order_acquire) != 1) {
+            if (const std::string why = no_board_coming(fd, st, whole, h.magic); !why.empty()) {
+              throw SegmentError("tdshm::Board::open: '" + path + "' " + why);
+            }
+          }
+        } else if (const std::string why = no_board_coming(fd, st, whole, h.magic); !why.empty()) {
+          throw SegmentError("tdshm::Board::open: '" + path + "' " + why);
         }
       } catch (...) {
         ::close(fd);

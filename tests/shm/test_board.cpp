@@ -814,6 +814,37 @@ TEST_F(Board, EndlessTimeoutsWaitAndAPollerIsToldOfTheClose) {
   EXPECT_THROW((void)reader.wait_newer(1, 0ms), PeerLostError);
 }
 
+// A file under a board's name that holds no board and that no writer is making (another file,
+// or one a writer killed while making it left) is a SegmentError at open, not a wait for the
+// whole timeout; one that changed in the last seconds is waited for, as a board being made.
+TEST_F(Board, OpenSaysAtOnceWhenNoBoardIsComing) {
+  set_deadline(60s);
+  const std::string other = board_name(), unfinished = board_name(), fresh = board_name();
+  for (const std::string* name : {&other, &unfinished, &fresh}) {
+    const int fd = ::open(path(*name).c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    ASSERT_GE(fd, 0);
+    const std::string text(4096, name == &other ? 'x' : '\0');
+    ASSERT_EQ(::write(fd, text.data(), text.size()), static_cast<ssize_t>(text.size()));
+    if (name == &unfinished) {
+      const timespec long_ago[2] = {{::time(nullptr) - 60, 0}, {::time(nullptr) - 60, 0}};
+      ASSERT_EQ(::futimens(fd, long_ago), 0);
+    }
+    ::close(fd);
+  }
+  for (const auto& [name, says] : {std::pair{other, "is not a board"}, std::pair{unfinished, "holds no board"}}) {
+    const auto start = Clock::now();
+    try {
+      (void)tdshm::Board::open(name, {.timeout = 20s});
+      ADD_FAILURE() << name << " opened";
+    } catch (const SegmentError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+    EXPECT_LT(Clock::now() - start, 5s);
+  }
+  EXPECT_THROW((void)tdshm::Board::open(fresh, {.timeout = 200ms}), TimeoutError);
+  for (const std::string& name : {other, unfinished, fresh}) std::filesystem::remove(path(name));
+}
+
 // close() is the destructor's work now: the writer's readers are told, and a closed Board (or one
 // moved from) is an Error to use, not a crash.
 TEST_F(Board, AClosedBoardIsAnErrorToUseAndItsReadersAreTold) {
