@@ -84,7 +84,7 @@ class ShmEngine;
 class RecvWorkPool;
 class CollectiveQueue;
 struct ShmGroupSeam;  // what tdshm's own layers ask of a group beyond this API (not public)
-}
+}  // namespace detail
 
 /// Options of a ProcessGroupShm. All ranks of a group must use the same slot_bytes,
 /// slots_per_rank, ring_entries and window_bytes (they fix the segment layout; a mismatch is a
@@ -242,19 +242,20 @@ class ProcessGroupShm : public c10d::ProcessGroup {
   /// Only the root's tensor changes.
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   /// Outputs on the root only (an empty list elsewhere).
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
   /// Inputs on the root only (an empty list elsewhere).
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
-                                                std::vector<std::vector<at::Tensor>>& inputs,
-                                                const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
   /// torch's reduce_scatter_tensor: the input holds world size blocks of output.numel()
   /// elements, block r is rank r's share.
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
