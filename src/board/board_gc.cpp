@@ -77,18 +77,18 @@ BoardGcItem decide(const std::string& name, bool dry_run) {
     return item;
   }
   struct stat st {};
+  bool unfinished = false;
   try {
     shm::check_owned(fd, path, "board", &st);  // this user's regular file, 0600
     item.reason = in_use(fd, st, /*locked=*/false);
+    unfinished = st.st_size < static_cast<off_t>(kHeaderBytes) || !ready(fd);
   } catch (const std::exception& e) {
     item.reason = e.what();
   }
   ::close(fd);
   if (!item.reason.empty()) return item;
   item.removable = true;
-  item.reason = st.st_size < static_cast<off_t>(kHeaderBytes) || !ready(fd)
-                    ? "its writer died while it made the board"
-                    : "its writer is gone and no reader has it open";
+  item.reason = unfinished ? "its writer died while it made the board" : "its writer is gone and no reader has it open";
   if (dry_run) return item;
   try {
     struct stat locked {};

@@ -647,6 +647,7 @@ TEST_F(Board, GcRemovesOnlyTheBoardsOfDeadWritersThatNoReaderHasOpen) {
   auto items = decided(/*dry_run=*/true);
   ASSERT_EQ(items.size(), names.size());
   EXPECT_TRUE(items[stale].removable) << items[stale].reason;
+  EXPECT_NE(items[stale].reason.find("no reader has it open"), std::string::npos) << items[stale].reason;
   EXPECT_FALSE(items[stale].removed);
   EXPECT_FALSE(items[read].removable);
   EXPECT_NE(items[read].reason.find("reader pid " + std::to_string(::getpid())), std::string::npos)
