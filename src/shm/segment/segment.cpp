@@ -135,12 +135,7 @@ bool Segment::leave_unless(bool abandoned, bool all_arrived_first) noexcept {
     bool anyone = false;
     for (uint32_t r = 0; r < params_.world_size && !anyone; ++r) anyone = rank_alive(r);
     if (!anyone) {
-      // Remove the name only while it still refers to this incarnation; then the lock file, when
-      // no segment is left under the name.
-      const std::string path = segment_path(params_.name);
-      struct stat st {};
-      if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_) ::unlink(path.c_str());
-      if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) lock.remove_file();
+      remove_name(lock);
       detail::log().debug("last rank left segment '{}', incarnation {}", params_.name, hex_id(incarnation_));
     }
   } catch (const std::exception& e) {
@@ -154,14 +149,20 @@ bool Segment::leave_unless(bool abandoned, bool all_arrived_first) noexcept {
   return true;
 }
 
+// Under `lock`: removes the name only while it still refers to this incarnation; then the lock
+// file, when no segment is left under the name.
+void Segment::remove_name(LockFile& lock) const noexcept {
+  const std::string path = segment_path(params_.name);
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_) ::unlink(path.c_str());
+  if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) lock.remove_file();
+}
+
 void Segment::unlink_name() noexcept {
   if (base_ == nullptr) return;
   try {
     LockFile lock(params_.name, std::chrono::steady_clock::now() + std::chrono::seconds(2));
-    const std::string path = segment_path(params_.name);
-    struct stat st {};
-    if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_) ::unlink(path.c_str());
-    if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) lock.remove_file();
+    remove_name(lock);
   } catch (const std::exception& e) {
     try {
       detail::log().debug("unlinking segment '{}': {}", params_.name, e.what());

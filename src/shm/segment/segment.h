@@ -18,6 +18,8 @@
 
 namespace tdshm::shm {
 
+class LockFile;
+
 /// Parameters every rank of a segment must agree on.
 struct SegmentParams {
   std::string name;  // validated: [A-Za-z0-9._-]{1,200}
@@ -173,6 +175,7 @@ class Segment {
   uint64_t incarnation_ = 0;
   bool left_ = false;
   bool leave_unless(bool abandoned, bool all_arrived_first) noexcept;  // leave's work; false: stayed
+  void remove_name(LockFile& lock) const noexcept;
 };
 
 /// An incarnation id as 16 hex digits, for messages.
