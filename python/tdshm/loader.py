@@ -729,14 +729,15 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if self._worker_pids_set:
             _utils.signal_handling._remove_worker_pids(id(self))
             self._worker_pids_set = False
-        # Leaving the feed first ends a worker's wait on main (a put main will never take); then
-        # the pipe tells it to stop (a worker waiting for main to join reads it in its check).
-        self._feed.shutdown()
+        # "stop" first, then leaving the feed: that ends a worker's wait on main (a put main will
+        # never take, or its first group, which main refuses), and the worker then reads the stop
+        # in its check.
         for worker in range(len(self._tasks)):
             try:
                 self._tell(worker, ("stop",))
             except RuntimeError:
                 pass  # its ring is full: it reads none of it, and is ended below
+        self._feed.shutdown()
         give_up = time.monotonic() + patience
         for w in self._workers:
             w.join(max(0.0, give_up - time.monotonic()))

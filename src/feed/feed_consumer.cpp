@@ -132,6 +132,12 @@ class FeedConsumerState {
     } catch (...) {
       return;  // no memory for the names: what is left is gc's
     }
+    // Once: a producer waiting to meet this consumer in its first group learns it will not.
+    if (!refused_) {
+      refused_ = true;
+      for (const std::string& n : unjoined)
+        feed::refuse_group(n, o_, feed::page_up(o_.first_heap_bytes), feed::kFirstTickets);
+    }
     feed::sweep(unjoined);
   }
 
@@ -252,6 +258,7 @@ class FeedConsumerState {
   std::vector<End> ends_;
   int cursor_ = 0;
   bool shut_ = false;
+  bool refused_ = false;             // the groups never joined were refused (shutdown)
   std::vector<std::string> joined_;  // every group this consumer joined or tried to (swept at the end)
 };
 

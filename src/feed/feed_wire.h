@@ -104,7 +104,14 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
   // A slice covers the creator's sizing of the segment under its lock (posix_fallocate: 841 MiB in
   // 0.22 s here, alone); with 200 ms alone a heap for 70 MiB batches was made anew at every slice
   // and the group never formed. 2 ms a MiB more is ~8x that speed (a loaded machine's margin).
-  const auto base_slice = std::chrono::milliseconds(200 + 2 * static_cast<int64_t>(heap_bytes >> 20));
+  // A producer's slices are short: its check is how it learns that the consumer stops (a loader's
+  // `break` waited for a worker's slice), and the consumer, whose slices are long, joins the
+  // incarnation it finds at once.
+  const auto base_slice =
+      std::chrono::milliseconds((rank == 0 ? 200 : 20) + 2 * static_cast<int64_t>(heap_bytes >> 20));
+  // And before the first: the other side may have said it stops while this side made its last
+  // item (a grow frame put into slots of a group the other side just left).
+  if (o.check) o.check();
   while (true) {
     auto slice = base_slice;
     if (!forever) {
@@ -131,6 +138,25 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
       // joins again (seen under load: a worker failed its first put). Any other loss is real.
       before_next_try();
     }
+  }
+}
+
+/// Ends the wait of a producer that made producer group `name` (heap_bytes, tickets: its first
+/// generation's) and waits there for a consumer that is shutting down instead: one short try to
+/// join as the consumer, left at once. Formed, the producer's first put finds the consumer gone;
+/// not formed, the producer finds the rendezvous abandoned. Either way it looks at its
+/// FeedOptions::check at once, not after its slice (200 ms: what a `break` out of a loader's
+/// first batches cost). A producer that comes later waits out one slice, as before.
+inline void refuse_group(const std::string& name, const FeedOptions& o, uint64_t heap_bytes,
+                         uint32_t tickets) noexcept {
+  ShmOptions so = group_options(o, heap_bytes, tickets);
+  so.timeout = std::chrono::milliseconds(1);
+  try {
+    auto pg = c10::make_intrusive<ProcessGroupShm>(name, 0, 2, so);
+    detail::ShmGroupSeam::unlink_segment_name(*pg);
+    pg->shutdown();
+  } catch (...) {
+    // Timed out alone, abandoned, or no resources: the producer's slice ends its wait.
   }
 }
 
