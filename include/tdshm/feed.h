@@ -64,7 +64,8 @@ struct FeedOptions {
   /// at every loan it gave back (the bench's feed, 4 producers: 46-53k items/s with 20 us, 57-58k
   /// with 250 us, the hand-written loans loop's rate).
   std::chrono::microseconds spin{250};
-  /// Called every 100 ms or so while a side waits (for an item, a join, room); what it throws
+  /// Called every 100 ms or so while a side waits (for an item, room), every 20 ms (+2 ms a MiB
+  /// of heap) while a producer waits for the consumer to join, and before it joins; what it throws
   /// ends the wait (for Python: KeyboardInterrupt on Ctrl-C); a receive it ends is withdrawn,
   /// and that producer counts as closed (its items would be out of step).
   std::function<void()> check{};
@@ -174,8 +175,10 @@ class FeedConsumer {
   /// Whether producer `k` closed.
   bool closed(int k) const;
   /// Leaves every group now (the destructor's work), and removes those whose producer died
-  /// without leaving; later calls fail. Call it again once the producers' processes ended to
-  /// remove what the last of them left.
+  /// without leaving; later calls fail. A producer waiting for this consumer in a group it never
+  /// joined is refused (its wait ends at once: its put fails, or it tries again after its
+  /// FeedOptions::check). Call it again once the producers' processes ended to remove what the
+  /// last of them left.
   void shutdown() noexcept;
   int producers() const noexcept;
 

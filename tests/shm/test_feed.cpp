@@ -510,6 +510,35 @@ TEST_F(Feed, ACheckOrAWatchedProducerEndsTheConsumersWait) {
   }
 }
 
+// A consumer that shuts down without asking for a producer's items (a loader's `break` after
+// its first batch) refuses the group that producer made and waits in: the producer's wait ends
+// at once with the consumer gone, not at its timeout (30 s here; 200 ms slices with a loader's
+// check), though the consumer's process runs on.
+TEST_F(Feed, AConsumerThatShutsDownRefusesTheProducerWaitingToMeetIt) {
+  set_deadline(60s);
+  const std::string name = unique_name();
+  FeedConsumer c(name, 1, {.timeout = 30s});
+  Child producer([&] {
+    FeedProducer p(name, 0, {.timeout = 30s, .watch_pid = getppid()});
+    const auto start = Clock::now();
+    SHM_CHECK_THROWS(
+        PeerLostError,
+        [&] {
+          for (int64_t s = 0; s < 1000; ++s) p.put(item(1 << 12, 0, s));
+        },
+        "left the group");
+    SHM_CHECK(Clock::now() - start < 10s, "the producer's wait ended late");
+  });
+  ASSERT_TRUE(wait_segment_ready(feed::group_name(name, 0, 0), {1}, 20s)) << "the producer never made its group";
+  const auto start = Clock::now();
+  c.shutdown();
+  ASSERT_TRUE(producer.wait(20s));
+  EXPECT_TRUE(producer.ok()) << producer.describe();
+  EXPECT_LT(Clock::now() - start, 5s);
+  c.shutdown();  // again, once the producer has ended: nothing of it is left
+  EXPECT_TRUE(shm_entries_of(name).empty());
+}
+
 // Bad arguments, and frames a hostile producer writes: each a typed error naming the producer.
 TEST_F(Feed, BadArgumentsAndHostileFramesAreTypedErrors) {
   set_deadline(60s);
