@@ -584,8 +584,10 @@ TEST_F(ShmTools, PlantedFilesAreReportedAndKept) {
 // segment by the listing.
 TEST_F(ShmTools, StaleLocalityProbesAreCollected) {
   Plants plants;
-  const std::string stale = std::string("tdshm-probe.") + std::to_string(dead_pid()) + ".0123456789abcdef0123456789abcdef";
-  const std::string live = std::string("tdshm-probe.") + std::to_string(::getpid()) + ".fedcba9876543210fedcba9876543210";
+  const std::string stale =
+      std::string("tdshm-probe.") + std::to_string(dead_pid()) + ".0123456789abcdef0123456789abcdef";
+  const std::string live =
+      std::string("tdshm-probe.") + std::to_string(::getpid()) + ".fedcba9876543210fedcba9876543210";
   for (const std::string& n : {stale, live}) {
     plants.add("/dev/shm/" + n);
     write_file("/dev/shm/" + n, {});
@@ -818,18 +820,18 @@ constexpr uint64_t kV5Rings = 640, kV5RingBytes = 896, kV5Arena = 8704, kV5Regio
 std::vector<uint8_t> v5_segment(uint32_t dead) {
   std::vector<uint8_t> b = prefix(5, 256, kV5Bytes, 3);
   b.resize(kV5Bytes);
-  put<uint32_t>(b, 28, 4);          // ring_entries
-  put<uint64_t>(b, 32, 100);        // slot_bytes
-  put<uint64_t>(b, 40, 256);        // rank_table_offset
-  put<uint64_t>(b, 48, kV5Rings);   // rings_offset
+  put<uint32_t>(b, 28, 4);             // ring_entries
+  put<uint64_t>(b, 32, 100);           // slot_bytes
+  put<uint64_t>(b, 40, 256);           // rank_table_offset
+  put<uint64_t>(b, 48, kV5Rings);      // rings_offset
   put<uint64_t>(b, 56, kV5RingBytes);  // ring_bytes
-  put<uint64_t>(b, 64, 192);        // entry_bytes
-  put<uint32_t>(b, 72, dead);       // creator_pid
-  put<uint64_t>(b, 88, 0x5eed);     // incarnation
-  put<uint64_t>(b, 96, kV5Arena);   // arena_offset
-  put<uint64_t>(b, 104, kV5Region);  // region_bytes
-  put<uint32_t>(b, 112, 3);         // slots_per_rank
-  put<uint32_t>(b, 256 + 0, 1);     // rank 0: Live, pid dead
+  put<uint64_t>(b, 64, 192);           // entry_bytes
+  put<uint32_t>(b, 72, dead);          // creator_pid
+  put<uint64_t>(b, 88, 0x5eed);        // incarnation
+  put<uint64_t>(b, 96, kV5Arena);      // arena_offset
+  put<uint64_t>(b, 104, kV5Region);    // region_bytes
+  put<uint32_t>(b, 112, 3);            // slots_per_rank
+  put<uint32_t>(b, 256 + 0, 1);        // rank 0: Live, pid dead
   put<uint32_t>(b, 256 + 4, dead);
   put<uint64_t>(b, 256 + 8, 12345);
   put<uint32_t>(b, 256 + 64, 5);  // wake_seq
@@ -890,7 +892,8 @@ TEST_F(ShmTools, ReceivingPassTakesEveryPostedMessageAndLeavesTheRest) {
     const auto deadline = Clock::now() + 40s;
     if (r == 1) {
       for (int tag = 1; tag <= 3; ++tag) {
-        SHM_CHECK(post_send(pg, pattern(at::kFloat, kFloats, static_cast<uint64_t>(tag)), 0, tag)->wait(), "send " << tag);
+        SHM_CHECK(post_send(pg, pattern(at::kFloat, kFloats, static_cast<uint64_t>(tag)), 0, tag)->wait(),
+                  "send " << tag);
       }
       state->sent.store(true);
       while (!state->done.load() && Clock::now() < deadline) std::this_thread::sleep_for(2ms);
@@ -913,7 +916,8 @@ TEST_F(ShmTools, ReceivingPassTakesEveryPostedMessageAndLeavesTheRest) {
     SHM_CHECK(batch->wait(), "batch");
     const at::Tensor third = at::zeros({kFloats});
     SHM_CHECK(post_recv(pg, third, 1, 3)->wait(), "recv 3");
-    SHM_CHECK(same_bytes(got[0], pattern(at::kFloat, kFloats, 1)) && same_bytes(got[1], pattern(at::kFloat, kFloats, 2)) &&
+    SHM_CHECK(same_bytes(got[0], pattern(at::kFloat, kFloats, 1)) &&
+                  same_bytes(got[1], pattern(at::kFloat, kFloats, 2)) &&
                   same_bytes(third, pattern(at::kFloat, kFloats, 3)),
               "wrong bytes");
     state->done.store(true);
@@ -946,7 +950,8 @@ TEST_F(ShmTools, AWaiterLeavesOtherSourcesInTheRingWhileTheRankItWaitsForRuns) {
     };
     if (r == 1) {
       for (int tag = 1; tag <= 3; ++tag) {
-        SHM_CHECK(post_send(pg, pattern(at::kFloat, kFloats, static_cast<uint64_t>(tag)), 0, tag)->wait(), "send " << tag);
+        SHM_CHECK(post_send(pg, pattern(at::kFloat, kFloats, static_cast<uint64_t>(tag)), 0, tag)->wait(),
+                  "send " << tag);
       }
       state->sent.store(true);
       wait_for(state->done, "rank 0 never finished");
@@ -1108,8 +1113,11 @@ TEST_F(ShmTools, LayoutVersion5DetailsOfASyntheticSegment) {
   EXPECT_FALSE(few.arenas[1].read);
   EXPECT_NE(few.note.find("regions partly read"), std::string::npos) << few.note;
   // Geometry that disagrees with its parameters is not used.
-  for (const auto& [at, value] : {std::pair<size_t, uint64_t>{104, kV5Region + 64}, {96, kV5Arena - 64}, {16, kV5Bytes + 1},
-                                  {48, kV5Rings + 64}, {64, 128}}) {
+  for (const auto& [at, value] : {std::pair<size_t, uint64_t>{104, kV5Region + 64},
+                                  {96, kV5Arena - 64},
+                                  {16, kV5Bytes + 1},
+                                  {48, kV5Rings + 64},
+                                  {64, 128}}) {
     std::array<uint8_t, 256> bad = header;
     std::memcpy(bad.data() + at, &value, sizeof value);
     const shm::LayoutDetails wrong = shm::read_layout_details(fd, kV5Bytes, bad.data(), bad.size(), 5, 3, {});
@@ -1153,15 +1161,15 @@ TEST_F(ShmTools, LayoutVersion5DetailsOfASyntheticSegment) {
 std::vector<uint8_t> v4_segment(uint32_t dead) {
   std::vector<uint8_t> b = prefix(4, 256, 4096, 2);
   b.resize(4096);
-  put<uint32_t>(b, 28, 4);       // ring_entries
-  put<uint64_t>(b, 32, 64);      // slot_bytes
-  put<uint64_t>(b, 40, 256);     // rank_table_offset
-  put<uint64_t>(b, 48, 512);     // rings_offset
-  put<uint64_t>(b, 56, 896);     // ring_bytes
-  put<uint64_t>(b, 64, 192);     // entry_bytes
-  put<uint32_t>(b, 72, dead);    // creator_pid
+  put<uint32_t>(b, 28, 4);         // ring_entries
+  put<uint64_t>(b, 32, 64);        // slot_bytes
+  put<uint64_t>(b, 40, 256);       // rank_table_offset
+  put<uint64_t>(b, 48, 512);       // rings_offset
+  put<uint64_t>(b, 56, 896);       // ring_bytes
+  put<uint64_t>(b, 64, 192);       // entry_bytes
+  put<uint32_t>(b, 72, dead);      // creator_pid
   put<uint64_t>(b, 88, 0xabcdef);  // incarnation
-  put<uint32_t>(b, 256 + 0, 1);  // rank 0: Live, pid dead
+  put<uint32_t>(b, 256 + 0, 1);    // rank 0: Live, pid dead
   put<uint32_t>(b, 256 + 4, dead);
   put<uint64_t>(b, 256 + 8, 12345);
   put<uint32_t>(b, 256 + 64, 17);  // wake_seq
@@ -1177,7 +1185,7 @@ std::vector<uint8_t> v4_segment(uint32_t dead) {
   put<uint64_t>(b, r01 + 128 + 1 * 192 + 0, 6);
   put<uint32_t>(b, r01 + 128 + 1 * 192 + 32, 10);
   put<uint32_t>(b, r01 + 128 + 1 * 192 + 36, 1);
-  put<uint64_t>(b, r10 + 0, 3);   // head < tail: inconsistent
+  put<uint64_t>(b, r10 + 0, 3);  // head < tail: inconsistent
   put<uint64_t>(b, r10 + 64, 9);
   return b;
 }
@@ -1336,7 +1344,8 @@ bool has(const std::string& s, const std::string& needle) { return s.find(needle
 std::string line_of(const std::string& out, const std::string& name) {
   std::istringstream in(out);
   for (std::string line; std::getline(in, line);) {
-    if (line.compare(0, name.size() + 1, name + " ") == 0 || has(line, " " + name + " ") || has(line, " " + name + ":")) {
+    if (line.compare(0, name.size() + 1, name + " ") == 0 || has(line, " " + name + " ") ||
+        has(line, " " + name + ":")) {
       return line;
     }
   }
@@ -1381,7 +1390,8 @@ TEST_F(ShmCli, LsInspectGcOnLiveThenKilledGroup) {
 
   ToolRun js = run_tool({"ls", "--json"});
   EXPECT_EQ(js.rc, 0) << js.describe("ls --json");
-  EXPECT_TRUE(has(js.out, "\"name\": \"" + name + "\"") && has(js.out, "\"alive_ranks\": 2")) << js.describe("ls --json");
+  EXPECT_TRUE(has(js.out, "\"name\": \"" + name + "\"") && has(js.out, "\"alive_ranks\": 2"))
+      << js.describe("ls --json");
   EXPECT_EQ(js.out.front(), '{') << js.describe("ls --json");
 
   ToolRun in = run_tool({"inspect", name});
@@ -1404,8 +1414,9 @@ TEST_F(ShmCli, LsInspectGcOnLiveThenKilledGroup) {
                                "arena of rank 1: 0 of 64 slots in use"}) {
       EXPECT_TRUE(has(in.out, needle)) << "no '" << needle << "' in\n" << in.describe("inspect " + name);
     }
-    EXPECT_TRUE(has(inj.out, "\"src\": 1, \"dst\": 0, \"head\": 1, \"tail\": 0, \"depth\": 1, \"messages\": 1, "
-                             "\"bytes_in_flight\": 64") &&
+    EXPECT_TRUE(has(inj.out,
+                    "\"src\": 1, \"dst\": 0, \"head\": 1, \"tail\": 0, \"depth\": 1, \"messages\": 1, "
+                    "\"bytes_in_flight\": 64") &&
                 has(inj.out, "\"arenas\": [{\"owner\": 0, \"slots\": 64, \"slots_taken\": 0"))
         << inj.describe("inspect --json");
   }
