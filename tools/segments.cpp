@@ -16,11 +16,14 @@
 #include "shm/reader/inspect.h"
 #include "shm/segment/gc.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -98,7 +101,9 @@ std::string printable(const std::string& s) {
 /// reader's status with its reason.
 std::string status_text(const SegmentInfo& info) {
   if (info.ranks_read && (info.status == SegmentStatus::kValid || info.status == SegmentStatus::kTruncated)) {
-    std::string s = info.alive_ranks() > 0 ? "in use" : "stale";
+    const bool here =
+        std::any_of(info.ranks.begin(), info.ranks.end(), [](const shm::RankInfo& r) { return r.alive && !r.foreign; });
+    std::string s = here ? "in use" : info.alive_ranks() > 0 ? "kept: a rank of another PID namespace" : "stale";
     if (info.status == SegmentStatus::kTruncated) s += ", truncated: " + info.problem;
     return s;
   }
@@ -113,8 +118,8 @@ std::string status_text(const SegmentInfo& info) {
 // ---------------------------------------------------------------------------------------------
 // JSON (hand-written: a few flat objects)
 
-// Names need not be UTF-8: bytes from 0x7f up are escaped too.
-std::string json_str(const std::string& s) { return detail::json_quote(s, /*ascii_only=*/true); }
+// Names need not be UTF-8: what is not is escaped as Python's surrogateescape reads it.
+std::string json_str(const std::string& s) { return detail::json_quote(s, /*bytes=*/true); }
 
 /// Builds one JSON object: add() in order, then str().
 class JsonObject {
@@ -439,6 +444,44 @@ void print_inspect(const SegmentInfo& info) {
   if (!d.note.empty()) std::printf("  note: %s\n", d.note.c_str());
 }
 
+// A board (/dev/shm/tdshm-board.*) as `tdshm ls` shows it: its file, and what gc would do.
+struct BoardRow {
+  detail::BoardGcItem gc;  // decided as a dry run
+  std::string path;
+  uint64_t bytes = 0;
+  double age_seconds = 0;
+};
+
+std::vector<BoardRow> list_boards() {
+  std::vector<BoardRow> rows;
+  for (detail::BoardGcItem& item : detail::collect_stale_boards(/*dry_run=*/true)) {
+    BoardRow row;
+    row.path = std::string(shm::kSegmentDir) + "/tdshm-board." + item.name;
+    struct stat st {};
+    if (::lstat(row.path.c_str(), &st) == 0) {
+      row.bytes = static_cast<uint64_t>(st.st_size);
+      row.age_seconds = std::max(0.0, static_cast<double>(std::time(nullptr) - st.st_mtime));
+    }
+    row.gc = std::move(item);
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
+void print_boards(const std::vector<BoardRow>& boards) {
+  if (boards.empty()) return;
+  size_t width = 5;
+  for (const BoardRow& b : boards) width = std::max(width, printable(b.gc.name).size());
+  const int w = static_cast<int>(std::min<size_t>(width, 60));
+  std::printf("%-*s  %10s  %7s  %s\n", w, "BOARD", "SIZE", "AGE", "STATUS (what tdshm gc would do)");
+  for (const BoardRow& b : boards) {
+    std::printf("%-*s  %10s  %7s  %s: %s\n", w, printable(b.gc.name).c_str(), human_bytes(b.bytes).c_str(),
+                human_age(b.age_seconds).c_str(), b.gc.removable ? "stale, removes it" : "keeps it",
+                b.gc.reason.c_str());
+  }
+  std::printf("(%zu board%s: /dev/shm/tdshm-board.NAME)\n\n", boards.size(), boards.size() == 1 ? "" : "s");
+}
+
 }  // namespace
 
 void print_segments_usage(FILE* out) {
@@ -446,7 +489,8 @@ void print_segments_usage(FILE* out) {
                "usage: tdshm ls [--json]\n"
                "       tdshm inspect NAME [--json]\n"
                "       tdshm gc [--dry-run] [--json] [NAME...]\n"
-               "  ls       every /dev/shm/tdshm.* segment: size, world, attached/alive ranks, age, status\n"
+               "  ls       every /dev/shm/tdshm.* segment: size, world, attached/alive ranks, age, status;\n"
+               "           and every board (/dev/shm/tdshm-board.*): size, age, whether gc would remove it\n"
                "  inspect  one segment: header, ranks, lock file, what gc would do, and per ordered pair\n"
                "           the ring depth with messages and bytes in flight, per rank the arena slots in use\n"
                "           (exit 0: a valid segment; 3: the name exists but is not one; 1: no such name)\n"
@@ -468,12 +512,29 @@ int run_ls(int argc, char** argv) {
     return 0;
   }
   const std::vector<SegmentInfo> infos = shm::list_segments();
+  const std::vector<BoardRow> boards = list_boards();
   if (args.json) {
-    std::vector<std::string> items;
+    std::vector<std::string> items, board_items;
     for (const SegmentInfo& info : infos) items.push_back(json_segment(info));
-    std::printf("%s\n", JsonObject().str("dir", shm::kSegmentDir).add("segments", json_array(items)).done().c_str());
+    for (const BoardRow& b : boards) {
+      board_items.push_back(JsonObject()
+                                .str("name", b.gc.name)
+                                .str("path", b.path)
+                                .num("file_bytes", b.bytes)
+                                .real("age_seconds", b.age_seconds)
+                                .boolean("stale", b.gc.removable)
+                                .str("reason", b.gc.reason)
+                                .done());
+    }
+    std::printf("%s\n", JsonObject()
+                            .str("dir", shm::kSegmentDir)
+                            .add("segments", json_array(items))
+                            .add("boards", json_array(board_items))
+                            .done()
+                            .c_str());
     return 0;
   }
+  print_boards(boards);
   if (infos.empty()) {
     std::printf("no tdshm segments in %s\n", shm::kSegmentDir);
     return 0;
@@ -513,8 +574,12 @@ int run_inspect(int argc, char** argv) {
   if (args.json) {
     std::printf("%s\n", json_segment(info).c_str());
   } else if (info.status == SegmentStatus::kMissing) {
-    std::fprintf(stderr, "tdshm inspect: no segment '%s' (%s does not exist)\n", printable(info.name).c_str(),
-                 printable(info.path).c_str());
+    struct stat board {};
+    const bool is_board =
+        ::lstat((std::string(shm::kSegmentDir) + "/tdshm-board." + args.names[0]).c_str(), &board) == 0;
+    std::fprintf(stderr, "tdshm inspect: no segment '%s' (%s does not exist)%s\n", printable(info.name).c_str(),
+                 printable(info.path).c_str(),
+                 is_board ? "; a board of that name exists (boards show in tdshm ls)" : "");
   } else {
     print_inspect(info);
   }
@@ -539,7 +604,7 @@ int run_gc(int argc, char** argv) {
   // Boards (/dev/shm/tdshm-board.*) are looked at when gc is given no names: segment names only.
   std::vector<detail::BoardGcItem> boards;
   if (args.names.empty()) boards = detail::collect_stale_boards(args.dry_run);
-  size_t removed = 0, kept = 0, errors = 0;
+  size_t removed = 0, kept = 0, errors = 0, vanished = 0;
   std::vector<std::string> json_items;
   for (const shm::GcItem& item : items) {
     const bool gone = item.removed_segment || item.removed_lock;
@@ -550,6 +615,9 @@ int run_gc(int argc, char** argv) {
     } else if (item.removable && args.dry_run) {
       action = "would-remove";
       ++removed;
+    } else if (item.removable && !gone) {
+      action = "gone";  // another process removed it between the listing and the removal
+      ++vanished;
     } else if (item.removable) {
       action = "removed";
       ++removed;
@@ -574,12 +642,13 @@ int run_gc(int argc, char** argv) {
       std::printf("error        %s: %s\n", name.c_str(), item.error.c_str());
     } else if (item.removable && args.dry_run) {
       std::printf("would remove %s: %s\n", name.c_str(), item.reason.c_str());
+    } else if (item.removable && !gone) {
+      std::printf("gone         %s: another process removed it meanwhile\n", name.c_str());
     } else if (item.removable) {
       std::string what;
       if (item.removed_segment) what = "/dev/shm/tdshm." + name;
       if (item.removed_lock) what += std::string(what.empty() ? "" : " and ") + "/dev/shm/tdshm." + name + ".lock";
-      std::printf("removed      %s (%s): %s\n", name.c_str(), gone ? what.c_str() : "already gone",
-                  item.reason.c_str());
+      std::printf("removed      %s (%s): %s\n", name.c_str(), what.c_str(), item.reason.c_str());
     } else {
       std::printf("%-12s %s: %s\n", args.dry_run ? "would keep" : "kept", name.c_str(), item.reason.c_str());
     }
@@ -615,12 +684,14 @@ int run_gc(int argc, char** argv) {
                             .boolean("dry_run", args.dry_run)
                             .num(args.dry_run ? "would_remove" : "removed", removed)
                             .num("kept", kept)
+                            .num("gone", vanished)
                             .num("errors", errors)
                             .add("items", json_array(json_items))
                             .done()
                             .c_str());
   } else {
-    std::printf("%zu %s, %zu kept%s\n", removed, args.dry_run ? "would be removed (dry run)" : "removed", kept,
+    std::printf("%zu %s, %zu kept%s%s\n", removed, args.dry_run ? "would be removed (dry run)" : "removed", kept,
+                vanished ? (", " + std::to_string(vanished) + " gone meanwhile").c_str() : "",
                 errors ? (", " + std::to_string(errors) + " errors").c_str() : "");
   }
   return errors == 0 ? 0 : 1;

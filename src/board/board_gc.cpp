@@ -71,13 +71,26 @@ BoardGcItem decide(const std::string& name, bool dry_run) {
   BoardGcItem item;
   item.name = name;
   const std::string path = std::string(shm::kSegmentDir) + "/" + kBoardPrefix + name;
+  // Another user's board is that user's to remove, in use or not (its file may not even open).
+  const auto another_users = [&](const struct stat& owned) {
+    if (!S_ISREG(owned.st_mode) || owned.st_uid == ::geteuid()) return false;
+    item.reason = "another user's board (uid " + std::to_string(owned.st_uid) + "): only its owner's gc removes it";
+    return true;
+  };
   const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
-    item.reason = errno == ENOENT ? "gone meanwhile" : std::string("cannot open it: ") + std::strerror(errno);
+    const int err = errno;
+    struct stat owned {};
+    if (err != ENOENT && ::lstat(path.c_str(), &owned) == 0 && another_users(owned)) return item;
+    item.reason = err == ENOENT ? "gone meanwhile" : std::string("cannot open it: ") + std::strerror(err);
     return item;
   }
   struct stat st {};
   bool unfinished = false;
+  if (::fstat(fd, &st) == 0 && another_users(st)) {
+    ::close(fd);
+    return item;
+  }
   try {
     shm::check_owned(fd, path, "board", &st);  // this user's regular file, 0600
     item.reason = in_use(fd, st, /*locked=*/false);

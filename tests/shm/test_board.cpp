@@ -901,5 +901,22 @@ TEST_F(Board, GcRemovesTheFileOfAWriterKilledWhileItMadeTheBoard) {
   std::filesystem::remove(path(locked));
 }
 
+// Another user's board is kept whatever its state, and gc says whose it is (it used to repeat
+// Board::open's advice to remove the file). Root makes a file another uid owns; others skip.
+TEST_F(Board, GcKeepsAnotherUsersBoardAndSaysWhose) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to make a file another uid owns";
+  const std::string name = board_name();
+  const int fd = ::open(path(name).c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::fchown(fd, 65534, 65534), 0);
+  ::close(fd);
+  const std::vector<detail::BoardGcItem> items = detail::collect_stale_boards(false, {name});
+  ASSERT_EQ(items.size(), 1u);
+  EXPECT_FALSE(items[0].removable);
+  EXPECT_NE(items[0].reason.find("another user's board (uid 65534)"), std::string::npos) << items[0].reason;
+  EXPECT_TRUE(std::filesystem::exists(path(name)));
+  std::filesystem::remove(path(name));
+}
+
 }  // namespace
 }  // namespace tdshm::test

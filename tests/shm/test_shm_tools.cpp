@@ -28,6 +28,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <tdshm/board.h>
 #include <tdshm/errors.h>
 #include <tdshm/process_group.h>
 
@@ -1464,6 +1465,58 @@ TEST_F(ShmCli, LsInspectGcOnLiveThenKilledGroup) {
   EXPECT_EQ(run_tool({"inspect"}).rc, 2);
   EXPECT_EQ(run_tool({"gc", "--bogus"}).rc, 2);
   EXPECT_EQ(run_tool({"ls", "extra"}).rc, 2);
+}
+
+// Boards show in `tdshm ls` (text and JSON) with what gc would do; inspect of a board's name says
+// that it is one; a file name that is not UTF-8 comes out of --json as Python's surrogateescape
+// reads it (valid UTF-8 as it is), so that the name can be found again.
+TEST_F(ShmCli, LsShowsBoardsAndJsonNamesFindTheirFiles) {
+  if (kTool[0] == '\0' || ::access(kTool, X_OK) != 0) GTEST_SKIP() << "the tdshm tool is not built";
+  const std::string board_name = "b" + unique_name();
+  {
+    Board board = Board::create(board_name, TensorDict({{"w", at::zeros({16})}}, {}));
+    const ToolRun ls = run_tool({"ls"});
+    EXPECT_EQ(ls.rc, 0) << ls.err;
+    const std::string row = line_of(ls.out, board_name);
+    EXPECT_TRUE(has(row, "keeps it: its writer (pid " + std::to_string(::getpid()) + ") runs")) << ls.out;
+    const ToolRun js = run_tool({"ls", "--json"});
+    EXPECT_TRUE(has(js.out, "\"boards\": [")) << js.out;
+    EXPECT_TRUE(has(js.out, "\"name\": \"" + board_name + "\"")) << js.out;
+    EXPECT_TRUE(has(js.out, "\"stale\": false")) << js.out;
+    const ToolRun in = run_tool({"inspect", board_name});
+    EXPECT_EQ(in.rc, 1);
+    EXPECT_TRUE(has(in.err, "a board of that name exists")) << in.err;
+  }
+  const std::string base = unique_name();
+  const std::string odd = base + "-caf\xc3\xa9-\xff";
+  const std::string path = segment_path(odd);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0) << path;
+  ::close(fd);
+  const ToolRun js = run_tool({"ls", "--json"});
+  ::unlink(path.c_str());
+  EXPECT_TRUE(has(js.out, "\"name\": \"" + base + "-caf\xc3\xa9-\\udcff\"")) << js.out;
+}
+
+// A live rank of another PID namespace: its pid means another process here, or none, so gc keeps
+// the segment and says why, never that the rank "is alive".
+TEST(ShmGcDecision, ARankOfAnotherPidNamespaceIsKeptAndSaidSo) {
+  shm::SegmentInfo info;
+  info.name_valid = true;
+  info.status = shm::SegmentStatus::kValid;
+  info.ranks_read = true;
+  shm::RankInfo rank;
+  rank.rank = 1;
+  rank.pid = 399;
+  rank.state = shm::kRankLive;
+  rank.alive = true;
+  rank.foreign = true;
+  info.ranks.push_back(rank);
+  const auto [removable, why] = shm::gc_decision(info);
+  EXPECT_FALSE(removable);
+  EXPECT_TRUE(has(why, "rank 1 (pid 399 there) runs in another PID namespace")) << why;
+  info.ranks[0].foreign = false;
+  EXPECT_TRUE(has(shm::gc_decision(info).second, "in use: rank 1 (pid 399) is alive"));
 }
 
 TEST_F(ShmCli, InspectShowsMessagesAndArenaSlotsInFlight) {

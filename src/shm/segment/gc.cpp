@@ -39,8 +39,15 @@ std::pair<bool, std::string> gc_decision(const SegmentInfo& info) {
       if (!info.ranks_read)
         return keep("its rank table cannot be read (" + info.problem + "): cannot tell whether it is in use");
       for (const RankInfo& r : info.ranks) {
-        if (r.alive)
+        if (r.alive && !r.foreign)
           return keep("in use: rank " + std::to_string(r.rank) + " (pid " + std::to_string(r.pid) + ") is alive");
+      }
+      for (const RankInfo& r : info.ranks) {
+        // Its pid means another process here (or none): whether it runs cannot be told.
+        if (r.alive) {
+          return keep("rank " + std::to_string(r.rank) + " (pid " + std::to_string(r.pid) +
+                      " there) runs in another PID namespace: whether it is alive cannot be told from here");
+        }
       }
       std::string states;
       for (const RankInfo& r : info.ranks) {
