@@ -70,6 +70,18 @@ void wait_in_slices(const c10::intrusive_ptr<c10d::Work>& work, const FeedOption
   }
 }
 
+// For its scope, this thread's allocations go to torch's allocator, not to a feed's heap.
+class OwnAllocations {
+ public:
+  OwnAllocations() : previous_(feed::set_thread_heap_source(nullptr)) {}
+  ~OwnAllocations() { feed::set_thread_heap_source(previous_); }
+  OwnAllocations(const OwnAllocations&) = delete;
+  OwnAllocations& operator=(const OwnAllocations&) = delete;
+
+ private:
+  const feed::HeapSource* previous_;
+};
+
 namespace detail_producer {
 
 constexpr uint64_t kLeafSlack = 256;  // heap bytes per tensor beyond its own (the allocator's alignment)
@@ -172,6 +184,11 @@ class FeedProducerState {
   }
 
   void put(std::span<const uint8_t> header, const std::vector<at::Tensor>& tensors) {
+    // The put's own tensors (the frame, a clone) travel by value: made in the heap by an open
+    // HeapAllocations scope they were loans, sent by reference, and the put waited for the
+    // consumer to drop them, forever when it kept the item (a frame of 64-128 KiB of small
+    // tensors, list(loader)).
+    const feed::OwnAllocations own;
     using feed::detail_producer::kLeafSlack;
     using feed::detail_producer::small;
     using feed::detail_producer::tensor_bytes;

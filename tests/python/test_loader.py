@@ -112,6 +112,19 @@ class Images(Dataset):
         return {"image": torch.full((3, 64, 64), i % 256, dtype=torch.uint8), "label": i}
 
 
+class SmallLeaves(Dataset):
+    """Samples of `leaves` float32 tensors of 256 values (1 KiB each) in a dict."""
+
+    def __init__(self, leaves):
+        self.leaves = leaves
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return {"f{}".format(j): torch.full((256,), float(i * 100 + j)) for j in range(self.leaves)}
+
+
 class Big(Dataset):
     """Items of 256 KiB made in the worker (they lie in its heap and go by reference); every
     fourth comes from a cache the worker keeps and returns again each epoch."""
@@ -434,6 +447,14 @@ class LoaderTest(unittest.TestCase):
             if i == 3:
                 break
         del loader, held, kept
+
+    def test_kept_batches_of_many_small_tensors(self):
+        # A batch of 20 small tensors (64-128 KiB in all) travels inside its frame, which the
+        # worker made in its heap: sent by reference, the put waited for main to drop it, and
+        # list(loader) hung forever. Batches of 12 to 64 such tensors, kept and dropped.
+        for leaves in (12, 16, 20, 31, 64):
+            self.check_same(SmallLeaves(leaves), batch_size=4, num_workers=2)
+            self.check_same(SmallLeaves(leaves), batch_size=None, num_workers=1)
 
     def test_a_consumer_slower_than_a_rendezvous(self):
         # Worker 1's first answer waits for main to attach to its group, in slices of 2 s: a user

@@ -510,6 +510,45 @@ TEST_F(Feed, ACheckOrAWatchedProducerEndsTheConsumersWait) {
   }
 }
 
+// Items of many small tensors (a frame of 64-128 KiB) put inside a HeapAllocations scope, as the
+// Python loader's workers put every batch, while the consumer keeps every item (list(loader)):
+// the frame was made in the heap, went by reference, and the put waited for the consumer to drop
+// it: both sides waited forever.
+TEST_F(Feed, AFrameOfSmallTensorsIsNeverALoanTheConsumerMustDrop) {
+  set_deadline(60s);
+  const std::string name = unique_name();
+  constexpr int kItems = 12;
+  // 20 tensors of 1024 floats (4 KiB each): all inside the frame, with the header.
+  auto many = [](int64_t seq) {
+    std::vector<at::Tensor> t;
+    for (int j = 0; j < 20; ++j) t.push_back(at::full({1024}, static_cast<float>(seq * 100 + j)));
+    return t;
+  };
+  Child producer([&] {
+    FeedProducer p(name, 0, {.timeout = 20s, .watch_pid = getppid()});
+    p.put(std::vector<uint8_t>{0}, many(0));  // the heap
+    FeedProducer::HeapAllocations scope(p, 16 << 10);
+    SHM_CHECK(scope.active(), "torch kept another CPU allocator");
+    for (int64_t s = 1; s < kItems; ++s) p.put(std::vector<uint8_t>{static_cast<uint8_t>(s)}, many(s));
+    p.close();
+  });
+  FeedConsumer c(name, 1, {.timeout = 20s});
+  std::vector<FeedItem> kept;
+  while (std::optional<FeedItem> item = c.next_from(0)) kept.push_back(std::move(*item));
+  ASSERT_EQ(kept.size(), static_cast<size_t>(kItems));
+  for (int64_t s = 0; s < kItems; ++s) {
+    const FeedItem& item = kept[static_cast<size_t>(s)];
+    ASSERT_EQ(item.header, std::vector<uint8_t>{static_cast<uint8_t>(s)});
+    ASSERT_EQ(item.tensors.size(), 20u);
+    for (int j = 0; j < 20; ++j) {
+      ASSERT_TRUE(at::all(item.tensors[static_cast<size_t>(j)] == static_cast<float>(s * 100 + j)).item<bool>())
+          << "item " << s << " tensor " << j;
+    }
+  }
+  ASSERT_TRUE(producer.wait(20s));
+  EXPECT_TRUE(producer.ok()) << producer.describe();
+}
+
 // A consumer that shuts down without asking for a producer's items (a loader's `break` after
 // its first batch) refuses the group that producer made and waits in: the producer's wait ends
 // at once with the consumer gone, not at its timeout (30 s here; 200 ms slices with a loader's
