@@ -753,6 +753,48 @@ class LoaderTest(unittest.TestCase):
             if child.poll() is None:
                 child.kill()
 
+    def test_ctrl_c_to_main_alone_with_a_worker_stuck_in_the_dataset(self):
+        # SIGINT to main only (kill -INT, a supervisor): KeyboardInterrupt leaves the program, and
+        # its exit ends the workers; one stuck in __getitem__ never reads "stop". That exit took
+        # 5.2 s (torch's 0.16 s): the workers' grace at exit is 0.5 s now, then terminate.
+        script = textwrap.dedent("""
+            import os, time, torch, tdshm
+            from torch.utils.data import Dataset
+            class D(Dataset):
+                def __len__(self): return 100
+                def __getitem__(self, i):
+                    if i >= 8: time.sleep(1000)
+                    return torch.full((64,), i)
+            it = iter(tdshm.DataLoader(D(), batch_size=4, num_workers=2))
+            next(it); next(it)
+            print(os.getpid(), *[w.pid for w in it._workers], flush=True)
+            next(it)
+        """)
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env=dict(os.environ), start_new_session=True)
+        try:
+            line = child.stdout.readline().decode().split()
+            self.assertEqual(len(line), 3, "the child did not start its loader")
+            main, workers = int(line[0]), [int(p) for p in line[1:]]
+            time.sleep(0.5)  # main waits in the feed, the workers sleep in __getitem__
+            sent = time.monotonic()
+            os.kill(main, signal.SIGINT)
+            child.wait(10)
+            self.assertLess(time.monotonic() - sent, 3.0, "the program took long to end")
+            self.assertIn(b"KeyboardInterrupt", child.stderr.read())
+            for p in workers:
+                alive = os.path.exists("/proc/{}".format(p)) and open("/proc/{}/stat".format(p)).read().split()[2] != "Z"
+                self.assertFalse(alive, "worker {} outlived main".format(p))
+            self.assertEqual(glob.glob("/dev/shm/tdshm.dl-{}-*".format(main)), [])
+        finally:
+            if child.poll() is None:
+                child.kill()
+            for p in workers if "workers" in locals() else []:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+
     def test_break_ends_the_workers_at_once(self):
         # Workers 1-3 made their first batch and wait for main to join their feed: leaving the
         # loop after batch 0 stops them without waiting for torch's 5 s grace.
