@@ -795,6 +795,39 @@ class LoaderTest(unittest.TestCase):
                 except OSError:
                     pass
 
+    def test_ctrl_c_during_the_first_batch_says_keyboard_interrupt_alone(self):
+        # Ctrl-C in a terminal while the workers make their first batch: the workers end too, and
+        # main, waiting to join the first one's group, reported that as a RuntimeError ("producer
+        # 0 (process N ended)") with the KeyboardInterrupt chained to it; torch reports only the
+        # KeyboardInterrupt.
+        script = textwrap.dedent("""
+            import os, time, torch, tdshm
+            from torch.utils.data import Dataset
+            class D(Dataset):
+                def __len__(self): return 100
+                def __getitem__(self, i):
+                    time.sleep(5)
+                    return torch.full((64,), i)
+            print(os.getpid(), flush=True)
+            for b in tdshm.DataLoader(D(), batch_size=4, num_workers=2):
+                pass
+        """)
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env=dict(os.environ), start_new_session=True)
+        try:
+            main = int(child.stdout.readline())
+            time.sleep(1.5)  # the workers sleep in their first item, main waits for worker 0
+            os.killpg(child.pid, signal.SIGINT)
+            child.wait(10)
+            err = child.stderr.read().decode()
+            self.assertEqual(child.returncode, -signal.SIGINT, err)
+            self.assertIn("KeyboardInterrupt", err)
+            self.assertNotIn("RuntimeError", err)
+            self.assertEqual(glob.glob("/dev/shm/tdshm.dl-{}-*".format(main)), [])
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+
     def test_break_ends_the_workers_at_once(self):
         # Workers 1-3 made their first batch and wait for main to join their feed: leaving the
         # loop after batch 0 stops them without waiting for torch's 5 s grace.
