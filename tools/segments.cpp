@@ -569,6 +569,8 @@ int run_inspect(int argc, char** argv) {
     info = shm::inspect_segment(args.names[0], {.details = true});
   } catch (const SegmentError& e) {
     std::fprintf(stderr, "tdshm inspect: %s\n", e.what());
+    // With --json, a program reading stdout is told too.
+    if (args.json) std::printf("%s\n", JsonObject().str("name", args.names[0]).str("error", e.what()).done().c_str());
     return 1;
   }
   if (args.json) {
@@ -599,6 +601,8 @@ int run_gc(int argc, char** argv) {
     items = shm::collect_garbage({.dry_run = args.dry_run, .names = args.names});
   } catch (const SegmentError& e) {
     std::fprintf(stderr, "tdshm gc: %s\n", e.what());
+    if (args.json)
+      std::printf("%s\n", JsonObject().boolean("dry_run", args.dry_run).str("error", e.what()).done().c_str());
     return 1;
   }
   // Boards (/dev/shm/tdshm-board.*) are looked at when gc is given no names: segment names only.

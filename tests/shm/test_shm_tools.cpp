@@ -1496,6 +1496,13 @@ TEST_F(ShmCli, LsShowsBoardsAndJsonNamesFindTheirFiles) {
   const ToolRun js = run_tool({"ls", "--json"});
   ::unlink(path.c_str());
   EXPECT_TRUE(has(js.out, "\"name\": \"" + base + "-caf\xc3\xa9-\\udcff\"")) << js.out;
+  // A name tdshm never uses is an error in JSON too, for a program that reads stdout.
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"inspect", "--json", "bad name"},
+                                               std::vector<std::string>{"gc", "--json", "bad name"}}) {
+    const ToolRun bad = run_tool(args);
+    EXPECT_EQ(bad.rc, 1) << args[0];
+    EXPECT_TRUE(has(bad.out, "\"error\": \"segment name 'bad name' may only contain")) << args[0] << ": " << bad.out;
+  }
 }
 
 // A live rank of another PID namespace: its pid means another process here, or none, so gc keeps
