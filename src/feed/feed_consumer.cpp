@@ -120,6 +120,7 @@ class FeedConsumerState {
   // was killed before the consumer came (main raising a worker's error, then its exit ending the
   // workers) left it, and nobody else knows its name.
   void shutdown() noexcept {
+    const bool first = !shut_;
     shut_ = true;
     for (End& e : ends_) leave(e);
     feed::sweep(joined_);
@@ -133,8 +134,7 @@ class FeedConsumerState {
       return;  // no memory for the names: what is left is gc's
     }
     // Once: a producer waiting to meet this consumer in its first group learns it will not.
-    if (!refused_) {
-      refused_ = true;
+    if (first) {
       for (const std::string& n : unjoined)
         feed::refuse_group(n, o_, feed::page_up(o_.first_heap_bytes), feed::kFirstTickets);
     }
@@ -258,7 +258,6 @@ class FeedConsumerState {
   std::vector<End> ends_;
   int cursor_ = 0;
   bool shut_ = false;
-  bool refused_ = false;             // the groups never joined were refused (shutdown)
   std::vector<std::string> joined_;  // every group this consumer joined or tried to (swept at the end)
 };
 

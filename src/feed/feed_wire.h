@@ -146,8 +146,8 @@ c10::intrusive_ptr<ProcessGroupShm> join_group(const std::string& name, int rank
 /// generation's) and waits there for a consumer that is shutting down instead: one short try to
 /// join as the consumer, left at once. Formed, the producer's first put finds the consumer gone;
 /// not formed, the producer finds the rendezvous abandoned. Either way it looks at its
-/// FeedOptions::check at once, not after its slice (200 ms: what a `break` out of a loader's
-/// first batches cost). A producer that comes later waits out one slice, as before.
+/// FeedOptions::check at once, not after its slice. A producer that comes later finds the stop
+/// at its check before it joins, or after its first slice (20 ms).
 inline void refuse_group(const std::string& name, const FeedOptions& o, uint64_t heap_bytes,
                          uint32_t tickets) noexcept {
   ShmOptions so = group_options(o, heap_bytes, tickets);
