@@ -40,6 +40,15 @@ except ImportError:  # torch runs without it; its conversions are then not teste
 Pair = collections.namedtuple("Pair", ["left", "right"])
 
 
+def running(pid):
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        with open("/proc/{}/stat".format(pid)) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def segments():
     return set(glob.glob("/dev/shm/tdshm.dl-{}-*".format(os.getpid())))
 
@@ -639,8 +648,7 @@ class LoaderTest(unittest.TestCase):
             deadline = time.monotonic() + 5
             alive = workers
             while alive and time.monotonic() < deadline:
-                alive = [p for p in alive if os.path.exists("/proc/{}".format(p))
-                         and open("/proc/{}/stat".format(p)).read().split()[2] != "Z"]
+                alive = [p for p in alive if running(p)]
                 time.sleep(0.05)
             self.assertEqual(alive, [], "workers outlived main by 5 s")
             deadline = time.monotonic() + 5
@@ -746,8 +754,7 @@ class LoaderTest(unittest.TestCase):
             self.assertLess(float(said[1]) - sent, 3.0, "the workers took long to end")
             child.wait(10)
             for p in workers:
-                alive = os.path.exists("/proc/{}".format(p)) and open("/proc/{}/stat".format(p)).read().split()[2] != "Z"
-                self.assertFalse(alive, "worker {} outlived main's Ctrl-C".format(p))
+                self.assertFalse(running(p), "worker {} outlived main's Ctrl-C".format(p))
             self.assertEqual(glob.glob("/dev/shm/tdshm.dl-{}-*".format(main)), [])
         finally:
             if child.poll() is None:
@@ -783,8 +790,7 @@ class LoaderTest(unittest.TestCase):
             self.assertLess(time.monotonic() - sent, 3.0, "the program took long to end")
             self.assertIn(b"KeyboardInterrupt", child.stderr.read())
             for p in workers:
-                alive = os.path.exists("/proc/{}".format(p)) and open("/proc/{}/stat".format(p)).read().split()[2] != "Z"
-                self.assertFalse(alive, "worker {} outlived main".format(p))
+                self.assertFalse(running(p), "worker {} outlived main".format(p))
             self.assertEqual(glob.glob("/dev/shm/tdshm.dl-{}-*".format(main)), [])
         finally:
             if child.poll() is None:
